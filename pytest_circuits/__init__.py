@@ -1,0 +1,28 @@
+"""pytest-circuits: gate model builds on mechanistic invariants of their attention heads."""
+
+from .builds import RECIPES, BuildIdentity, LoadedBuild, load_build, parse_builds
+from .errors import BaselineError, CircuitsError, ModelLoadError, RecipeError, UnknownFamilyError
+from .families import FAMILIES, Geometry
+from .loading import ModelSource, resolve_model
+from .weights import ModelWeights, extract_weights
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "RECIPES",
+    "FAMILIES",
+    "BaselineError",
+    "BuildIdentity",
+    "CircuitsError",
+    "Geometry",
+    "LoadedBuild",
+    "ModelLoadError",
+    "ModelSource",
+    "ModelWeights",
+    "RecipeError",
+    "UnknownFamilyError",
+    "extract_weights",
+    "load_build",
+    "parse_builds",
+    "resolve_model",
+]

@@ -1,0 +1,251 @@
+"""Build recipes: the precisions a user gates, each a name typed on the command line.
+
+``fp32``/``bf16``/``fp16`` cast the weights; ``bnb-*`` quantize through
+transformers' ``BitsAndBytesConfig``; ``rtn-int8``/``rtn-int4`` simulate symmetric
+per-output-channel round-to-nearest of every attention and MLP weight:
+``w <- s * clamp(round(w / s), -2^(b-1), 2^(b-1) - 1)`` with ``s = max|w_row| / (2^(b-1) - 1)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .dense import dense_weight, is_projection
+from .errors import CircuitsError, RecipeError
+from .families import Family, Geometry, family_for_config, geometry_of, get_module
+from .loading import ModelSource
+from .vocab import TokenInfo, token_info
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How to turn the float32 checkpoint into one build."""
+
+    name: str
+    backend: str  # "torch", "bitsandbytes" or "rtn"
+    dtype: torch.dtype  # dtype of the float parameters / compute
+    bits: int | None = None
+    quant_type: str | None = None  # bitsandbytes 4-bit: "nf4" or "fp4"
+    summary: str = ""
+
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        Recipe("fp32", "torch", torch.float32, summary="float32 reference"),
+        Recipe("bf16", "torch", torch.bfloat16, summary="bfloat16 weights and compute"),
+        Recipe("fp16", "torch", torch.float16, summary="float16 weights and compute"),
+        Recipe("bnb-int8", "bitsandbytes", torch.float32, 8, summary="bitsandbytes LLM.int8()"),
+        Recipe("bnb-nf4", "bitsandbytes", torch.float32, 4, "nf4", summary="bitsandbytes 4-bit NF4"),
+        Recipe("bnb-fp4", "bitsandbytes", torch.float32, 4, "fp4", summary="bitsandbytes 4-bit FP4"),
+        Recipe("rtn-int8", "rtn", torch.float32, 8, summary="simulated per-channel round-to-nearest int8"),
+        Recipe("rtn-int4", "rtn", torch.float32, 4, summary="simulated per-channel round-to-nearest int4"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class BuildIdentity:
+    """What travels with every figure: recipe, dtype, backend and its version, device."""
+
+    recipe: str
+    dtype: str
+    backend: str
+    backend_version: str
+    device: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class LoadedBuild:
+    """One build of one model, ready to probe."""
+
+    model: torch.nn.Module
+    source: ModelSource
+    identity: BuildIdentity
+    family: Family
+    geometry: Geometry
+    tokens: TokenInfo
+
+    @property
+    def recipe(self) -> str:
+        return self.identity.recipe
+
+    @property
+    def label(self) -> str:
+        """``model:recipe``, as shown in test ids and messages."""
+        return f"{self.source.name}:{self.identity.recipe}"
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.identity.device)
+
+
+def get_recipe(name: str) -> Recipe:
+    """The recipe called ``name``, or a one-line error listing the known ones."""
+    recipe = RECIPES.get(name.strip())
+    if recipe is None:
+        raise RecipeError(f"unknown build recipe {name!r}; known recipes: {', '.join(RECIPES)}")
+    return recipe
+
+
+def parse_builds(text: str | list[str]) -> list[str]:
+    """``"fp32, bnb-int8"`` -> ``["fp32", "bnb-int8"]``, each checked, duplicates dropped."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    names: list[str] = []
+    for item in items:
+        item = item.strip()
+        if item and get_recipe(item).name not in names:
+            names.append(item)
+    if not names:
+        raise RecipeError("no build recipe given; pass e.g. --circuits-builds fp32,bnb-int8")
+    return names
+
+
+def resolve_device(spec: str = "auto") -> torch.device:
+    """``auto`` -> the first CUDA device if there is one, else the CPU; ``cuda``/``cuda:N`` checked."""
+    spec = (spec or "auto").strip()
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise CircuitsError(f"unknown device {spec!r}; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CircuitsError(f"device {spec!r}: no CUDA device is available here; use --circuits-device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise CircuitsError(
+                f"device {spec!r}: only {torch.cuda.device_count()} CUDA device(s) here; use cuda:0..cuda:{torch.cuda.device_count() - 1}"
+            )
+    elif device.type != "cpu":
+        raise CircuitsError(f"device {spec!r} is not supported; use auto, cpu, cuda or cuda:N")
+    return device
+
+
+def _bnb_config(recipe: Recipe):
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise RecipeError(f"recipe {recipe.name} needs bitsandbytes: pip install bitsandbytes") from None
+    from transformers import BitsAndBytesConfig
+
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # a cast warning on every int8 matmul
+    if recipe.bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=recipe.quant_type,
+        bnb_4bit_compute_dtype=recipe.dtype,
+    )
+
+
+def _backend_version(recipe: Recipe) -> str:
+    if recipe.backend == "bitsandbytes":
+        import bitsandbytes
+
+        return f"bitsandbytes {bitsandbytes.__version__}"
+    return f"torch {torch.__version__}"
+
+
+def rtn_quantize_(weight: torch.Tensor, bits: int, out_dim: int = 0) -> torch.Tensor:
+    """Round-to-nearest per output channel, in place: ``s * clamp(round(w/s), -2^(b-1), 2^(b-1)-1)``."""
+    qmax = 2 ** (bits - 1) - 1
+    reduce_dim = 1 - out_dim
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=reduce_dim, keepdim=True).clamp_min(1e-12) / qmax
+    quantized = (w / scale).round().clamp(-qmax - 1, qmax) * scale
+    weight.data.copy_(quantized.to(weight.dtype))
+    return weight
+
+
+@torch.no_grad()
+def apply_rtn_(model, family: Family, bits: int) -> int:
+    """Simulate RTN on every projection of every decoder block; returns how many layers changed."""
+    count = 0
+    for block in get_module(model, family.layers):
+        for module in block.modules():
+            if is_projection(module) and module.weight.dim() == 2:
+                out_dim = 1 if type(module).__name__ == "Conv1D" else 0
+                rtn_quantize_(module.weight, bits, out_dim)
+                count += 1
+    return count
+
+
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def load_build(
+    source: ModelSource,
+    recipe_name: str = "fp32",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+) -> LoadedBuild:
+    """Load one build of ``source`` on ``device``, eager attention, in eval mode, offline."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _quiet_transformers()
+    recipe = get_recipe(recipe_name)
+    device = device if isinstance(device, torch.device) else resolve_device(device)
+    try:
+        config = AutoConfig.from_pretrained(
+            source.folder, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except ValueError as error:
+        raise CircuitsError(
+            f"model {source.spec!r}: {_one_line(error)} (pass --circuits-trust-remote-code only if you trust it)"
+        ) from None
+    family = family_for_config(config)
+    kwargs = dict(
+        local_files_only=True,
+        trust_remote_code=trust_remote_code,
+        attn_implementation="eager",
+        use_safetensors=True,
+    )
+    if recipe.backend == "bitsandbytes":
+        kwargs.update(quantization_config=_bnb_config(recipe), dtype=recipe.dtype, device_map={"": str(device)})
+    else:
+        kwargs.update(dtype=torch.float32)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.folder, **kwargs)
+    except CircuitsError:
+        raise
+    except Exception as error:
+        raise RecipeError(
+            f"build {recipe.name} of {source.name} failed to load on {device}: {_one_line(error)}"
+        ) from None
+    if recipe.backend == "rtn":
+        apply_rtn_(model, family, recipe.bits)
+    if recipe.backend != "bitsandbytes":
+        model = model.to(device=device, dtype=recipe.dtype)
+    model.eval()
+    model.requires_grad_(False)
+    identity = BuildIdentity(
+        recipe=recipe.name,
+        dtype=str(recipe.dtype).removeprefix("torch."),
+        backend=recipe.backend,
+        backend_version=_backend_version(recipe),
+        device=str(device),
+    )
+    return LoadedBuild(
+        model=model,
+        source=source,
+        identity=identity,
+        family=family,
+        geometry=geometry_of(model),
+        tokens=token_info(source.folder, config),
+    )
+
+
+def _one_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__

@@ -1,0 +1,59 @@
+"""Dense float32 ``(out, in)`` weights of any projection layer, quantized or not.
+
+Handles ``nn.Linear``, GPT-2's ``Conv1D`` (stored ``(in, out)``), bitsandbytes
+``Linear8bitLt`` (int8 rows times ``SCB / 127``) and ``Linear4bit``
+(``bitsandbytes.functional.dequantize_4bit``). Analysis always reads these.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _bnb_kind(module: torch.nn.Module) -> str | None:
+    name = type(module).__name__
+    if name == "Linear8bitLt":
+        return "int8"
+    if name in ("Linear4bit", "LinearNF4", "LinearFP4"):
+        return "4bit"
+    return None
+
+
+def dense_weight(module: torch.nn.Module) -> torch.Tensor:
+    """The layer's weight as float32 ``(out_features, in_features)``, dequantized if needed."""
+    kind = _bnb_kind(module)
+    weight = module.weight
+    if kind == "int8":
+        import bitsandbytes.functional as bnbf
+
+        scb = getattr(weight, "SCB", None)
+        if scb is None:  # bitsandbytes keeps SCB on the module on some versions
+            scb = module.state.SCB
+        if weight.dtype != torch.int8:  # not yet quantized (still on the host before .cuda())
+            return weight.detach().float()
+        return bnbf.int8_vectorwise_dequant(weight.data, scb).float()
+    if kind == "4bit":
+        import bitsandbytes.functional as bnbf
+
+        quant_state = getattr(weight, "quant_state", None)
+        if quant_state is None:
+            return weight.detach().float()
+        return bnbf.dequantize_4bit(weight.data, quant_state).float()
+    if type(module).__name__ == "Conv1D":
+        return weight.detach().float().T
+    return weight.detach().float()
+
+
+def dense_bias(module: torch.nn.Module) -> torch.Tensor | None:
+    """The layer's bias as float32, or None."""
+    bias = getattr(module, "bias", None)
+    return None if bias is None else bias.detach().float()
+
+
+def is_projection(module: torch.nn.Module) -> bool:
+    """True for a layer whose weight `dense_weight` can read."""
+    return (
+        isinstance(module, torch.nn.Linear)
+        or type(module).__name__ == "Conv1D"
+        or _bnb_kind(module) is not None
+    )

@@ -1,0 +1,24 @@
+"""User-facing errors: each carries one line that names the thing and the fix."""
+
+
+class CircuitsError(Exception):
+    """A problem with the user's input (model, build, baseline, option).
+
+    The plugin and the CLI print ``str(error)`` as one line, never a traceback.
+    """
+
+
+class ModelLoadError(CircuitsError):
+    """A model could not be found or loaded safely."""
+
+
+class UnknownFamilyError(CircuitsError):
+    """The model's architecture is not in the family table."""
+
+
+class RecipeError(CircuitsError):
+    """A build recipe is unknown or cannot run on the chosen device."""
+
+
+class BaselineError(CircuitsError):
+    """A baseline file is missing, corrupt, or belongs to another model."""

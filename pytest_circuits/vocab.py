@@ -1,0 +1,69 @@
+"""Which token ids the probes may draw, and whether the model wants a BOS token first.
+
+With a tokenizer in the model folder: ordinary ids are those below ``vocab_size`` that
+the tokenizer does not call special, and BOS is prepended when the tokenizer itself
+prepends it. Without one (token ids only): every id in ``[0, vocab_size)`` not named
+special in the config is ordinary, and no BOS is prepended (DEFINITIONS.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+CONFIG_SPECIAL_ATTRS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "sep_token_id")
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """Token range facts that fix the probe's tokens."""
+
+    vocab_size: int
+    special_ids: tuple[int, ...]
+    bos_id: int | None  # prepended to every probe sequence when not None
+    has_tokenizer: bool
+
+    def ordinary_ids(self) -> np.ndarray:
+        """Sorted ids the probe samples from."""
+        ids = np.arange(self.vocab_size, dtype=np.int64)
+        special = [i for i in self.special_ids if 0 <= i < self.vocab_size]
+        return np.setdiff1d(ids, np.asarray(special, dtype=np.int64))
+
+    def as_dict(self) -> dict:
+        return {
+            "vocab_size": self.vocab_size,
+            "n_special": len(self.special_ids),
+            "bos_id": self.bos_id,
+            "has_tokenizer": self.has_tokenizer,
+        }
+
+
+def _config_special_ids(config) -> set[int]:
+    found: set[int] = set()
+    for attr in CONFIG_SPECIAL_ATTRS:
+        value = getattr(config, attr, None)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        found.update(int(v) for v in values if isinstance(v, int))
+    return found
+
+
+def token_info(folder: Path, config) -> TokenInfo:
+    """Token facts of the model in ``folder`` (tokenizer if present, else config)."""
+    vocab = int(config.vocab_size)
+    folder = Path(folder)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return TokenInfo(vocab, tuple(sorted(_config_special_ids(config))), None, False)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    special = set(tokenizer.all_special_ids) | _config_special_ids(config)
+    for token_id, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if getattr(added, "special", False):
+            special.add(int(token_id))
+    bos = tokenizer.bos_token_id
+    probe_ids = tokenizer("a b")["input_ids"]
+    uses_bos = bos is not None and len(probe_ids) > 0 and probe_ids[0] == bos
+    return TokenInfo(vocab, tuple(sorted(special)), bos if uses_bos else None, True)

@@ -1,0 +1,142 @@
+"""Per-head weights of every layer, float32, dequantized, optionally norm-folded.
+
+Row-vector convention (DEFINITIONS.md): ``W_Q, W_K, W_V`` are ``d_model x d_head``,
+``W_O`` is ``d_head x d_model``, ``W_E`` is ``vocab x d_model``, ``W_U`` is
+``d_model x vocab``. Folding reads through the norms:
+``W_{Q,K,V} <- C diag(g) W`` and ``W_U <- C diag(g_f) W_U`` with
+``C = I - 11^T / d_model`` for LayerNorm and ``C = I`` for RMSNorm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .dense import dense_bias, dense_weight
+from .families import Family, Geometry, family_of, geometry_of, get_module, split_qkv
+
+
+@dataclass
+class LayerWeights:
+    """One attention layer, per head. K and V have ``n_kv_heads`` heads."""
+
+    W_Q: torch.Tensor  # (n_heads, d_model, d_head)
+    W_K: torch.Tensor  # (n_kv_heads, d_model, d_head)
+    W_V: torch.Tensor  # (n_kv_heads, d_model, d_head)
+    W_O: torch.Tensor  # (n_heads, d_head, d_model)
+    b_Q: torch.Tensor | None  # (n_heads, d_head)
+    b_K: torch.Tensor | None  # (n_kv_heads, d_head)
+    b_V: torch.Tensor | None  # (n_kv_heads, d_head)
+    b_O: torch.Tensor | None  # (d_model,)
+    norm_scale: torch.Tensor  # (d_model,) pre-attention norm weight g
+
+
+@dataclass
+class ModelWeights:
+    """Every head's weights plus the embedding, unembedding and norm scales."""
+
+    family: str
+    geometry: Geometry
+    layers: list[LayerWeights]
+    W_E: torch.Tensor  # (vocab, d_model)
+    W_U: torch.Tensor  # (d_model, vocab)
+    final_norm_scale: torch.Tensor  # (d_model,)
+    folded: bool
+    meta: dict = field(default_factory=dict)
+
+    def W_V_of(self, layer: int, head: int) -> torch.Tensor:
+        """``W_V`` of query head ``head``: its key/value group's (grouped-query attention)."""
+        return self.layers[layer].W_V[self.geometry.kv_group(head)]
+
+    def W_K_of(self, layer: int, head: int) -> torch.Tensor:
+        """``W_K`` of query head ``head``: its key/value group's."""
+        return self.layers[layer].W_K[self.geometry.kv_group(head)]
+
+    def W_OV(self, layer: int, head: int) -> torch.Tensor:
+        """``W_OV = W_V W_O`` (d_model x d_model)."""
+        return self.W_V_of(layer, head) @ self.layers[layer].W_O[head]
+
+    def W_QK(self, layer: int, head: int) -> torch.Tensor:
+        """``W_QK = W_Q W_K^T`` (d_model x d_model)."""
+        return self.layers[layer].W_Q[head] @ self.W_K_of(layer, head).T
+
+    def W_V_per_query_head(self, layer: int) -> torch.Tensor:
+        """``W_V`` expanded to one entry per query head: (n_heads, d_model, d_head)."""
+        return self.layers[layer].W_V.repeat_interleave(self.geometry.group_size, dim=0)
+
+
+def _norm_weight(module: torch.nn.Module, d_model: int) -> torch.Tensor:
+    weight = getattr(module, "weight", None)
+    if weight is None:
+        return torch.ones(d_model)
+    return weight.detach().float().cpu()
+
+
+def _read_map(scale: torch.Tensor, norm_kind: str) -> torch.Tensor:
+    """The linear map a norm applies before a projection: ``C diag(g)`` or ``diag(g)``."""
+    d = scale.shape[0]
+    read = torch.diag(scale)
+    if norm_kind == "layernorm":
+        centre = torch.eye(d) - torch.full((d, d), 1.0 / d)
+        read = centre @ read
+    return read
+
+
+def _layer_weights(block, fam: Family, geo: Geometry, fold: bool) -> LayerWeights:
+    attn = get_module(block, fam.attn)
+    projs = [get_module(attn, name) for name in fam.qkv]
+    q, k, v = split_qkv(fam.qkv_layout, [dense_weight(p).cpu() for p in projs], geo)
+    biases = [dense_bias(p) for p in projs]
+    if any(b is None for b in biases):
+        b_q = b_k = b_v = None
+    else:
+        b_q, b_k, b_v = split_qkv(fam.qkv_layout, [b.cpu() for b in biases], geo)
+    out = get_module(attn, fam.out_proj)
+    w_o = dense_weight(out).cpu()  # (d_model, n_heads * d_head)
+    W_O = w_o.T.reshape(geo.n_heads, geo.d_head, geo.d_model)
+    b_o = dense_bias(out)
+    scale = _norm_weight(get_module(block, fam.attn_norm), geo.d_model)
+    # (heads, d_head, d_model) -> (heads, d_model, d_head): row-vector convention
+    W_Q, W_K, W_V = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    if fold:
+        read = _read_map(scale, fam.norm_kind)
+        W_Q, W_K, W_V = (read @ t for t in (W_Q, W_K, W_V))
+    return LayerWeights(
+        W_Q=W_Q,
+        W_K=W_K,
+        W_V=W_V,
+        W_O=W_O.contiguous(),
+        b_Q=b_q,
+        b_K=b_k,
+        b_V=b_v,
+        b_O=None if b_o is None else b_o.cpu(),
+        norm_scale=scale,
+    )
+
+
+@torch.no_grad()
+def extract_weights(model, fold: bool = True) -> ModelWeights:
+    """All heads' ``W_Q, W_K, W_V, W_O`` (float32) plus ``W_E``, ``W_U`` and norm scales.
+
+    With ``fold=True`` (the default for analysis) the pre-attention norm scales fold
+    into the read side and the final norm into ``W_U``, as DEFINITIONS.md says.
+    """
+    fam = family_of(model)
+    geo = geometry_of(model)
+    blocks = list(get_module(model, fam.layers))
+    layers = [_layer_weights(block, fam, geo, fold) for block in blocks]
+    W_E = dense_weight(model.get_input_embeddings()).cpu()  # (vocab, d_model)
+    W_U = dense_weight(model.get_output_embeddings()).cpu().T.contiguous()
+    final_scale = _norm_weight(get_module(model, fam.final_norm), geo.d_model)
+    if fold:
+        W_U = _read_map(final_scale, fam.norm_kind) @ W_U
+    return ModelWeights(
+        family=fam.name,
+        geometry=geo,
+        layers=layers,
+        W_E=W_E,
+        W_U=W_U,
+        final_norm_scale=final_scale,
+        folded=fold,
+    )

@@ -1,0 +1,149 @@
+"""Loading is offline and safe, and every bad input is one clear line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pytest_circuits.builds import get_recipe, load_build, parse_builds, resolve_device
+from pytest_circuits.errors import CircuitsError, ModelLoadError, RecipeError, UnknownFamilyError
+from pytest_circuits.families import family_for_config, supported_model_types
+from pytest_circuits.loading import check_gguf, resolve_model, weight_fingerprint
+from pytest_circuits.testing import make_tiny_model
+
+from .conftest import needs_smollm2
+
+
+def _one_line(error: pytest.ExceptionInfo) -> str:
+    text = str(error.value)
+    assert "\n" not in text, text
+    return text
+
+
+def test_missing_folder_is_one_line(tmp_path):
+    with pytest.raises(ModelLoadError) as error:
+        resolve_model(str(tmp_path / "nowhere"))
+    assert "nowhere" in _one_line(error)
+
+
+def test_pickle_only_folder_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    torch.save({"w": torch.zeros(1)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError) as error:
+        resolve_model(str(tmp_path))
+    line = _one_line(error)
+    assert "pickle" in line and "pytorch_model.bin" in line and "safe_serialization" in line
+
+
+def test_folder_without_config_is_refused(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="config.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_unknown_family_lists_supported(tmp_path):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    config = OPTConfig(num_hidden_layers=1, hidden_size=16, ffn_dim=32, num_attention_heads=2,
+                       vocab_size=32, max_position_embeddings=32, word_embed_proj_dim=16)
+    OPTForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(UnknownFamilyError) as error:
+        load_build(resolve_model(str(tmp_path)), "fp32", "cpu")
+    line = _one_line(error)
+    assert "'opt'" in line
+    for model_type in supported_model_types():
+        assert model_type in line
+
+
+def test_unknown_recipe_lists_known():
+    with pytest.raises(RecipeError) as error:
+        get_recipe("int3")
+    line = _one_line(error)
+    assert "int3" in line and "bnb-nf4" in line and "rtn-int4" in line
+
+
+def test_parse_builds():
+    assert parse_builds(" fp32, bnb-int8 ,fp32") == ["fp32", "bnb-int8"]
+    with pytest.raises(RecipeError):
+        parse_builds("fp32,fp33")
+    with pytest.raises(RecipeError):
+        parse_builds(" , ")
+
+
+def test_not_a_gguf_file(tmp_path):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"PK\x03\x04 not gguf")
+    with pytest.raises(ModelLoadError) as error:
+        resolve_model(str(fake))
+    assert "not a GGUF file" in _one_line(error)
+    with pytest.raises(ModelLoadError):
+        check_gguf(tmp_path / "absent.gguf")
+
+
+def test_unknown_spec_names_what_was_tried():
+    with pytest.raises(ModelLoadError) as error:
+        resolve_model("no-such-org/no-such-model-xyz")
+    line = _one_line(error)
+    assert "tiny-induction" in line and "cache" in line
+
+
+def test_cuda_device_without_cuda_is_one_line():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the refusal only applies without one")
+    with pytest.raises(CircuitsError) as error:
+        resolve_device("cuda")
+    assert "--circuits-device cpu" in _one_line(error)
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(CircuitsError):
+        resolve_device("tpu")
+
+
+def test_fingerprint_follows_the_weights(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    make_tiny_model("gpt2", seed=0).save_pretrained(a)
+    make_tiny_model("gpt2", seed=0).save_pretrained(b)
+    assert weight_fingerprint(a) == weight_fingerprint(b)
+    make_tiny_model("gpt2", seed=1).save_pretrained(b)
+    assert weight_fingerprint(a) != weight_fingerprint(b)
+
+
+def test_trust_remote_code_is_off_by_default(tmp_path):
+    """A config that needs remote code is refused with the option's name, not executed."""
+    config = {"model_type": "custom_thing", "auto_map": {"AutoConfig": "custom.CustomConfig",
+              "AutoModelForCausalLM": "custom.CustomModel"}, "architectures": ["CustomModel"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "custom.py").write_text("raise SystemExit('remote code ran')\n")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CircuitsError) as error:
+        load_build(resolve_model(str(tmp_path)), "fp32", "cpu")
+    assert "trust-remote-code" in _one_line(error)
+
+
+def test_build_identity_travels(tiny_folder):
+    build = load_build(resolve_model(tiny_folder("llama")), "bnb-nf4", "cpu")
+    assert build.identity.recipe == "bnb-nf4"
+    assert build.identity.backend == "bitsandbytes"
+    assert build.identity.backend_version.startswith("bitsandbytes ")
+    assert build.label.endswith(":bnb-nf4")
+    assert build.geometry.n_kv_heads == 2
+
+
+def test_family_for_config_of_each_family():
+    for family in ("gpt2", "gpt_neox", "llama"):
+        assert family_for_config(make_tiny_model(family).config).name == family
+
+
+@needs_smollm2
+@pytest.mark.real
+def test_gguf_named_model_loads_offline_from_cache(monkeypatch):
+    """SmolLM2-135M's GGUF is converted once; the cached float32 folder then loads offline."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    source = resolve_model("smollm2-135m")
+    assert source.kind == "named" and source.origin.suffix == ".gguf"
+    build = load_build(source, "fp32", "cpu")
+    geo = build.geometry
+    assert (geo.n_layers, geo.n_heads, geo.n_kv_heads, geo.d_head, geo.vocab) == (30, 9, 3, 64, 49152)
+    assert next(build.model.parameters()).dtype == torch.float32
+    assert resolve_model("smollm2-135m").folder == source.folder

@@ -1,0 +1,168 @@
+"""Per-head weights are right: they reproduce the model's own forward, for every family and build."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pytest_circuits.builds import load_build
+from pytest_circuits.families import attention_module, family_of, get_module, layer_modules
+from pytest_circuits.loading import resolve_model
+from pytest_circuits.testing import make_tiny_model
+from pytest_circuits.weights import extract_weights
+
+from .conftest import FAMILIES
+
+
+def _capture_attention(model, layer, input_ids):
+    """The attention module's input (already normed), output, and pattern of one eager forward."""
+    captured = {}
+    attn = attention_module(model, layer)
+
+    def before(module, args, kwargs):
+        captured["x"] = kwargs.get("hidden_states", args[0] if args else None)
+
+    def after(module, args, kwargs, output):
+        captured["y"] = output[0]
+
+    handles = [
+        attn.register_forward_pre_hook(before, with_kwargs=True),
+        attn.register_forward_hook(after, with_kwargs=True),
+    ]
+    try:
+        with torch.no_grad():
+            out = model(input_ids, output_attentions=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured["x"].float(), captured["y"].float(), out.attentions[layer].float()
+
+
+def _sum_over_heads(weights, layer, x, pattern):
+    """``sum_h A_h (x W_V[g(h)] + b_V) W_O[h] + b_O`` from the extracted raw weights."""
+    lw = weights.layers[layer]
+    geo = weights.geometry
+    values = torch.einsum("btd,hde->bhte", x, weights.W_V_per_query_head(layer))
+    if lw.b_V is not None:
+        values = values + lw.b_V.repeat_interleave(geo.group_size, dim=0)[None, :, None, :]
+    z = torch.einsum("bhts,bhse->bhte", pattern, values)
+    out = torch.einsum("bhte,hed->btd", z, lw.W_O)
+    return out if lw.b_O is None else out + lw.b_O
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_heads_sum_to_attention_output(family):
+    model = make_tiny_model(family, seed=3)
+    weights = extract_weights(model, fold=False)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    for layer in range(weights.geometry.n_layers):
+        x, y, pattern = _capture_attention(model, layer, ids)
+        torch.testing.assert_close(_sum_over_heads(weights, layer, x, pattern), y, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("recipe, atol", [("bnb-nf4", 1e-4), ("bnb-fp4", 1e-4), ("rtn-int4", 1e-4), ("bnb-int8", 5e-2)])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_quantized_heads_sum_to_attention_output(tiny_folder, family, recipe, atol):
+    """Dequantized weights reproduce the quantized layer's own output.
+
+    4-bit and RTN layers compute with the dequantized weights, so the match is tight;
+    LLM.int8() also quantizes the activations, hence its looser tolerance.
+    """
+    build = load_build(resolve_model(tiny_folder(family)), recipe, "cpu")
+    weights = extract_weights(build.model, fold=False)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    x, y, pattern = _capture_attention(build.model, 1, ids)
+    scale = y.abs().max().item()
+    torch.testing.assert_close(_sum_over_heads(weights, 1, x, pattern), y, atol=atol * max(scale, 1.0), rtol=0)
+
+
+def _relative_error(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize(
+    "recipe, max_rel",
+    [("bnb-int8", 0.02), ("rtn-int8", 0.02), ("bnb-nf4", 0.15), ("bnb-fp4", 0.25), ("rtn-int4", 0.25), ("bf16", 0.01), ("fp16", 0.002)],
+)
+def test_dequantized_weights_near_float32(tiny_folder, recipe, max_rel):
+    """Each recipe's weights are within its expected error of float32, and really changed."""
+    source = resolve_model(tiny_folder("gpt2"))
+    exact = extract_weights(load_build(source, "fp32", "cpu").model, fold=False)
+    build = load_build(source, recipe, "cpu")
+    approx = extract_weights(build.model, fold=False)
+    for name in ("W_Q", "W_K", "W_V", "W_O"):
+        a = torch.stack([getattr(lw, name) for lw in approx.layers])
+        b = torch.stack([getattr(lw, name) for lw in exact.layers])
+        error = _relative_error(a, b)
+        assert 0 < error < max_rel, f"{recipe} {name}: relative error {error:.4f}"
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_rtn_error_within_half_step(tiny_folder, bits):
+    """Round-to-nearest moves no weight more than half a quantization step of its output channel."""
+    source = resolve_model(tiny_folder("llama"))
+    exact = load_build(source, "fp32", "cpu").model
+    rounded = load_build(source, f"rtn-int{bits}", "cpu").model
+    for (name, w), (_, q) in zip(exact.named_parameters(), rounded.named_parameters()):
+        if ".layers." in name and name.endswith("proj.weight"):
+            step = w.abs().amax(dim=1, keepdim=True) / (2 ** (bits - 1) - 1)
+            assert ((w - q).abs() <= step / 2 + 1e-7).all(), name
+            levels = (q / step).round()
+            torch.testing.assert_close(q, levels * step, rtol=0, atol=1e-6)
+
+
+def test_grouped_query_heads_read_their_group():
+    """Perturbing key/value group g changes exactly the query heads h with h // group_size == g."""
+    model = make_tiny_model("llama", seed=5, num_attention_heads=4, num_key_value_heads=2)
+    geo = extract_weights(model).geometry
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        before = model(ids, output_attentions=True).attentions[0][0]
+        k_proj = get_module(layer_modules(model)[0], "self_attn.k_proj")
+        group = 1
+        rows = slice(group * geo.d_head, (group + 1) * geo.d_head)
+        k_proj.weight[rows] += torch.randn_like(k_proj.weight[rows])
+        after = model(ids, output_attentions=True).attentions[0][0]
+    changed = [(after[h] - before[h]).abs().max().item() > 1e-4 for h in range(geo.n_heads)]
+    assert changed == [geo.kv_group(h) == group for h in range(geo.n_heads)]
+
+
+def _norm_then_project(norm, x, W):
+    return norm(x) @ W
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_folded_weights_reproduce_norm_then_project(family):
+    """``norm(x) W = (x W_folded) / scale(x) + b W`` for the pre-attention and final norms."""
+    model = make_tiny_model(family, seed=7)
+    raw = extract_weights(model, fold=False)
+    folded = extract_weights(model, fold=True)
+    fam = family_of(model)
+    x = torch.randn(5, raw.geometry.d_model, generator=torch.Generator().manual_seed(3)) * 3 + 1
+    norm = get_module(layer_modules(model)[0], fam.attn_norm)
+    final = get_module(model, fam.final_norm)
+    for module, W_raw, W_fold in (
+        (norm, raw.layers[0].W_V[0], folded.layers[0].W_V[0]),
+        (norm, raw.layers[0].W_Q[1], folded.layers[0].W_Q[1]),
+        (final, raw.W_U, folded.W_U),
+    ):
+        eps = getattr(module, "eps", None) or getattr(module, "variance_epsilon")
+        if fam.norm_kind == "layernorm":
+            scale = (x.var(dim=-1, unbiased=False, keepdim=True) + eps).sqrt()
+            shift = module.bias.detach() @ W_raw
+        else:
+            scale = (x.pow(2).mean(dim=-1, keepdim=True) + eps).sqrt()
+            shift = 0
+        with torch.no_grad():
+            expected = _norm_then_project(module, x, W_raw)
+        torch.testing.assert_close((x @ W_fold) / scale + shift, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_embeddings_and_unembedding_shapes():
+    model = make_tiny_model("gpt2")
+    weights = extract_weights(model)
+    geo = weights.geometry
+    assert weights.W_E.shape == (geo.vocab, geo.d_model)
+    assert weights.W_U.shape == (geo.d_model, geo.vocab)
+    assert weights.W_OV(1, 2).shape == (geo.d_model, geo.d_model)
+    assert weights.W_QK(1, 2).shape == (geo.d_model, geo.d_model)
