@@ -1,0 +1,110 @@
+"""Rung 1 on SmolLM2-135M: the batched kappa scan with its rotation null, against a naive per-head loop.
+
+Run:  python -m pytest benchmarks/test_bench_kappa.py -m real --run-slow --benchmark-only -s
+
+The naive loop (per head: ``M_h`` from scratch without sharing ``W_U W_E``, numpy eigvals,
+then one rotation at a time) runs on 9 heads (3 layers x the 3 key/value groups) and is
+extrapolated to all 270 (its cost is the same for every head); set
+``PYTEST_CIRCUITS_BENCH_NAIVE=all`` to time it on every head (a few minutes on idle cores).
+Both see the same rotations, so their numbers must agree to 1e-6.
+
+Besides wall time the scan's CPU time is recorded: on a machine shared with other jobs,
+``cpu_s / threads`` estimates the wall time on otherwise idle cores.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from pytest_circuits.builds import load_build
+from pytest_circuits.kappa import ov_spectrum, ov_spectrum_reference
+from pytest_circuits.loading import resolve_model
+from pytest_circuits.testing import requires_smollm2
+from pytest_circuits.weights import extract_weights
+
+pytestmark = [pytest.mark.real, pytest.mark.slow, requires_smollm2()]
+
+TARGET_S = 30.0
+NAIVE_HEADS = [(layer, head) for layer in (0, 14, 29) for head in (0, 4, 8)]
+COMPARED = ["kappa", "kappa_trace", "kappa_null_mean", "kappa_null_sd", "kappa_z", "kappa_p",
+            "kappa_trace_null_mean", "kappa_trace_null_sd", "kappa_trace_z", "kappa_trace_p"]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M fp32 weights, folded, with the seconds spent loading and extracting them."""
+    start = time.perf_counter()
+    build = load_build(resolve_model("smollm2-135m"), "fp32")
+    loaded = time.perf_counter()
+    weights = extract_weights(build.model, fold=True)
+    return weights, loaded - start, time.perf_counter() - loaded
+
+
+def test_bench_kappa_scan_vs_naive(benchmark, smollm2):
+    weights, load_s, extract_s = smollm2
+    geo = weights.geometry
+    n_heads = geo.n_layers * geo.n_heads
+
+    start, cpu_start = time.perf_counter(), time.process_time()
+    df = benchmark.pedantic(ov_spectrum, args=(weights,), kwargs=dict(n_rotations=256, seed=0), rounds=1, iterations=1)
+    fast_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+
+    every = os.environ.get("PYTEST_CIRCUITS_BENCH_NAIVE", "") == "all"
+    heads = [(l, h) for l in range(geo.n_layers) for h in range(geo.n_heads)] if every else NAIVE_HEADS
+    start, cpu_start = time.perf_counter(), time.process_time()
+    naive = ov_spectrum_reference(weights, n_rotations=256, seed=0, heads=heads)
+    naive_s, naive_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+    naive_all_s = naive_s / len(heads) * n_heads
+    naive_all_cpu_s = naive_cpu_s / len(heads) * n_heads
+
+    rows = df.set_index("head").loc[naive["head"]]
+    np.testing.assert_allclose(rows[COMPARED].to_numpy(), naive[COMPARED].to_numpy(), rtol=1e-6, atol=1e-6)
+
+    summary = df.attrs["summary"]
+    info = {
+        "heads": n_heads,
+        "n_rotations": 256,
+        "threads": torch.get_num_threads(),
+        "load_s": round(load_s, 2),
+        "extract_s": round(extract_s, 2),
+        "scan_s": round(fast_s, 2),
+        "scan_cpu_s": round(cpu_s, 2),
+        "scan_idle_estimate_s": round(cpu_s / torch.get_num_threads(), 2),
+        "naive_heads_timed": len(heads),
+        "naive_s_timed": round(naive_s, 2),
+        "naive_s_all_heads": round(naive_all_s, 1),
+        "naive_extrapolated": not every,
+        "naive_cpu_s_all_heads": round(naive_all_cpu_s, 1),
+        "speedup": round(naive_all_s / fast_s, 1),
+        "speedup_cpu": round(naive_all_cpu_s / cpu_s, 1),
+        "target_s": TARGET_S,
+        "target_met": fast_s < TARGET_S,
+        "load_average_1min": round(os.getloadavg()[0], 2),
+        "n_copying": summary["n_copying"],
+        "n_suppression": summary["n_suppression"],
+        "n_copying_trace": int(df["copying_trace"].sum()),
+        "n_suppression_trace": int(df["suppression_trace"].sum()),
+        "analytic_floor": round(summary["analytic_floor"], 4),
+        "median_null_sd": round(summary["median_null_sd"], 4),
+        "median_trace_null_sd": round(summary["median_trace_null_sd"], 4),
+    }
+    benchmark.extra_info.update(info)
+    print(
+        f"\nkappa scan of SmolLM2-135M ({n_heads} heads, 256 rotations, {info['threads']} threads, "
+        f"load average {info['load_average_1min']}): {fast_s:.1f} s wall, {cpu_s:.1f} s CPU "
+        f"(~{info['scan_idle_estimate_s']:.1f} s on idle cores; target {TARGET_S:.0f} s); "
+        f"load {load_s:.1f} s + extract {extract_s:.1f} s\n"
+        f"naive per-head loop: {naive_s:.1f} s for {len(heads)} heads -> {naive_all_s:.0f} s for {n_heads}"
+        f"{' (extrapolated)' if not every else ''}; speedup x{info['speedup']} wall, "
+        f"x{info['speedup_cpu']} CPU ({naive_all_cpu_s:.0f} s vs {cpu_s:.0f} s)\n"
+        f"copying {info['n_copying']}, suppression {info['n_suppression']} (trace-weighted: "
+        f"{info['n_copying_trace']}, {info['n_suppression_trace']}); analytic floor 1/sqrt(2 d_head) = "
+        f"{info['analytic_floor']:.4f}, median null sd {info['median_null_sd']:.4f} "
+        f"(trace-weighted {info['median_trace_null_sd']:.4f})"
+    )
+    assert len(df) == n_heads

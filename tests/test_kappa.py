@@ -1,0 +1,413 @@
+"""Rung 1, weights: the OV copying score kappa, its rotation null, and the assertion helpers."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from pytest_circuits.assertions import (
+    MAX_ROWS,
+    FrameError,
+    assert_copying_heads_preserved,
+    assert_kappa_close,
+    assert_kappa_distribution_unshifted,
+)
+from pytest_circuits.builds import load_build
+from pytest_circuits.errors import CircuitsError
+from pytest_circuits.families import get_module, layer_modules, out_proj_module
+from pytest_circuits.kappa import (
+    COLUMNS,
+    EXTRA_COLUMNS,
+    SpectrumError,
+    analytic_floor,
+    benjamini_hochberg,
+    haar_rotations,
+    kappa_reference,
+    kappa_scores,
+    ov_spectrum,
+    ov_spectrum_of_model,
+    ov_spectrum_reference,
+    reduced_ov,
+    reduced_ov_reference,
+    shared_unembed_embed,
+    without_attrs,
+)
+from pytest_circuits.loading import resolve_model
+from pytest_circuits.testing import make_tiny_model, requires_embedded_model, requires_smollm2
+from pytest_circuits.weights import extract_weights
+
+NUMERIC = ["kappa", "kappa_trace", "kappa_null_mean", "kappa_null_sd", "kappa_z", "kappa_p",
+           "kappa_trace_null_mean", "kappa_trace_null_sd", "kappa_trace_z", "kappa_trace_p"]
+
+
+def _write_W_O(model, layer: int, head: int, W_O: torch.Tensor) -> None:
+    """Write head ``LlHh``'s ``W_O`` (``d_head x d_model``, row-vector convention) into the model."""
+    proj = out_proj_module(model, layer)
+    d_head = W_O.shape[0]
+    rows = slice(head * d_head, (head + 1) * d_head)
+    with torch.no_grad():
+        if type(proj).__name__ == "Conv1D":  # weight (in, out): rows of head h are its W_O
+            proj.weight[rows, :] = W_O.to(proj.weight.dtype)
+        else:  # nn.Linear weight (out, in)
+            proj.weight[:, rows] = W_O.T.to(proj.weight.dtype)
+
+
+def _constructed_head(family: str, sign: float, layer: int = 1, head: int = 2, noise: float = 0.05):
+    """A tiny model whose head ``LlHh`` has ``M_h ~ sign * c * I``: ``W_O = sign c pinv((W_U W_E) W_V)`` plus noise."""
+    model = make_tiny_model(family, seed=3)
+    w = extract_weights(model)
+    read = shared_unembed_embed(w) @ w.W_V_of(layer, head).double()  # (d_model, d_head)
+    W_O = sign * torch.linalg.pinv(read)
+    W_O = W_O / W_O.norm() * w.layers[layer].W_O[head].double().norm()  # keep the model's scale
+    gen = torch.Generator().manual_seed(7)
+    W_O = W_O + noise * W_O.std() * torch.randn(W_O.shape, generator=gen, dtype=torch.float64)
+    _write_W_O(model, layer, head, W_O.float())
+    return model, f"L{layer}H{head}"
+
+
+# ---------------------------------------------------------------- the scores
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_constructed_copying_head_is_flagged(family):
+    model, label = _constructed_head(family, +1.0)
+    df = ov_spectrum_of_model(model).set_index("head")
+    assert df.loc[label, "kappa"] > 0.9
+    assert df.loc[label, "kappa_trace"] > 0.9
+    assert df.loc[label, "copying"] and not df.loc[label, "suppression"]
+    assert df["kappa_z"].idxmax() == label
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_constructed_suppression_head_is_flagged(family):
+    model, label = _constructed_head(family, -1.0)
+    df = ov_spectrum_of_model(model).set_index("head")
+    assert df.loc[label, "kappa"] < -0.9
+    assert df.loc[label, "kappa_trace"] < -0.9
+    assert df.loc[label, "suppression"] and not df.loc[label, "copying"]
+
+
+def test_columns_attrs_and_summary():
+    w = extract_weights(make_tiny_model("llama", seed=0))
+    df = ov_spectrum(w, n_rotations=300, seed=4)
+    geo = w.geometry
+    assert tuple(df.columns[: len(COLUMNS)]) == COLUMNS
+    assert tuple(df.columns[len(COLUMNS):]) == EXTRA_COLUMNS
+    assert len(df) == geo.n_layers * geo.n_heads
+    assert df["head"].tolist()[:3] == ["L0H0", "L0H1", "L0H2"]
+    assert df.attrs["eigenvalues"].shape == (geo.n_layers, geo.n_heads, geo.d_head)
+    assert np.iscomplexobj(df.attrs["eigenvalues"])
+    assert df.attrs["null_kappa"].shape == (geo.n_layers, geo.n_heads, 300)
+    summary = df.attrs["summary"]
+    assert summary["analytic_floor"] == pytest.approx(1 / np.sqrt(2 * geo.d_head)) == analytic_floor(geo.d_head)
+    assert summary["median_null_sd"] == pytest.approx(df["kappa_null_sd"].median())
+    assert (summary["q"], summary["n_rotations"], summary["seed"], summary["folded"]) == (0.05, 300, 4, True)
+    assert df["kv_group"].tolist() == [geo.kv_group(h) for h in df["head_index"]]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_batched_equals_per_head_reference(family):
+    w = extract_weights(make_tiny_model(family, seed=1))
+    fast, slow = ov_spectrum(w, n_rotations=64, seed=2), ov_spectrum_reference(w, n_rotations=64, seed=2)
+    np.testing.assert_allclose(fast[NUMERIC].to_numpy(), slow[NUMERIC].to_numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(fast["kappa_q"], slow["kappa_q"], atol=1e-6)
+    assert fast[["copying", "suppression"]].equals(slow[["copying", "suppression"]])
+    M = reduced_ov(w)
+    for layer, head in [(0, 0), (1, 3)]:
+        np.testing.assert_allclose(M[layer, head].numpy(), reduced_ov_reference(w, layer, head), rtol=1e-9, atol=1e-12)
+        k, t = kappa_reference(M[layer, head].numpy())
+        assert fast.set_index("head").loc[f"L{layer}H{head}", "kappa"] == pytest.approx(k, abs=1e-6)
+        assert fast.set_index("head").loc[f"L{layer}H{head}", "kappa_trace"] == pytest.approx(t, abs=1e-6)
+
+
+def test_scores_on_known_spectra():
+    assert kappa_reference(np.eye(4)) == (1.0, 1.0)
+    assert kappa_reference(-2 * np.eye(4)) == (-1.0, -1.0)
+    rotation = np.array([[0.0, -1.0], [1.0, 0.0]])  # eigenvalues +-i: no copying, no suppression
+    assert kappa_reference(rotation) == pytest.approx((0.0, 0.0), abs=1e-12)
+    rank_one = np.zeros((4, 4))
+    rank_one[0, 0] = 3.0  # three zero eigenvalues count f = 0: kappa = 1/4, trace-weighted 1
+    assert kappa_reference(rank_one) == pytest.approx((0.25, 1.0))
+    _, k, t = kappa_scores(torch.zeros(2, 3, 3))
+    assert k.tolist() == [0.0, 0.0] and t.tolist() == [0.0, 0.0]
+
+
+def test_negating_W_O_flips_both_scores():
+    w = extract_weights(make_tiny_model("gpt2", seed=2))
+    before = ov_spectrum(w, n_rotations=64).set_index("head")
+    w.layers[1].W_O[3].neg_()
+    after = ov_spectrum(w, n_rotations=64).set_index("head")
+    for column in ("kappa", "kappa_trace", "kappa_z"):
+        assert after.loc["L1H3", column] == pytest.approx(-before.loc["L1H3", column], abs=1e-9)
+    assert after.loc["L1H3", "kappa_p"] == pytest.approx(before.loc["L1H3", "kappa_p"], rel=1e-6)
+    untouched = before.index != "L1H3"
+    pd.testing.assert_frame_equal(before.loc[untouched, NUMERIC], after.loc[untouched, NUMERIC])
+
+
+def test_grouped_query_heads_read_their_group_W_V():
+    model = make_tiny_model("llama", seed=0)  # 4 query heads, 2 key/value groups
+    w = extract_weights(model)
+    assert w.geometry.group_size == 2
+    before = ov_spectrum(w, n_rotations=64)
+    v_proj = get_module(layer_modules(model)[1], "self_attn.v_proj")
+    d_head = w.geometry.d_head
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(0)
+        v_proj.weight[d_head: 2 * d_head] = torch.randn(d_head, v_proj.weight.shape[1], generator=gen) * 0.05
+    w2 = extract_weights(model)
+    after = ov_spectrum(w2, n_rotations=64)
+    changed = ~np.isclose(before["kappa"], after["kappa"], rtol=0, atol=1e-12)
+    assert after.loc[changed, "head"].tolist() == ["L1H2", "L1H3"]
+    for head in range(4):  # each query head's M_h uses its group's W_V
+        np.testing.assert_allclose(reduced_ov(w2)[1, head].numpy(), reduced_ov_reference(w2, 1, head), rtol=1e-9)
+
+
+def test_same_seed_same_result_other_seed_other_null():
+    w = extract_weights(make_tiny_model("gpt_neox", seed=0))
+    a, b = ov_spectrum(w, seed=11), ov_spectrum(w, seed=11, n_workers=1)
+    pd.testing.assert_frame_equal(a, b)
+    np.testing.assert_array_equal(a.attrs["null_kappa"], b.attrs["null_kappa"])
+    c = ov_spectrum(w, seed=12)
+    pd.testing.assert_series_equal(a["kappa"], c["kappa"])
+    assert not np.array_equal(a.attrs["null_kappa"], c.attrs["null_kappa"])
+
+
+def test_float32_null_matches_float64_null():
+    w = extract_weights(make_tiny_model("llama", seed=0))
+    a, b = ov_spectrum(w, n_rotations=64), ov_spectrum(w, n_rotations=64, null_dtype=torch.float32)
+    pd.testing.assert_series_equal(a["kappa"], b["kappa"])
+    for column in ("kappa_null_mean", "kappa_null_sd", "kappa_trace_null_sd"):
+        np.testing.assert_allclose(a[column], b[column], atol=1e-4)
+    assert b.attrs["summary"]["null_dtype"] == "float32"
+
+
+def test_haar_rotations_are_orthogonal_and_unbiased():
+    R = haar_rotations(2000, 3, torch.Generator().manual_seed(0))
+    np.testing.assert_allclose((R.transpose(1, 2) @ R).numpy(), np.broadcast_to(np.eye(3), (2000, 3, 3)), atol=1e-12)
+    assert abs(R.mean(0)).max() < 0.05  # Haar: E[R] = 0 (a sign-unfixed QR is biased towards +diag)
+    dets = torch.linalg.det(R)
+    assert 0.4 < (dets > 0).double().mean() < 0.6  # both components of O(d)
+
+
+def test_folded_differs_from_raw_on_layernorm_models():
+    model = make_tiny_model("gpt2", seed=0)
+    folded, raw = ov_spectrum_of_model(model, n_rotations=32), ov_spectrum_of_model(model, fold=False, n_rotations=32)
+    assert folded.attrs["summary"]["folded"] and not raw.attrs["summary"]["folded"]
+    assert not np.allclose(folded["kappa"], raw["kappa"])
+
+
+def test_positive_scale_of_embedding_leaves_kappa():
+    w = extract_weights(make_tiny_model("llama", seed=0))
+    a = ov_spectrum(w, n_rotations=32)
+    w.W_E.mul_(4.0)  # a power of two: exact in float32
+    b = ov_spectrum(w, n_rotations=32)
+    np.testing.assert_allclose(a[NUMERIC].to_numpy(), b[NUMERIC].to_numpy(), rtol=1e-9, atol=1e-9)
+
+
+def test_user_errors_are_one_line():
+    w = extract_weights(make_tiny_model("gpt2", seed=0))
+    bad = ({"n_rotations": 1}, {"q": 0.0}, {"q": 1.5}, {"p_method": "bootstrap"}, {"seed": -1},
+           {"null_dtype": torch.float16}, {"n_workers": 0})
+    for kwargs in bad:
+        with pytest.raises(SpectrumError) as info:
+            ov_spectrum(w, **kwargs)
+        assert "\n" not in str(info.value)
+    with pytest.raises(CircuitsError, match="extract_weights"):
+        ov_spectrum(make_tiny_model("gpt2"))
+
+
+def test_empirical_p_has_its_floor():
+    model, label = _constructed_head("gpt2", +1.0)
+    df = ov_spectrum_of_model(model, n_rotations=99, p_method="empirical").set_index("head")
+    assert df.loc[label, "kappa_p"] == pytest.approx(1 / 100)
+    assert df.attrs["summary"]["p_method"] == "empirical"
+
+
+def test_benjamini_hochberg():
+    p = np.array([0.01, 0.04, 0.03, 0.2])
+    np.testing.assert_allclose(benjamini_hochberg(p), [0.04, 0.16 / 3, 0.16 / 3, 0.2])  # m p_(i) / i, then running min
+    from scipy.stats import false_discovery_control
+
+    rng = np.random.default_rng(0)
+    p = rng.uniform(size=200) ** 3
+    np.testing.assert_allclose(benjamini_hochberg(p), false_discovery_control(p), rtol=1e-12)
+
+
+# ---------------------------------------------------------------- calibration on random models
+
+CALIBRATION_MODELS = [
+    ("gpt2", dict(n_layer=3, n_head=8, n_embd=128)),
+    ("gpt_neox", dict(num_hidden_layers=3, num_attention_heads=8, hidden_size=128)),
+    ("llama", dict(num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4, hidden_size=128)),
+    ("gpt2", dict(n_layer=2, n_head=4, n_embd=128)),  # d_head 32
+]
+
+
+def _pooled_random_heads(seeds, models=CALIBRATION_MODELS):
+    frames = [
+        ov_spectrum_of_model(make_tiny_model(family, seed=seed, **shape), seed=seed)
+        for family, shape in models
+        for seed in seeds
+    ]
+    return pd.concat([without_attrs(f) for f in frames], ignore_index=True)
+
+
+def test_random_models_flag_at_most_q():
+    """Random init: W_V is rotation-invariant, so the rotation null is exact; BH flags <= q of the heads."""
+    pooled = _pooled_random_heads(seeds=(0, 1), models=CALIBRATION_MODELS[:3])
+    assert len(pooled) == 2 * 3 * 24
+    flagged = (pooled["copying"] | pooled["suppression"]).mean()
+    assert flagged <= 0.05
+    assert (pooled["kappa_p"] < 0.05).mean() <= 0.10  # uncorrected: about 0.05
+    assert (pooled["kappa_trace_p"] < 0.05).mean() <= 0.10
+
+
+@pytest.mark.slow
+def test_random_model_p_values_are_uniform():
+    from scipy.stats import kstest
+
+    pooled = _pooled_random_heads(seeds=range(2, 8))
+    assert (pooled["copying"] | pooled["suppression"]).mean() <= 0.05
+    for column in ("kappa_p", "kappa_trace_p"):
+        assert kstest(pooled[column], "uniform").pvalue > 0.001, column
+        assert (pooled[column] < 0.05).mean() <= 0.08, column
+
+
+# ---------------------------------------------------------------- quantized builds
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize(
+    "recipe, kappa_median_tol, trace_tol", [("bnb-int8", 0.02, 0.02), ("bnb-nf4", 0.1, 0.06)]
+)
+def test_quantized_build_is_dequantized_first(tiny_folder, family, recipe, kappa_median_tol, trace_tol):
+    pytest.importorskip("bitsandbytes")
+    source = resolve_model(str(tiny_folder(family)))
+    reference = ov_spectrum_of_model(load_build(source, "fp32"), n_rotations=64)
+    build = load_build(source, recipe)
+    assert any("Linear8bitLt" in type(m).__name__ or "Linear4bit" in type(m).__name__ for m in build.model.modules())
+    candidate = ov_spectrum_of_model(build, n_rotations=64)
+    assert (candidate["kappa"] - reference["kappa"]).abs().median() <= kappa_median_tol
+    assert (candidate["kappa"] - reference["kappa"]).abs().max() <= 0.2
+    assert (candidate["kappa_trace"] - reference["kappa_trace"]).abs().max() <= trace_tol
+
+
+@requires_embedded_model()
+def test_embedded_model_int8_keeps_its_copying_heads():
+    pytest.importorskip("bitsandbytes")
+    source = resolve_model("tiny-induction")
+    reference = ov_spectrum_of_model(load_build(source, "fp32"))
+    assert reference["copying"].any(), "the embedded model should have a copying head at fp32"
+    candidate = ov_spectrum_of_model(load_build(source, "bnb-int8"))
+    assert_copying_heads_preserved(reference, candidate, kappa_tol=0.1)
+    assert_kappa_close(reference, candidate, tol=0.1, column="kappa_trace")
+
+
+@pytest.mark.real
+@pytest.mark.slow
+@requires_smollm2()
+def test_smollm2_batched_equals_reference_on_some_heads():
+    w = extract_weights(load_build(resolve_model("smollm2-135m"), "fp32").model)
+    assert (w.geometry.n_layers, w.geometry.n_heads, w.geometry.d_head) == (30, 9, 64)
+    heads = [(0, 0), (15, 4), (29, 8)]
+    slow = ov_spectrum_reference(w, n_rotations=16, heads=heads)
+    M = reduced_ov(w)
+    for i, (layer, head) in enumerate(heads):
+        k, t = kappa_reference(M[layer, head].numpy())
+        assert k == pytest.approx(slow.loc[i, "kappa"], abs=1e-6)
+        assert t == pytest.approx(slow.loc[i, "kappa_trace"], abs=1e-6)
+        _, kb, tb = kappa_scores(M[layer, head])
+        assert float(kb) == pytest.approx(k, abs=1e-6) and float(tb) == pytest.approx(t, abs=1e-6)
+
+
+# ---------------------------------------------------------------- assertion helpers (pure, synthetic frames)
+
+
+def _frame(kappa, copying=None, suppression=None, n_heads=4) -> pd.DataFrame:
+    kappa = np.asarray(kappa, dtype=float)
+    labels = [f"L{i // n_heads}H{i % n_heads}" for i in range(len(kappa))]
+    return pd.DataFrame(
+        {
+            "head": labels,
+            "kappa": kappa,
+            "kappa_trace": kappa,
+            "copying": kappa > 0.5 if copying is None else copying,
+            "suppression": kappa < -0.5 if suppression is None else suppression,
+        }
+    )
+
+
+def test_assert_kappa_close_names_heads_and_caps_rows():
+    kappa = np.linspace(-0.5, 0.5, 40)
+    kappa[5] = 0.91
+    ref = _frame(kappa)
+    assert_kappa_close(ref, ref.assign(kappa=ref.kappa + 0.05), tol=0.1)
+    moved = kappa.copy()
+    moved[:30] += 0.3
+    moved[5] = -0.88
+    cand = ref.assign(kappa=moved)
+    with pytest.raises(AssertionError) as info:
+        assert_kappa_close(ref, cand, tol=0.1)
+    message = str(info.value)
+    assert message.startswith("30 of 40 heads moved their kappa by more than 0.10")
+    assert "L1H1     kappa +0.91 -> -0.88 (delta -1.79, tolerance 0.10)" in message
+    assert message.splitlines()[1].lstrip().startswith("L1H1")  # largest change first
+    assert len(message.splitlines()) == 1 + MAX_ROWS + 1 and message.endswith("... and 10 more")
+
+
+def test_assert_copying_heads_preserved():
+    ref = _frame([0.95, 0.9, 0.1, -0.05, 0.8, -0.9, 0.3, 0.0])
+    drifted = ref.assign(kappa=ref.kappa - 0.05, copying=[True, False, False, False, True, False, False, False])
+    assert_copying_heads_preserved(ref, drifted)  # L0H1 lost its flag but moved only 0.05
+    fallen = ref.copy()
+    fallen.loc[1, ["kappa", "copying"]] = [-0.88, False]
+    lost = r"1 of 3 copying heads lost[\s\S]*L0H1     kappa \+0\.90 -> -0\.88 \(copying -> not copying, tolerance 0\.10\)"
+    with pytest.raises(AssertionError, match=lost):
+        assert_copying_heads_preserved(ref, fallen, min_spearman=None)
+    assert_copying_heads_preserved(ref, fallen, min_survival=0.6, min_spearman=None)
+    flipped = ref.copy()
+    flipped.loc[5, ["kappa", "suppression"]] = [0.2, False]
+    assert_copying_heads_preserved(ref, flipped, min_spearman=None)
+    with pytest.raises(AssertionError, match="L1H1 .*suppression -> not suppression"):
+        assert_copying_heads_preserved(ref, flipped, include_suppression=True, min_spearman=None)
+    shuffled = ref.assign(kappa=ref.kappa.to_numpy()[::-1])
+    shuffled["copying"] = ref["copying"]
+    with pytest.raises(AssertionError, match="Spearman rank correlation of kappa across 8 heads"):
+        assert_copying_heads_preserved(ref, shuffled, kappa_tol=2.0)
+
+
+def test_assert_kappa_distribution_unshifted():
+    rng = np.random.default_rng(1)
+    ref = _frame(np.tanh(rng.normal(0.2, 0.6, 270)), n_heads=9)
+    noisy = ref.assign(kappa=ref.kappa + rng.normal(0, 0.03, 270))
+    assert_kappa_distribution_unshifted(ref, noisy)
+    other_model = _frame(np.tanh(rng.normal(0.2, 0.6, 240)), n_heads=8)  # a base-model swap: other heads
+    assert_kappa_distribution_unshifted(ref, other_model)
+    collapsed = ref.assign(kappa=ref.kappa * 0.3)
+    with pytest.raises(AssertionError) as info:
+        assert_kappa_distribution_unshifted(ref, collapsed)
+    assert "distribution of kappa shifted" in str(info.value) and "q0.75" in str(info.value)
+
+
+def test_assertions_check_their_input():
+    ref = _frame([0.9, 0.1, -0.9, 0.0])
+    with pytest.raises(FrameError, match="lacks column"):
+        assert_kappa_close(ref.drop(columns="kappa"), ref)
+    with pytest.raises(FrameError, match="not the same heads"):
+        assert_kappa_close(ref, _frame([0.9, 0.1, -0.9, 0.0, 0.2]))
+    with pytest.raises(CircuitsError):
+        assert_copying_heads_preserved(ref, "not a frame")
+
+
+def test_assertions_on_real_frames_and_json_round_trip():
+    w = extract_weights(make_tiny_model("llama", seed=0))
+    ref = ov_spectrum(w, n_rotations=32)
+    rebuilt = pd.read_json(io.StringIO(without_attrs(ref).to_json(orient="records")), orient="records")
+    for cand in (ov_spectrum(w, n_rotations=32, seed=9), rebuilt):  # attrs with arrays merge fine
+        assert_kappa_close(ref, cand, tol=1e-9)
+        assert_copying_heads_preserved(ref, cand)
+        assert_kappa_distribution_unshifted(ref, cand)
