@@ -1,0 +1,195 @@
+"""The random-repeat probe: copy losses and per-head routing scores (DEFINITIONS.md).
+
+Tokens come from `repeat.repeat_tokens` (``[BOS] x x``, ``x`` of length ``L``); write
+``o`` for the BOS offset (0 or 1) and index positions of ``x x`` by ``t = 0 .. 2L-1``
+(absolute position ``o + t``). With ``A[b, h, dst, src]`` the attention pattern a head
+actually used, averaged over sequences ``b``:
+
+- prefix-matching (induction): ``mean A[o+t, o+t-L+1]`` over ``t in L .. 2L-1``;
+- previous-token: ``mean A[o+t, o+t-1]`` over ``t in 1 .. 2L-1``;
+- duplicate-token: ``mean A[o+t, o+t-L]`` over ``t in L .. 2L-1``.
+
+Memory: a forward hook on every attention module reduces that layer's pattern
+``(batch, heads, T, T)`` to per-head sums as the layer runs, so no more than about one
+layer's pattern is alive at a time; ``output_attentions`` is never requested.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+
+from .builds import LoadedBuild
+from .errors import CircuitsError
+from .families import attention_module
+from .repeat import RepeatSettings, bos_offset, check_fits, next_token_losses, repeat_losses, repeat_tokens
+
+SCORES = ("prefix_matching", "previous_token", "duplicate_token")
+
+
+@dataclass
+class RepeatProbe:
+    """Model-level losses (nats) and per-head routing scores of one build on the repeat probe."""
+
+    copy_loss: float
+    first_copy_loss: float
+    copy_gain: float
+    uniform_loss: float  # ln(vocab)
+    heads: pd.DataFrame  # head, layer, head_index, prefix_matching, previous_token, duplicate_token
+    settings: RepeatSettings
+    bos_id: int | None
+
+    def model_figures(self) -> dict:
+        """The four model-level floats, keyed as in the scan record."""
+        return {
+            "copy_loss": self.copy_loss,
+            "first_copy_loss": self.first_copy_loss,
+            "copy_gain": self.copy_gain,
+            "uniform_loss": self.uniform_loss,
+        }
+
+
+def score_diagonals(L: int, offset: int) -> dict[str, tuple[int, slice]]:
+    """Per score: ``(k, cols)`` so that ``A.diagonal(-k)[..., cols]`` are its ``A[dst, dst-k]`` entries.
+
+    ``A.diagonal(-k)[i] = A[i+k, i]``; the slice picks the destinations the score averages over.
+    """
+    return {
+        "prefix_matching": (L - 1, slice(offset + 1, offset + L + 1)),  # dst o+L..o+2L-1
+        "previous_token": (1, slice(offset, offset + 2 * L - 1)),  # dst o+1..o+2L-1
+        "duplicate_token": (L, slice(offset, offset + L)),  # dst o+L..o+2L-1
+    }
+
+
+def score_counts(L: int) -> tuple[int, int, int]:
+    """Destinations per sequence of prefix-matching, previous-token and duplicate-token scores."""
+    return L, 2 * L - 1, L
+
+
+def routing_sums(pattern: torch.Tensor, L: int, offset: int) -> torch.Tensor:
+    """``(3, heads)`` float64 sums of the score entries of ``pattern`` ``(batch, heads, T, T)``.
+
+    Rows follow `SCORES`; divide by ``batch * score_counts(L)`` for the means.
+    """
+    if pattern.dim() != 4 or pattern.shape[-1] != pattern.shape[-2]:
+        raise ValueError(f"attention pattern must be (batch, heads, T, T), got {tuple(pattern.shape)}")
+    T = pattern.shape[-1]
+    if T != 2 * L + offset:
+        raise ValueError(f"attention pattern covers {T} positions but the probe has 2L+offset={2 * L + offset}")
+    rows = []
+    for name in SCORES:
+        k, cols = score_diagonals(L, offset)[name]
+        entries = pattern.diagonal(offset=-k, dim1=-2, dim2=-1)[..., cols]  # (batch, heads, count)
+        rows.append(entries.to(torch.float64).sum(dim=(0, 2)))
+    return torch.stack(rows)
+
+
+def routing_scores(pattern: torch.Tensor, L: int, offset: int) -> dict[str, np.ndarray]:
+    """Per-head prefix-matching, previous-token and duplicate-token means of one layer's pattern."""
+    sums = routing_sums(pattern, L, offset)
+    counts = torch.tensor(score_counts(L), dtype=torch.float64).unsqueeze(1) * pattern.shape[0]
+    means = (sums / counts).cpu().numpy()
+    return {name: means[i] for i, name in enumerate(SCORES)}
+
+
+@contextmanager
+def routing_hooks(model, n_layers: int, L: int, offset: int):
+    """Hooks every attention module; yields a ``(n_layers, 3, heads)`` float64 list of running sums.
+
+    Each hook reduces the layer's returned pattern ``(batch, heads, T, T)`` with `routing_sums`
+    and drops it, so memory holds about one layer's pattern. Attention implementations that
+    return no weights (sdpa, flash) are refused: the scores must come from the pattern used.
+    """
+    sums: list[torch.Tensor | None] = [None] * n_layers
+
+    def make_hook(layer: int):
+        def hook(module, args, output):
+            weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+            if weights is None:
+                raise CircuitsError(
+                    f"layer {layer}'s attention returned no weights; load the model with "
+                    "attn_implementation='eager' (load_build does)"
+                )
+            layer_sums = routing_sums(weights.detach(), L, offset).cpu()
+            sums[layer] = layer_sums if sums[layer] is None else sums[layer] + layer_sums
+
+        return hook
+
+    handles = [attention_module(model, l).register_forward_hook(make_hook(l)) for l in range(n_layers)]
+    try:
+        yield sums
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def input_device(model) -> torch.device:
+    """Where the model wants its token ids (the embedding's device; bnb builds place it themselves)."""
+    return model.get_input_embeddings().weight.device
+
+
+def heads_frame(means: np.ndarray) -> pd.DataFrame:
+    """``(n_layers, 3, heads)`` means -> one row per head ``L{l}H{h}`` with the three scores."""
+    n_layers, _, n_heads = means.shape
+    layer, head = np.divmod(np.arange(n_layers * n_heads), n_heads)
+    frame = pd.DataFrame(
+        {"head": [f"L{l}H{h}" for l, h in zip(layer, head)], "layer": layer, "head_index": head}
+    )
+    for i, name in enumerate(SCORES):
+        frame[name] = means[:, i, :].reshape(-1)
+    return frame
+
+
+def sequence_losses(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`next_token_losses`, one sequence at a time: its float copies of the logits stay one row big."""
+    return torch.cat([next_token_losses(logits[i : i + 1], ids[i : i + 1]) for i in range(ids.shape[0])])
+
+
+@torch.no_grad()
+def run_repeat_probe(build: LoadedBuild, settings: RepeatSettings, batch_size: int = 8) -> RepeatProbe:
+    """Copy losses and per-head routing scores of ``build`` on ``settings.n`` seeded repeat sequences.
+
+    copy loss = mean CE over ``t in L+1 .. 2L-1``; first-copy loss = mean CE over
+    ``t in 1 .. L-1``; copy gain = their difference; uniform loss = ``ln(vocab)``.
+    """
+    model = build.model
+    L, n = settings.L, settings.n
+    if n < 1:
+        raise CircuitsError(f"probe needs at least one sequence, got n={n}; use e.g. --circuits-probe-n 8")
+    if batch_size < 1:
+        raise CircuitsError(f"batch size must be at least 1, got {batch_size}")
+    check_fits(model.config, build.tokens, L)
+    offset = bos_offset(build.tokens)
+    ids = repeat_tokens(build.tokens, n, L, settings.seed)
+    n_layers = build.geometry.n_layers
+    device = input_device(model)
+    first_parts, copy_parts = [], []
+    with routing_hooks(model, n_layers, L, offset) as sums:
+        for start in range(0, n, batch_size):
+            batch = ids[start : start + batch_size].to(device)
+            logits = model(input_ids=batch, use_cache=False).logits
+            first, copy = repeat_losses(sequence_losses(logits, batch), L, offset)
+            first_parts.append(first.double().cpu())
+            copy_parts.append(copy.double().cpu())
+            del logits
+    missing = [l for l, s in enumerate(sums) if s is None]
+    if missing:
+        raise CircuitsError(f"the attention of layers {missing} never ran; is {build.label} a decoder-only LM?")
+    counts = torch.tensor(score_counts(L), dtype=torch.float64).view(1, 3, 1) * n
+    means = (torch.stack(sums) / counts).numpy()
+    first_copy = float(torch.cat(first_parts).mean())
+    copy_loss = float(torch.cat(copy_parts).mean())
+    return RepeatProbe(
+        copy_loss=copy_loss,
+        first_copy_loss=first_copy,
+        copy_gain=first_copy - copy_loss,
+        uniform_loss=math.log(build.geometry.vocab),
+        heads=heads_frame(means),
+        settings=settings,
+        bos_id=build.tokens.bos_id,
+    )
