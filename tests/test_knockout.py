@@ -1,0 +1,328 @@
+"""Rung 2 head knockouts: hooks, the cached and batched scan, screening, and the gate's evidence."""
+
+from __future__ import annotations
+
+import copy
+import math
+import numpy as np
+import pytest
+import torch
+
+from pytest_circuits import knockout
+from pytest_circuits.ablation import ablated, parse_heads
+from pytest_circuits.builds import load_build
+from pytest_circuits.errors import CircuitsError
+from pytest_circuits.families import out_proj_module
+from pytest_circuits.knockout import head_means, knockout_scan, naive_knockout_deltas
+from pytest_circuits.loading import resolve_model
+from pytest_circuits.repeat import RepeatSettings, bos_offset, repeat_tokens
+from pytest_circuits.testing import requires_embedded_model, requires_smollm2, save_tiny_model
+
+FAMILIES = ("gpt2", "gpt_neox", "llama")
+HELD_OUT = RepeatSettings(seed=1, n=7, L=12)  # 7 sequences in chunks of 3: uneven chunks on purpose
+needs_embedded = requires_embedded_model()
+
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory):
+    """Tiny random models with large enough weights that every head's knockout moves the loss."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {fam: save_tiny_model(fam, root / fam, seed=3, initializer_range=0.2) for fam in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def fp32_builds(tiny_folders):
+    return {fam: load_build(resolve_model(str(folder)), "fp32", "cpu") for fam, folder in tiny_folders.items()}
+
+
+def own_copy_loss(model, ids, L, offset) -> float:
+    """Copy loss written out independently: mean CE of x[t] from logits[t-1], t = offset+L+1 .. offset+2L-1."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits.double(), dim=-1)
+    t = torch.arange(offset + L + 1, offset + 2 * L)
+    picked = logp[:, t - 1].gather(-1, ids[:, t].unsqueeze(-1)).squeeze(-1)
+    return float(-picked.mean())
+
+
+def weight_surgery(build, layer, head, mean=None):
+    """A copy of the model whose W_O rows of the head are zeroed (and mu_h W_O added to the bias)."""
+    model = copy.deepcopy(build.model)
+    proj = out_proj_module(model, layer)
+    d = build.geometry.d_head
+    cols = slice(head * d, (head + 1) * d)
+    with torch.no_grad():
+        if type(proj).__name__ == "Conv1D":  # weight (in, out): rows of the head
+            w_head = proj.weight[cols, :].clone()
+            proj.weight[cols, :] = 0
+            contribution = None if mean is None else mean @ w_head
+        else:  # nn.Linear (out, in): columns of the head
+            w_head = proj.weight[:, cols].clone()
+            proj.weight[:, cols] = 0
+            contribution = None if mean is None else w_head @ mean
+        if contribution is not None:
+            if proj.bias is None:
+                proj.bias = torch.nn.Parameter(torch.zeros(proj.out_features))  # nn.Linear without bias
+            proj.bias += contribution
+    return model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+def test_hook_knockout_equals_weight_surgery(fp32_builds, family, mode):
+    """The plain hook knockout gives the delta of editing W_O itself (independent of every hook)."""
+    build = fp32_builds[family]
+    ids = repeat_tokens(build.tokens, HELD_OUT.n, HELD_OUT.L, HELD_OUT.seed)
+    offset = bos_offset(build.tokens)
+    intact = own_copy_loss(build.model, ids, HELD_OUT.L, offset)
+    heads = [(0, 1), (1, 3)]
+    copy_loss, deltas = naive_knockout_deltas(build, HELD_OUT, mode=mode, heads=heads, batch_size=3)
+    assert copy_loss == pytest.approx(intact, abs=1e-5)
+    means = head_means(build, HELD_OUT, batch_size=3) if mode == "mean" else None
+    for layer, head in heads:
+        edited = weight_surgery(build, layer, head, None if means is None else means[layer, head])
+        expected = own_copy_loss(edited, ids, HELD_OUT.L, offset) - intact
+        assert abs(expected) > 2e-4, "the test model is too weak to show a knockout"
+        assert deltas[f"L{layer}H{head}"] == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mean_is_over_sequences_and_positions(fp32_builds, family):
+    """Replacing z_h by its mean over every position and sequence keeps the batch mean of the projection's output."""
+    build = fp32_builds[family]
+    ids = repeat_tokens(build.tokens, HELD_OUT.n, HELD_OUT.L, HELD_OUT.seed)
+    means = head_means(build, HELD_OUT, batch_size=3)
+    layer, head = 1, 2
+    outputs = []
+    hook = out_proj_module(build.model, layer).register_forward_hook(lambda m, a, out: outputs.append(out.double()))
+    try:
+        with torch.no_grad():
+            build.model(input_ids=ids, use_cache=False)
+            with ablated(build.model, layer, build.geometry.d_head, [(slice(None), head)], means[layer]):
+                build.model(input_ids=ids, use_cache=False)
+    finally:
+        hook.remove()
+    intact_out, ablated_out = outputs
+    assert not torch.allclose(intact_out, ablated_out, atol=1e-4)  # the knockout did something
+    torch.testing.assert_close(ablated_out.mean(dim=(0, 1)), intact_out.mean(dim=(0, 1)), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+def test_cached_and_batched_scan_equals_naive_loop(fp32_builds, family, mode):
+    build = fp32_builds[family]
+    copy_loss, naive = naive_knockout_deltas(build, HELD_OUT, mode=mode, batch_size=3)
+    for per_pass in (1, 3, None):
+        df = knockout_scan(build, HELD_OUT, mode=mode, batch_size=3, knockouts_per_pass=per_pass, progress=False)
+        assert df.attrs["copy_loss"] == pytest.approx(copy_loss, abs=1e-6)
+        got = df.set_index("head")["knockout_delta"]
+        assert set(got.index) == set(naive)
+        worst = max(abs(got[h] - naive[h]) for h in naive)
+        assert worst <= 1e-5, f"knockouts_per_pass={per_pass}: max |cached - naive| = {worst:.2g}"
+    plain = knockout_scan(build, HELD_OUT, mode=mode, batch_size=3, cached=False, progress=False)
+    assert max(abs(plain.set_index("head")["knockout_delta"][h] - naive[h]) for h in naive) <= 1e-6
+
+
+def test_dataframe_contract(fp32_builds):
+    build = fp32_builds["llama"]
+    df = knockout_scan(build, HELD_OUT, progress=False)
+    assert list(df.columns) == ["head", "layer", "head_index", "knockout_delta"]
+    geo = build.geometry
+    assert len(df) == geo.n_layers * geo.n_heads
+    assert df["head"].tolist() == [f"L{l}H{h}" for l in range(geo.n_layers) for h in range(geo.n_heads)]
+    assert df["knockout_delta"].notna().all()
+    assert df.attrs["mode"] == "zero" and df.attrs["settings"] == HELD_OUT.as_dict()
+    assert df.attrs["screened"] is False and math.isfinite(df.attrs["copy_loss"])
+
+
+@pytest.mark.parametrize("recipe", ["bnb-int8", "bnb-nf4"])
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+def test_bnb_builds_knock_out_heads(tiny_folders, fp32_builds, recipe, mode):
+    """Hooks work on quantized projections; the scan equals the plain loop; deltas track float32."""
+    build = load_build(resolve_model(str(tiny_folders["llama"])), recipe, "cpu")
+    assert type(out_proj_module(build.model, 0)).__name__ in ("Linear8bitLt", "Linear4bit")
+    _, naive = naive_knockout_deltas(build, HELD_OUT, mode=mode, batch_size=3)
+    df = knockout_scan(build, HELD_OUT, mode=mode, batch_size=3, progress=False)
+    got = df.set_index("head")["knockout_delta"]
+    assert max(abs(got[h] - naive[h]) for h in naive) <= 1e-5
+    reference = knockout_scan(fp32_builds["llama"], HELD_OUT, mode=mode, batch_size=3, progress=False)
+    ref = reference["knockout_delta"].to_numpy()
+    assert np.abs(ref).max() > 0.05
+    assert np.corrcoef(ref, df["knockout_delta"].to_numpy())[0, 1] > 0.8
+
+
+def test_int8_is_not_stacked_by_default(tiny_folders):
+    build = load_build(resolve_model(str(tiny_folders["gpt2"])), "bnb-int8", "cpu")
+    assert not knockout.batch_invariant(build)
+    assert knockout._auto_per_pass(build, None, 8, 8) == 1
+
+
+def test_subset_and_screening_agree_with_full_scan(fp32_builds):
+    build = fp32_builds["gpt_neox"]
+    full = knockout_scan(build, HELD_OUT, mode="mean", batch_size=3, progress=False).set_index("head")
+    subset = knockout_scan(build, HELD_OUT, mode="mean", heads=["L1H0", (0, 2)], batch_size=3, progress=False)
+    sub = subset.set_index("head")["knockout_delta"]
+    assert sub.notna().sum() == 2
+    for head in ("L1H0", "L0H2"):
+        assert sub[head] == pytest.approx(full.loc[head, "knockout_delta"], abs=1e-6)
+    screened = knockout_scan(
+        build, HELD_OUT, mode="mean", screen_top_k=3, must_include=["L0H0"], batch_size=3, progress=False
+    )
+    scr = screened.set_index("head")
+    estimate = scr["knockout_estimate"]
+    top = set(estimate.abs().sort_values(ascending=False).index[:3])
+    exact = set(scr.index[scr["knockout_delta"].notna()])
+    assert exact == top | {"L0H0"}
+    assert screened.attrs["screened"] and sorted(screened.attrs["exact_heads"]) == sorted(exact)
+    for head in exact:
+        assert scr.loc[head, "knockout_delta"] == pytest.approx(full.loc[head, "knockout_delta"], abs=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+def test_attribution_estimate_is_the_directional_derivative(tiny_folders, mode):
+    """estimate_h = d/de L(z_h + e (z_h^ablated - z_h)) at e = 0, checked by central differences in float64."""
+    build = load_build(resolve_model(str(tiny_folders["llama"])), "fp32", "cpu")
+    build.model.double()
+    df = knockout_scan(build, HELD_OUT, mode=mode, screen_top_k=0, batch_size=3, progress=False)
+    estimate = df.set_index("head")["knockout_estimate"]
+    ids = repeat_tokens(build.tokens, HELD_OUT.n, HELD_OUT.L, HELD_OUT.seed)
+    means = head_means(build, HELD_OUT) if mode == "mean" else None
+    d = build.geometry.d_head
+    eps = 1e-2  # eager attention runs its softmax in float32 even here: smaller steps drown in rounding
+
+    def loss_at(layer, head, e):
+        def hook(module, args):
+            z = args[0].clone()
+            part = z[..., head * d : (head + 1) * d]
+            target = torch.zeros_like(part) if means is None else means[layer, head].to(z.dtype).expand_as(part)
+            z[..., head * d : (head + 1) * d] = part + e * (target - part)
+            return (z,)
+
+        handle = out_proj_module(build.model, layer).register_forward_pre_hook(hook)
+        try:
+            return own_copy_loss(build.model, ids, HELD_OUT.L, bos_offset(build.tokens))
+        finally:
+            handle.remove()
+
+    for layer, head in [(0, 0), (0, 3), (1, 1)]:
+        numeric = (loss_at(layer, head, eps) - loss_at(layer, head, -eps)) / (2 * eps)
+        assert estimate[f"L{layer}H{head}"] == pytest.approx(numeric, rel=1e-3, abs=1e-5)
+
+
+def test_screening_falls_back_to_exact_when_backward_fails(fp32_builds, monkeypatch):
+    build = fp32_builds["gpt2"]
+    real = knockout._intact_pass
+
+    def no_backward(*args, screen, **kwargs):
+        if screen:
+            raise RuntimeError("backward is not implemented for this layer")
+        return real(*args, screen=screen, **kwargs)
+
+    monkeypatch.setattr(knockout, "_intact_pass", no_backward)
+    with pytest.warns(UserWarning, match="running exact knockouts on every requested head"):
+        df = knockout_scan(build, HELD_OUT, screen_top_k=2, progress=False)
+    assert not df.attrs["screened"] and "knockout_estimate" not in df
+    assert df["knockout_delta"].notna().all()
+
+
+def test_user_errors_are_one_line(fp32_builds):
+    build = fp32_builds["gpt2"]
+    cases = [
+        dict(mode="resample"),
+        dict(heads=["layer1head2"]),
+        dict(heads=["L9H0"]),
+        dict(screen_top_k=-1),
+        dict(knockouts_per_pass=0),
+    ]
+    for kwargs in cases:
+        with pytest.raises(CircuitsError) as info:
+            knockout_scan(build, HELD_OUT, progress=False, **kwargs)
+        assert "\n" not in str(info.value)
+    with pytest.raises(CircuitsError, match="context"):
+        knockout_scan(build, RepeatSettings(seed=1, n=2, L=100), progress=False)
+    assert parse_heads(["L1H0", "L0H3", (1, 0)], build.geometry) == [(0, 3), (1, 0)]
+
+
+def test_session_head_knockout(tiny_folders, capsys):
+    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.settings import CircuitsSettings
+
+    settings = CircuitsSettings(model=str(tiny_folders["gpt2"]), builds=("fp32",), device="cpu",
+                                probe=RepeatSettings(seed=0, n=3, L=8))
+    df = CircuitsSession(settings).head_knockout("fp32")
+    assert df.attrs["settings"]["seed"] == settings.knockout_probe.seed != settings.probe.seed
+    assert df["knockout_delta"].notna().all()
+    assert capsys.readouterr().err == ""  # the progress bar stays off when stderr is not a terminal
+
+
+# --- the embedded model: the induction head is the one copying depends on ---
+
+
+@pytest.fixture(scope="module")
+def embedded_build():
+    return load_build(resolve_model("tiny-induction"), "fp32", "cpu")
+
+
+def prefix_matching(build, settings):
+    """Mean attention from t to t-L+1 over t in L..2L-1 (DEFINITIONS.md), per head: (n_layers, n_heads)."""
+    ids = repeat_tokens(build.tokens, settings.n, settings.L, settings.seed)
+    offset, L = bos_offset(build.tokens), settings.L
+    with torch.no_grad():
+        attentions = build.model(input_ids=ids, output_attentions=True, use_cache=False).attentions
+    dest = torch.arange(offset + L, offset + 2 * L)
+    return torch.stack([a[:, :, dest, dest - L + 1].mean(dim=(0, 2)) for a in attentions]).float()
+
+
+@needs_embedded
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+def test_embedded_induction_head_knockout_dominates(embedded_build, mode):
+    probe = RepeatSettings(seed=0, n=16, L=32)
+    scores = prefix_matching(embedded_build, probe)  # heads picked on the probe seed ...
+    layer, head = divmod(int(scores.argmax()), scores.shape[1])
+    df = knockout_scan(embedded_build, RepeatSettings(seed=1, n=16, L=32), mode=mode, progress=False)
+    deltas = df.set_index("head")["knockout_delta"]  # ... measured on held-out sequences
+    induction = deltas[f"L{layer}H{head}"]
+    controls = deltas.drop(f"L{layer}H{head}")
+    assert induction > 1.0, f"knocking out the induction head L{layer}H{head} raised copy loss by only {induction:.3f}"
+    assert induction > 3 * controls.max(), deltas.to_string()
+
+
+@needs_embedded
+def test_embedded_attribution_estimate_ranks_like_exact_deltas(embedded_build):
+    df = knockout_scan(embedded_build, RepeatSettings(seed=1, n=16, L=32), screen_top_k=100, progress=False)
+    assert df["knockout_delta"].notna().all()
+    rho = df["knockout_estimate"].corr(df["knockout_delta"], method="spearman")
+    assert rho > 0.6, df.to_string()
+
+
+# --- the real model ---
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_build(resolve_model("smollm2-135m"), "fp32", "cpu")
+
+
+@requires_smollm2()
+@pytest.mark.real
+@pytest.mark.slow
+def test_smollm2_strongest_induction_head_knockout(smollm2):
+    probe = RepeatSettings(seed=0, n=4, L=24)
+    scores = prefix_matching(smollm2, probe)
+    order = scores.flatten().argsort(descending=True)
+    n_heads = scores.shape[1]
+    top = [divmod(int(i), n_heads) for i in order[:3]]
+    # controls: the least prefix-matching heads of the same layers (same depth, same downstream path)
+    controls = []
+    for layer in sorted({l for l, _ in top}):
+        controls.append((layer, int(scores[layer].argmin())))
+    strongest = top[0]
+    df = knockout_scan(smollm2, RepeatSettings(seed=1, n=4, L=24), heads=top + controls, progress=False)
+    deltas = df.set_index("head")["knockout_delta"]
+    label = f"L{strongest[0]}H{strongest[1]}"
+    control_deltas = [deltas[f"L{l}H{h}"] for l, h in controls]
+    report = f"{label}: {deltas[label]:+.3f}; controls " + ", ".join(
+        f"L{l}H{h} {d:+.3f}" for (l, h), d in zip(controls, control_deltas)
+    )
+    print(report)
+    assert deltas[label] > 0.5, report
+    assert deltas[label] > 5 * max(abs(d) for d in control_deltas), report
