@@ -1,0 +1,193 @@
+"""Read scan records and gate results into grids and rankings (numpy only, no plotting).
+
+A scan record is the JSON-able dict of the contract (``heads``: one dict per head with
+``layer``, ``head_index`` and the per-head figures; ``eigenvalues``: ``{"L0H0": [[re, im], ...]}``).
+Missing or ``None`` fields read as NaN, so a scan without knockouts still draws.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Iterable
+
+import numpy as np
+
+# (column, title, kind): "diverging" maps are centred on 0, "score" maps run over [0, 1]
+HEATMAP_METRICS = (
+    ("kappa", "κ (OV copying)", "diverging"),
+    ("prefix_matching", "prefix-matching", "score"),
+    ("previous_token", "previous-token", "score"),
+    ("knockout_delta", "knockout Δloss (nats)", "diverging"),
+)
+MODEL_FIGURES = ("copy_loss", "first_copy_loss", "copy_gain", "uniform_loss")
+_HEAD_LABEL = re.compile(r"^L(\d+)H(\d+)$")
+
+
+def number(value: Any) -> float:
+    """``value`` as a float; None, missing or non-numeric read as NaN."""
+    if value is None or isinstance(value, str):
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def recipe_of(record: dict) -> str:
+    """The build recipe a record was scanned from (``"build"`` if unnamed)."""
+    return str((record.get("build") or {}).get("recipe") or "build")
+
+
+def heads_of(record: dict) -> list[dict]:
+    """The record's per-head dicts in model order (L0H0, L0H1, ..., L1H0, ...)."""
+    heads = [dict(h) for h in record.get("heads") or []]
+    for h in heads:
+        if h.get("layer") is None or h.get("head_index") is None:
+            match = _HEAD_LABEL.match(str(h.get("head", "")))
+            if match:
+                h["layer"], h["head_index"] = int(match[1]), int(match[2])
+    return sorted(heads, key=lambda h: (int(h["layer"]), int(h["head_index"])))
+
+
+def grid_shape(record: dict) -> tuple[int, int]:
+    """(n_layers, n_heads) from the record's geometry, else from its head table."""
+    geometry = (record.get("model") or {}).get("geometry") or {}
+    if geometry.get("n_layers") and geometry.get("n_heads"):
+        return int(geometry["n_layers"]), int(geometry["n_heads"])
+    heads = heads_of(record)
+    if not heads:
+        return 0, 0
+    return 1 + max(int(h["layer"]) for h in heads), 1 + max(int(h["head_index"]) for h in heads)
+
+
+def metric_grid(record: dict, column: str) -> np.ndarray:
+    """Layer x head array of one per-head figure; NaN where a head lacks it."""
+    grid = np.full(grid_shape(record), np.nan)
+    for h in heads_of(record):
+        layer, index = int(h["layer"]), int(h["head_index"])
+        if layer < grid.shape[0] and index < grid.shape[1]:
+            grid[layer, index] = number(h.get(column))
+    return grid
+
+
+def has_metric(record: dict, column: str) -> bool:
+    """True when at least one head carries a finite value of ``column``."""
+    return bool(np.isfinite(metric_grid(record, column)).any())
+
+
+def difference_grid(record: dict, reference: dict, column: str) -> np.ndarray | None:
+    """``record - reference`` per head, or None when the two models' head grids differ."""
+    if grid_shape(record) != grid_shape(reference):
+        return None
+    return metric_grid(record, column) - metric_grid(reference, column)
+
+
+def flagged_heads(record: dict, flag: str) -> list[str]:
+    """Labels of the heads whose boolean ``flag`` (``copying``, ``suppression``) is set."""
+    return [str(h.get("head")) for h in heads_of(record) if h.get(flag) is True]
+
+
+def normalised_eigenvalues(record: dict) -> dict[str, np.ndarray]:
+    """Each head's OV eigenvalues divided by that head's max |lambda| (all within the unit circle)."""
+    out = {}
+    for label, pairs in (record.get("eigenvalues") or {}).items():
+        values = np.asarray(pairs, dtype=float).reshape(-1, 2)
+        lam = values[:, 0] + 1j * values[:, 1]
+        top = np.abs(lam).max() if lam.size else 0.0
+        out[str(label)] = lam / top if top > 0 else lam
+    return out
+
+
+def cell_of(label: Any) -> tuple[int, int] | None:
+    """(layer, head) of a head label ``L{l}H{h}``; None if the label is not of that form."""
+    match = _HEAD_LABEL.match(str(label))
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def layer_of(label: Any) -> int:
+    """The layer of a head label ``L{l}H{h}`` (-1 if the label is not of that form)."""
+    cell = cell_of(label)
+    return cell[0] if cell else -1
+
+
+def result_dict(result: Any) -> dict:
+    """An InvariantResult (or its ``as_dict()``) as a plain dict with every key present."""
+    raw = result.as_dict() if hasattr(result, "as_dict") else dict(result)
+    return {
+        "invariant": str(raw.get("invariant", "?")),
+        "build": str(raw.get("build", "?")),
+        "against": str(raw.get("against") or ""),
+        "passed": bool(raw.get("passed")),
+        "message": str(raw.get("message") or ""),
+        "moved": [dict(m) for m in raw.get("moved") or []],
+    }
+
+
+def results_by_build(results: Iterable[Any] | None) -> dict[str, list[dict]]:
+    """Gate results grouped by build recipe, in the order first seen."""
+    grouped: dict[str, list[dict]] = {}
+    for result in results or []:
+        r = result_dict(result)
+        grouped.setdefault(r["build"], []).append(r)
+    return grouped
+
+
+def moved_size(entry: dict) -> float:
+    """How far a moved head went: |after - before| / tolerance (plain |after - before| without one)."""
+    change = abs(number(entry.get("after")) - number(entry.get("before")))
+    if not math.isfinite(change):
+        return math.inf if entry.get("before") != entry.get("after") else 0.0
+    tolerance = number(entry.get("tolerance"))
+    return change / tolerance if math.isfinite(tolerance) and tolerance > 0 else change
+
+
+def top_moved(results: Iterable[dict], k: int = 5) -> list[dict]:
+    """The ``k`` moved-head entries of ``results`` that went furthest (see `moved_size`)."""
+    entries = [m for r in results for m in r.get("moved") or []]
+    return sorted(entries, key=moved_size, reverse=True)[:k]
+
+
+def largest_changes(record: dict, reference: dict, k: int = 10) -> list[dict]:
+    """The ``k`` largest per-head changes against the reference, over the heatmap metrics.
+
+    Ranked by |after - before| divided by the metric's spread in the reference
+    (its standard deviation across heads), so metrics on different scales compare;
+    heads that did not change at all are left out.
+    Descriptive only: the verdicts come from the gate's InvariantResults.
+    """
+    changes = []
+    for column, _, _ in HEATMAP_METRICS:
+        diff = difference_grid(record, reference, column)
+        if diff is None or not np.isfinite(diff).any():
+            continue
+        before, after = metric_grid(reference, column), metric_grid(record, column)
+        spread = float(np.nanstd(before)) or 1.0
+        for layer, index in zip(*np.nonzero(np.isfinite(diff) & (diff != 0))):
+            changes.append({
+                "head": f"L{layer}H{index}", "metric": column,
+                "before": float(before[layer, index]), "after": float(after[layer, index]),
+                "change": float(diff[layer, index]), "score": abs(float(diff[layer, index])) / spread,
+            })
+    return sorted(changes, key=lambda c: c["score"], reverse=True)[:k]
+
+
+def model_figures(record: dict) -> dict[str, float]:
+    """The model-level figures of a record (NaN where absent)."""
+    return {name: number(record.get(name)) for name in MODEL_FIGURES}
+
+
+def fmt(value: Any, digits: int = 3, sign: bool = False) -> str:
+    """A short human form of a number (``sign``: always show + or -), bool or missing value."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    x = number(value)
+    if math.isnan(x):
+        return "—" if value is None or isinstance(value, float) else str(value)
+    text = f"{x:+.{digits}f}" if sign else f"{x:.{digits}f}"
+    return f"{0:.{digits}f}" if float(text) == 0 else text  # no "-0.000"
+
+
+def slug(text: str) -> str:
+    """A file-name-safe form of a build label."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "build"

@@ -1,0 +1,255 @@
+"""The report's figures, drawn on ``matplotlib.figure.Figure`` with the Agg canvas.
+
+pyplot is never imported, so the user's global backend is left alone and no display is
+needed. matplotlib is optional: `require_matplotlib` turns its absence into one line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import math
+
+import numpy as np
+
+from ..errors import CircuitsError
+from . import data
+
+COPYING, SUPPRESSION, REFERENCE = "#1a9850", "#d73027", "#9e9e9e"
+_ANNOTATE_MAX_CELLS = 64  # write the value in each cell only on small models
+_LABEL_MAX_HEADS = 12  # name the copying/suppression heads in the kappa plot when this few
+
+
+def require_matplotlib():
+    """The matplotlib module, or a one-line CircuitsError saying how to install it."""
+    try:
+        return importlib.import_module("matplotlib")
+    except ImportError:
+        raise CircuitsError(
+            "the circuits report draws with matplotlib, which is not installed: pip install matplotlib"
+        ) from None
+
+
+def new_figure(width: float, height: float, layout: str | None = "constrained"):
+    """A Figure bound to an Agg canvas (no pyplot, no display).
+
+    ``layout=None`` leaves the margins to the caller: about half the drawing time of the
+    constrained layout on many-axes figures.
+    """
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout=layout)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def png_bytes(fig, dpi: int = 110) -> bytes:
+    """The figure rendered as PNG."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi, facecolor="white")
+    return buffer.getvalue()
+
+
+def _cmap(name: str):
+    import matplotlib
+
+    return matplotlib.colormaps[name].with_extremes(bad="#e0e0e0")  # NaN: not measured
+
+
+def eigenvalue_figure(record: dict, title: str):
+    """Every head's normalised OV eigenvalues in the complex plane, coloured by layer."""
+    matplotlib = require_matplotlib()
+    eig = data.normalised_eigenvalues(record)
+    n_layers = max(data.grid_shape(record)[0], 1 + max((data.layer_of(k) for k in eig), default=0))
+    fig = new_figure(6.2, 5.2)
+    ax = fig.add_subplot()
+    theta = np.linspace(0, 2 * math.pi, 361)
+    ax.plot(np.cos(theta), np.sin(theta), color="#555555", lw=0.8)
+    ax.axhline(0, color="#bbbbbb", lw=0.6)
+    ax.axvline(0, color="#bbbbbb", lw=0.6)
+    if eig:
+        lam = np.concatenate(list(eig.values()))
+        layer = np.concatenate([np.full(v.size, data.layer_of(k)) for k, v in eig.items()])
+        order = np.random.default_rng(0).permutation(lam.size)  # no layer painted over all the others
+        lam, layer = lam[order], layer[order]
+        norm = matplotlib.colors.Normalize(vmin=-0.5, vmax=n_layers - 0.5)
+        # viridis without its palest yellow, which vanishes on white
+        cmap = matplotlib.colors.ListedColormap(matplotlib.colormaps["viridis"](np.linspace(0, 0.85, max(n_layers, 2))))
+        size = 7 if lam.size > 2000 else 16
+        points = ax.scatter(lam.real, lam.imag, c=layer, cmap=cmap, norm=norm, s=size, alpha=0.65, linewidths=0)
+        bar = fig.colorbar(points, ax=ax, shrink=0.85)
+        bar.set_label("layer")
+        if n_layers <= 12:
+            bar.set_ticks(range(n_layers))
+    else:
+        ax.text(0, 0, "no eigenvalues in this record", ha="center", va="center", color="#777777")
+    ax.set_xlim(-1.12, 1.12)
+    ax.set_ylim(-1.12, 1.12)
+    ax.set_aspect("equal")
+    ax.set_xlabel("Re λ / max|λ|  (copying →)")
+    ax.set_ylabel("Im λ / max|λ|")
+    ax.set_title(title, fontsize=10)
+    return fig
+
+
+def moved_eigenvalue_figure(record: dict, reference: dict, heads: list[str], title: str):
+    """Small multiples: the reference's eigenvalues (grey rings) and the build's (dots) for a few heads."""
+    eig, ref = data.normalised_eigenvalues(record), data.normalised_eigenvalues(reference)
+    heads = [h for h in heads if h in eig or h in ref]
+    if not heads:
+        return None
+    kappa = {h["head"]: data.number(h.get("kappa")) for h in data.heads_of(record)}
+    kappa_ref = {h["head"]: data.number(h.get("kappa")) for h in data.heads_of(reference)}
+    cols = min(4, len(heads))
+    rows = math.ceil(len(heads) / cols)
+    width, height = 2.4 * cols, 2.5 * rows + 0.4
+    fig = new_figure(width, height, layout=None)
+    fig.subplots_adjust(left=0.1 / width, right=1 - 0.1 / width, bottom=0.1 / height, top=1 - 0.7 / height,
+                        wspace=0.1, hspace=0.25)
+    theta = np.linspace(0, 2 * math.pi, 181)
+    for i, head in enumerate(heads):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        ax.plot(np.cos(theta), np.sin(theta), color="#888888", lw=0.6)
+        ax.axvline(0, color="#cccccc", lw=0.5)
+        if head in ref:
+            ax.scatter(ref[head].real, ref[head].imag, s=16, facecolors="none", edgecolors=REFERENCE,
+                       linewidths=0.8, label="reference")
+        if head in eig:
+            ax.scatter(eig[head].real, eig[head].imag, s=8, color="#3b4cc0", label="this build")
+        ax.set_xlim(-1.1, 1.1)
+        ax.set_ylim(-1.1, 1.1)
+        ax.set_aspect("equal")
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.set_title(f"{head}  κ {data.fmt(kappa_ref.get(head), 2)} → {data.fmt(kappa.get(head), 2)}", fontsize=9)
+        if i == 0:
+            ax.legend(fontsize=7, loc="lower left", frameon=False)
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def kappa_figure(record: dict, title: str, reference: dict | None = None):
+    """Kappa of every head against its rotation-null band (mean ± 2 sd); copying/suppression marked."""
+    heads = data.heads_of(record)
+    n = len(heads)
+    x = np.arange(n)
+    kappa = np.array([data.number(h.get("kappa")) for h in heads])
+    mean = np.array([data.number(h.get("kappa_null_mean")) for h in heads])
+    sd = np.array([data.number(h.get("kappa_null_sd")) for h in heads])
+    fig = new_figure(min(16.0, max(6.5, 0.055 * n + 4)), 3.8)
+    ax = fig.add_subplot()
+    band = np.isfinite(mean) & np.isfinite(sd)
+    if band.any():  # one collection of rectangles: far cheaper than ax.bar on hundreds of heads
+        from matplotlib.collections import PolyCollection
+
+        lo, hi, xb = mean[band] - 2 * sd[band], mean[band] + 2 * sd[band], x[band]
+        boxes = np.stack([np.c_[xb - 0.42, lo], np.c_[xb + 0.42, lo], np.c_[xb + 0.42, hi], np.c_[xb - 0.42, hi]], 1)
+        ax.add_collection(PolyCollection(boxes, facecolors="#d9d9d9", edgecolors="none",
+                                         label="null band (mean ± 2 sd)"))
+    if reference is not None and data.grid_shape(reference) == data.grid_shape(record):
+        ref_kappa = {h["head"]: data.number(h.get("kappa")) for h in data.heads_of(reference)}
+        ax.scatter(x, [ref_kappa.get(h["head"], np.nan) for h in heads], s=22, facecolors="none",
+                   edgecolors=REFERENCE, linewidths=0.9, label="reference κ", zorder=3)
+    copying = np.array([h.get("copying") is True for h in heads], dtype=bool)
+    suppression = np.array([h.get("suppression") is True for h in heads], dtype=bool)
+    plain = ~(copying | suppression)
+    ax.scatter(x[plain], kappa[plain], s=10, color="#333333", label="head κ", zorder=4)
+    if copying.any():
+        ax.scatter(x[copying], kappa[copying], s=42, marker="^", color=COPYING, label="copying head", zorder=5)
+    if suppression.any():
+        ax.scatter(x[suppression], kappa[suppression], s=42, marker="v", color=SUPPRESSION,
+                   label="suppression head", zorder=5)
+    flagged = np.flatnonzero(copying | suppression)
+    if flagged.size <= _LABEL_MAX_HEADS:
+        for i in flagged:
+            ax.annotate(heads[i]["head"], (x[i], kappa[i]), xytext=(4, 0), textcoords="offset points",
+                        fontsize=7, va="center")
+    ax.axhline(0, color="#777777", lw=0.6)
+    _layer_axis(ax, heads)
+    ax.set_xlim(-0.8, n - 0.2)
+    ax.set_ylabel("κ")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    return fig
+
+
+def _layer_axis(ax, heads: list[dict]) -> None:
+    """Separate the layers with dotted lines and label the x axis by layer."""
+    layers = np.array([int(h["layer"]) for h in heads])
+    if layers.size == 0:
+        return
+    starts = np.flatnonzero(np.diff(layers)) + 1
+    if starts.size:
+        ax.vlines(starts - 0.5, 0, 1, transform=ax.get_xaxis_transform(), color="#bbbbbb", lw=0.5, ls=":")
+    unique = np.unique(layers)
+    step = max(1, math.ceil(unique.size / 30))
+    centres = [np.flatnonzero(layers == l).mean() for l in unique[::step]]
+    ax.set_xticks(centres, [f"L{l}" for l in unique[::step]], fontsize=7)
+    ax.set_xlabel("head (grouped by layer)")
+
+
+def heatmap_figure(panels: list[dict], title: str, outline: set[tuple[int, int]] = frozenset()):
+    """Layer x head heatmaps side by side.
+
+    Each panel: ``grid`` (layers x heads, NaN = not measured, None = not available),
+    ``title``, ``kind`` ("diverging": centred on 0, "score": fixed [0, 1]), optional ``note``
+    and ``floor`` (least half-range of a diverging colour scale).
+    ``outline`` boxes the (layer, head) cells named by the gate.
+    """
+    shapes = [p["grid"].shape for p in panels if p["grid"] is not None]
+    n_layers, n_heads = shapes[0] if shapes else (1, 1)
+    width = len(panels) * max(2.8, 0.25 * n_heads + 1.3)
+    height = max(2.8, 0.2 * n_layers + 1.6)
+    fig = new_figure(width, height, layout=None)
+    fig.subplots_adjust(left=0.55 / width, right=1 - 0.45 / width, bottom=0.6 / height, top=1 - 0.75 / height,
+                        wspace=0.5)
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, panel in zip(axes, panels):
+        _heatmap(fig, ax, panel, outline)
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def _heatmap(fig, ax, panel: dict, outline) -> None:
+    grid = panel["grid"]
+    ax.set_title(panel["title"], fontsize=9)
+    if grid is None or not np.isfinite(grid).any():
+        ax.text(0.5, 0.5, panel.get("note") or "not measured", ha="center", va="center",
+                transform=ax.transAxes, color="#777777", fontsize=9, wrap=True)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        return
+    if panel["kind"] == "score":
+        cmap, vmin, vmax = _cmap("viridis"), 0.0, 1.0
+    else:
+        # the floor keeps changes far below it pale instead of stretched to full colour
+        top = max(float(np.nanmax(np.abs(grid))), panel.get("floor") or 1e-9)
+        cmap, vmin, vmax = _cmap("RdBu_r"), -top, top
+    image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto",
+                      interpolation="nearest")
+    bar = fig.colorbar(image, ax=ax, fraction=0.08, pad=0.04, format="%.2g")
+    bar.ax.tick_params(labelsize=7)
+    n_layers, n_heads = grid.shape
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_xticks(range(n_heads))
+    ax.tick_params(labelsize=7)
+    ystep = max(1, math.ceil(n_layers / 16))
+    ax.set_yticks(range(0, n_layers, ystep))
+    if grid.size <= _ANNOTATE_MAX_CELLS:
+        for (layer, head), value in np.ndenumerate(grid):
+            if np.isfinite(value):
+                dark = abs(value - (vmin + vmax) / 2) > 0.3 * (vmax - vmin)
+                ax.text(head, layer, f"{value:.2f}".replace("-0.00", "0.00"), ha="center", va="center", fontsize=7,
+                        color="white" if dark else "black")
+    for layer, head in outline:
+        if layer < n_layers and head < n_heads:
+            ax.add_patch(_box(layer, head))
+
+
+def _box(layer: int, head: int):
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((head - 0.5, layer - 0.5), 1, 1, fill=False, edgecolor="black", lw=1.6)

@@ -1,0 +1,175 @@
+"""The self-contained HTML page: inline CSS, figures as base64 data: URIs, nothing fetched."""
+
+from __future__ import annotations
+
+import base64
+from html import escape
+
+from . import data
+from .sections import Section
+
+STYLE = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1250px;
+       padding: 0 1em; color: #222; line-height: 1.4; }
+h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ddd; padding-bottom: 0.2em; margin-top: 2em; }
+.meta { color: #555; margin-top: 0; }
+.banner { padding: 0.8em 1.2em; border-radius: 6px; margin: 1em 0; }
+.banner.fail { background: #fdecea; border: 1px solid #d73027; }
+.banner.pass { background: #e9f6ec; border: 1px solid #1a9850; }
+.banner.none { background: #f3f3f3; border: 1px solid #bbb; }
+.banner h2 { margin: 0 0 0.3em 0; border: none; font-size: 1.2em; }
+table { border-collapse: collapse; margin: 0.6em 0; font-size: 0.92em; }
+th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; }
+th { background: #f6f6f6; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+.FAIL { color: #b2182b; font-weight: bold; } .pass { color: #1a7837; }
+pre { background: #f8f8f8; padding: 0.6em; overflow-x: auto; font-size: 0.85em; }
+figure { margin: 1.2em 0; } figure img { max-width: 100%; border: 1px solid #eee; }
+figcaption { color: #444; font-size: 0.9em; max-width: 60em; }
+.note { color: #8a5a00; }
+"""
+
+
+def page(sections: list[Section], extra_results: list[dict]) -> str:
+    """The whole report; ``extra_results`` are verdicts for builds without a record."""
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>{escape(_title(sections))}</title>",
+        f"<style>{STYLE}</style></head><body>",
+        f"<h1>{escape(_title(sections))}</h1>",
+        f'<p class="meta">{escape(_model_line(sections))}</p>',
+        _banner(sections, extra_results),
+    ]
+    if len(sections) > 1:
+        links = " · ".join(f'<a href="#{s.slug}">{escape(s.label)}</a>' for s in sections)
+        parts.append(f"<p>Builds: {links}</p>")
+    parts += [_section(s) for s in sections]
+    if extra_results:
+        parts += ["<h2>Verdicts for builds without a scan record</h2>", _verdicts(extra_results)]
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def _title(sections: list[Section]) -> str:
+    name = next(((s.record.get("model") or {}).get("name") for s in sections), None)
+    return f"Circuits report: {name}" if name else "Circuits report"
+
+
+def _model_line(sections: list[Section]) -> str:
+    """One line about the model: family, geometry, weight fingerprint."""
+    if not sections:
+        return ""
+    model = sections[0].record.get("model") or {}
+    g = model.get("geometry") or {}
+    bits = [str(model.get("family") or "")]
+    if g:
+        bits.append(f"{g.get('n_layers')} layers × {g.get('n_heads')} heads "
+                    f"({g.get('n_kv_heads')} kv), d_model {g.get('d_model')}, d_head {g.get('d_head')}, "
+                    f"vocab {g.get('vocab')}")
+    if model.get("fingerprint"):
+        bits.append(f"weights {str(model['fingerprint'])[:12]}")
+    return " · ".join(b for b in bits if b)
+
+
+def _banner(sections: list[Section], extra_results: list[dict]) -> str:
+    """The verdict at the top: every broken invariant named, or that all held."""
+    results = [r for s in sections for r in s.results] + extra_results
+    failed = [r for r in results if not r["passed"]]
+    if failed:
+        items = "".join(
+            f"<li><b>{escape(r['build'])}</b>: <b>{escape(r['invariant'])}</b> broken"
+            f"{' against ' + escape(r['against']) if r['against'] else ''}</li>"
+            for r in failed
+        )
+        return (f'<div class="banner fail"><h2>{len(failed)} of {len(results)} invariants broken</h2>'
+                f"<ul>{items}</ul></div>")
+    if results:
+        return f'<div class="banner pass"><h2>All {len(results)} invariants held</h2></div>'
+    return ('<div class="banner none"><h2>No gate verdicts</h2>This report shows scan results only'
+            "; differences against a reference are descriptive, not verdicts.</div>")
+
+
+def _section(s: Section) -> str:
+    parts = [f'<h2 id="{escape(s.slug)}">Build {escape(s.label)}</h2>', _identity(s), _model_figures(s)]
+    if s.results:
+        parts.append(_verdicts(s.results))
+    moved = data.top_moved(s.results, k=12)
+    if moved:
+        parts += ["<h3>Heads the gate found moved</h3>", _moved_table(moved)]
+    if s.changes:
+        parts += [f"<h3>Largest per-head changes against {escape(data.recipe_of(s.reference))}</h3>",
+                  "<p>Ranked by the change divided by the metric's spread across heads in the reference.</p>",
+                  _changes_table(s.changes)]
+    parts += [f'<p class="note">{escape(n)}</p>' for n in s.notes]
+    parts += [_figure(f) for f in s.figures]
+    return "\n".join(parts)
+
+
+def _identity(s: Section) -> str:
+    build = s.record.get("build") or {}
+    rows = [(k, build.get(k)) for k in ("recipe", "dtype", "backend", "backend_version", "device")]
+    probe = s.record.get("probe") or {}
+    if probe:
+        rows.append(("probe", f"seed {probe.get('seed')}, n {probe.get('n')}, L {probe.get('L')}"))
+    if s.reference is not None:
+        rows.append(("reference", data.recipe_of(s.reference)))
+    copying, suppression = data.flagged_heads(s.record, "copying"), data.flagged_heads(s.record, "suppression")
+    rows.append(("copying heads", ", ".join(copying) or "none"))
+    rows.append(("suppression heads", ", ".join(suppression) or "none"))
+    body = "".join(f"<tr><th>{escape(k)}</th><td>{escape(str(v if v is not None else '—'))}</td></tr>"
+                   for k, v in rows)
+    return f"<table>{body}</table>"
+
+
+def _model_figures(s: Section) -> str:
+    mine = data.model_figures(s.record)
+    ref = data.model_figures(s.reference) if s.reference is not None else None
+    head = "<tr><th>model figure (nats)</th><th>this build</th>"
+    head += "<th>reference</th><th>change</th></tr>" if ref else "</tr>"
+    rows = []
+    for name, value in mine.items():
+        cells = f"<td>{name.replace('_', ' ')}</td><td class=num>{data.fmt(value)}</td>"
+        if ref:
+            cells += (f"<td class=num>{data.fmt(ref[name])}</td>"
+                      f"<td class=num>{data.fmt(value - ref[name], sign=True)}</td>")
+        rows.append(f"<tr>{cells}</tr>")
+    return f"<table>{head}{''.join(rows)}</table>"
+
+
+def _verdicts(results: list[dict]) -> str:
+    rows = []
+    for r in results:
+        status = "pass" if r["passed"] else "FAIL"
+        message = f"<details{'' if r['passed'] else ' open'}><summary>details</summary><pre>" \
+                  f"{escape(r['message'])}</pre></details>" if r["message"] else ""
+        rows.append(f"<tr><td class={status}>{status}</td><td>{escape(r['invariant'])}</td>"
+                    f"<td>{escape(r['build'])}</td><td>{escape(r['against'])}</td><td>{message}</td></tr>")
+    return ("<table><tr><th>result</th><th>invariant</th><th>build</th><th>against</th><th>message</th></tr>"
+            + "".join(rows) + "</table>")
+
+
+def _moved_table(moved: list[dict]) -> str:
+    rows = "".join(
+        f"<tr><td>{escape(str(m.get('head')))}</td><td>{escape(str(m.get('metric')))}</td>"
+        f"<td class=num>{data.fmt(m.get('before'))}</td><td class=num>{data.fmt(m.get('after'))}</td>"
+        f"<td class=num>{data.fmt(m.get('tolerance'))}</td></tr>"
+        for m in moved
+    )
+    return ("<table><tr><th>head</th><th>metric</th><th>before</th><th>after</th><th>tolerance</th></tr>"
+            + rows + "</table>")
+
+
+def _changes_table(changes: list[dict]) -> str:
+    rows = "".join(
+        f"<tr><td>{c['head']}</td><td>{escape(c['metric'])}</td><td class=num>{data.fmt(c['before'])}</td>"
+        f"<td class=num>{data.fmt(c['after'])}</td><td class=num>{data.fmt(c['change'], sign=True)}</td></tr>"
+        for c in changes
+    )
+    return ("<table><tr><th>head</th><th>metric</th><th>reference</th><th>this build</th><th>change</th></tr>"
+            + rows + "</table>")
+
+
+def _figure(f) -> str:
+    uri = "data:image/png;base64," + base64.b64encode(f.png).decode("ascii")
+    return (f'<figure><img src="{uri}" alt="{escape(f.title)}">'
+            f"<figcaption><b>{escape(f.title)}.</b> {escape(f.caption)}</figcaption></figure>")

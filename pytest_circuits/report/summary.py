@@ -1,0 +1,62 @@
+"""The short terminal summary (for ``pytest_terminal_summary`` and the CLI); no matplotlib."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable
+
+from . import data
+
+REPORT_PAGE = "report.html"
+SUMMARY_PAGE = "summary.md"
+MOVED_PER_BUILD = 3
+_MESSAGE_WIDTH = 100
+
+
+def summary_lines(results: Iterable[Any] | None, records: Iterable[dict] | None = None,
+                  report_dir: str | Path | None = None) -> list[str]:
+    """Per build: pass or fail per invariant and the heads that moved most; then where the report is.
+
+    Builds with a record but no gate results get one line with their copy loss.
+    """
+    grouped = data.results_by_build(results)
+    lines = []
+    for build, build_results in grouped.items():
+        failed = [r for r in build_results if not r["passed"]]
+        against = sorted({r["against"] for r in build_results if r["against"]})
+        head = f"circuits {build}" + (f" vs {', '.join(against)}" if against else "")
+        verdict = f"FAIL ({len(failed)} of {len(build_results)} invariants broken)" if failed \
+            else f"pass ({len(build_results)} invariants held)"
+        lines.append(f"{head}: {verdict}")
+        for r in failed:
+            lines.append(f"  FAIL {r['invariant']}" + (f": {_first_line(r['message'])}" if r["message"] else ""))
+        passed = [r["invariant"] for r in build_results if r["passed"]]
+        if passed:
+            lines.append(f"  pass {', '.join(passed)}")
+        moved = data.top_moved(failed, MOVED_PER_BUILD) or data.top_moved(build_results, MOVED_PER_BUILD)
+        if moved:
+            lines.append("  moved most: " + "; ".join(_moved(m) for m in moved))
+    for record in records or []:
+        build = data.recipe_of(record)
+        if build not in grouped:
+            loss = data.fmt(record.get("copy_loss"))
+            lines.append(f"circuits {build}: scanned, not gated (copy loss {loss} nats)")
+    if report_dir is not None:
+        lines.append(f"circuits report: {_page(Path(report_dir))}")
+    return lines
+
+
+def _moved(m: dict) -> str:
+    text = f"{m.get('head')} {m.get('metric')} {data.fmt(m.get('before'))} -> {data.fmt(m.get('after'))}"
+    tolerance = data.number(m.get("tolerance"))
+    return text + (f" (tol {data.fmt(tolerance)})" if tolerance == tolerance else "")
+
+
+def _first_line(message: str) -> str:
+    line = next((l.strip() for l in message.splitlines() if l.strip()), "")
+    return line if len(line) <= _MESSAGE_WIDTH else line[: _MESSAGE_WIDTH - 3] + "..."
+
+
+def _page(report_dir: Path) -> Path:
+    """The HTML page inside a report folder (or the path itself if it names a file)."""
+    return report_dir if report_dir.suffix == ".html" else report_dir / REPORT_PAGE
