@@ -85,3 +85,82 @@ class CircuitsSession:
                 batch_size=s.batch_size,
             ),
         )
+
+    # ------------------------------------------------------------ baselines (record.py, baseline.py)
+
+    def record(self, recipe: str, knockout: bool = True) -> dict:
+        """The scan record of one build (`record.build_record`), knockouts optional."""
+        from .record import build_record
+
+        if not knockout and ("record-knockout=True", recipe) in self._cache:
+            return self._cache[("record-knockout=True", recipe)]
+        return self._memo(f"record-knockout={knockout}", recipe, lambda: build_record(self, recipe, knockout))
+
+    def baseline_path(self, recipe: str):
+        """Where the baseline of ``recipe`` for this model lives."""
+        from .baseline import baseline_path
+
+        return baseline_path(self.settings.baselines, self.source.name, recipe)
+
+    def record_command(self, recipe: str) -> str:
+        """The shell command that (re)records the baseline of ``recipe``."""
+        return (
+            f"circuits record {self.settings.model} --build {recipe} --baselines {self.settings.baselines}"
+        )
+
+    def write_baseline(self, recipe: str):
+        """Record ``recipe`` (with knockouts) and write its baseline atomically, once per session."""
+        from .baseline import write_baseline
+
+        def write():
+            path = write_baseline(self.baseline_path(recipe), self.record(recipe, knockout=True))
+            self.events.append({"event": "written", "recipe": recipe, "path": str(path)})
+            return path
+
+        return self._memo("written", recipe, write)
+
+    def load_baseline(self, recipe: str) -> dict:
+        """The baseline record of ``recipe``: written first under ``update``; BaselineError if missing/corrupt."""
+        from .baseline import read_baseline
+        from .errors import BaselineError
+
+        def load():
+            if self.settings.update and (recipe in self.settings.builds or recipe == self.settings.reference):
+                self.write_baseline(recipe)
+            path = self.baseline_path(recipe)
+            if not path.is_file():
+                self.events.append({"event": "missing", "recipe": recipe, "path": str(path)})
+                raise BaselineError(
+                    f"baseline {path} does not exist; record it with: {self.record_command(recipe)} "
+                    f"(or pytest --circuits-builds {recipe} --circuits-update)"
+                )
+            try:
+                record = read_baseline(path)
+            except BaselineError:
+                self.events.append({"event": "corrupt", "recipe": recipe, "path": str(path)})
+                raise
+            self.events.append({"event": "compared", "recipe": recipe, "path": str(path)})
+            return record
+
+        key = ("baseline", recipe)
+        if key not in self._cache:
+            try:
+                self._cache[key] = load()
+            except Exception as error:  # remember the failure: one message per session, no retries
+                self._cache[key] = error
+        value = self._cache[key]
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    @cached_property
+    def events(self) -> list[dict]:
+        """Baseline events of this run: written, compared, missing, corrupt (for the summary)."""
+        return []
+
+    @cached_property
+    def tolerances(self):
+        """Gate tolerances: defaults, overridden by ini ``circuits_tol_*`` keys."""
+        from .gate import Tolerances
+
+        return Tolerances().updated(self.settings.tolerances)

@@ -31,6 +31,7 @@ class CircuitsSettings:
     n_rotations: int = 256
     fdr_q: float = 0.05
     batch_size: int = 8
+    tolerances: dict = field(default_factory=dict)  # gate tolerance overrides (ini circuits_tol_*)
 
     @property
     def knockout_probe(self) -> RepeatSettings:

@@ -98,3 +98,79 @@ def requires_embedded_model():
     return pytest.mark.skipif(
         not has_embedded_model(), reason="embedded model missing: python scripts/train_tiny_induction.py"
     )
+
+
+# ---------------------------------------------------------------- sabotage (gate tests): edit weights in place
+
+
+def _is_conv1d(module) -> bool:
+    return type(module).__name__ == "Conv1D"
+
+
+def _float_weight(module):
+    weight = module.weight
+    if not weight.dtype.is_floating_point or type(module).__name__ in ("Linear8bitLt", "Linear4bit"):
+        raise TypeError(f"sabotage edits float weights only; {type(module).__name__} is quantized: edit the fp32 build")
+    return weight
+
+
+@torch.no_grad()
+def negate_head_ov(model, layer: int, head: int) -> None:
+    """Negate ``W_O`` of head ``L{layer}H{head}`` in place, so ``W_OV -> -W_OV`` (kappa flips sign)."""
+    from .families import geometry_of, out_proj_module
+
+    geo = geometry_of(model)
+    proj = out_proj_module(model, layer)
+    cols = slice(head * geo.d_head, (head + 1) * geo.d_head)  # head h's slice of z, the projection's input
+    weight = _float_weight(proj)
+    if _is_conv1d(proj):  # stored (in, out)
+        weight[cols, :] *= -1
+    else:  # stored (out, in)
+        weight[:, cols] *= -1
+
+
+def _qk_rows(model, layer: int, head: int):
+    """``[(module, out_rows)]`` holding W_Q (and W_K when not shared with other query heads) of one head."""
+    from .families import attention_module, family_of, geometry_of, get_module
+
+    fam, geo = family_of(model), geometry_of(model)
+    attn = attention_module(model, layer)
+    d = geo.d_head
+    q = list(range(head * d, (head + 1) * d))
+    if fam.qkv_layout == "fused_thirds":
+        k = [geo.n_heads * d + i for i in q]
+        return [(get_module(attn, fam.qkv[0]), q + k)]
+    if fam.qkv_layout == "fused_per_head":
+        base = head * 3 * d
+        return [(get_module(attn, fam.qkv[0]), list(range(base, base + 2 * d)))]
+    q_proj, k_proj, _ = (get_module(attn, name) for name in fam.qkv)
+    found = [(q_proj, q)]
+    if geo.group_size == 1:  # with grouped-query attention K is shared: zeroing W_Q alone flattens the head
+        g = geo.kv_group(head)
+        found.append((k_proj, list(range(g * d, (g + 1) * d))))
+    return found
+
+
+@torch.no_grad()
+def flatten_head_qk(model, layer: int, head: int) -> None:
+    """Zero ``W_Q``/``W_K`` (and their biases) of one head in place: its attention becomes uniform."""
+    for module, rows in _qk_rows(model, layer, head):
+        weight = _float_weight(module)
+        index = torch.tensor(rows)
+        if _is_conv1d(module):  # stored (in, out)
+            weight[:, index] = 0
+        else:
+            weight[index, :] = 0
+        if getattr(module, "bias", None) is not None:
+            module.bias[index] = 0
+
+
+@torch.no_grad()
+def add_weight_noise(model, rel: float, seed: int = 0) -> None:
+    """``W <- W + rel * rms(W) * N(0, 1)`` for every weight matrix (2-D float parameter), in place."""
+    generator = torch.Generator().manual_seed(seed)
+    for _, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        if param.dim() == 2 and param.dtype.is_floating_point:
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            rms = param.detach().float().pow(2).mean().sqrt()
+            param.add_((rel * rms * noise).to(param.dtype))

@@ -1,0 +1,195 @@
+"""Baseline files: one JSON scan record per (model, build), written atomically.
+
+File name: ``<model name>--<recipe>.json`` in the baselines folder. The text is
+diff-friendly: sorted keys, two-space indent, every float rounded to ``SIG_DIGITS``
+significant digits, eigenvalue pairs on one line. Writes go to a temporary file in
+the same folder, are fsynced, then ``os.replace``d over the target, so readers (and
+concurrent pytest-xdist workers) only ever see a whole old or a whole new file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from .errors import BaselineError
+from .record import SCHEMA_VERSION
+
+SIG_DIGITS = 6
+SUFFIX = ".json"
+SEPARATOR = "--"
+REQUIRED_KEYS = ("schema_version", "model", "build", "probe", "heads")
+GEOMETRY_KEYS = ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "vocab")
+
+
+def safe_name(text: str) -> str:
+    """A file-name-safe form of a model name: anything but ``[A-Za-z0-9._-]`` becomes ``_``."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(text)).strip("._") or "model"
+
+
+def baseline_path(folder: str | Path, model_name: str, recipe: str) -> Path:
+    """``folder/<model>--<recipe>.json``."""
+    return Path(folder) / f"{safe_name(model_name)}{SEPARATOR}{recipe}{SUFFIX}"
+
+
+def model_baselines(folder: str | Path, model_name: str) -> dict[str, Path]:
+    """Every baseline file of ``model_name`` in ``folder``, by recipe."""
+    prefix = f"{safe_name(model_name)}{SEPARATOR}"
+    folder = Path(folder)
+    if not folder.is_dir():
+        return {}
+    return {
+        p.name[len(prefix) : -len(SUFFIX)]: p
+        for p in sorted(folder.glob(f"{prefix}*{SUFFIX}"))
+        if SEPARATOR not in p.name[len(prefix) : -len(SUFFIX)]
+    }
+
+
+def orphans(folder: str | Path, model_name: str, used_recipes) -> list[Path]:
+    """Baseline files of ``model_name`` that no recipe in ``used_recipes`` reads."""
+    used = set(used_recipes)
+    return [p for recipe, p in model_baselines(folder, model_name).items() if recipe not in used]
+
+
+def round_sig(value, digits: int = SIG_DIGITS):
+    """Floats (nested anywhere) rounded to ``digits`` significant digits; NaN/inf -> None."""
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return None
+        return float(f"{value:.{digits}g}")
+    if isinstance(value, dict):
+        return {str(k): round_sig(v, digits) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [round_sig(v, digits) for v in value]
+    if hasattr(value, "item"):  # numpy scalar
+        return round_sig(value.item(), digits)
+    return value
+
+
+_PAIR = re.compile(r"\[\s*(-?[\d.eE+-]+),\s*(-?[\d.eE+-]+)\s*\]")
+
+
+def dumps(record: dict, digits: int = SIG_DIGITS) -> str:
+    """Stable text of a record: sorted keys, rounded floats, one line per eigenvalue pair."""
+    text = json.dumps(round_sig(record, digits), sort_keys=True, indent=2, allow_nan=False)
+    return _PAIR.sub(r"[\1, \2]", text) + "\n"
+
+
+def write_baseline(path: str | Path, record: dict) -> Path:
+    """Write ``record`` to ``path`` atomically (temp file in the same folder, fsync, os.replace)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = dumps(record)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def validate(record, source: str = "baseline") -> dict:
+    """``record`` if it is a scan record of this schema, else a one-line BaselineError."""
+    fix = "record it again with --circuits-update (or circuits record)"
+    if not isinstance(record, dict):
+        raise BaselineError(f"{source} is not a scan record (top level is not an object); {fix}")
+    version = record.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise BaselineError(
+            f"{source} has schema version {version!r}, this pytest-circuits reads {SCHEMA_VERSION}; {fix}"
+        )
+    missing = [k for k in REQUIRED_KEYS if k not in record]
+    geometry = (record.get("model") or {}).get("geometry") if isinstance(record.get("model"), dict) else None
+    if not isinstance(geometry, dict) or any(k not in geometry for k in GEOMETRY_KEYS):
+        missing.append("model.geometry")
+    if not isinstance(record.get("heads"), list) or any(
+        not isinstance(h, dict) or "head" not in h for h in record.get("heads") or []
+    ):
+        missing.append("heads[].head")
+    if missing:
+        raise BaselineError(f"{source} is not a valid scan record (missing {', '.join(missing)}); {fix}")
+    return record
+
+
+def read_baseline(path: str | Path) -> dict:
+    """The validated record in ``path``; a missing or corrupt file is a one-line BaselineError."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BaselineError(f"baseline {path} does not exist; record it with --circuits-update or circuits record") from None
+    except OSError as error:
+        raise BaselineError(f"baseline {path} cannot be read ({error.strerror}); check its permissions") from None
+    try:
+        record = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        line = getattr(error, "lineno", "?")
+        raise BaselineError(
+            f"baseline {path} is not valid JSON (line {line}); delete it and record it again with "
+            "--circuits-update (or circuits record)"
+        ) from None
+    return validate(record, f"baseline {path}")
+
+
+def compatibility(baseline: dict, record: dict, source: str = "baseline") -> list[str]:
+    """Notes on comparing ``record`` with ``baseline``; another geometry or probe is refused.
+
+    Same geometry but another weight fingerprint (a new checkpoint of the same shape) is
+    compared, with a note saying the weights differ.
+    """
+    geo_b, geo_r = baseline["model"]["geometry"], record["model"]["geometry"]
+    diff = [f"{k} {geo_b.get(k)} vs {geo_r.get(k)}" for k in GEOMETRY_KEYS if geo_b.get(k) != geo_r.get(k)]
+    if diff:
+        raise BaselineError(
+            f"{source} is of another model geometry ({', '.join(diff)}); record a baseline for this model "
+            "with --circuits-update (or circuits record)"
+        )
+    pb, pr = baseline.get("probe") or {}, record.get("probe") or {}
+    pdiff = [f"{k}={pb.get(k)} vs {pr.get(k)}" for k in ("seed", "n", "L") if pb.get(k) != pr.get(k)]
+    if pdiff:
+        raise BaselineError(
+            f"{source} was recorded with other probe settings ({', '.join(pdiff)}); run with "
+            f"--circuits-probe-seed {pb.get('seed')} --circuits-probe-n {pb.get('n')} "
+            f"--circuits-probe-length {pb.get('L')} or record it again"
+        )
+    notes = []
+    fb, fr = baseline["model"].get("fingerprint"), record["model"].get("fingerprint")
+    if fb and fr and fb != fr:
+        notes.append(
+            f"note: the weights differ from those the baseline was recorded from "
+            f"(sha256 {_short(fb)} vs {_short(fr)}); comparing the same geometry"
+        )
+    return notes
+
+
+def _short(fingerprint: str) -> str:
+    return fingerprint.split(":")[-1][:12]

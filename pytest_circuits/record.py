@@ -1,0 +1,168 @@
+"""The scan record: every figure of one build as a JSON-able dict (baselines, CLI JSON, report).
+
+``build_record(session, recipe)`` computes it through the session (the same code path for
+the plugin and the CLI); ``assemble_record`` is the pure part, from the three rung frames.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+SCHEMA_VERSION = 1
+
+HEAD_COLUMNS = (
+    "head", "layer", "head_index",
+    "kappa", "kappa_trace", "kappa_null_mean", "kappa_null_sd", "kappa_z", "kappa_p", "kappa_q",
+    "copying", "suppression",
+    "prefix_matching", "previous_token", "duplicate_token",
+    "knockout_delta",
+)
+EXTRA_COLUMNS = ("kappa_trace_z", "copying_trace", "suppression_trace", "knockout_estimate")
+
+
+def versions() -> dict:
+    """Versions of torch, transformers, bitsandbytes (None if absent) and pytest-circuits."""
+    import torch
+    import transformers
+
+    from . import __version__
+
+    try:
+        import importlib.metadata as metadata
+
+        bnb = metadata.version("bitsandbytes")
+    except Exception:
+        bnb = None
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "bitsandbytes": bnb, "pytest_circuits": __version__}
+
+
+def _plain(value):
+    """numpy scalars -> Python; NaN/inf -> None (strict JSON)."""
+    if isinstance(value, (np.bool_, bool)):
+        return bool(value)
+    if isinstance(value, (np.integer,)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        value = float(value)
+        return value if math.isfinite(value) else None
+    return value
+
+
+def head_rows(spectrum, probe_heads=None, knockout=None) -> list[dict]:
+    """One dict per head (ordered by layer, head), joining the three rung frames on ``head``."""
+    frame = pd.DataFrame({c: spectrum[c].to_numpy() for c in spectrum.columns})  # no attrs: they break merge
+    if probe_heads is not None:
+        frame = frame.merge(probe_heads.drop(columns=["layer", "head_index"], errors="ignore"), on="head", how="left")
+    if knockout is not None:
+        cols = [c for c in ("head", "knockout_delta", "knockout_estimate") if c in knockout.columns]
+        frame = frame.merge(knockout[cols], on="head", how="left")
+    frame = frame.sort_values(["layer", "head_index"])
+    columns = list(HEAD_COLUMNS) + [c for c in EXTRA_COLUMNS if c in frame.columns]
+    rows = []
+    for _, r in frame.iterrows():
+        rows.append({c: _plain(r[c]) if c in frame.columns else None for c in columns})
+    return rows
+
+
+def eigenvalue_map(eigenvalues, labels: list[str] | None = None) -> dict:
+    """``(n_layers, n_heads, d_head)`` complex array -> ``{"L0H0": [[re, im], ...]}``."""
+    if eigenvalues is None:
+        return {}
+    ev = np.asarray(eigenvalues)
+    out = {}
+    for l in range(ev.shape[0]):
+        for h in range(ev.shape[1]):
+            out[f"L{l}H{h}"] = [[float(z.real), float(z.imag)] for z in ev[l, h]]
+    return out
+
+
+def assemble_record(*, model: dict, build: dict, probe: dict, knockout_info: dict | None, spectrum,
+                    probe_result, knockout=None, rung1: dict) -> dict:
+    """The scan record from its parts (pure; see the contract in the module docstring)."""
+    figures = probe_result.model_figures() if probe_result is not None else {}
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "model": model,
+        "build": build,
+        "versions": versions(),
+        "probe": probe,
+        "knockout": knockout_info,
+        "rung1": rung1,
+        **{k: _plain(figures.get(k)) for k in ("copy_loss", "first_copy_loss", "copy_gain", "uniform_loss")},
+        "heads": head_rows(spectrum, None if probe_result is None else probe_result.heads, knockout),
+        "eigenvalues": eigenvalue_map(spectrum.attrs.get("eigenvalues")),
+    }
+
+
+def _rung1_info(spectrum, settings, folded: bool) -> dict:
+    attrs = {**spectrum.attrs, **(spectrum.attrs.get("summary") or {})}
+    null_sd = attrs.get("median_null_sd", attrs.get("null_sd_median"))
+    if null_sd is None and "kappa_null_sd" in spectrum.columns:
+        null_sd = float(np.nanmedian(spectrum["kappa_null_sd"].to_numpy(float)))
+    floor = attrs.get("analytic_floor")
+    return {
+        "n_rotations": int(attrs.get("n_rotations", settings.n_rotations)),
+        "q": float(attrs.get("q", settings.fdr_q)),
+        "folded": bool(attrs.get("folded", folded)),
+        "analytic_floor": _plain(floor),
+        "null_sd_median": _plain(null_sd),
+    }
+
+
+@lru_cache(maxsize=16)
+def _fingerprint(folder: str, stamp: tuple) -> str:
+    from .loading import weight_fingerprint
+
+    return weight_fingerprint(Path(folder))
+
+
+def fingerprint(folder) -> str:
+    """``loading.weight_fingerprint`` of a model folder, hashed once per folder state (names, sizes, mtimes)."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    stamp = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    return _fingerprint(str(folder), stamp)
+
+
+def model_info(session, build) -> dict:
+    """Name, spec, family, weight fingerprint and geometry of the session's model."""
+    geo = build.geometry
+    return {
+        "name": session.source.name,
+        "spec": session.source.spec,
+        "family": build.family.name,
+        "fingerprint": fingerprint(session.source.folder),
+        "geometry": {k: getattr(geo, k) for k in ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "vocab")},
+    }
+
+
+def build_record(session, recipe: str, knockout: bool = True) -> dict:
+    """The scan record of one build, computed (and cached) through ``session``."""
+    s = session.settings
+    build = session.build(recipe)
+    spectrum = session.ov_spectrum(recipe)
+    probe = session.repeat_probe(recipe)
+    ko_frame, ko_info = None, None
+    if knockout:
+        ko_frame = session.head_knockout(recipe)
+        ko_info = {
+            **s.knockout_probe.as_dict(),
+            "mode": ko_frame.attrs.get("mode", s.knockout_mode),
+            "screened": s.knockout_screen,
+        }
+    return assemble_record(
+        model=model_info(session, build),
+        build=build.identity.as_dict(),
+        probe={**s.probe.as_dict(), "bos_id": build.tokens.bos_id, "vocab_size": build.tokens.vocab_size,
+               "n_special": len(build.tokens.special_ids)},
+        knockout_info=ko_info,
+        spectrum=spectrum,
+        probe_result=probe,
+        knockout=ko_frame,
+        rung1=_rung1_info(spectrum, s, folded=True),
+    )

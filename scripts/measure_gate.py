@@ -1,0 +1,123 @@
+#!/usr/bin/env python
+"""Measure how far each gate statistic moves under benign changes and under sabotage.
+
+Benign: a bf16 round trip of the weights, 1e-3 relative weight noise, and the build recipes.
+Sabotage: negate the OV of the top induction head (its W_O), flatten the QK of the top
+previous-token head (zero its W_Q/W_K). The gate's default tolerances must sit between.
+
+    python scripts/measure_gate.py                       # the embedded tiny-induction model
+    python scripts/measure_gate.py --model PATH --builds fp32,bnb-nf4
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pytest_circuits.gate import Tolerances, _num, gate_all, key_heads, spearman
+from pytest_circuits.loading import resolve_model
+from pytest_circuits.repeat import RepeatSettings
+from pytest_circuits.session import CircuitsSession
+from pytest_circuits.settings import CircuitsSettings
+from pytest_circuits.testing import add_weight_noise, flatten_head_qk, negate_head_ov
+
+
+def session_for(model: str, probe: RepeatSettings) -> CircuitsSession:
+    return CircuitsSession(CircuitsSettings(model=model, device="cpu", probe=probe))
+
+
+def statistics(before: dict, after: dict, tol: Tolerances) -> dict:
+    """The numbers each invariant compares with its tolerance."""
+    b = {h["head"]: h for h in before["heads"]}
+    a = {h["head"]: h for h in after["heads"]}
+    flagged = [n for n, h in b.items() if h.get("copying") or h.get("suppression")]
+    out = {
+        "dkappa_flag": max((abs(_num(a[n]["kappa"]) - _num(b[n]["kappa"])) for n in flagged), default=0.0),
+        "dtrace_all": max(abs(_num(a[n]["kappa_trace"]) - _num(b[n]["kappa_trace"])) for n in b),
+        "rank": spearman([_num(b[n]["kappa"]) for n in b], [_num(a[n]["kappa"]) for n in b]),
+        "dz": float(np.mean([_num(a[n]["kappa_z"]) - _num(b[n]["kappa_z"]) for n in b])),
+        "dtz": float(np.mean([_num(a[n].get("kappa_trace_z")) - _num(b[n].get("kappa_trace_z")) for n in b])),
+        "dcopy": _num(after["copy_loss"]) - _num(before["copy_loss"]),
+        "dgain": _num(after["copy_gain"]) - _num(before["copy_gain"]),
+    }
+    routing = [0.0]
+    for metric in ("prefix_matching", "previous_token"):
+        routing += [abs(_num(a[n][metric]) - _num(b[n][metric])) for n in key_heads(before, metric, tol.top_k, tol.min_score)]
+    out["drouting"] = max(routing)
+    ko = [abs(_num(a[n]["knockout_delta"]) - _num(b[n]["knockout_delta"])) / abs(_num(b[n]["knockout_delta"]))
+          for n in key_heads(before, "knockout_delta", tol.top_k, tol.min_delta)]
+    out["dknockout_rel"] = max(ko, default=0.0)
+    return out
+
+
+def edited_folder(source_folder: Path, out: Path, edit) -> Path:
+    """A copy of the model with ``edit(model)`` applied, saved as safetensors."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source_folder, dtype=torch.float32, attn_implementation="eager")
+    edit(model)
+    model.save_pretrained(out, safe_serialization=True)
+    for extra in source_folder.iterdir():  # keep the tokenizer files, if any
+        if extra.suffix in (".json", ".txt", ".model") and not (out / extra.name).exists():
+            (out / extra.name).write_bytes(extra.read_bytes())
+    return out
+
+
+def bf16_round_trip(model) -> None:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny-induction")
+    p.add_argument("--builds", default="bf16,fp16,bnb-int8,bnb-nf4,bnb-fp4,rtn-int8,rtn-int4")
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--L", type=int, default=64)
+    args = p.parse_args()
+    probe = RepeatSettings(0, args.n, args.L)
+    tol = Tolerances()
+    base = session_for(args.model, probe)
+    reference = base.record("fp32")
+    folder = base.source.folder
+    induction = key_heads(reference, "prefix_matching", 1, 0.0)[0]
+    previous = key_heads(reference, "previous_token", 1, 0.0)[0]
+    print(f"model {args.model}: top induction head {induction}, top previous-token head {previous}; "
+          f"copy loss {reference['copy_loss']:.4f}, gain {reference['copy_gain']:.4f}")
+    print("copying/suppression heads:", [h["head"] for h in reference["heads"] if h["copying"] or h["suppression"]])
+
+    def lh(label):
+        l, h = label[1:].split("H")
+        return int(l), int(h)
+
+    cases = [(f"build {r}", base, r) for r in args.builds.split(",") if r]
+    tmp = Path(tempfile.mkdtemp())
+    edits = {
+        "bf16 round trip": bf16_round_trip,
+        "noise 1e-3": lambda m: add_weight_noise(m, 1e-3, seed=0),
+        "noise 1e-2": lambda m: add_weight_noise(m, 1e-2, seed=0),
+        f"negate OV {induction}": lambda m: negate_head_ov(m, *lh(induction)),
+        f"flatten QK {previous}": lambda m: flatten_head_qk(m, *lh(previous)),
+    }
+    for i, (name, edit) in enumerate(edits.items()):
+        cases.append((name, session_for(str(edited_folder(folder, tmp / f"m{i}", edit)), probe), "fp32"))
+    columns = ("dkappa_flag", "dtrace_all", "rank", "dz", "dtz", "dcopy", "dgain", "drouting", "dknockout_rel")
+    print(f"{'case':<24}" + "".join(f"{c:>14}" for c in columns) + "  verdict")
+    for name, session, recipe in cases:
+        record = session.record(recipe)
+        stats = statistics(reference, record, tol)
+        results = gate_all(reference, record, tol, recipe, "fp32 baseline")
+        broken = [r.invariant for r in results if not r.passed]
+        print(f"{name:<24}" + "".join(f"{stats[c]:>+14.4f}" for c in columns)
+              + f"  {'FAIL ' + ','.join(broken) if broken else 'pass'}", flush=True)
+    print("tolerances:", tol.as_dict())
+
+
+if __name__ == "__main__":
+    main()

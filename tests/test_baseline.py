@@ -1,0 +1,235 @@
+"""Baseline files: naming, diff-friendly text, atomic writes, reading, validation, compatibility."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from pytest_circuits import baseline as bl
+from pytest_circuits.errors import BaselineError
+from pytest_circuits.record import HEAD_COLUMNS, SCHEMA_VERSION, assemble_record, eigenvalue_map, head_rows
+
+GEOMETRY = {"n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "d_model": 8, "d_head": 4, "vocab": 16}
+
+
+def fake_record(kappa=(0.9, -0.1, 0.05, 0.3), fingerprint="sha256:aa", geometry=None, seed=0) -> dict:
+    heads = []
+    for i, k in enumerate(kappa):
+        heads.append({"head": f"L{i // 2}H{i % 2}", "layer": i // 2, "head_index": i % 2, "kappa": k,
+                      "kappa_trace": k / 2, "kappa_z": 10 * k, "copying": k > 0.5, "suppression": False,
+                      "prefix_matching": 0.01, "previous_token": 0.02, "duplicate_token": 0.0,
+                      "knockout_delta": None})
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "model": {"name": "m", "spec": "m", "family": "gpt2", "fingerprint": fingerprint,
+                  "geometry": dict(geometry or GEOMETRY)},
+        "build": {"recipe": "fp32"},
+        "probe": {"seed": seed, "n": 4, "L": 8},
+        "copy_loss": 1.0 / 3.0,
+        "heads": heads,
+        "eigenvalues": {"L0H0": [[0.123456789, -1e-9], [2.0, 0.0]]},
+    }
+
+
+# ---------------------------------------------------------------- text
+
+
+def test_round_sig_keeps_six_significant_digits():
+    rounded = bl.round_sig({"a": 0.123456789, "b": [12345.6789, -9.87654321e-7], "c": True, "d": 3, "e": math.nan})
+    assert rounded["a"] == pytest.approx(0.123457, abs=0)
+    assert rounded["b"][0] == 12345.7
+    assert rounded["b"][1] == -9.87654e-7
+    assert rounded["c"] is True and rounded["d"] == 3 and rounded["e"] is None
+    # independent check: relative error below half a unit in the sixth digit
+    for x in np.random.default_rng(0).normal(size=50) * 10.0 ** np.arange(-5, 5).repeat(5):
+        assert abs(bl.round_sig(float(x)) - x) <= 5e-6 * abs(x)
+
+
+def test_dumps_is_stable_sorted_and_pairs_one_line():
+    record = fake_record()
+    text = bl.dumps(record)
+    assert text == bl.dumps(json.loads(text))  # a second round trip changes nothing
+    assert list(json.loads(text)) == sorted(record)
+    assert "[0.123457, -1e-09]" in text
+    assert text.endswith("\n")
+
+
+def test_baseline_path_and_listing(tmp_path):
+    assert bl.baseline_path(tmp_path, "tiny-induction", "bnb-nf4") == tmp_path / "tiny-induction--bnb-nf4.json"
+    assert bl.baseline_path(tmp_path, "org/model x", "fp32").name == "org_model_x--fp32.json"
+    for name in ("m--fp32.json", "m--bnb-nf4.json", "other--fp32.json", "m--fp32.json.tmp"):
+        (tmp_path / name).write_text("{}")
+    assert sorted(bl.model_baselines(tmp_path, "m")) == ["bnb-nf4", "fp32"]
+    assert bl.orphans(tmp_path, "m", ["fp32"]) == [tmp_path / "m--bnb-nf4.json"]
+    assert bl.model_baselines(tmp_path / "absent", "m") == {}
+
+
+# ---------------------------------------------------------------- writing
+
+
+def test_write_then_read_round_trips(tmp_path):
+    record = fake_record()
+    path = bl.write_baseline(tmp_path / "sub" / "m--fp32.json", record)
+    assert bl.read_baseline(path) == bl.round_sig(record)
+    assert [p.name for p in path.parent.iterdir()] == ["m--fp32.json"]  # no temporary left behind
+
+
+def test_interrupted_write_keeps_the_old_file(tmp_path, monkeypatch):
+    path = bl.write_baseline(tmp_path / "m--fp32.json", fake_record(kappa=(0.1, 0.2, 0.3, 0.4)))
+    before = path.read_text()
+
+    def crash(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        bl.write_baseline(path, fake_record(kappa=(0.9, 0.9, 0.9, 0.9)))
+    assert path.read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["m--fp32.json"]
+
+
+def test_concurrent_writers_leave_one_whole_file(tmp_path):
+    path = tmp_path / "m--fp32.json"
+    records = [fake_record(kappa=(i / 10, 0.0, 0.0, 0.0)) for i in range(8)]
+    errors = []
+
+    def write(record):
+        try:
+            for _ in range(5):
+                bl.write_baseline(path, record)
+                bl.read_baseline(path)  # a reader never sees half a file
+        except Exception as error:  # pragma: no cover - the failure we test for
+            errors.append(error)
+
+    threads = [threading.Thread(target=write, args=(r,)) for r in records]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert bl.read_baseline(path) in [bl.round_sig(r) for r in records]
+    assert [p.name for p in tmp_path.iterdir()] == ["m--fp32.json"]
+
+
+# ---------------------------------------------------------------- reading
+
+
+def one_line(error) -> str:
+    text = str(error.value)
+    assert "\n" not in text
+    return text
+
+
+def test_missing_file_is_one_line_with_the_fix(tmp_path):
+    with pytest.raises(BaselineError) as error:
+        bl.read_baseline(tmp_path / "m--fp32.json")
+    assert "does not exist" in one_line(error) and "--circuits-update" in str(error.value)
+
+
+def test_bad_json_names_file_and_fix(tmp_path):
+    path = tmp_path / "m--fp32.json"
+    path.write_text('{"schema_version": 1,\n "heads": [')
+    with pytest.raises(BaselineError) as error:
+        bl.read_baseline(path)
+    text = one_line(error)
+    assert str(path) in text and "not valid JSON" in text and "record it again" in text
+
+
+@pytest.mark.parametrize(
+    "mutate, expected",
+    [
+        (lambda r: r.update(schema_version=99), "schema version 99"),
+        (lambda r: r.pop("heads"), "missing heads"),
+        (lambda r: r["model"]["geometry"].pop("d_head"), "model.geometry"),
+        (lambda r: r.update(heads=[{"kappa": 1.0}]), "heads[].head"),
+    ],
+)
+def test_wrong_schema_is_one_line(tmp_path, mutate, expected):
+    record = fake_record()
+    mutate(record)
+    path = tmp_path / "m--fp32.json"
+    path.write_text(json.dumps(record))
+    with pytest.raises(BaselineError) as error:
+        bl.read_baseline(path)
+    assert expected in one_line(error) and str(path) in str(error.value)
+
+
+def test_top_level_list_is_refused(tmp_path):
+    path = tmp_path / "m--fp32.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(BaselineError) as error:
+        bl.read_baseline(path)
+    assert "not a scan record" in one_line(error)
+
+
+# ---------------------------------------------------------------- compatibility
+
+
+def test_other_geometry_is_refused_in_one_line():
+    other = fake_record(geometry={**GEOMETRY, "n_heads": 4})
+    with pytest.raises(BaselineError) as error:
+        bl.compatibility(fake_record(), other, "baseline x.json")
+    assert "another model geometry" in one_line(error) and "n_heads 2 vs 4" in str(error.value)
+
+
+def test_other_weights_same_geometry_are_compared_with_a_note():
+    notes = bl.compatibility(fake_record(fingerprint="sha256:aaaa"), fake_record(fingerprint="sha256:bbbb"))
+    assert len(notes) == 1 and "weights differ" in notes[0]
+    assert bl.compatibility(fake_record(), fake_record()) == []
+
+
+def test_other_probe_settings_are_refused():
+    with pytest.raises(BaselineError) as error:
+        bl.compatibility(fake_record(seed=0), fake_record(seed=3))
+    assert "seed=0 vs 3" in one_line(error)
+
+
+# ---------------------------------------------------------------- record assembly (pure)
+
+
+class FakeProbe:
+    def __init__(self, heads):
+        self.heads = heads
+
+    def model_figures(self):
+        return {"copy_loss": 0.5, "first_copy_loss": 5.0, "copy_gain": 4.5, "uniform_loss": math.log(16)}
+
+
+def test_assemble_record_joins_the_three_rungs_by_head():
+    labels = ["L0H0", "L0H1", "L1H0", "L1H1"]
+    spectrum = pd.DataFrame({
+        "head": labels[::-1], "layer": [1, 1, 0, 0], "head_index": [1, 0, 1, 0],  # out of order on purpose
+        **{c: np.arange(4.0)[::-1] for c in ("kappa", "kappa_trace", "kappa_null_mean", "kappa_null_sd",
+                                             "kappa_z", "kappa_p", "kappa_q")},
+        "copying": [False, False, False, True], "suppression": [False] * 4,
+    })
+    spectrum.attrs["eigenvalues"] = np.arange(2 * 2 * 4).reshape(2, 2, 4) + 1j
+    probe_heads = pd.DataFrame({"head": labels, "layer": [0, 0, 1, 1], "head_index": [0, 1, 0, 1],
+                                "prefix_matching": [0.0, 0.1, 0.9, 0.2], "previous_token": [0.8, 0, 0, 0],
+                                "duplicate_token": [0.0] * 4})
+    knockout = pd.DataFrame({"head": labels, "knockout_delta": [0.1, np.nan, 2.0, 0.0]})
+    record = assemble_record(
+        model={"name": "m"}, build={"recipe": "fp32"}, probe={"seed": 0}, knockout_info={"seed": 1},
+        spectrum=spectrum, probe_result=FakeProbe(probe_heads), knockout=knockout, rung1={},
+    )
+    assert [h["head"] for h in record["heads"]] == labels
+    l1h0 = record["heads"][2]
+    assert l1h0["kappa"] == 2.0 and l1h0["prefix_matching"] == 0.9 and l1h0["knockout_delta"] == 2.0
+    assert record["heads"][1]["knockout_delta"] is None  # NaN -> null
+    assert record["heads"][0]["copying"] is True and isinstance(record["heads"][0]["copying"], bool)
+    assert set(HEAD_COLUMNS) <= set(l1h0)
+    assert record["copy_gain"] == 4.5 and record["schema_version"] == SCHEMA_VERSION
+    assert record["eigenvalues"]["L1H0"][3] == [11.0, 1.0]
+    json.dumps(record, allow_nan=False)  # strict JSON
+
+
+def test_eigenvalue_map_labels_heads():
+    ev = np.array([[[1 + 2j, 3 - 4j]]])
+    assert eigenvalue_map(ev) == {"L0H0": [[1.0, 2.0], [3.0, -4.0]]}
+    assert head_rows is not None

@@ -1,0 +1,129 @@
+"""The ``circuits`` command through its entry point: scan, record, gate, diff, errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from pytest_circuits.cli import main
+from pytest_circuits.testing import make_tiny_model, negate_head_ov, save_tiny_model
+
+SMALL = ["--device", "cpu", "--probe-n", "4", "--probe-length", "16"]
+SCAN_HEAD_KEYS = {"head", "layer", "head_index", "kappa", "kappa_trace", "kappa_z", "kappa_q", "copying",
+                  "suppression", "prefix_matching", "previous_token", "duplicate_token", "knockout_delta"}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return save_tiny_model("gpt2", tmp_path_factory.mktemp("cli") / "m", seed=0)
+
+
+@pytest.fixture(scope="module")
+def recorded(model, tmp_path_factory):
+    baselines = tmp_path_factory.mktemp("baselines")
+    assert main(["record", str(model), "--build", "fp32,rtn-int8", "--baselines", str(baselines), *SMALL]) == 0
+    return baselines
+
+
+def test_help_through_the_console_script():
+    exe = shutil.which("circuits")
+    command = [exe] if exe else [sys.executable, "-m", "pytest_circuits.cli"]
+    done = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0
+    for sub in ("scan", "record", "gate", "diff"):
+        assert sub in done.stdout
+
+
+def test_scan_json_holds_the_contract(model, tmp_path, capsys):
+    out = tmp_path / "scan.json"
+    assert main(["scan", str(model), "--json", str(out), *SMALL]) == 0
+    printed = capsys.readouterr().out
+    record = json.loads(out.read_text())
+    assert record["model"]["name"] == "m" and record["build"]["recipe"] == "fp32"
+    assert record["probe"]["n"] == 4 and record["probe"]["L"] == 16
+    for key in ("copy_loss", "first_copy_loss", "copy_gain"):
+        assert math.isfinite(record[key])
+    assert record["copy_gain"] == pytest.approx(record["first_copy_loss"] - record["copy_loss"], abs=2e-5)
+    assert len(record["heads"]) == 8 and SCAN_HEAD_KEYS <= set(record["heads"][0])
+    assert all(h["knockout_delta"] is not None for h in record["heads"])
+    for h in record["heads"]:  # the printed table shows every head with its kappa
+        assert f"{h['head']} " in printed and f"{h['kappa']:+.3f}" in printed
+
+
+def test_scan_without_knockout(model, tmp_path):
+    out = tmp_path / "scan.json"
+    assert main(["scan", str(model), "--json", str(out), "--no-knockout", *SMALL]) == 0
+    assert all(h["knockout_delta"] is None for h in json.loads(out.read_text())["heads"])
+
+
+def test_record_then_gate_passes(model, recorded, capsys):
+    assert sorted(p.name for p in recorded.iterdir()) == ["m--fp32.json", "m--rtn-int8.json"]
+    code = main(["gate", str(model), "--build", "rtn-int8", "--baseline", str(recorded / "m--fp32.json"),
+                 "--device", "cpu"])  # probe settings come from the baseline
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "gate passed" in out and "weights differ" not in out
+
+
+def test_gate_fails_on_a_negated_head(recorded, tmp_path, capsys):
+    record = json.loads((recorded / "m--fp32.json").read_text())
+    target = max(record["heads"], key=lambda h: abs(h["kappa_trace"]))
+    model = make_tiny_model("gpt2", seed=0)
+    negate_head_ov(model, target["layer"], target["head_index"])
+    folder = tmp_path / "m"
+    model.save_pretrained(folder, safe_serialization=True)
+    code = main(["gate", str(folder), "--build", "fp32", "--baseline", str(recorded / "m--fp32.json"), "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "FAIL copying_heads" in out and f"{target['head']} " in out and "weights differ" in out
+    assert f"circuits record {folder} --build fp32 --baselines {recorded}" in out
+    # a loose tolerance lets the same change through
+    assert main(["gate", str(folder), "--build", "fp32", "--baseline", str(recorded / "m--fp32.json"),
+                 "--device", "cpu", "--tol", "kappa=2", "--tol", "rank=-1"]) == 0
+
+
+def test_diff_lists_what_moved(recorded, tmp_path, capsys):
+    a = json.loads((recorded / "m--fp32.json").read_text())
+    b = json.loads((recorded / "m--fp32.json").read_text())
+    b["heads"][5]["kappa"] = a["heads"][5]["kappa"] + 0.5
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    assert main(["diff", str(recorded / "m--fp32.json"), str(tmp_path / "b.json")]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("L")]
+    assert len(rows) == 1 and rows[0].split()[:2] == [a["heads"][5]["head"], "kappa"]
+    assert "+0.5000" in rows[0]
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["scan", "/no/such/model"], "not found"),
+        (["scan", "MODEL", "--build", "fp64"], "unknown build recipe 'fp64'"),
+        (["gate", "MODEL", "--build", "fp32", "--baseline", "/no/such.json"], "does not exist"),
+        (["gate", "MODEL", "--build", "fp32", "--baseline", "BASELINE", "--tol", "kappa"], "NAME=VALUE"),
+        (["diff", "BASELINE", "/no/such.json"], "does not exist"),
+    ],
+)
+def test_input_errors_are_one_line_exit_2(model, recorded, capsys, argv, expected):
+    argv = [str(model) if a == "MODEL" else str(recorded / "m--fp32.json") if a == "BASELINE" else a for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert expected in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_corrupt_baseline_exit_2(model, tmp_path, capsys):
+    bad = tmp_path / "m--fp32.json"
+    bad.write_text('{"schema_version": 7}')
+    assert main(["gate", str(model), "--build", "fp32", "--baseline", str(bad)]) == 2
+    assert "schema version 7" in capsys.readouterr().err
+
+
+def test_usage_error_exit_2():
+    with pytest.raises(SystemExit) as done:
+        main(["record", "m"])  # --build is required
+    assert done.value.code == 2

@@ -1,0 +1,173 @@
+"""The plugin end to end with pytester: record baselines, gate benign and sabotaged builds."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pytest_circuits.testing import make_tiny_model, negate_head_ov, save_tiny_model
+
+PROBES = Path(__file__).resolve().parent.parent / "probes"
+
+
+def ini(folder: Path, baselines: Path, builds: str = "fp32") -> str:
+    return (
+        "[pytest]\n"
+        f"circuits_model = {folder}\n"
+        f"circuits_builds = {builds}\n"
+        f"circuits_baselines = {baselines}\n"
+        "circuits_device = cpu\n"
+        "circuits_probe_n = 4\n"
+        "circuits_probe_length = 16\n"
+    )
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    """Run the whole pipeline once here, so in-process pytester runs import nothing new.
+
+    (pytester drops the modules an inner run imported; torch refuses to register some twice.)
+    """
+    from pytest_circuits.repeat import RepeatSettings
+    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.settings import CircuitsSettings
+
+    folder = save_tiny_model("gpt2", tmp_path_factory.mktemp("warm") / "m", seed=0)
+    CircuitsSession(CircuitsSettings(model=str(folder), device="cpu", probe=RepeatSettings(0, 2, 4))).record("fp32")
+    for name in ("pytest_circuits.report", "matplotlib.pyplot", "pytest_circuits.cli"):
+        try:
+            __import__(name)
+        except ImportError:
+            pass
+
+
+@pytest.fixture
+def suite(pytester, tmp_path_factory, warm):
+    """A pytester folder holding the shipped probes/ suite, gating a tiny gpt2 folder ``m``."""
+    work = tmp_path_factory.mktemp("models")
+    intact = save_tiny_model("gpt2", work / "intact" / "m", seed=0)
+    baselines = work / "baselines"
+    for test in sorted(PROBES.glob("test_*.py")):
+        pytester.makepyfile(**{test.stem: test.read_text()})
+    pytester.makeini(ini(intact, baselines))
+    return pytester, intact, baselines
+
+
+def text_of(result) -> str:
+    return "\n".join(result.outlines + result.errlines)
+
+
+def flagged_head(baselines: Path) -> tuple[str, int, int]:
+    """The head with the largest |kappa_trace| in the recorded baseline (negating it must show)."""
+    record = json.loads((baselines / "m--fp32.json").read_text())
+    best = max(record["heads"], key=lambda h: abs(h["kappa_trace"]))
+    return best["head"], best["layer"], best["head_index"]
+
+
+def test_missing_baseline_fails_with_the_record_command(suite):
+    pytester, intact, baselines = suite
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=5)
+    out = text_of(result)
+    assert "does not exist; record it with: circuits record" in out
+    assert "baselines missing:" in out and str(baselines / "m--fp32.json") in out
+    assert "Traceback" not in out
+
+
+def test_record_gate_and_sabotage(suite, tmp_path_factory):
+    pytester, intact, baselines = suite
+    result = pytester.runpytest("-p", "no:cacheprovider", "--circuits-update")
+    result.assert_outcomes(passed=5)
+    assert "baselines written: " + str(baselines / "m--fp32.json") in text_of(result)
+    written = json.loads((baselines / "m--fp32.json").read_text())
+    assert written["build"]["recipe"] == "fp32" and written["knockout"]["seed"] == 1
+    assert all(h["knockout_delta"] is not None for h in written["heads"])
+
+    # an orphan: a baseline of this model that no tested build reads
+    (baselines / "m--bnb-fp4.json").write_text("{}")
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=5)
+    out = text_of(result)
+    assert "baselines compared: " + str(baselines / "m--fp32.json") in out
+    assert "baselines orphaned (no tested build used them): " + str(baselines / "m--bnb-fp4.json") in out
+    assert "weights differ" not in out
+
+    # the same model name, one head's W_O negated: the gate fails and names the head
+    name, layer, head = flagged_head(baselines)
+    model = make_tiny_model("gpt2", seed=0)
+    negate_head_ov(model, layer, head)
+    sabotaged = tmp_path_factory.mktemp("sabotaged") / "m"
+    model.save_pretrained(sabotaged, safe_serialization=True)
+    pytester.makeini(ini(sabotaged, baselines))
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    out = text_of(result)
+    assert "test_copying_heads_survive[fp32] FAILED" in out or "FAILED test_rung1_weights.py::test_copying_heads_survive[fp32]" in out
+    assert f"{name} " in out and "kappa_trace" in out
+    assert "weights differ" in out
+    assert "--circuits-builds fp32 --circuits-update" in out
+    assert "Traceback" not in out
+
+    # a per-test marker loosens it
+    pytester.makepyfile(test_loose="""
+        import pytest
+
+        @pytest.mark.circuits_tolerance(kappa=2.0, rank=-1.0)
+        def test_loose(circuits_gate):
+            circuits_gate("copying_heads")
+    """)
+    result = pytester.runpytest("-p", "no:cacheprovider", "test_loose.py")
+    result.assert_outcomes(passed=1)
+
+
+def test_ini_tolerance_and_bad_values(suite):
+    pytester, intact, baselines = suite
+    pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "test_rung12_repeat.py").assert_outcomes(passed=2)
+    pytester.makeini(ini(intact, baselines) + "circuits_tol_copy_loss = -1\n")
+    result = pytester.runpytest("-p", "no:cacheprovider", "test_rung12_repeat.py")
+    assert "circuits_tol_*: tolerance copy_loss must be >= 0" in text_of(result)
+    pytester.makepyfile(test_bad_marker="""
+        import pytest
+
+        @pytest.mark.circuits_tolerance(kapa=0.1)
+        def test_bad(circuits_gate):
+            circuits_gate("copy_loss")
+    """)
+    pytester.makeini(ini(intact, baselines))
+    result = pytester.runpytest("-p", "no:cacheprovider", "test_bad_marker.py")
+    result.assert_outcomes(errors=1)
+    assert "@pytest.mark.circuits_tolerance: unknown tolerance(s) kapa; known: kappa" in text_of(result)
+    assert "During handling" not in text_of(result)
+
+
+def test_corrupt_and_foreign_baselines_are_one_line(suite, tmp_path_factory):
+    pytester, intact, baselines = suite
+    baselines.mkdir(parents=True, exist_ok=True)
+    (baselines / "m--fp32.json").write_text("{not json")
+    result = pytester.runpytest("-p", "no:cacheprovider", "test_rung12_repeat.py")
+    result.assert_outcomes(failed=2)
+    out = text_of(result)
+    assert f"baseline {baselines / 'm--fp32.json'} is not valid JSON (line 1); delete it and record it again" in out
+    assert "Traceback" not in out
+
+    # a baseline recorded from a model of another geometry under the same name
+    other = save_tiny_model("gpt2", tmp_path_factory.mktemp("other") / "m", seed=0, n_embd=32)
+    pytester.makeini(ini(other, baselines))
+    pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "test_rung12_repeat.py").assert_outcomes(passed=2)
+    pytester.makeini(ini(intact, baselines))
+    result = pytester.runpytest("-p", "no:cacheprovider", "test_rung12_repeat.py")
+    result.assert_outcomes(failed=2)
+    assert "is of another model geometry (d_model 32 vs 64, d_head 8 vs 16)" in text_of(result)
+
+
+def test_report_option_writes_a_report(suite, tmp_path):
+    pytest.importorskip("matplotlib")
+    pytester, intact, baselines = suite
+    report = tmp_path / "report"
+    result = pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", f"--circuits-report={report}",
+                                "test_rung1_weights.py")
+    result.assert_outcomes(passed=2)
+    assert report.is_dir() and any(report.iterdir()), text_of(result)
+    shutil.rmtree(report)
