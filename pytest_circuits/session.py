@@ -82,6 +82,7 @@ class CircuitsSession:
                 mode=s.knockout_mode,
                 heads=heads,
                 screen_top_k=s.knockout_screen,
+                must_include=self.baseline_key_heads() if s.knockout_screen else (),
                 batch_size=s.batch_size,
             ),
         )
@@ -152,6 +153,24 @@ class CircuitsSession:
         if isinstance(value, Exception):
             raise value
         return value
+
+    def baseline_key_heads(self) -> list[str]:
+        """The reference baseline's key knockout heads, which a screened scan always runs exactly."""
+        from .baseline import read_baseline
+        from .errors import BaselineError
+        from .gate import key_heads
+
+        heads: set[str] = set()
+        for recipe in dict.fromkeys((self.settings.reference, *self.settings.builds)):
+            path = self.baseline_path(recipe)
+            if path.is_file():
+                try:
+                    record = read_baseline(path)
+                except BaselineError:
+                    continue  # the gate reports the corrupt file
+                tol = self.tolerances
+                heads.update(key_heads(record, "knockout_delta", tol.top_k, tol.min_delta))
+        return sorted(heads)
 
     @cached_property
     def events(self) -> list[dict]:

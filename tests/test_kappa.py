@@ -324,6 +324,27 @@ def test_smollm2_batched_equals_reference_on_some_heads():
         assert float(kb) == pytest.approx(k, abs=1e-6) and float(tb) == pytest.approx(t, abs=1e-6)
 
 
+@pytest.mark.real
+@requires_smollm2()
+def test_smollm2_rung1_finds_copying_heads_and_its_induction_head_copies():
+    """Rung 1 on the real model: many heads copy (kappa near +1), the flags respect the null,
+    and the strongest induction head (found by the repeat probe, not by kappa) copies."""
+    from pytest_circuits.probe import run_repeat_probe
+    from pytest_circuits.repeat import RepeatSettings
+
+    build = load_build(resolve_model("smollm2-135m"), "fp32")
+    spectrum = ov_spectrum_of_model(build, n_rotations=64).set_index("head")
+    assert len(spectrum) == 270
+    assert (spectrum["kappa"] > 0.9).sum() >= 5, spectrum["kappa"].describe()
+    flagged = spectrum[spectrum["copying"]]
+    assert (flagged["kappa"] > 0).all() and (flagged["kappa_q"] <= 0.05).all()
+    probe = run_repeat_probe(build, RepeatSettings(seed=0, n=2, L=64))
+    induction = probe.heads.set_index("head")["prefix_matching"].idxmax()
+    assert probe.heads.set_index("head").loc[induction, "prefix_matching"] > 0.5
+    assert spectrum.loc[induction, "kappa_trace"] > 0.1, spectrum.loc[induction]
+    assert spectrum.loc[induction, "copying"], spectrum.loc[induction]
+
+
 # ---------------------------------------------------------------- assertion helpers (pure, synthetic frames)
 
 

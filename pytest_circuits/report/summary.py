@@ -30,9 +30,11 @@ def summary_lines(results: Iterable[Any] | None, records: Iterable[dict] | None 
         lines.append(f"{head}: {verdict}")
         for r in failed:
             lines.append(f"  FAIL {r['invariant']}" + (f": {_first_line(r['message'])}" if r["message"] else ""))
-        passed = [r["invariant"] for r in build_results if r["passed"]]
-        if passed:
-            lines.append(f"  pass {', '.join(passed)}")
+        passed = [r for r in build_results if r["passed"]]
+        for against_name in dict.fromkeys(r["against"] for r in passed):
+            names = [r["invariant"] for r in passed if r["against"] == against_name]
+            where = f" (vs {against_name})" if len(against) > 1 and against_name else ""
+            lines.append(f"  pass{where} {', '.join(names)}")
         moved = data.top_moved(failed, MOVED_PER_BUILD) or data.top_moved(build_results, MOVED_PER_BUILD)
         if moved:
             lines.append("  moved most: " + "; ".join(_moved(m) for m in moved))
