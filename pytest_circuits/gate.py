@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 
+from .assertions import spearman  # one Spearman for the gate and the users' helpers
+
 INVARIANTS = ("copying_heads", "kappa_distribution", "copy_loss", "induction_heads", "knockout_deltas")
 MAX_ROWS = 20
 RANK_MIN_Z = 2.0  # heads in the rank correlation: those the baseline tells apart from the null
@@ -129,16 +131,6 @@ def _result(invariant, build, against, failed, checked, header_ok, header_bad) -
     if failed:
         return InvariantResult(invariant, build, against, False, f"{header_bad}\n{format_moved(failed)}", failed)
     return InvariantResult(invariant, build, against, True, f"{header_ok} ({checked} checked)", [])
-
-
-def spearman(a, b) -> float:
-    """Spearman rank correlation (ties get their mean rank); NaN when either side is constant."""
-    from scipy.stats import rankdata
-
-    ra, rb = rankdata(np.asarray(a, float)), rankdata(np.asarray(b, float))
-    if ra.std() == 0 or rb.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(ra, rb)[0, 1])
 
 
 def _pairs(before: dict, after: dict):

@@ -264,7 +264,6 @@ def lh(label):
 
 
 @needs_embedded
-@pytest.mark.slow
 def test_benign_changes_pass_the_default_gate(embedded):
     reference, edited, base = embedded
 
@@ -280,7 +279,6 @@ def test_benign_changes_pass_the_default_gate(embedded):
 
 
 @needs_embedded
-@pytest.mark.slow
 def test_sabotage_fails_the_default_gate(embedded):
     reference, edited, _ = embedded
     induction = key_heads(reference, "prefix_matching", 1, 0.0)[0]
