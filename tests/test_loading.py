@@ -147,3 +147,20 @@ def test_gguf_named_model_loads_offline_from_cache(monkeypatch):
     assert (geo.n_layers, geo.n_heads, geo.n_kv_heads, geo.d_head, geo.vocab) == (30, 9, 3, 64, 49152)
     assert next(build.model.parameters()).dtype == torch.float32
     assert resolve_model("smollm2-135m").folder == source.folder
+
+
+def test_hub_cache_id_resolves_offline(tmp_path, monkeypatch):
+    """A model id already in the local Hugging Face cache loads with the hub forced offline."""
+    import huggingface_hub.constants as hub_constants
+
+    snapshot = tmp_path / "models--acme--tiny-gpt2" / "snapshots" / "0123abcd"
+    make_tiny_model("gpt2").save_pretrained(snapshot)
+    (tmp_path / "models--acme--tiny-gpt2" / "refs").mkdir()
+    (tmp_path / "models--acme--tiny-gpt2" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    source = resolve_model("acme/tiny-gpt2")
+    assert source.kind == "cache" and source.folder == snapshot
+    assert load_build(source, "fp32", "cpu").geometry.n_heads == 4
+    with pytest.raises(ModelLoadError):
+        resolve_model("acme/not-cached")
