@@ -164,3 +164,21 @@ def test_hub_cache_id_resolves_offline(tmp_path, monkeypatch):
     assert load_build(source, "fp32", "cpu").geometry.n_heads == 4
     with pytest.raises(ModelLoadError):
         resolve_model("acme/not-cached")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (--circuits-device cuda); none here")
+@pytest.mark.parametrize("recipe", ["fp32", "bnb-int8", "bnb-nf4"])
+def test_cuda_builds_match_cpu(tiny_folder, recipe):
+    """The CUDA path (bitsandbytes on GPU included) gives the CPU's figures within the recipe's noise."""
+    from pytest_circuits.probe import run_repeat_probe
+    from pytest_circuits.repeat import RepeatSettings
+
+    source = resolve_model(tiny_folder("llama"))
+    settings = RepeatSettings(seed=0, n=4, L=16)
+    cpu = run_repeat_probe(load_build(source, "fp32", "cpu"), settings)
+    gpu_build = load_build(source, recipe, "cuda")
+    assert gpu_build.identity.device.startswith("cuda")
+    gpu = run_repeat_probe(gpu_build, settings)
+    tolerance = 1e-3 if recipe == "fp32" else 0.1
+    assert gpu.copy_loss == pytest.approx(cpu.copy_loss, abs=tolerance * max(1.0, cpu.copy_loss))
