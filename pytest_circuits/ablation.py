@@ -16,14 +16,9 @@ from contextlib import contextmanager
 import torch
 
 from .errors import CircuitsError
-from .families import Geometry, out_proj_module
+from .families import Geometry, head_label, out_proj_module
 
 HEAD_LABEL = re.compile(r"^L(\d+)H(\d+)$")
-
-
-def head_label(layer: int, head: int) -> str:
-    """``L{layer}H{head}``, zero-based."""
-    return f"L{layer}H{head}"
 
 
 def parse_heads(heads, geo: Geometry) -> list[tuple[int, int]]:

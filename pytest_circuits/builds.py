@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .dense import dense_weight, is_projection
-from .errors import CircuitsError, RecipeError
+from .errors import CircuitsError, RecipeError, first_line
 from .families import Family, Geometry, family_for_config, geometry_of, get_module
 from .loading import ModelSource
 from .vocab import TokenInfo, token_info
@@ -202,7 +202,7 @@ def load_build(
         )
     except ValueError as error:
         raise CircuitsError(
-            f"model {source.spec!r}: {_one_line(error)} (pass --circuits-trust-remote-code only if you trust it)"
+            f"model {source.spec!r}: {first_line(error)} (pass --circuits-trust-remote-code only if you trust it)"
         ) from None
     family = family_for_config(config)
     kwargs = dict(
@@ -221,7 +221,7 @@ def load_build(
         raise
     except Exception as error:
         raise RecipeError(
-            f"build {recipe.name} of {source.name} failed to load on {device}: {_one_line(error)}"
+            f"build {recipe.name} of {source.name} failed to load on {device}: {first_line(error)}"
         ) from None
     if recipe.backend == "rtn":
         apply_rtn_(model, family, recipe.bits)
@@ -244,8 +244,3 @@ def load_build(
         geometry=geometry_of(model),
         tokens=token_info(source.folder, config),
     )
-
-
-def _one_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__

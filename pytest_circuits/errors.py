@@ -1,6 +1,12 @@
 """User-facing errors: each carries one line that names the thing and the fix."""
 
 
+def first_line(error: BaseException) -> str:
+    """The first non-empty line of an exception's text (its type name if it has none)."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
 class CircuitsError(Exception):
     """A problem with the user's input (model, build, baseline, option).
 

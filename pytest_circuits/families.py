@@ -150,6 +150,11 @@ def geometry_of(model) -> Geometry:
     )
 
 
+def head_label(layer: int, head: int) -> str:
+    """``L{layer}H{head}``, zero-based."""
+    return f"L{layer}H{head}"
+
+
 def get_module(root: torch.nn.Module, dotted: str) -> torch.nn.Module:
     """``root.a.b.c`` for the dotted path ``"a.b.c"``."""
     return root.get_submodule(dotted)

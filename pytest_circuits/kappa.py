@@ -39,6 +39,7 @@ import pandas as pd
 import torch
 
 from .errors import CircuitsError
+from .families import head_label
 from .weights import ModelWeights, extract_weights
 
 EIG_REL_TOL = 1e-6  # f = 0 where |l| <= EIG_REL_TOL * max|l|
@@ -74,11 +75,6 @@ EXTRA_COLUMNS = (
 
 class SpectrumError(CircuitsError):
     """Bad settings for, or bad input to, the OV spectrum scan."""
-
-
-def head_label(layer: int, head: int) -> str:
-    """``L{layer}H{head}``, zero-based."""
-    return f"L{layer}H{head}"
 
 
 def analytic_floor(d_head: int) -> float:

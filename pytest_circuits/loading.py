@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelLoadError
+from .errors import ModelLoadError, first_line
 from .models import named_model_path
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -120,7 +120,7 @@ def gguf_to_folder(path: Path) -> Path:
             str(path.parent), gguf_file=path.name, dtype=torch.float32, local_files_only=True
         )
     except Exception as error:  # transformers raises many kinds here
-        raise ModelLoadError(f"transformers could not read GGUF file {path}: {_first_line(error)}") from None
+        raise ModelLoadError(f"transformers could not read GGUF file {path}: {first_line(error)}") from None
     # the GGUF tensors are already dequantized: save the folder as plain float32
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -155,11 +155,6 @@ def _hub_cache_folder(repo_id: str) -> Path | None:
         return Path(snapshot_download(repo_id, local_files_only=True))
     except Exception:
         return None
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
 
 
 def resolve_model(spec: str | os.PathLike) -> ModelSource:

@@ -26,7 +26,7 @@ import torch
 
 from .builds import LoadedBuild
 from .errors import CircuitsError
-from .families import attention_module
+from .families import attention_module, head_label
 from .repeat import RepeatSettings, bos_offset, check_fits, next_token_losses, repeat_losses, repeat_tokens
 
 SCORES = ("prefix_matching", "previous_token", "duplicate_token")
@@ -138,7 +138,7 @@ def heads_frame(means: np.ndarray) -> pd.DataFrame:
     n_layers, _, n_heads = means.shape
     layer, head = np.divmod(np.arange(n_layers * n_heads), n_heads)
     frame = pd.DataFrame(
-        {"head": [f"L{l}H{h}" for l, h in zip(layer, head)], "layer": layer, "head_index": head}
+        {"head": [head_label(l, h) for l, h in zip(layer, head)], "layer": layer, "head_index": head}
     )
     for i, name in enumerate(SCORES):
         frame[name] = means[:, i, :].reshape(-1)

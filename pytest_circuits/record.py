@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from .families import head_label
+
 SCHEMA_VERSION = 1
 
 HEAD_COLUMNS = (
@@ -78,7 +80,7 @@ def eigenvalue_map(eigenvalues, labels: list[str] | None = None) -> dict:
     out = {}
     for l in range(ev.shape[0]):
         for h in range(ev.shape[1]):
-            out[f"L{l}H{h}"] = [[float(z.real), float(z.imag)] for z in ev[l, h]]
+            out[head_label(l, h)] = [[float(z.real), float(z.imag)] for z in ev[l, h]]
     return out
 
 

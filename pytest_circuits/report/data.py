@@ -13,6 +13,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from ..families import head_label
+
 # (column, title, kind): "diverging" maps are centred on 0, "score" maps run over [0, 1]
 HEATMAP_METRICS = (
     ("kappa", "κ (OV copying)", "diverging"),
@@ -165,7 +167,7 @@ def largest_changes(record: dict, reference: dict, k: int = 10) -> list[dict]:
         spread = float(np.nanstd(before)) or 1.0
         for layer, index in zip(*np.nonzero(np.isfinite(diff) & (diff != 0))):
             changes.append({
-                "head": f"L{layer}H{index}", "metric": column,
+                "head": head_label(layer, index), "metric": column,
                 "before": float(before[layer, index]), "after": float(after[layer, index]),
                 "change": float(diff[layer, index]), "score": abs(float(diff[layer, index])) / spread,
             })
