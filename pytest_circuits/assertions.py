@@ -109,6 +109,7 @@ def assert_copying_heads_preserved(
     min_spearman: float | None = 0.8,
     include_suppression: bool = False,
     column: str = "kappa",
+    min_ov_gain: float = 0.01,
 ) -> None:
     """The reference's copying heads survive in the candidate, and kappa keeps its ranking.
 
@@ -119,10 +120,15 @@ def assert_copying_heads_preserved(
     (``suppression``, or ``k_cand <= k_ref + kappa_tol``). Fails when the surviving
     fraction is below ``min_survival``, or when the Spearman rank correlation of
     ``column`` across all heads is below ``min_spearman`` (skipped for ``None`` or when
-    fewer than 5 heads or a constant column make it undefined).
+    fewer than 5 heads or a constant column make it undefined). As in the gate, heads whose
+    ``ov_gain`` is below ``min_ov_gain`` x the reference's largest write almost nothing and
+    are left out (when the frames have ``ov_gain``; ``min_ov_gain=0`` keeps every head).
     """
     kinds = ["copying", "suppression"] if include_suppression else ["copying"]
     pairs = _paired(reference_df, candidate_df, [column, *kinds])
+    if min_ov_gain > 0 and "ov_gain" in reference_df.columns and len(reference_df):
+        gain = reference_df.set_index("head")["ov_gain"]
+        pairs = pairs[pairs["head"].map(gain).to_numpy() >= min_ov_gain * gain.max()]
     pairs = pairs.iloc[_head_order(pairs)]
     k_ref, k_cand = pairs[f"{column}_ref"], pairs[f"{column}_cand"]
     lines, n_watched, n_lost = [], 0, 0

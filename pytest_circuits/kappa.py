@@ -70,6 +70,7 @@ EXTRA_COLUMNS = (
     "copying_trace",
     "suppression_trace",
     "kv_group",
+    "ov_gain",
 )
 
 
@@ -281,6 +282,12 @@ def _check_settings(
         raise SpectrumError(f"null_dtype must be torch.float64 (default) or torch.float32, got {null_dtype!r}")
 
 
+def ov_gain(eigenvalues: np.ndarray) -> np.ndarray:
+    """``sum_i |lambda_i|`` of each head's reduced OV matrix (the denominator of kappa_trace):
+    how strongly the head writes what it reads back onto the vocabulary."""
+    return np.abs(np.asarray(eigenvalues)).sum(axis=-1)
+
+
 def spectrum_frame(
     weights: ModelWeights,
     eigenvalues: np.ndarray,
@@ -337,6 +344,7 @@ def spectrum_frame(
             "copying_trace": sig_t & (kappa_trace.ravel() > 0),
             "suppression_trace": sig_t & (kappa_trace.ravel() < 0),
             "kv_group": np.array([geo.kv_group(int(h)) for h in heads]),
+            "ov_gain": ov_gain(eigenvalues).ravel(),
         }
     )
     frame.attrs["eigenvalues"] = eigenvalues

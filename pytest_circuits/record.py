@@ -24,7 +24,7 @@ HEAD_COLUMNS = (
     "prefix_matching", "previous_token", "duplicate_token",
     "knockout_delta",
 )
-EXTRA_COLUMNS = ("kappa_trace_z", "copying_trace", "suppression_trace", "knockout_estimate")
+EXTRA_COLUMNS = ("kappa_trace_z", "copying_trace", "suppression_trace", "ov_gain", "knockout_estimate")
 
 
 def versions() -> dict:

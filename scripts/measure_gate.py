@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pytest_circuits.gate import Tolerances, _num, gate_all, key_heads, spearman
+from pytest_circuits.gate import RANK_MIN_Z, Tolerances, _num, gate_all, key_heads, negligible_heads, spearman
 from pytest_circuits.loading import resolve_model
 from pytest_circuits.repeat import RepeatSettings
 from pytest_circuits.session import CircuitsSession
@@ -32,16 +32,19 @@ def session_for(model: str, probe: RepeatSettings) -> CircuitsSession:
 
 
 def statistics(before: dict, after: dict, tol: Tolerances) -> dict:
-    """The numbers each invariant compares with its tolerance."""
+    """The numbers each invariant compares with its tolerance (kappa: heads the gate compares)."""
     b = {h["head"]: h for h in before["heads"]}
     a = {h["head"]: h for h in after["heads"]}
-    flagged = [n for n, h in b.items() if h.get("copying") or h.get("suppression")]
+    negligible = negligible_heads(before, tol.min_ov_gain)
+    compared = [n for n in b if n not in negligible]
+    flagged = [n for n in compared if b[n].get("copying") or b[n].get("suppression")]
+    ranked = [n for n in compared if abs(_num(b[n]["kappa_z"])) >= RANK_MIN_Z]
     out = {
         "dkappa_flag": max((abs(_num(a[n]["kappa"]) - _num(b[n]["kappa"])) for n in flagged), default=0.0),
-        "dtrace_all": max(abs(_num(a[n]["kappa_trace"]) - _num(b[n]["kappa_trace"])) for n in b),
-        "rank": spearman([_num(b[n]["kappa"]) for n in b], [_num(a[n]["kappa"]) for n in b]),
-        "dz": float(np.mean([_num(a[n]["kappa_z"]) - _num(b[n]["kappa_z"]) for n in b])),
-        "dtz": float(np.mean([_num(a[n].get("kappa_trace_z")) - _num(b[n].get("kappa_trace_z")) for n in b])),
+        "dtrace_all": max((abs(_num(a[n]["kappa_trace"]) - _num(b[n]["kappa_trace"])) for n in compared), default=0.0),
+        "rank": spearman([_num(b[n]["kappa"]) for n in ranked], [_num(a[n]["kappa"]) for n in ranked]),
+        "dz": float(np.mean([_num(a[n]["kappa_z"]) - _num(b[n]["kappa_z"]) for n in compared])),
+        "dtz": float(np.mean([_num(a[n].get("kappa_trace_z")) - _num(b[n].get("kappa_trace_z")) for n in compared])),
         "dcopy": _num(after["copy_loss"]) - _num(before["copy_loss"]),
         "dgain": _num(after["copy_gain"]) - _num(before["copy_gain"]),
     }
@@ -91,6 +94,8 @@ def main() -> None:
     print(f"model {args.model}: top induction head {induction}, top previous-token head {previous}; "
           f"copy loss {reference['copy_loss']:.4f}, gain {reference['copy_gain']:.4f}")
     print("copying/suppression heads:", [h["head"] for h in reference["heads"] if h["copying"] or h["suppression"]])
+    print(f"heads with OV gain < {tol.min_ov_gain:g} x the largest (kappa not compared):",
+          sorted(negligible_heads(reference, tol.min_ov_gain)))
 
     def lh(label):
         l, h = label[1:].split("H")

@@ -82,6 +82,42 @@ def test_unflagged_heads_gate_on_kappa_trace_only():
     assert not result.passed and result.moved[0]["head"] == "L0H0"
 
 
+def with_gains(rec, gains: dict) -> dict:
+    """The record with an ``ov_gain`` per head: 1.0 unless ``gains`` says otherwise."""
+    rec = copy.deepcopy(rec)
+    for row in rec["heads"]:
+        row["ov_gain"] = gains.get(row["head"], 1.0)
+    return rec
+
+
+def test_heads_with_negligible_ov_gain_are_not_compared():
+    """A head that writes almost nothing has eigenvalue directions set by noise: its kappa may
+    swing under quantization without the circuit changing. Below min_ov_gain x the largest
+    gain it is left out, and the message says how many were; at the threshold it counts."""
+    before = with_gains(record(), {"L1H3": 0.005})  # the suppression head, 0.5% of the largest
+    after = copy.deepcopy(before)
+    head(after, "L1H3").update(kappa=0.3, kappa_trace=0.4)
+    result = check("copying_heads", before, after, TOL, "b", "a")
+    assert result.passed and "1 heads with OV gain < 0.01 x the largest not compared" in result.message
+    assert gate.negligible_heads(before, TOL.min_ov_gain) == {"L1H3"}
+    at_threshold = with_gains(record(), {"L1H3": 0.01})
+    moved = copy.deepcopy(at_threshold)
+    head(moved, "L1H3").update(kappa=0.3, kappa_trace=0.4)
+    assert not check("copying_heads", at_threshold, moved, TOL, "b", "a").passed
+    assert check("copying_heads", before, after, TOL.updated({"min_ov_gain": 0}), "b", "a").passed is False
+
+
+def test_ov_gain_falls_back_to_the_stored_eigenvalues():
+    """Records written before the ov_gain column gate the same way, from their eigenvalues."""
+    rec = record()
+    rec["eigenvalues"] = {row["head"]: [[3.0, 4.0], [-1.0, 0.0]] for row in rec["heads"]}  # |3+4i| + |-1| = 6
+    rec["eigenvalues"]["L1H3"] = [[0.03, 0.0]]
+    gains = gate.ov_gains(rec)
+    assert gains["L0H0"] == pytest.approx(6.0) and gains["L1H3"] == pytest.approx(0.03)
+    assert gate.negligible_heads(rec, TOL.min_ov_gain) == {"L1H3"}
+    assert gate.ov_gains(record()) == {} and gate.negligible_heads(record(), TOL.min_ov_gain) == set()
+
+
 def test_spearman_matches_scipy():
     rng = np.random.default_rng(3)
     a, b = rng.normal(size=12), rng.normal(size=12)
@@ -147,11 +183,11 @@ def test_key_heads_and_induction_check():
 
 def test_knockout_deltas_keep_their_size():
     after = record()
-    head(after, "L1H2")["knockout_delta"] = 3.0 * (1 - 0.34)
+    head(after, "L1H2")["knockout_delta"] = 3.0 * (1 - (TOL.knockout - 0.01))
     assert check("knockout_deltas", record(), after, TOL, "b", "a").passed
-    head(after, "L1H2")["knockout_delta"] = 3.0 * (1 - 0.36)
+    head(after, "L1H2")["knockout_delta"] = 3.0 * (1 - (TOL.knockout + 0.01))
     result = check("knockout_deltas", record(), after, TOL, "b", "a")
-    assert not result.passed and result.moved[0]["tolerance"] == pytest.approx(0.35 * 3.0)
+    assert not result.passed and result.moved[0]["tolerance"] == pytest.approx(TOL.knockout * 3.0)
 
 
 def test_message_table_is_capped():

@@ -122,6 +122,8 @@ def test_batched_equals_per_head_reference(family):
         k, t = kappa_reference(M[layer, head].numpy())
         assert fast.set_index("head").loc[f"L{layer}H{head}", "kappa"] == pytest.approx(k, abs=1e-6)
         assert fast.set_index("head").loc[f"L{layer}H{head}", "kappa_trace"] == pytest.approx(t, abs=1e-6)
+        gain = np.abs(np.linalg.eigvals(reduced_ov_reference(w, layer, head))).sum()  # sum_i |lambda_i|
+        assert fast.set_index("head").loc[f"L{layer}H{head}", "ov_gain"] == pytest.approx(gain, rel=1e-9)
 
 
 def test_scores_on_known_spectra():
@@ -399,6 +401,11 @@ def test_assert_copying_heads_preserved():
     shuffled["copying"] = ref["copying"]
     with pytest.raises(AssertionError, match="Spearman rank correlation of kappa across 8 heads"):
         assert_copying_heads_preserved(ref, shuffled, kappa_tol=2.0)
+    # a copying head that writes almost nothing (0.5% of the largest OV gain) is not watched
+    gains = ref.assign(ov_gain=[1.0, 0.005, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    assert_copying_heads_preserved(gains, fallen.assign(ov_gain=gains.ov_gain), min_spearman=None)
+    with pytest.raises(AssertionError, match="L0H1"):
+        assert_copying_heads_preserved(gains, fallen.assign(ov_gain=gains.ov_gain), min_spearman=None, min_ov_gain=0)
 
 
 def test_assert_kappa_distribution_unshifted():
