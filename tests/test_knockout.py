@@ -262,48 +262,74 @@ def embedded_build():
     return load_build(resolve_model("tiny-induction"), "fp32", "cpu")
 
 
+def circuit_heads(build, settings):
+    """``(induction, previous, scores)``: the top prefix-matching and top previous-token heads as
+    ``(layer, head)``, and the routing scores they were picked from."""
+    scores = routing_scores_of(build, settings)
+    n_heads = build.geometry.n_heads
+    induction = divmod(int(scores["prefix_matching"].argmax()), n_heads)
+    previous = divmod(int(scores["previous_token"].argmax()), n_heads)
+    return induction, previous, scores
+
+
 @needs_embedded
 @pytest.mark.parametrize("mode", ["zero", "mean"])
-def test_embedded_previous_token_head_knockout_dominates(embedded_build, mode):
-    """The circuit's single point of failure: its previous-token head (found by routing score)."""
-    probe = RepeatSettings(seed=0, n=16, L=32)
-    scores = routing_scores_of(embedded_build, probe)["previous_token"]  # picked on the probe seed ...
-    layer, head = divmod(int(scores.argmax()), scores.shape[1])
+def test_embedded_induction_head_knockout_dominates(embedded_build, mode):
+    """The induction head, found by prefix matching on the probe seed, is what copying rests
+    on: knocked out on held-out sequences it raises copy loss by nats, far more than any
+    head outside the circuit. The only head that comes close is the previous-token head
+    it reads from (found by its own score): a two-layer induction circuit has two single
+    points of failure, and both are named here."""
+    (il, ih), (pl, ph), scores = circuit_heads(embedded_build, RepeatSettings(seed=0, n=16, L=32))
+    assert il == 1 and scores["prefix_matching"][il, ih] > 0.5, scores
+    assert pl == 0 and scores["previous_token"][pl, ph] > 0.5, scores
     df = knockout_scan(embedded_build, RepeatSettings(seed=1, n=16, L=32), mode=mode, progress=False)
-    deltas = df.set_index("head")["knockout_delta"]  # ... measured on held-out sequences
-    top = deltas[f"L{layer}H{head}"]
-    controls = deltas.drop(f"L{layer}H{head}")
-    assert layer == 0 and top > 3.0, deltas.to_string()
-    assert top > 5 * controls.max(), deltas.to_string()
+    deltas = df.set_index("head")["knockout_delta"]
+    induction, previous = f"L{il}H{ih}", f"L{pl}H{ph}"
+    outside = deltas.drop([induction, previous])
+    assert deltas[induction] > 3.0, deltas.to_string()
+    assert deltas[induction] > 5 * outside.max(), deltas.to_string()
+    assert deltas[previous] > 3.0, deltas.to_string()  # the circuit's other half
+    same_layer = deltas[[f"L{il}H{h}" for h in range(embedded_build.geometry.n_heads) if h != ih]]
+    assert deltas[induction] > 20 * same_layer.abs().max(), deltas.to_string()  # no backup induction head
 
 
 @needs_embedded
-def test_embedded_induction_heads_knocked_out_together_break_copying(embedded_build):
-    """The induction heads (prefix matching > 0.5) are redundant: alone each moves copy loss a
-    little, together they break copying; as many control heads together barely move it."""
+def test_embedded_circuit_is_two_heads(embedded_build):
+    """Written independently of the scan (weight surgery, own loss): knocking out every head
+    outside the induction circuit at once leaves copying working, while the induction head
+    alone breaks it."""
     probe = RepeatSettings(seed=0, n=16, L=32)
-    scores = routing_scores_of(embedded_build, probe)
-    induction = [tuple(divmod(i, scores["prefix_matching"].shape[1]))
-                 for i in torch.nonzero(scores["prefix_matching"].flatten() > 0.5).flatten().tolist()]
-    assert induction and {layer for layer, _ in induction} == {1}, induction
-    prev_layer, prev_head = divmod(int(scores["previous_token"].argmax()), scores["previous_token"].shape[1])
-    controls = [(0, h) for h in range(embedded_build.geometry.n_heads) if (0, h) != (prev_layer, prev_head)]
+    (il, ih), (pl, ph), scores = circuit_heads(embedded_build, probe)
     held_out = RepeatSettings(seed=1, n=16, L=32)
     ids = repeat_tokens(embedded_build.tokens, held_out.n, held_out.L, held_out.seed)
     offset = bos_offset(embedded_build.tokens)
     intact = own_copy_loss(embedded_build.model, ids, held_out.L, offset)
+    first_copy = own_first_copy_loss(embedded_build.model, ids, held_out.L, offset)
+    geometry = embedded_build.geometry
 
-    def joint(heads):
-        (layer,) = {layer for layer, _ in heads}
-        with ablated(embedded_build.model, layer, embedded_build.geometry.d_head, [(slice(None), h) for _, h in heads]):
-            return own_copy_loss(embedded_build.model, ids, held_out.L, offset) - intact
+    def loss_without(heads):
+        model = copy.deepcopy(embedded_build.model)
+        with torch.no_grad():
+            for layer, head in heads:  # zero the head's columns of W_O: no hooks involved
+                out_proj_module(model, layer).weight[:, head * geometry.d_head:(head + 1) * geometry.d_head] = 0
+        return own_copy_loss(model, ids, held_out.L, offset)
 
-    together = joint(induction)
-    alone = [joint([h]) for h in induction]
-    control = joint(controls[: len(induction)])
-    assert together > 3.0, (together, alone)
-    assert together > 5 * max(alone), (together, alone)
-    assert control < 0.2 * together, (control, together)
+    others = [(lay, h) for lay in range(geometry.n_layers) for h in range(geometry.n_heads)
+              if (lay, h) not in {(il, ih), (pl, ph)}]
+    without_induction = loss_without([(il, ih)])
+    without_others = loss_without(others)
+    assert intact < 0.1 * first_copy, (intact, first_copy)
+    assert without_induction > 0.5 * first_copy, (without_induction, first_copy)
+    assert without_others - intact < 0.2 * (without_induction - intact), (without_others, without_induction, intact)
+
+
+def own_first_copy_loss(model, ids, L, offset) -> float:
+    """First-copy loss written out: mean CE of x[t] from logits[t-1], t = offset+1 .. offset+L-1."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits.double(), dim=-1)
+    t = torch.arange(offset + 1, offset + L)
+    return float(-logp[:, t - 1].gather(-1, ids[:, t].unsqueeze(-1)).mean())
 
 
 def routing_scores_of(build, settings):
