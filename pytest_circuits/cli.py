@@ -20,6 +20,7 @@ TABLE_COLUMNS = (
     ("kappa_trace", "trace", "{:+.3f}"),
     ("kappa_z", "z", "{:+.2f}"),
     ("kappa_q", "q", "{:.3f}"),
+    ("ov_gain_rel", "ov gain", "{:.3f}"),  # sum |lambda| / the largest head's
     ("prefix_matching", "prefix", "{:.3f}"),
     ("previous_token", "prev", "{:.3f}"),
     ("duplicate_token", "dup", "{:.3f}"),
@@ -124,12 +125,18 @@ def _fmt(value, spec: str) -> str:
 
 
 def head_table(record: dict) -> str:
-    """One line per head: the figures of all three rungs and the copying/suppression flag."""
-    cols = [(key, title, spec) for key, title, spec in TABLE_COLUMNS
-            if any(h.get(key) is not None for h in record["heads"])]
+    """One line per head: the figures of all three rungs and the copying/suppression flag;
+    ``ov gain`` is the head's OV gain over the largest head's (idle heads sit near 0)."""
+    from .gate import ov_gains
+
+    gains = ov_gains(record)
+    largest = max(gains.values(), default=0.0)
+    heads = [{**h, "ov_gain_rel": gains[h["head"]] / largest if largest > 0 and h["head"] in gains else None}
+             for h in record["heads"]]
+    cols = [(key, title, spec) for key, title, spec in TABLE_COLUMNS if any(h.get(key) is not None for h in heads)]
     header = f"{'head':<8}" + "".join(f"{title:>10}" for _, title, _ in cols) + "  flag"
     lines = [header]
-    for h in record["heads"]:
+    for h in heads:
         flag = "copying" if h.get("copying") else "suppression" if h.get("suppression") else ""
         lines.append(f"{h['head']:<8}" + "".join(f"{_fmt(h.get(k), s):>10}" for k, _, s in cols) + f"  {flag}")
     return "\n".join(lines)
