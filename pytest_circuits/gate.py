@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 import numpy as np
 
 from .assertions import spearman  # one Spearman for the gate and the users' helpers
+from .kappa import ov_gain
+from .record import record_eigenvalues
 
 INVARIANTS = ("copying_heads", "kappa_distribution", "copy_loss", "induction_heads", "knockout_deltas")
 MAX_ROWS = 20
@@ -149,8 +151,7 @@ def ov_gains(record: dict) -> dict[str, float]:
     heads = _heads(record)
     if heads and all(row.get("ov_gain") is not None for row in heads.values()):
         return {name: float(row["ov_gain"]) for name, row in heads.items()}
-    return {name: float(np.abs(np.asarray(pairs, float) @ np.array([1.0, 1j])).sum())
-            for name, pairs in (record.get("eigenvalues") or {}).items() if pairs}
+    return {name: float(ov_gain(lam)) for name, lam in record_eigenvalues(record).items() if lam.size}
 
 
 def negligible_heads(record: dict, min_ov_gain: float) -> set[str]:

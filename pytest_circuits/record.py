@@ -84,6 +84,15 @@ def eigenvalue_map(eigenvalues, labels: list[str] | None = None) -> dict:
     return out
 
 
+def record_eigenvalues(record: dict) -> dict[str, np.ndarray]:
+    """The inverse of `eigenvalue_map`: a record's ``{"L0H0": [[re, im], ...]}`` as complex arrays."""
+    out = {}
+    for label, pairs in (record.get("eigenvalues") or {}).items():
+        values = np.asarray(pairs, dtype=float).reshape(-1, 2)
+        out[str(label)] = values[:, 0] + 1j * values[:, 1]
+    return out
+
+
 def assemble_record(*, model: dict, build: dict, probe: dict, knockout_info: dict | None, spectrum,
                     probe_result, knockout=None, rung1: dict) -> dict:
     """The scan record from its parts (pure; see the contract in the module docstring)."""

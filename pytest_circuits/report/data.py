@@ -14,6 +14,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from ..families import head_label
+from ..record import record_eigenvalues
 
 # (column, title, kind): "diverging" maps are centred on 0, "score" maps run over [0, 1]
 HEATMAP_METRICS = (
@@ -93,11 +94,9 @@ def flagged_heads(record: dict, flag: str) -> list[str]:
 def normalised_eigenvalues(record: dict) -> dict[str, np.ndarray]:
     """Each head's OV eigenvalues divided by that head's max |lambda| (all within the unit circle)."""
     out = {}
-    for label, pairs in (record.get("eigenvalues") or {}).items():
-        values = np.asarray(pairs, dtype=float).reshape(-1, 2)
-        lam = values[:, 0] + 1j * values[:, 1]
+    for label, lam in record_eigenvalues(record).items():
         top = np.abs(lam).max() if lam.size else 0.0
-        out[str(label)] = lam / top if top > 0 else lam
+        out[label] = lam / top if top > 0 else lam
     return out
 
 
