@@ -35,13 +35,21 @@ def fp32_builds(tiny_folders):
     return {fam: load_build(resolve_model(str(folder)), "fp32", "cpu") for fam, folder in tiny_folders.items()}
 
 
-def own_copy_loss(model, ids, L, offset) -> float:
-    """Copy loss written out independently: mean CE of x[t] from logits[t-1], t = offset+L+1 .. offset+2L-1."""
+def own_losses(model, ids, L, offset) -> tuple[float, float]:
+    """``(first_copy_loss, copy_loss)`` written out independently, from one forward: mean CE of
+    x[t] from logits[t-1] over t = offset+1 .. offset+L-1 and t = offset+L+1 .. offset+2L-1."""
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits.double(), dim=-1)
-    t = torch.arange(offset + L + 1, offset + 2 * L)
-    picked = logp[:, t - 1].gather(-1, ids[:, t].unsqueeze(-1)).squeeze(-1)
-    return float(-picked.mean())
+
+    def mean_ce(t):
+        return float(-logp[:, t - 1].gather(-1, ids[:, t].unsqueeze(-1)).mean())
+
+    return mean_ce(torch.arange(offset + 1, offset + L)), mean_ce(torch.arange(offset + L + 1, offset + 2 * L))
+
+
+def own_copy_loss(model, ids, L, offset) -> float:
+    """Copy loss written out independently (see `own_losses`)."""
+    return own_losses(model, ids, L, offset)[1]
 
 
 def weight_surgery(build, layer, head, mean=None):
@@ -304,8 +312,7 @@ def test_embedded_circuit_is_two_heads(embedded_build):
     held_out = RepeatSettings(seed=1, n=16, L=32)
     ids = repeat_tokens(embedded_build.tokens, held_out.n, held_out.L, held_out.seed)
     offset = bos_offset(embedded_build.tokens)
-    intact = own_copy_loss(embedded_build.model, ids, held_out.L, offset)
-    first_copy = own_first_copy_loss(embedded_build.model, ids, held_out.L, offset)
+    first_copy, intact = own_losses(embedded_build.model, ids, held_out.L, offset)
     geometry = embedded_build.geometry
 
     def loss_without(heads):
@@ -322,14 +329,6 @@ def test_embedded_circuit_is_two_heads(embedded_build):
     assert intact < 0.1 * first_copy, (intact, first_copy)
     assert without_induction > 0.5 * first_copy, (without_induction, first_copy)
     assert without_others - intact < 0.2 * (without_induction - intact), (without_others, without_induction, intact)
-
-
-def own_first_copy_loss(model, ids, L, offset) -> float:
-    """First-copy loss written out: mean CE of x[t] from logits[t-1], t = offset+1 .. offset+L-1."""
-    with torch.no_grad():
-        logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits.double(), dim=-1)
-    t = torch.arange(offset + 1, offset + L)
-    return float(-logp[:, t - 1].gather(-1, ids[:, t].unsqueeze(-1)).mean())
 
 
 def routing_scores_of(build, settings):

@@ -136,15 +136,21 @@ def test_pattern_of_the_wrong_length_is_refused():
 # --- the probe on tiny random models -----------------------------------------------------
 
 
+def output_attention_scores(build) -> np.ndarray:
+    """``(n_layers, len(SCORES), n_heads)`` routing scores by the plain loop over the attention
+    maps that ``output_attentions=True`` returns, on the SMALL probe's tokens."""
+    ids = repeat_tokens(build.tokens, SMALL.n, SMALL.L, SMALL.seed)
+    with torch.no_grad():
+        out = build.model(input_ids=ids, output_attentions=True, use_cache=False)
+    return np.stack([np.stack([loop_scores(a, SMALL.L, 0)[s] for s in SCORES]) for a in out.attentions])
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hook_scores_equal_output_attentions(tiny_build, family):
     build = tiny_build(family)
     probe = run_repeat_probe(build, SMALL, batch_size=2)
-    ids = repeat_tokens(build.tokens, SMALL.n, SMALL.L, SMALL.seed)
-    with torch.no_grad():
-        out = build.model(input_ids=ids, output_attentions=True, use_cache=False)
-    assert len(out.attentions) == build.geometry.n_layers
-    want = np.stack([np.stack([loop_scores(a, SMALL.L, 0)[s] for s in SCORES]) for a in out.attentions])
+    want = output_attention_scores(build)
+    assert want.shape[0] == build.geometry.n_layers
     np.testing.assert_allclose(scores_array(probe, build.geometry.n_layers), want, rtol=0, atol=1e-6)
     assert list(probe.heads["head"][:2]) == ["L0H0", "L0H1"]
     assert probe.heads.shape[0] == build.geometry.n_layers * build.geometry.n_heads
@@ -154,10 +160,7 @@ def test_hook_scores_equal_output_attentions(tiny_build, family):
 def test_hook_scores_equal_output_attentions_on_bitsandbytes(tiny_build, recipe):
     build = tiny_build("llama", recipe)
     probe = run_repeat_probe(build, SMALL, batch_size=3)
-    ids = repeat_tokens(build.tokens, SMALL.n, SMALL.L, SMALL.seed)
-    with torch.no_grad():
-        out = build.model(input_ids=ids, output_attentions=True, use_cache=False)
-    want = np.stack([np.stack([loop_scores(a, SMALL.L, 0)[s] for s in SCORES]) for a in out.attentions])
+    want = output_attention_scores(build)
     np.testing.assert_allclose(scores_array(probe, build.geometry.n_layers), want, rtol=0, atol=1e-5)
 
 
