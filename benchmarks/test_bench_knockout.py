@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_circuits.builds import load_build
-from pytest_circuits.knockout import knockout_scan, naive_knockout_deltas
-from pytest_circuits.loading import resolve_model
-from pytest_circuits.repeat import RepeatSettings
+from pytest_circuits.model.builds import load_build
+from pytest_circuits.rungs.knockout import knockout_scan, naive_knockout_deltas
+from pytest_circuits.model.loading import resolve_model
+from pytest_circuits.rungs.repeat import RepeatSettings
 from pytest_circuits.testing import requires_smollm2
 
 pytestmark = [pytest.mark.real, pytest.mark.slow, requires_smollm2()]

@@ -22,11 +22,11 @@ import weakref
 import pytest
 import torch
 
-from pytest_circuits.builds import load_build
-from pytest_circuits.families import attention_module
-from pytest_circuits.loading import resolve_model
-from pytest_circuits.probe import run_repeat_probe
-from pytest_circuits.repeat import RepeatSettings, repeat_tokens
+from pytest_circuits.model.builds import load_build
+from pytest_circuits.model.families import attention_module
+from pytest_circuits.model.loading import resolve_model
+from pytest_circuits.rungs.probe import run_repeat_probe
+from pytest_circuits.rungs.repeat import RepeatSettings, repeat_tokens
 from pytest_circuits.testing import requires_embedded_model, requires_smollm2
 
 BATCH = 8

@@ -1,10 +1,10 @@
 """pytest-circuits: gate model builds on mechanistic invariants of their attention heads."""
 
-from .builds import RECIPES, BuildIdentity, LoadedBuild, load_build, parse_builds
+from .model.builds import RECIPES, BuildIdentity, LoadedBuild, load_build, parse_builds
 from .errors import BaselineError, CircuitsError, ModelLoadError, RecipeError, UnknownFamilyError
-from .families import FAMILIES, Geometry
-from .loading import ModelSource, resolve_model
-from .weights import ModelWeights, extract_weights
+from .model.families import FAMILIES, Geometry
+from .model.loading import ModelSource, resolve_model
+from .model.weights import ModelWeights, extract_weights
 
 __version__ = "0.1.0"
 

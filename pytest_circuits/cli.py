@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _session(args, probe=None):
-    from .repeat import RepeatSettings
+    from .rungs.repeat import RepeatSettings
     from .session import CircuitsSettings, CircuitsSession
 
     d = CircuitsSettings()
@@ -127,7 +127,7 @@ def _fmt(value, spec: str) -> str:
 def head_table(record: dict) -> str:
     """One line per head: the figures of all three rungs and the copying/suppression flag;
     ``ov gain`` is the head's OV gain over the largest head's (idle heads sit near 0)."""
-    from .gate import ov_gains
+    from .gate.invariants import ov_gains
 
     gains = ov_gains(record)
     largest = max(gains.values(), default=0.0)
@@ -156,9 +156,9 @@ def model_lines(record: dict) -> list[str]:
 
 
 def cmd_scan(args) -> int:
-    from .baseline import dumps
-    from .builds import get_recipe
-    from .record import build_record
+    from .gate.store import dumps
+    from .model.builds import get_recipe
+    from .gate.record import build_record
 
     get_recipe(args.build)
     session = _session(args)
@@ -173,7 +173,7 @@ def cmd_scan(args) -> int:
 
 
 def cmd_record(args) -> int:
-    from .builds import parse_builds
+    from .model.builds import parse_builds
 
     recipes = parse_builds(args.build)
     session = _session(args)
@@ -186,7 +186,7 @@ def cmd_record(args) -> int:
 
 
 def _tolerances(pairs: list[str]):
-    from .gate import Tolerances
+    from .gate.invariants import Tolerances
 
     overrides = {}
     for pair in pairs:
@@ -201,9 +201,9 @@ def _tolerances(pairs: list[str]):
 
 
 def cmd_gate(args) -> int:
-    from .baseline import compatibility, read_baseline
-    from .builds import get_recipe
-    from .gate import _has_knockout, gate_all
+    from .gate.store import compatibility, read_baseline
+    from .model.builds import get_recipe
+    from .gate.invariants import _has_knockout, gate_all
 
     get_recipe(args.build)
     tol = _tolerances(args.tol)
@@ -246,8 +246,8 @@ def diff_rows(a: dict, b: dict, min_change: float = 0.01) -> list[tuple]:
 
 
 def cmd_diff(args) -> int:
-    from .baseline import compatibility, read_baseline
-    from .gate import Tolerances, gate_all
+    from .gate.store import compatibility, read_baseline
+    from .gate.invariants import Tolerances, gate_all
 
     a, b = read_baseline(args.file_a), read_baseline(args.file_b)
     for note in compatibility(a, b, f"baseline {args.file_a.name}"):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from functools import cached_property
 
-from .builds import LoadedBuild, get_recipe, load_build, resolve_device
-from .loading import ModelSource, resolve_model
+from .model.builds import LoadedBuild, get_recipe, load_build, resolve_device
+from .model.loading import ModelSource, resolve_model
 from .settings import CircuitsSettings
 
 
@@ -42,13 +42,13 @@ class CircuitsSession:
 
     def weights(self, recipe: str, fold: bool = True):
         """Per-head weights of a build (float32, dequantized, folded by default)."""
-        from .weights import extract_weights
+        from .model.weights import extract_weights
 
         return self._memo(f"weights-fold={fold}", recipe, lambda: extract_weights(self.build(recipe).model, fold))
 
     def ov_spectrum(self, recipe: str):
         """Rung 1: kappa of every head against the rotation null (DataFrame)."""
-        from .kappa import ov_spectrum
+        from .rungs.kappa import ov_spectrum
 
         s = self.settings
         return self._memo(
@@ -59,7 +59,7 @@ class CircuitsSession:
 
     def repeat_probe(self, recipe: str):
         """Rung 1/2: copy losses and per-head routing scores on the seeded repeat probe."""
-        from .probe import run_repeat_probe
+        from .rungs.probe import run_repeat_probe
 
         s = self.settings
         return self._memo(
@@ -70,7 +70,7 @@ class CircuitsSession:
 
     def head_knockout(self, recipe: str, heads=None):
         """Rung 2: knockout delta of every head on held-out repeat sequences (DataFrame)."""
-        from .knockout import knockout_scan
+        from .rungs.knockout import knockout_scan
 
         s = self.settings
         return self._memo(
@@ -91,7 +91,7 @@ class CircuitsSession:
 
     def record(self, recipe: str, knockout: bool = True) -> dict:
         """The scan record of one build (`record.build_record`), knockouts optional."""
-        from .record import build_record
+        from .gate.record import build_record
 
         if not knockout and ("record-knockout=True", recipe) in self._cache:
             return self._cache[("record-knockout=True", recipe)]
@@ -99,7 +99,7 @@ class CircuitsSession:
 
     def baseline_path(self, recipe: str):
         """Where the baseline of ``recipe`` for this model lives."""
-        from .baseline import baseline_path
+        from .gate.store import baseline_path
 
         return baseline_path(self.settings.baselines, self.source.name, recipe)
 
@@ -111,7 +111,7 @@ class CircuitsSession:
 
     def write_baseline(self, recipe: str):
         """Record ``recipe`` (with knockouts) and write its baseline atomically, once per session."""
-        from .baseline import write_baseline
+        from .gate.store import write_baseline
 
         def write():
             path = write_baseline(self.baseline_path(recipe), self.record(recipe, knockout=True))
@@ -122,7 +122,7 @@ class CircuitsSession:
 
     def load_baseline(self, recipe: str) -> dict:
         """The baseline record of ``recipe``: written first under ``update``; BaselineError if missing/corrupt."""
-        from .baseline import read_baseline
+        from .gate.store import read_baseline
         from .errors import BaselineError
 
         def load():
@@ -156,9 +156,9 @@ class CircuitsSession:
 
     def baseline_key_heads(self) -> list[str]:
         """The reference baseline's key knockout heads, which a screened scan always runs exactly."""
-        from .baseline import read_baseline
+        from .gate.store import read_baseline
         from .errors import BaselineError
-        from .gate import key_heads
+        from .gate.invariants import key_heads
 
         heads: set[str] = set()
         for recipe in dict.fromkeys((self.settings.reference, *self.settings.builds)):
@@ -180,6 +180,6 @@ class CircuitsSession:
     @cached_property
     def tolerances(self):
         """Gate tolerances: defaults, overridden by ini ``circuits_tol_*`` keys."""
-        from .gate import Tolerances
+        from .gate.invariants import Tolerances
 
         return Tolerances().updated(self.settings.tolerances)

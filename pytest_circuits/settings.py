@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .models import DEFAULT_MODEL
-from .repeat import RepeatSettings
+from .model.named import DEFAULT_MODEL
+from .rungs.repeat import RepeatSettings
 
 DEFAULT_BUILDS = ("fp32", "bnb-int8", "bnb-nf4")
 DEFAULT_REFERENCE = "fp32"

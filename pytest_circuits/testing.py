@@ -77,7 +77,7 @@ def has_smollm2() -> bool:
 
 def has_embedded_model() -> bool:
     """True when the embedded ``tiny-induction`` model ships in the package."""
-    from .models import EMBEDDED_DIR
+    from .model.named import EMBEDDED_DIR
 
     return (EMBEDDED_DIR / "tiny-induction" / "config.json").is_file()
 
@@ -117,7 +117,7 @@ def _float_weight(module):
 @torch.no_grad()
 def negate_head_ov(model, layer: int, head: int) -> None:
     """Negate ``W_O`` of head ``L{layer}H{head}`` in place, so ``W_OV -> -W_OV`` (kappa flips sign)."""
-    from .families import geometry_of, out_proj_module
+    from .model.families import geometry_of, out_proj_module
 
     geo = geometry_of(model)
     proj = out_proj_module(model, layer)
@@ -131,7 +131,7 @@ def negate_head_ov(model, layer: int, head: int) -> None:
 
 def _qk_rows(model, layer: int, head: int):
     """``[(module, out_rows)]`` holding W_Q (and W_K when not shared with other query heads) of one head."""
-    from .families import attention_module, family_of, geometry_of, get_module
+    from .model.families import attention_module, family_of, geometry_of, get_module
 
     fam, geo = family_of(model), geometry_of(model)
     attn = attention_module(model, layer)

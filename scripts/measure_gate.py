@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pytest_circuits.gate import RANK_MIN_Z, Tolerances, _num, gate_all, key_heads, negligible_heads, spearman
-from pytest_circuits.loading import resolve_model
-from pytest_circuits.repeat import RepeatSettings
+from pytest_circuits.gate.invariants import RANK_MIN_Z, Tolerances, _num, gate_all, key_heads, negligible_heads, spearman
+from pytest_circuits.model.loading import resolve_model
+from pytest_circuits.rungs.repeat import RepeatSettings
 from pytest_circuits.session import CircuitsSession
 from pytest_circuits.settings import CircuitsSettings
 from pytest_circuits.testing import add_weight_noise, flatten_head_qk, negate_head_ov

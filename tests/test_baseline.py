@@ -12,9 +12,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pytest_circuits import baseline as bl
+from pytest_circuits.gate import store as bl
 from pytest_circuits.errors import BaselineError
-from pytest_circuits.record import HEAD_COLUMNS, SCHEMA_VERSION, assemble_record, eigenvalue_map, head_rows
+from pytest_circuits.gate.record import HEAD_COLUMNS, SCHEMA_VERSION, assemble_record, eigenvalue_map, head_rows
 
 GEOMETRY = {"n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "d_model": 8, "d_head": 4, "vocab": 16}
 
@@ -243,7 +243,7 @@ SHIPPED_FILES = sorted(SHIPPED.glob("*.json"))
 
 
 def test_baselines_ship_for_every_cpu_recipe_of_both_models():
-    from pytest_circuits.builds import RECIPES
+    from pytest_circuits.model.builds import RECIPES
 
     names = {path.name for path in SHIPPED_FILES}
     for model in ("tiny-induction", "smollm2-135m"):
@@ -255,7 +255,7 @@ def test_baselines_ship_for_every_cpu_recipe_of_both_models():
 def test_shipped_baseline_belongs_to_the_shipped_weights(path):
     """Each file is valid, named for its model and recipe, and was recorded from the weights
     that ship now: retraining a model without re-recording its baselines fails here."""
-    from pytest_circuits.loading import resolve_model, weight_fingerprint
+    from pytest_circuits.model.loading import resolve_model, weight_fingerprint
     from pytest_circuits.testing import has_smollm2
 
     record = bl.read_baseline(path)

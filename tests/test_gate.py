@@ -10,8 +10,8 @@ import pytest
 import torch
 from scipy.stats import spearmanr
 
-from pytest_circuits import gate
-from pytest_circuits.gate import InvariantResult, Tolerances, check, gate_all, key_heads
+from pytest_circuits.gate import invariants as gate
+from pytest_circuits.gate.invariants import InvariantResult, Tolerances, check, gate_all, key_heads
 from pytest_circuits.testing import (
     add_weight_noise, flatten_head_qk, has_embedded_model, make_tiny_model, negate_head_ov,
 )
@@ -272,7 +272,7 @@ def embedded(tmp_path_factory):
     """The fp32 record of tiny-induction plus a maker of sabotaged copies' records."""
     from transformers import AutoModelForCausalLM
 
-    from pytest_circuits.repeat import RepeatSettings
+    from pytest_circuits.rungs.repeat import RepeatSettings
     from pytest_circuits.session import CircuitsSession
     from pytest_circuits.settings import CircuitsSettings
 

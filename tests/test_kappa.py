@@ -16,10 +16,10 @@ from pytest_circuits.assertions import (
     assert_kappa_close,
     assert_kappa_distribution_unshifted,
 )
-from pytest_circuits.builds import load_build
+from pytest_circuits.model.builds import load_build
 from pytest_circuits.errors import CircuitsError
-from pytest_circuits.families import get_module, layer_modules, out_proj_module
-from pytest_circuits.kappa import (
+from pytest_circuits.model.families import get_module, layer_modules, out_proj_module
+from pytest_circuits.rungs.kappa import (
     COLUMNS,
     EXTRA_COLUMNS,
     SpectrumError,
@@ -36,9 +36,9 @@ from pytest_circuits.kappa import (
     shared_unembed_embed,
     without_attrs,
 )
-from pytest_circuits.loading import resolve_model
+from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.testing import make_tiny_model, requires_embedded_model, requires_smollm2
-from pytest_circuits.weights import extract_weights
+from pytest_circuits.model.weights import extract_weights
 
 NUMERIC = ["kappa", "kappa_trace", "kappa_null_mean", "kappa_null_sd", "kappa_z", "kappa_p",
            "kappa_trace_null_mean", "kappa_trace_null_sd", "kappa_trace_z", "kappa_trace_p"]
@@ -331,8 +331,8 @@ def test_smollm2_batched_equals_reference_on_some_heads():
 def test_smollm2_rung1_finds_copying_heads_and_its_induction_head_copies():
     """Rung 1 on the real model: many heads copy (kappa near +1), the flags respect the null,
     and the strongest induction head (found by the repeat probe, not by kappa) copies."""
-    from pytest_circuits.probe import run_repeat_probe
-    from pytest_circuits.repeat import RepeatSettings
+    from pytest_circuits.rungs.probe import run_repeat_probe
+    from pytest_circuits.rungs.repeat import RepeatSettings
 
     build = load_build(resolve_model("smollm2-135m"), "fp32")
     spectrum = ov_spectrum_of_model(build, n_rotations=64).set_index("head")

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from pytest_circuits.builds import get_recipe, load_build, parse_builds, resolve_device
+from pytest_circuits.model.builds import get_recipe, load_build, parse_builds, resolve_device
 from pytest_circuits.errors import CircuitsError, ModelLoadError, RecipeError, UnknownFamilyError
-from pytest_circuits.families import family_for_config, supported_model_types
-from pytest_circuits.loading import check_gguf, resolve_model, weight_fingerprint
+from pytest_circuits.model.families import family_for_config, supported_model_types
+from pytest_circuits.model.loading import check_gguf, resolve_model, weight_fingerprint
 from pytest_circuits.testing import make_tiny_model
 
 from .conftest import needs_smollm2
@@ -171,8 +171,8 @@ def test_hub_cache_id_resolves_offline(tmp_path, monkeypatch):
 @pytest.mark.parametrize("recipe", ["fp32", "bnb-int8", "bnb-nf4"])
 def test_cuda_builds_match_cpu(tiny_folder, recipe):
     """The CUDA path (bitsandbytes on GPU included) gives the CPU's figures within the recipe's noise."""
-    from pytest_circuits.probe import run_repeat_probe
-    from pytest_circuits.repeat import RepeatSettings
+    from pytest_circuits.rungs.probe import run_repeat_probe
+    from pytest_circuits.rungs.repeat import RepeatSettings
 
     source = resolve_model(tiny_folder("llama"))
     settings = RepeatSettings(seed=0, n=4, L=16)

@@ -31,7 +31,7 @@ def warm(tmp_path_factory):
 
     (pytester drops the modules an inner run imported; torch refuses to register some twice.)
     """
-    from pytest_circuits.repeat import RepeatSettings
+    from pytest_circuits.rungs.repeat import RepeatSettings
     from pytest_circuits.session import CircuitsSession
     from pytest_circuits.settings import CircuitsSettings
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_circuits.builds import load_build
-from pytest_circuits.families import attention_module, family_of, get_module, layer_modules
-from pytest_circuits.loading import resolve_model
+from pytest_circuits.model.builds import load_build
+from pytest_circuits.model.families import attention_module, family_of, get_module, layer_modules
+from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.testing import make_tiny_model
-from pytest_circuits.weights import extract_weights
+from pytest_circuits.model.weights import extract_weights
 
 from .conftest import FAMILIES
 

@@ -13,8 +13,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from ..families import head_label
-from ..record import record_eigenvalues
+from ..model.families import head_label
+from ..gate.record import record_eigenvalues
 
 # (column, title, kind): "diverging" maps are centred on 0, "score" maps run over [0, 1]
 HEATMAP_METRICS = (

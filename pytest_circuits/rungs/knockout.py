@@ -31,9 +31,9 @@ import pandas as pd
 import torch
 
 from .ablation import ZMeans, ablated, parse_heads, z_differentiable, z_observed
-from .builds import LoadedBuild, get_recipe
-from .errors import CircuitsError
-from .families import get_module, head_label, layer_modules
+from ..model.builds import LoadedBuild, get_recipe
+from ..errors import CircuitsError
+from ..model.families import get_module, head_label, layer_modules
 from .repeat import RepeatSettings, bos_offset, check_fits, copy_slices, next_token_losses, repeat_losses, repeat_tokens
 
 MODES = ("zero", "mean")

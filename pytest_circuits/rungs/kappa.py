@@ -38,9 +38,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .errors import CircuitsError
-from .families import head_label
-from .weights import ModelWeights, extract_weights
+from ..errors import CircuitsError
+from ..model.families import head_label
+from ..model.weights import ModelWeights, extract_weights
 
 EIG_REL_TOL = 1e-6  # f = 0 where |l| <= EIG_REL_TOL * max|l|
 P_METHODS = ("normal", "empirical")

@@ -33,8 +33,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 
-from .assertions import spearman  # one Spearman for the gate and the users' helpers
-from .kappa import ov_gain
+from ..assertions import spearman  # one Spearman for the gate and the users' helpers
+from ..rungs.kappa import ov_gain
 from .record import record_eigenvalues
 
 INVARIANTS = ("copying_heads", "kappa_distribution", "copy_loss", "induction_heads", "knockout_deltas")
@@ -363,11 +363,11 @@ def gate_build(session, recipe: str, invariant: str, tol: Tolerances, fixes: dic
     problem (the gate fails); a missing own baseline only skips the drift comparison.
     ``fixes`` maps ``"reference"``/``"own"`` to the line that ends a failure message.
     """
-    from .baseline import compatibility
-    from .errors import BaselineError
+    from .store import compatibility
+    from ..errors import BaselineError
 
     if invariant not in CHECKS:
-        from .errors import CircuitsError
+        from ..errors import CircuitsError
 
         raise CircuitsError(f"unknown invariant {invariant!r}; known: {', '.join(INVARIANTS)}")
     outcome = GateOutcome()
@@ -472,7 +472,7 @@ def gate_for_test(request, session, recipe: str, invariant: str, tol: Tolerances
 
 def baseline_lines(session, collected: Collected) -> list[str]:
     """Which baselines were written, compared, missing, corrupt, and orphaned (named)."""
-    from .baseline import orphans
+    from .store import orphans
 
     lines = []
     for event, verb in (("written", "written"), ("compared", "compared"), ("missing", "missing"),
@@ -496,7 +496,7 @@ def baseline_lines(session, collected: Collected) -> list[str]:
 def result_lines(collected: Collected) -> list[str]:
     """The report module's summary lines when it is installed, else one line per failed result."""
     try:
-        from .report import summary_lines
+        from ..report import summary_lines
 
         return list(summary_lines(collected.results, report_dir=collected.report_path))
     except ImportError:
@@ -521,7 +521,7 @@ def write_report(session, collected: Collected) -> None:
     if session.settings.report is None:
         return
     try:
-        from .report import write_report as write
+        from ..report import write_report as write
     except ImportError as error:
         collected.notes.append(f"--circuits-report: the report module is unavailable ({error})")
         return

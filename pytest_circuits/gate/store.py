@@ -16,7 +16,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from .errors import BaselineError
+from ..errors import BaselineError
 from .record import SCHEMA_VERSION
 
 SIG_DIGITS = 6

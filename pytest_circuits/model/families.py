@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import UnknownFamilyError
+from ..errors import UnknownFamilyError
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from contextlib import contextmanager
 
 import torch
 
-from .errors import CircuitsError
-from .families import Geometry, head_label, out_proj_module
+from ..errors import CircuitsError
+from ..model.families import Geometry, head_label, out_proj_module
 
 HEAD_LABEL = re.compile(r"^L(\d+)H(\d+)$")
 

@@ -24,9 +24,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .builds import LoadedBuild
-from .errors import CircuitsError
-from .families import attention_module, head_label
+from ..model.builds import LoadedBuild
+from ..errors import CircuitsError
+from ..model.families import attention_module, head_label
 from .repeat import RepeatSettings, bos_offset, check_fits, next_token_losses, repeat_losses, repeat_tokens
 
 SCORES = ("prefix_matching", "previous_token", "duplicate_token")

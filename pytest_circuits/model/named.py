@@ -6,7 +6,7 @@ from pathlib import Path
 
 from ..errors import ModelLoadError
 
-EMBEDDED_DIR = Path(__file__).parent
+EMBEDDED_DIR = Path(__file__).resolve().parent.parent / "models"  # shipped package data
 DEFAULT_MODEL = "tiny-induction"
 
 

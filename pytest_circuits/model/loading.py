@@ -15,8 +15,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ModelLoadError, first_line
-from .models import named_model_path
+from ..errors import ModelLoadError, first_line
+from .named import named_model_path
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 GGUF_MAGIC = b"GGUF"
@@ -179,7 +179,7 @@ def resolve_model(spec: str | os.PathLike) -> ModelSource:
         cached = _hub_cache_folder(text)
         if cached is not None:
             return ModelSource(text, "cache", check_folder(cached), cached)
-    from .models import NAMED_MODELS
+    from .named import NAMED_MODELS
 
     raise ModelLoadError(
         f"model {text!r} not found: not a folder, a .gguf file, a named model "

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .errors import CircuitsError
-from .vocab import TokenInfo
+from ..errors import CircuitsError
+from ..model.vocab import TokenInfo
 
 CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
 

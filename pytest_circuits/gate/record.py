@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .families import head_label
+from ..model.families import head_label
 
 SCHEMA_VERSION = 1
 
@@ -32,7 +32,7 @@ def versions() -> dict:
     import torch
     import transformers
 
-    from . import __version__
+    from .. import __version__
 
     try:
         import importlib.metadata as metadata
@@ -128,7 +128,7 @@ def _rung1_info(spectrum, settings, folded: bool) -> dict:
 
 @lru_cache(maxsize=16)
 def _fingerprint(folder: str, stamp: tuple) -> str:
-    from .loading import weight_fingerprint
+    from ..model.loading import weight_fingerprint
 
     return weight_fingerprint(Path(folder))
 
