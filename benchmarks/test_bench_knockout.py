@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pytest_circuits.model.builds import load_build
-from pytest_circuits.rungs.knockout import knockout_scan, naive_knockout_deltas
 from pytest_circuits.model.loading import resolve_model
+from pytest_circuits.rungs.knockout import knockout_scan, naive_knockout_deltas
 from pytest_circuits.rungs.repeat import RepeatSettings
 from pytest_circuits.testing import requires_smollm2
 

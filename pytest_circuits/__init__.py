@@ -1,7 +1,7 @@
 """pytest-circuits: gate model builds on mechanistic invariants of their attention heads."""
 
-from .model.builds import RECIPES, BuildIdentity, LoadedBuild, load_build, parse_builds
 from .errors import BaselineError, CircuitsError, ModelLoadError, RecipeError, UnknownFamilyError
+from .model.builds import RECIPES, BuildIdentity, LoadedBuild, load_build, parse_builds
 from .model.families import FAMILIES, Geometry
 from .model.loading import ModelSource, resolve_model
 from .model.weights import ModelWeights, extract_weights

@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _session(args, probe=None):
     from .rungs.repeat import RepeatSettings
-    from .session import CircuitsSettings, CircuitsSession
+    from .session import CircuitsSession, CircuitsSettings
 
     d = CircuitsSettings()
     probe = probe or {}
@@ -156,9 +156,9 @@ def model_lines(record: dict) -> list[str]:
 
 
 def cmd_scan(args) -> int:
+    from .gate.record import build_record
     from .gate.store import dumps
     from .model.builds import get_recipe
-    from .gate.record import build_record
 
     get_recipe(args.build)
     session = _session(args)
@@ -201,9 +201,9 @@ def _tolerances(pairs: list[str]):
 
 
 def cmd_gate(args) -> int:
+    from .gate.invariants import _has_knockout, gate_all
     from .gate.store import compatibility, read_baseline
     from .model.builds import get_recipe
-    from .gate.invariants import _has_knockout, gate_all
 
     get_recipe(args.build)
     tol = _tolerances(args.tol)
@@ -246,8 +246,8 @@ def diff_rows(a: dict, b: dict, min_change: float = 0.01) -> list[tuple]:
 
 
 def cmd_diff(args) -> int:
-    from .gate.store import compatibility, read_baseline
     from .gate.invariants import Tolerances, gate_all
+    from .gate.store import compatibility, read_baseline
 
     a, b = read_baseline(args.file_a), read_baseline(args.file_b)
     for note in compatibility(a, b, f"baseline {args.file_a.name}"):

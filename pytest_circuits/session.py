@@ -122,8 +122,8 @@ class CircuitsSession:
 
     def load_baseline(self, recipe: str) -> dict:
         """The baseline record of ``recipe``: written first under ``update``; BaselineError if missing/corrupt."""
-        from .gate.store import read_baseline
         from .errors import BaselineError
+        from .gate.store import read_baseline
 
         def load():
             if self.settings.update and (recipe in self.settings.builds or recipe == self.settings.reference):
@@ -156,9 +156,9 @@ class CircuitsSession:
 
     def baseline_key_heads(self) -> list[str]:
         """The reference baseline's key knockout heads, which a screened scan always runs exactly."""
-        from .gate.store import read_baseline
         from .errors import BaselineError
         from .gate.invariants import key_heads
+        from .gate.store import read_baseline
 
         heads: set[str] = set()
         for recipe in dict.fromkeys((self.settings.reference, *self.settings.builds)):

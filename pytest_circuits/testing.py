@@ -50,7 +50,7 @@ def make_tiny_model(family: str, seed: int = 0, randomize_norms: bool = True, **
     if randomize_norms:
         generator = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
-            for name, module in model.named_modules():
+            for module in model.modules():
                 if "norm" in type(module).__name__.lower() and getattr(module, "weight", None) is not None:
                     module.weight.copy_(1 + 0.3 * torch.randn(module.weight.shape, generator=generator))
                     if getattr(module, "bias", None) is not None:

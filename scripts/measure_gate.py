@@ -12,15 +12,21 @@ previous-token head (zero its W_Q/W_K). The gate's default tolerances must sit b
 from __future__ import annotations
 
 import argparse
-import math
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from pytest_circuits.gate.invariants import RANK_MIN_Z, Tolerances, _num, gate_all, key_heads, negligible_heads, spearman
-from pytest_circuits.model.loading import resolve_model
+from pytest_circuits.gate.invariants import (
+    RANK_MIN_Z,
+    Tolerances,
+    _num,
+    gate_all,
+    key_heads,
+    negligible_heads,
+    spearman,
+)
 from pytest_circuits.rungs.repeat import RepeatSettings
 from pytest_circuits.session import CircuitsSession
 from pytest_circuits.settings import CircuitsSettings

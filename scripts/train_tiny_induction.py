@@ -167,12 +167,12 @@ def train(seed: int, steps: int) -> LlamaForCausalLM:
 def evaluate(folder: Path) -> dict:
     """The shipped figures, measured by the package itself (probe, kappa, knockouts)."""
     from pytest_circuits.model.builds import load_build
+    from pytest_circuits.model.loading import resolve_model
+    from pytest_circuits.model.weights import extract_weights
     from pytest_circuits.rungs.kappa import ov_spectrum
     from pytest_circuits.rungs.knockout import knockout_scan
-    from pytest_circuits.model.loading import resolve_model
     from pytest_circuits.rungs.probe import run_repeat_probe
     from pytest_circuits.rungs.repeat import RepeatSettings
-    from pytest_circuits.model.weights import extract_weights
 
     build = load_build(resolve_model(str(folder)), "fp32", "cpu")
     probe = run_repeat_probe(build, RepeatSettings(seed=0, n=64, L=64))

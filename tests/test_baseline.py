@@ -12,8 +12,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pytest_circuits.gate import store as bl
 from pytest_circuits.errors import BaselineError
+from pytest_circuits.gate import store as bl
 from pytest_circuits.gate.record import HEAD_COLUMNS, SCHEMA_VERSION, assemble_record, eigenvalue_map, head_rows
 
 GEOMETRY = {"n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "d_model": 8, "d_head": 4, "vocab": 16}

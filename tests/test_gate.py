@@ -13,7 +13,11 @@ from scipy.stats import spearmanr
 from pytest_circuits.gate import invariants as gate
 from pytest_circuits.gate.invariants import InvariantResult, Tolerances, check, gate_all, key_heads
 from pytest_circuits.testing import (
-    add_weight_noise, flatten_head_qk, has_embedded_model, make_tiny_model, negate_head_ov,
+    add_weight_noise,
+    flatten_head_qk,
+    has_embedded_model,
+    make_tiny_model,
+    negate_head_ov,
 )
 
 TOL = Tolerances()

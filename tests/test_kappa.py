@@ -16,9 +16,11 @@ from pytest_circuits.assertions import (
     assert_kappa_close,
     assert_kappa_distribution_unshifted,
 )
-from pytest_circuits.model.builds import load_build
 from pytest_circuits.errors import CircuitsError
+from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.families import get_module, layer_modules, out_proj_module
+from pytest_circuits.model.loading import resolve_model
+from pytest_circuits.model.weights import extract_weights
 from pytest_circuits.rungs.kappa import (
     COLUMNS,
     EXTRA_COLUMNS,
@@ -36,9 +38,7 @@ from pytest_circuits.rungs.kappa import (
     shared_unembed_embed,
     without_attrs,
 )
-from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.testing import make_tiny_model, requires_embedded_model, requires_smollm2
-from pytest_circuits.model.weights import extract_weights
 
 NUMERIC = ["kappa", "kappa_trace", "kappa_null_mean", "kappa_null_sd", "kappa_z", "kappa_p",
            "kappa_trace_null_mean", "kappa_trace_null_sd", "kappa_trace_z", "kappa_trace_p"]

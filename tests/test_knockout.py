@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import copy
 import math
+
 import numpy as np
 import pytest
 import torch
 
+from pytest_circuits.errors import CircuitsError
+from pytest_circuits.model.builds import load_build
+from pytest_circuits.model.families import out_proj_module
+from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.rungs import knockout
 from pytest_circuits.rungs.ablation import ablated, parse_heads
-from pytest_circuits.model.builds import load_build
-from pytest_circuits.errors import CircuitsError
-from pytest_circuits.model.families import out_proj_module
 from pytest_circuits.rungs.knockout import head_means, knockout_scan, naive_knockout_deltas
-from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.rungs.repeat import RepeatSettings, bos_offset, repeat_tokens
 from pytest_circuits.testing import requires_embedded_model, requires_smollm2, save_tiny_model
 

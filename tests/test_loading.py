@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from pytest_circuits.model.builds import get_recipe, load_build, parse_builds, resolve_device
 from pytest_circuits.errors import CircuitsError, ModelLoadError, RecipeError, UnknownFamilyError
+from pytest_circuits.model.builds import get_recipe, load_build, parse_builds, resolve_device
 from pytest_circuits.model.families import family_for_config, supported_model_types
 from pytest_circuits.model.loading import check_gguf, resolve_model, weight_fingerprint
 from pytest_circuits.testing import make_tiny_model

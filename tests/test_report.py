@@ -19,12 +19,12 @@ from pytest_circuits.errors import BaselineError, CircuitsError
 from pytest_circuits.report import (
     REPORT_PAGE,
     SUMMARY_PAGE,
+    data,
     report_command,
     report_from_files,
     summary_lines,
     write_report,
 )
-from pytest_circuits.report import data
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 INDUCTION, PREVIOUS = (1, 2), (0, 1)

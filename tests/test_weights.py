@@ -8,8 +8,8 @@ import torch
 from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.families import attention_module, family_of, get_module, layer_modules
 from pytest_circuits.model.loading import resolve_model
-from pytest_circuits.testing import make_tiny_model
 from pytest_circuits.model.weights import extract_weights
+from pytest_circuits.testing import make_tiny_model
 
 from .conftest import FAMILIES
 
@@ -146,7 +146,7 @@ def test_folded_weights_reproduce_norm_then_project(family):
         (norm, raw.layers[0].W_Q[1], folded.layers[0].W_Q[1]),
         (final, raw.W_U, folded.W_U),
     ):
-        eps = getattr(module, "eps", None) or getattr(module, "variance_epsilon")
+        eps = getattr(module, "eps", None) or module.variance_epsilon
         if fam.norm_kind == "layernorm":
             scale = (x.var(dim=-1, unbiased=False, keepdim=True) + eps).sqrt()
             shift = module.bias.detach() @ W_raw

@@ -62,7 +62,7 @@ class Tolerances:
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
 
-    def updated(self, overrides: dict) -> "Tolerances":
+    def updated(self, overrides: dict) -> Tolerances:
         """A copy with ``overrides`` applied; unknown names or bad values raise ValueError."""
         unknown = sorted(set(overrides) - set(self.names()))
         if unknown:
@@ -363,8 +363,8 @@ def gate_build(session, recipe: str, invariant: str, tol: Tolerances, fixes: dic
     problem (the gate fails); a missing own baseline only skips the drift comparison.
     ``fixes`` maps ``"reference"``/``"own"`` to the line that ends a failure message.
     """
-    from .store import compatibility
     from ..errors import BaselineError
+    from .store import compatibility
 
     if invariant not in CHECKS:
         from ..errors import CircuitsError

@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .dense import dense_weight, is_projection
 from ..errors import CircuitsError, RecipeError, first_line
+from .dense import is_projection
 from .families import Family, Geometry, family_for_config, geometry_of, get_module
 from .loading import ModelSource
 from .vocab import TokenInfo, token_info

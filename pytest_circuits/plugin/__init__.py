@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from ..model.builds import parse_builds
 from ..errors import CircuitsError
+from ..gate import invariants as _gate
+from ..model.builds import parse_builds
+from ..model.named import DEFAULT_MODEL
 from ..rungs.repeat import RepeatSettings
 from ..session import CircuitsSession
 from ..settings import DEFAULT_BUILDS, DEFAULT_REFERENCE, CircuitsSettings
-from ..model.named import DEFAULT_MODEL
-from ..gate import invariants as _gate
 
 SESSION_KEY = pytest.StashKey[CircuitsSession]()
 COLLECTED_KEY = pytest.StashKey[_gate.Collected]()

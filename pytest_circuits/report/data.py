@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
-from ..model.families import head_label
 from ..gate.record import record_eigenvalues
+from ..model.families import head_label
 
 # (column, title, kind): "diverging" maps are centred on 0, "score" maps run over [0, 1]
 HEATMAP_METRICS = (

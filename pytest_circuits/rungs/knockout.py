@@ -30,10 +30,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .ablation import ZMeans, ablated, parse_heads, z_differentiable, z_observed
-from ..model.builds import LoadedBuild, get_recipe
 from ..errors import CircuitsError
+from ..model.builds import LoadedBuild, get_recipe
 from ..model.families import get_module, head_label, layer_modules
+from .ablation import ZMeans, ablated, parse_heads, z_differentiable, z_observed
 from .repeat import RepeatSettings, bos_offset, check_fits, copy_slices, next_token_losses, repeat_losses, repeat_tokens
 
 MODES = ("zero", "mean")

@@ -24,8 +24,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from ..model.builds import LoadedBuild
 from ..errors import CircuitsError
+from ..model.builds import LoadedBuild
 from ..model.families import attention_module, head_label
 from .repeat import RepeatSettings, bos_offset, check_fits, next_token_losses, repeat_losses, repeat_tokens
 
