@@ -62,7 +62,7 @@ class Section:
 
     @property
     def failed(self) -> list[dict]:
-        return [r for r in self.results if not r["passed"]]
+        return [r for r in self.results if r["failed"]]
 
 
 def build_section(record: dict, reference: dict | None, results: list[dict], slug: str) -> Section:

@@ -10,27 +10,14 @@ copy loss = mean ``CE_t`` over ``t in L+1 .. 2L-1``; first-copy loss = mean over
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from ..errors import CircuitsError
 from ..model.vocab import TokenInfo
+from ..settings import RepeatSettings  # noqa: F401  (re-exported: the probe's settings)
 
 CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
-
-
-@dataclass(frozen=True)
-class RepeatSettings:
-    """Probe settings that fix its tokens: seed, sequences ``n``, segment length ``L``."""
-
-    seed: int = 0
-    n: int = 8
-    L: int = 64
-
-    def as_dict(self) -> dict:
-        return {"seed": self.seed, "n": self.n, "L": self.L}
 
 
 def bos_offset(tokens: TokenInfo) -> int:
