@@ -65,8 +65,9 @@ def _table(lines: list[str], total: int | None = None) -> str:
 
 def _head_order(pairs: pd.DataFrame) -> np.ndarray:
     """Heads in model order (L0H0, L0H1, ..., L1H0, ...) when labels parse, else as given."""
-    cells = [parse_label(label) for label in pairs["head"]]
-    if any(cell is None for cell in cells):
+    parsed = [parse_label(label) for label in pairs["head"]]
+    cells = [cell for cell in parsed if cell is not None]
+    if len(cells) < len(parsed):
         return np.arange(len(pairs))
     return np.lexsort(([h for _, h in cells], [l for l, _ in cells]))
 

@@ -84,10 +84,10 @@ class Option:
                 raise OptionError(f"{said} must be at most {self.maximum}, got {value}")
             return value
         if self.kind == "choice":
-            value = str(raw).strip()
-            if value not in self.choices:
+            choice = str(raw).strip()
+            if choice not in self.choices:
                 raise OptionError(f"{said} must be one of {', '.join(self.choices)}, got {raw!r}")
-            return value
+            return choice
         if self.kind == "path":
             return Path(str(raw)).expanduser()
         return str(raw).strip()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shlex
 from functools import cached_property
+from typing import Any
 
 from .options import flag
 from .settings import CircuitsSettings
@@ -18,11 +19,11 @@ class CircuitsSession:
 
     def __init__(self, settings: CircuitsSettings):
         self.settings = settings
-        self._cache: dict[tuple, object] = {}
+        self._cache: dict[tuple, Any] = {}
         self.events: list[dict] = []  # baseline events: written, compared, missing, corrupt (for the summary)
         self.pinned_key_heads: set[str] = set()  # always knocked out exactly (e.g. a baseline file's key heads)
 
-    def _memo(self, key: tuple, compute):
+    def _memo(self, key: tuple, compute) -> Any:
         if key not in self._cache:
             self._cache[key] = compute()
         return self._cache[key]

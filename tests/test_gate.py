@@ -406,3 +406,60 @@ def test_gate_build_unknown_invariant():
 
     with pytest.raises(CircuitsError, match="unknown invariant 'copying'"):
         verdict.gate_build(FakeSession({}, record()), "fp32", "copying", TOL, {})
+
+
+# ---------------------------------------------------------------- a user's own invariant
+
+
+class FirstCopyLoss(gate.Invariant):
+    """A user's invariant: the first-copy loss (how unpredictable fresh tokens are) stays put."""
+
+    name = "first_copy_loss"
+    tolerances = ("copy_loss",)
+    held = "first-copy loss of {build} holds against the {against}"
+    moved = "first-copy loss of {build} moved against the {against}"
+
+    def compare(self, before, after, tol):
+        return gate.Comparison([gate.within("model", "first_copy_loss", before["first_copy_loss"],
+                                            after["first_copy_loss"], tol.copy_loss)])
+
+
+@pytest.fixture
+def registered():
+    gate.register(FirstCopyLoss)
+    yield FirstCopyLoss.name
+    del gate.REGISTRY[FirstCopyLoss.name]
+
+
+def test_a_registered_invariant_joins_the_gate(registered):
+    results = {r.invariant: r for r in gate_all(record(), record(), TOL, "b", "fp32 baseline")}
+    assert registered in results and results[registered].passed and results[registered].compared == 1
+    after = record()
+    after["first_copy_loss"] = 9.0
+    result = check(registered, record(), after, TOL, "b", "fp32 baseline", fix="FIX")
+    assert not result.passed and "first_copy_loss +6.000 -> +9.000 (tolerance 0.25)" in result.message
+    assert result.message.startswith("first-copy loss of b moved against the fp32 baseline:")
+    assert result.message.endswith("FIX")
+
+
+def test_an_invariant_that_compares_nothing_never_passes():
+    class Empty(gate.Invariant):
+        name = "empty"
+
+        def compare(self, before, after, tol):
+            return gate.Comparison(nothing="nothing here")
+
+    result = check(Empty(), record(), record(), TOL, "b", "a")
+    assert result.status == "failed" and result.message == "nothing here" and result.compared == 0
+    passed, line = gate.verdict([result])
+    assert not passed and "gate failed: empty" in line
+    skipped = check("induction_heads", *(2 * [_flat()]), TOL, "b", "a")
+    passed, line = gate.verdict([skipped])
+    assert not passed and "gate compared nothing" in line
+
+
+def _flat():
+    flat = record()
+    for h in flat["heads"]:
+        h.update(prefix_matching=0.01, previous_token=0.01)
+    return flat

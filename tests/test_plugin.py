@@ -175,3 +175,32 @@ def test_report_option_writes_a_report(suite, tmp_path):
     result.assert_outcomes(passed=2)
     assert report.is_dir() and any(report.iterdir()), text_of(result)
     shutil.rmtree(report)
+
+
+def test_an_invariant_registered_in_conftest_runs_through_circuits_gate(suite):
+    pytester, intact, baselines = suite
+    pytester.makeconftest("""
+        from pytest_circuits.gate.invariants import Comparison, Invariant, register, within
+
+        @register
+        class FirstCopyLoss(Invariant):
+            name = "first_copy_loss"
+            tolerances = ("copy_loss",)
+
+            def compare(self, before, after, tol):
+                return Comparison([within("model", "first_copy_loss", before["first_copy_loss"],
+                                          after["first_copy_loss"], tol.copy_loss)])
+    """)
+    pytester.makepyfile(test_mine="""
+        def test_first_copy_loss(circuits_gate):
+            outcome = circuits_gate("first_copy_loss")
+            assert outcome.results[0].compared == 1
+    """)
+    result = pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "test_mine.py")
+    result.assert_outcomes(passed=1)
+    result = pytester.runpytest("-p", "no:cacheprovider", "test_mine.py", "--circuits-probe-n", "5")
+    result.assert_outcomes(failed=1)  # other probe settings than the baseline's: refused, not compared
+    assert "recorded with other probe settings (n=4 vs 5)" in text_of(result)
+    from pytest_circuits.gate.invariants import REGISTRY
+
+    REGISTRY.pop("first_copy_loss", None)  # the inner run registered it in this process

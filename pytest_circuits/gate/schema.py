@@ -33,7 +33,7 @@ def _field(figure: figures.Figure):
     return kind, (None if figure.stored == "measured" else ...)
 
 
-HeadRow = create_model(  # type: ignore[call-overload]
+HeadRow = create_model(
     "HeadRow",
     __config__=_STRICT,
     **{f.name: _field(f) for f in figures.HEAD_FIGURES if f.stored},

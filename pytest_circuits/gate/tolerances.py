@@ -6,6 +6,7 @@ Light (no numpy): the plugin registers one ini key per field at start-up.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class Tolerances:
         unknown = sorted(set(overrides) - set(self.names()))
         if unknown:
             raise ValueError(f"unknown tolerance(s) {', '.join(unknown)}; known: {', '.join(self.names())}")
-        clean = {}
+        clean: dict[str, Any] = {}
         for name, value in overrides.items():
             kind = int if name == "top_k" else float
             try:

@@ -89,7 +89,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def _direct_params(metafunc: pytest.Metafunc) -> set[str]:
-    marker_args = set()
+    marker_args: set[str] = set()
     for marker in metafunc.definition.iter_markers("parametrize"):
         names = marker.args[0]
         marker_args.update(n.strip() for n in (names.split(",") if isinstance(names, str) else names))

@@ -5,6 +5,7 @@ carries them from the workers to the controller, where the summary and report ar
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +22,7 @@ class Collected:
     problems: list[str] = field(default_factory=list)
     records: dict = field(default_factory=dict)  # recipe -> scan record (only with --circuits-report)
     references: dict = field(default_factory=dict)  # recipe -> reference baseline record or None
-    report_path: object = None
+    report_path: Path | None = None
     used: bool = False
 
     def add(self, user_properties) -> None:

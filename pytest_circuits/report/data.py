@@ -154,7 +154,7 @@ def largest_changes(record: dict, reference: dict, k: int = 10) -> list[dict]:
     heads that did not change at all are left out.
     Descriptive only: the verdicts come from the gate's InvariantResults.
     """
-    changes = []
+    changes: list[dict[str, Any]] = []
     for column, _, _ in HEATMAP_METRICS:
         diff = difference_grid(record, reference, column)
         if diff is None or not np.isfinite(diff).any():

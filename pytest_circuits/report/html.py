@@ -101,7 +101,7 @@ def _section(s: Section) -> str:
     if moved:
         parts += ["<h3>Heads the gate found moved</h3>", _moved_table(moved)]
     if s.changes:
-        parts += [f"<h3>Largest per-head changes against {escape(data.recipe_of(s.reference))}</h3>",
+        parts += [f"<h3>Largest per-head changes against {escape(data.recipe_of(s.reference or {}))}</h3>",
                   "<p>Ranked by the change divided by the metric's spread across heads in the reference.</p>",
                   _changes_table(s.changes)]
     parts += [f'<p class="note">{escape(n)}</p>' for n in s.notes]

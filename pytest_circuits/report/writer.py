@@ -57,7 +57,8 @@ def report_from_files(out_dir: str | Path, baseline_path: str | Path, against_pa
     against. Without ``results`` the differences are descriptive: verdicts come from the gate.
     """
     record = read_baseline(baseline_path)
-    references = {data.recipe_of(record): read_baseline(against_path)} if against_path else None
+    references: dict[str, dict | None] | None = (
+        {data.recipe_of(record): read_baseline(against_path)} if against_path else None)
     return write_report(out_dir, [record], references, results)
 
 

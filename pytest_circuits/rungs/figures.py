@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 HEAD_LABEL = re.compile(r"^L(\d+)H(\d+)$")  # L{layer}H{head}, zero-based
 
@@ -48,41 +49,48 @@ class Figure:
     heatmap_kind: str = ""  # "diverging" (centred on 0) or "score" (0..1)
 
 
-_K = dict(source="kappa", kind="float", rung="1")
-_KB = dict(source="kappa", kind="bool", rung="1")
-_P = dict(source="probe", kind="float", rung="1/2", low=0.0, high=1.0)
-_PROB = dict(low=0.0, high=1.0)
+def _kappa(name: str, kind: str = "float", **how: Any) -> Figure:
+    """A rung-1 figure of the kappa frame."""
+    return Figure(name, "kappa", kind, "1", **how)
+
+
+def _routing(name: str, **how: Any) -> Figure:
+    """A rung-1/2 routing score of the repeat probe: a mean attention weight, in [0, 1]."""
+    return Figure(name, "probe", "float", "1/2", low=0.0, high=1.0, **how)
+
+
+_PROB: dict[str, Any] = dict(low=0.0, high=1.0)
 
 HEAD_FIGURES: tuple[Figure, ...] = (
     Figure("head", "index", "str", ""),
     Figure("layer", "index", "int", "", low=0),
     Figure("head_index", "index", "int", "", low=0),
     # rung 1: the kappa frame, in its column order
-    Figure("kappa", **_K, low=-1.0, high=1.0, title="kappa", fmt="{:+.3f}", diff=True,
+    _kappa("kappa", low=-1.0, high=1.0, title="kappa", fmt="{:+.3f}", diff=True,
            heatmap="κ (OV copying)", heatmap_kind="diverging"),
-    Figure("kappa_trace", **_K, low=-1.0, high=1.0, title="trace", fmt="{:+.3f}", diff=True),
-    Figure("kappa_null_mean", **_K, low=-1.0, high=1.0),
-    Figure("kappa_null_sd", **_K, low=0.0),
-    Figure("kappa_z", **_K, title="z", fmt="{:+.2f}", diff=True),
-    Figure("kappa_p", **_K, **_PROB),
-    Figure("kappa_q", **_K, **_PROB, title="q"),
-    Figure("copying", **_KB),
-    Figure("suppression", **_KB),
-    Figure("kappa_p_empirical", **_K, **_PROB, stored=""),
-    Figure("kappa_trace_null_mean", **_K, stored=""),
-    Figure("kappa_trace_null_sd", **_K, stored=""),
-    Figure("kappa_trace_z", **_K, stored="measured"),
-    Figure("kappa_trace_p", **_K, stored=""),
-    Figure("kappa_trace_q", **_K, stored=""),
-    Figure("kappa_trace_p_empirical", **_K, stored=""),
-    Figure("copying_trace", **_KB, stored="measured"),
-    Figure("suppression_trace", **_KB, stored="measured"),
-    Figure("kv_group", "kappa", "int", "1", stored=""),
-    Figure("ov_gain", **_K, stored="measured", low=0.0, title="ov gain"),  # the CLI shows it over the largest
+    _kappa("kappa_trace", low=-1.0, high=1.0, title="trace", fmt="{:+.3f}", diff=True),
+    _kappa("kappa_null_mean", low=-1.0, high=1.0),
+    _kappa("kappa_null_sd", low=0.0),
+    _kappa("kappa_z", title="z", fmt="{:+.2f}", diff=True),
+    _kappa("kappa_p", **_PROB),
+    _kappa("kappa_q", **_PROB, title="q"),
+    _kappa("copying", "bool"),
+    _kappa("suppression", "bool"),
+    _kappa("kappa_p_empirical", **_PROB, stored=""),
+    _kappa("kappa_trace_null_mean", stored=""),
+    _kappa("kappa_trace_null_sd", stored=""),
+    _kappa("kappa_trace_z", stored="measured"),
+    _kappa("kappa_trace_p", stored=""),
+    _kappa("kappa_trace_q", stored=""),
+    _kappa("kappa_trace_p_empirical", stored=""),
+    _kappa("copying_trace", "bool", stored="measured"),
+    _kappa("suppression_trace", "bool", stored="measured"),
+    _kappa("kv_group", "int", stored=""),
+    _kappa("ov_gain", stored="measured", low=0.0, title="ov gain"),  # the CLI shows it over the largest
     # rung 1/2: routing scores of the repeat probe
-    Figure("prefix_matching", **_P, title="prefix", diff=True, heatmap="prefix-matching", heatmap_kind="score"),
-    Figure("previous_token", **_P, title="prev", diff=True, heatmap="previous-token", heatmap_kind="score"),
-    Figure("duplicate_token", **_P, title="dup", diff=True),
+    _routing("prefix_matching", title="prefix", diff=True, heatmap="prefix-matching", heatmap_kind="score"),
+    _routing("previous_token", title="prev", diff=True, heatmap="previous-token", heatmap_kind="score"),
+    _routing("duplicate_token", title="dup", diff=True),
     # rung 2: knockouts (None where a screened scan ran no exact knockout)
     Figure("knockout_delta", "knockout", "float", "2", nullable=True, title="knockout", fmt="{:+.3f}",
            diff=True, heatmap="knockout Δloss (nats)", heatmap_kind="diverging"),
