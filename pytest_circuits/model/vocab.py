@@ -3,7 +3,7 @@
 With a tokenizer in the model folder: ordinary ids are those below ``vocab_size`` that
 the tokenizer does not call special, and BOS is prepended when the tokenizer itself
 prepends it. Without one (token ids only): every id in ``[0, vocab_size)`` not named
-special in the config is ordinary, and no BOS is prepended (DEFINITIONS.md).
+special in the config is ordinary, and no BOS is prepended (docs/definitions.md, "The random-repeat probe").
 """
 
 from __future__ import annotations

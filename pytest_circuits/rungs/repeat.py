@@ -1,4 +1,4 @@
-"""Tokens and losses of the random-repeat probe (DEFINITIONS.md).
+"""Tokens and losses of the random-repeat probe (docs/definitions.md, "The random-repeat probe").
 
 Tokens: ``n`` sequences of ``L`` ordinary ids drawn uniformly with
 ``numpy.random.Generator(PCG64(seed))``, each followed by an exact copy
