@@ -463,3 +463,27 @@ def _flat():
     for h in flat["heads"]:
         h.update(prefix_matching=0.01, previous_token=0.01)
     return flat
+
+
+def test_an_undefined_rank_correlation_breaks_the_invariant():
+    before, after = record(), record()
+    for h in after["heads"]:
+        h["kappa"] = 0.3  # constant: Spearman is undefined
+    result = check("copying_heads", before, after, Tolerances(kappa=10.0), "b", "a")
+    assert not result.passed and "rank corr" in result.message and "undefined" in result.message
+
+
+def test_knockouts_of_other_settings_are_not_compared():
+    before, after = record(), record()
+    before["knockout"], after["knockout"] = {"mode": "mean", "seed": 1, "n": 4, "L": 8}, {"mode": "zero", "seed": 1,
+                                                                                         "n": 4, "L": 8}
+    result = check("knockout_deltas", before, after, TOL, "b", "fp32 baseline")
+    assert result.status == "failed" and "other settings (mode mean vs zero)" in result.message
+
+
+def test_one_comparison_skipped_and_one_passed_is_a_pass():
+    cand = with_model(record())
+    own = with_model(_flat())
+    outcome = verdict.gate_build(FakeSession({"fp32": with_model(record()), "bnb-nf4": own}, cand), "bnb-nf4",
+                                 "induction_heads", TOL, {})
+    assert [r.status for r in outcome.results] == ["passed", "skipped"] and outcome.passed

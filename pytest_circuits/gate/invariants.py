@@ -270,11 +270,12 @@ def compared_pairs(before: dict, after: dict, tol: Tolerances) -> tuple[list, st
 
 
 def key_heads(record: dict, metric: str, top_k: int, minimum: float) -> list[str]:
-    """The record's top-``top_k`` heads by ``metric`` among those scoring at least ``minimum``."""
+    """The record's heads scoring at least ``minimum`` on ``metric``, best first; the top ``top_k``
+    of them when ``top_k`` is positive, every one when it is 0."""
     rows = [(r["head"], num(r.get(metric))) for r in record.get("heads", [])]
     rows = [(h, v) for h, v in rows if not math.isnan(v) and v >= minimum]
     rows.sort(key=lambda hv: -hv[1])
-    return [h for h, _ in rows[:top_k]]
+    return [h for h, _ in (rows[:top_k] if top_k > 0 else rows)]
 
 
 def _role(row: dict) -> str:
@@ -302,8 +303,9 @@ class CopyingHeads(Invariant):
         ranked = [(b, a) for _, b, a in pairs if abs(num(b.get("kappa_z"))) >= RANK_MIN_Z]
         if len(ranked) >= 3:
             rho = spearman([num(b.get("kappa")) for b, _ in ranked], [num(a.get("kappa")) for _, a in ranked])
-            rows.append(Row(f"{len(ranked)} heads", "rank corr", 1.0, rho, tol.rank, rho < tol.rank,
-                            f"(Spearman of kappa over heads with |kappa_z| >= {RANK_MIN_Z:g})"))
+            undefined = " undefined: kappa is constant on one side" if math.isnan(rho) else ""
+            rows.append(Row(f"{len(ranked)} heads", "rank corr", 1.0, rho, tol.rank, not rho >= tol.rank,
+                            f"(Spearman of kappa over heads with |kappa_z| >= {RANK_MIN_Z:g}){undefined}"))
         return Comparison(rows, left_out=left_out,
                           nothing=f"no head of the {{against}} is compared{left_out}; check the baseline")
 
@@ -385,6 +387,12 @@ class KnockoutDeltas(Invariant):
     moved = "knockout deltas of {build}'s key heads changed against the {against}"
 
     def compare(self, before, after, tol):
+        settings = [(k, (before.get("knockout") or {}).get(k), (after.get("knockout") or {}).get(k))
+                    for k in ("mode", "seed", "n", "L")]
+        other = [f"{k} {x} vs {y}" for k, x, y in settings if x is not None and y is not None and x != y]
+        if other:  # deltas of another ablation or other sequences are other figures, not a change
+            return Comparison(nothing=f"the {{against}} was knocked out with other settings ({', '.join(other)}); "
+                                      "record it again with this run's knockout settings")
         b, a = heads_by_label(before), heads_by_label(after)
         rows = []
         for name in key_heads(before, "knockout_delta", tol.top_k, tol.min_delta):

@@ -20,7 +20,7 @@ class Tolerances:
     copy_gain: float = 0.25  # |delta copy gain|, nats
     prefix: float = 0.10  # |delta prefix_matching| / |delta previous_token| of key heads
     knockout: float = 0.5  # |delta knockout_delta| / |knockout_delta| of key heads
-    top_k: int = 3  # key heads per routing score and for knockouts
+    top_k: int = 0  # at most this many key heads per routing score and for knockouts (0: every one)
     min_score: float = 0.2  # a routing score below this does not make a key head
     min_delta: float = 0.1  # a knockout delta below this (nats) does not make a key head
     min_ov_gain: float = 0.01  # heads with OV gain below this x the largest: kappa not compared

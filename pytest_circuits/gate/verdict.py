@@ -21,7 +21,9 @@ class GateOutcome:
 
     @property
     def passed(self) -> bool:
-        return not self.problems and bool(self.results) and all(r.passed for r in self.results)
+        """Nothing broke and at least one comparison compared something (others may be skipped)."""
+        return (not self.problems and any(r.passed for r in self.results)
+                and not any(r.status == "failed" for r in self.results))
 
     @property
     def skipped(self) -> bool:
@@ -30,7 +32,7 @@ class GateOutcome:
 
     def message(self) -> str:
         shown = [r.message for r in self.results if r.status == "failed"]
-        if self.skipped:
+        if self.skipped or not (shown or self.problems):
             shown = [r.message for r in self.results]
         return "\n".join(list(self.notes) + list(self.problems) + shown)
 
