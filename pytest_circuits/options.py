@@ -105,7 +105,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("name", "str", None,
            "the model's name in baseline file names (default: the model folder's or file's name)",
            cli=("scan", "record", "gate")),
-    Option("baselines", "path", None, "baselines folder (pytest: baselines/ at the rootdir)",
+    Option("baselines", "path", None, "baselines folder (default: baselines/ at the rootdir; circuits: ./baselines)",
            cli=("record",), cli_default=Path("baselines")),
     Option("device", "str", "auto", "auto, cpu, cuda or cuda:N", cli=_SCAN_LIKE),
     Option("report", "path", None, "write an HTML and markdown report to this folder"),
@@ -120,7 +120,9 @@ OPTIONS: tuple[Option, ...] = (
            "rank heads by attribution patching and knock out only the top K exactly (big models)",
            minimum=0, cli=_SCAN_LIKE),
     Option("batch-size", "int", 8, "sequences per forward pass", minimum=1, maximum=1_000_000, cli=_SCAN_LIKE),
-    Option("update", "bool", False, "record (overwrite) the baselines of the builds tested"),
+    Option("update", "bool", False, "record the baselines of the builds tested; an existing file is rewritten "
+           "only when a figure moved by more than 1e-3 relative + 1e-6, or its identity or schema changed"),
+    Option("update-all", "bool", False, "record the baselines of the builds tested, rewriting every file"),
     Option("trust-remote-code", "bool", False,
            "allow the model folder's own Python code to run (off unless asked for)", cli=_SCAN_LIKE),
 )

@@ -177,8 +177,9 @@ class CircuitsSession:
         """Record ``recipe`` (with knockouts) and write its baseline atomically, once per session."""
 
         def write():
-            path = self.store.write(self.model_name, recipe, self.record(recipe, knockout=True))
-            self.events.append({"event": "written", "recipe": recipe, "path": str(path)})
+            path, written = self.store.write(self.model_name, recipe, self.record(recipe, knockout=True),
+                                             force=self.settings.update_all)
+            self.events.append({"event": "written" if written else "unchanged", "recipe": recipe, "path": str(path)})
             return path
 
         return self._memo(("written", recipe), write)

@@ -289,3 +289,27 @@ def test_shipped_baseline_belongs_to_the_shipped_weights(path):
     assert record["model"]["fingerprint"] == weight_fingerprint(source.folder), (
         f"{path.name} was recorded from other weights: circuits record {name} --build {recipe} --baselines baselines/"
     )
+
+
+def test_unchanged_compares_numbers_within_a_stated_tolerance():
+    old = fake_record()
+    assert bl.unchanged(old, fake_record())
+    near = fake_record(kappa=(0.9 * (1 + 5e-4), -0.1, 0.05, 0.3))
+    assert bl.unchanged(old, near)  # within 1e-3 relative
+    assert not bl.unchanged(old, fake_record(kappa=(0.9 * (1 + 2e-3), -0.1, 0.05, 0.3)))
+    assert not bl.unchanged(old, fake_record(fingerprint="sha256:bb"))  # identity changed
+    flipped = fake_record()
+    flipped["heads"][0]["copying"] = False
+    assert not bl.unchanged(old, flipped)
+    assert bl.unchanged(old, {**fake_record(), "versions": {"torch": "9"}})  # versions alone do not count
+
+
+def test_store_write_leaves_an_unchanged_baseline_alone(tmp_path):
+    store = bl.BaselineStore(tmp_path)
+    path, written = store.write("m", "fp32", fake_record())
+    stamp = path.stat().st_mtime_ns
+    assert written and store.write("m", "fp32", fake_record(), force=False) == (path, False)
+    assert path.stat().st_mtime_ns == stamp
+    assert store.write("m", "fp32", fake_record(kappa=(0.5, 0.1, 0.1, 0.1)), force=False) == (path, True)
+    with pytest.raises(BaselineError, match="the scan record of fp32 is not a valid scan record"):
+        store.write("m", "fp32", {**fake_record(), "heads": []})

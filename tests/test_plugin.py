@@ -90,9 +90,20 @@ def test_record_gate_and_sabotage(suite, tmp_path_factory):
     assert written["build"]["recipe"] == "fp32" and written["knockout"]["seed"] == 1
     assert all(h["knockout_delta"] is not None for h in written["heads"])
 
+    # recording the same build again rewrites nothing; --circuits-update-all does
+    stamp = (baselines / "m--fp32.json").stat().st_mtime_ns
+    result = pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "test_rung12_repeat.py")
+    assert "baselines unchanged (not rewritten" in text_of(result)
+    assert (baselines / "m--fp32.json").stat().st_mtime_ns == stamp
+    result = pytester.runpytest("-p", "no:cacheprovider", "--circuits-update-all", "test_rung12_repeat.py")
+    assert "baselines written: " in text_of(result) and (baselines / "m--fp32.json").stat().st_mtime_ns != stamp
+
     # an orphan: a baseline of this model that no tested build reads
     (baselines / "m--bnb-fp4.json").write_text("{}")
     result = pytester.runpytest("-p", "no:cacheprovider")
+    assert "1 other baseline(s) of this model not used by the builds tested (-v names them)" in text_of(result)
+    assert "unchanged (not rewritten" not in text_of(result)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-v")
     result.assert_outcomes(passed=3, skipped=2)
     out = text_of(result)
     assert "baselines compared: " + str(baselines / "m--fp32.json") in out
@@ -113,6 +124,14 @@ def test_record_gate_and_sabotage(suite, tmp_path_factory):
     assert "weights differ" in out
     assert f"--circuits-builds fp32 --circuits-baselines {baselines} --circuits-update" in out
     assert "Traceback" not in out
+    # the hint, pasted, accepts the change: the sabotaged build becomes the baseline and passes
+    import re
+    import shlex
+
+    hint = shlex.split(re.search(r"record its baseline again: (pytest .*)", out).group(1))
+    assert hint[0] == "pytest" and hint[1] == "test_rung1_weights.py" and str(sabotaged) in hint
+    pytester.runpytest("-p", "no:cacheprovider", *hint[1:])
+    pytester.runpytest("-p", "no:cacheprovider", "test_rung1_weights.py").assert_outcomes(passed=2)
 
     # a per-test marker loosens it
     pytester.makepyfile(test_loose="""
@@ -204,3 +223,31 @@ def test_an_invariant_registered_in_conftest_runs_through_circuits_gate(suite):
     from pytest_circuits.gate.invariants import REGISTRY
 
     REGISTRY.pop("first_copy_loss", None)  # the inner run registered it in this process
+
+
+def test_a_model_that_cannot_be_gated_is_one_line_once(suite, tmp_path):
+    pytester, intact, baselines = suite
+    pytester.makeini(ini(tmp_path / "no-such-model", baselines))
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    out = text_of(result)
+    assert out.count("not found: not a folder, a .gguf file, a named model") == 1 and "Traceback" not in out
+
+
+def test_the_missing_baseline_hint_is_a_command_that_works(suite):
+    """Paste the hint the failure prints: it records the right baseline, and the gate then runs."""
+    import re
+    import shlex
+    import subprocess
+    import sys
+
+    pytester, intact, baselines = suite
+    result = pytester.runpytest("-p", "no:cacheprovider", "test_rung12_repeat.py")
+    hint = re.search(r"record it with: (circuits record .*?) \(or add", text_of(result)).group(1)
+    words = shlex.split(hint)
+    assert words[:3] == ["circuits", "record", str(intact)] and "--probe-n" in words and "--probe-length" in words
+    done = subprocess.run([sys.executable, "-m", "pytest_circuits.cli", *words[1:]], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = pytester.runpytest("-p", "no:cacheprovider", "test_rung12_repeat.py")
+    result.assert_outcomes(passed=1, skipped=1)

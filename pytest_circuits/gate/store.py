@@ -217,6 +217,26 @@ def _short(fingerprint: str) -> str:
     return fingerprint.split(":")[-1][:12]
 
 
+UNCHANGED_REL, UNCHANGED_ABS = 1e-3, 1e-6  # a figure within this of the stored one has not moved
+VOLATILE_KEYS = ("versions",)  # library versions alone do not make a baseline change
+
+
+def unchanged(old, new, rel: float = UNCHANGED_REL, atol: float = UNCHANGED_ABS) -> bool:
+    """True when ``new`` holds the same keys, flags and identity as ``old`` and every number is
+    within ``atol + rel * |old|`` of it (re-recording an unchanged build then rewrites nothing)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = set(old) | set(new)
+        return all(k in old and k in new and unchanged(old[k], new[k], rel, atol) for k in keys
+                   if k not in VOLATILE_KEYS)
+    if isinstance(old, list) and isinstance(new, list):
+        return len(old) == len(new) and all(unchanged(a, b, rel, atol) for a, b in zip(old, new))
+    numbers = (int, float)
+    if isinstance(old, numbers) and isinstance(new, numbers) and not isinstance(old, bool) \
+            and not isinstance(new, bool):
+        return abs(new - old) <= atol + rel * abs(old)
+    return old == new
+
+
 class BaselineStore:
     """The baselines folder: one file per (model, build), found, read, written and listed here."""
 
@@ -231,9 +251,21 @@ class BaselineStore:
         """The validated baseline of ``build``; `BaselineMissing` or `BaselineCorrupt` otherwise."""
         return read_baseline(self.path(model_name, build))
 
-    def write(self, model_name: str, build: str, record: dict) -> Path:
-        """Write ``record`` as the baseline of ``build``, atomically; returns its path."""
-        return write_baseline(self.path(model_name, build), validate(record, f"the scan record of {build}"))
+    def write(self, model_name: str, build: str, record: dict, force: bool = True) -> tuple[Path, bool]:
+        """Write ``record`` as the baseline of ``build``, atomically: ``(path, written)``.
+
+        Without ``force`` an existing valid baseline that `unchanged` says holds the same figures
+        is left as it is, so re-recording an unchanged build churns no diff in review.
+        """
+        path = self.path(model_name, build)
+        validate(record, f"the scan record of {build}")
+        if not force and path.is_file():
+            try:
+                if unchanged(read_baseline(path), round_sig(record)):
+                    return path, False
+            except BaselineCorrupt:
+                pass  # rewritten below
+        return write_baseline(path, record), True
 
     def builds(self, model_name: str) -> dict[str, Path]:
         """Every baseline file of ``model_name`` here, by build."""

@@ -28,15 +28,16 @@ COLLECTED_KEY: pytest.StashKey[Collected] = pytest.StashKey()
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("circuits", "mechanistic invariants of model builds (pytest-circuits)")
     for option in OPTIONS:
-        default = "" if option.default is None else option.default
+        default = "" if option.default is None else str(option.default)
+        shown = f" (default: {default})" if default else ""  # None: the help says what happens
         if option.kind == "bool":
             group.addoption(option.pytest_flag, dest=option.ini, action="store_true", default=None,
                             help=f"{option.help} [ini: {option.ini}]")
             parser.addini(option.ini, option.help, type="bool", default=False)
         else:
             group.addoption(option.pytest_flag, dest=option.ini, default=None,
-                            help=f"{option.help} (default: {default or 'none'}) [ini: {option.ini}]")
-            parser.addini(option.ini, option.help, type="string", default=str(default))
+                            help=f"{option.help}{shown} [ini: {option.ini}]")
+            parser.addini(option.ini, option.help, type="string", default=default)
     for name, value in Tolerances().as_dict().items():
         parser.addini(f"circuits_tol_{name}", f"gate tolerance {name} (default {value})", type="string", default=None)
 
@@ -86,6 +87,19 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "circuits_recipe" in metafunc.fixturenames and "circuits_recipe" not in _direct_params(metafunc):
         builds = metafunc.config.stash[SESSION_KEY].settings.builds
         metafunc.parametrize("circuits_recipe", builds, ids=list(builds), scope="session")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Check the model and probe once, before any test runs: a model we cannot gate is one
+    line for the run (exit 4), not the same failure repeated by every test."""
+    config = session.config
+    if config.option.collectonly or hasattr(config, "workerinput") or SESSION_KEY not in config.stash:
+        return
+    if any("circuits_recipe" in getattr(item, "fixturenames", ()) for item in session.items):
+        try:
+            config.stash[SESSION_KEY].preflight()
+        except CircuitsError as error:
+            raise pytest.UsageError(str(error)) from None
 
 
 def _direct_params(metafunc: pytest.Metafunc) -> set[str]:

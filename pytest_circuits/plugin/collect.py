@@ -110,12 +110,13 @@ def gate_for_test(request, session, recipe: str, invariant: str, tol):
     return outcome
 
 
-def baseline_lines(session, collected: Collected) -> list[str]:
-    """Which baselines were written, compared, missing, corrupt, and orphaned (named)."""
+def baseline_lines(session, collected: Collected, verbosity: int = 0) -> list[str]:
+    """Which baselines were written, compared, missing, corrupt; orphans counted (named with -v,
+    left out with -q)."""
 
     lines = []
-    for event, verb in (("written", "written"), ("compared", "compared"), ("missing", "missing"),
-                        ("corrupt", "unreadable")):
+    for event, verb in (("written", "written"), ("unchanged", "unchanged (not rewritten; --circuits-update-all "
+                        "forces it)"), ("compared", "compared"), ("missing", "missing"), ("corrupt", "unreadable")):
         paths = sorted({e["path"] for e in collected.events if e["event"] == event})
         if paths:
             lines.append(f"baselines {verb}: {', '.join(paths)}")
@@ -127,8 +128,10 @@ def baseline_lines(session, collected: Collected) -> list[str]:
         orphaned = session.store.orphans(session.model_name, used)
     except Exception:  # the model did not resolve: the tests already said why
         orphaned = []
-    if orphaned:
+    if orphaned and verbosity > 0:
         lines.append(f"baselines orphaned (no tested build used them): {', '.join(str(p) for p in orphaned)}")
+    elif orphaned and verbosity == 0:
+        lines.append(f"{len(orphaned)} other baseline(s) of this model not used by the builds tested (-v names them)")
     return lines
 
 
@@ -149,7 +152,8 @@ def result_lines(collected: Collected) -> list[str]:
 def terminal_summary(terminalreporter, session, collected: Collected) -> None:
     """The ``circuits`` section of the terminal summary."""
     terminalreporter.section("circuits")
-    for line in collected.notes + baseline_lines(session, collected) + result_lines(collected):
+    verbosity = terminalreporter.config.get_verbosity()
+    for line in collected.notes + baseline_lines(session, collected, verbosity) + result_lines(collected):
         terminalreporter.write_line(line)
     if collected.report_path is not None:
         terminalreporter.write_line(f"report: {collected.report_path}")
