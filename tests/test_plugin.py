@@ -251,3 +251,17 @@ def test_the_missing_baseline_hint_is_a_command_that_works(suite):
     assert done.returncode == 0, done.stderr
     result = pytester.runpytest("-p", "no:cacheprovider", "test_rung12_repeat.py")
     result.assert_outcomes(passed=1, skipped=1)
+
+
+def test_xdist_workers_send_plain_data_and_the_report_is_written(suite, tmp_path):
+    """Under pytest-xdist every result a worker sends must be plain data (a torch version object
+    once broke the run), and the controller writes the report."""
+    pytest.importorskip("xdist")
+    pytest.importorskip("matplotlib")
+    pytester, intact, baselines = suite
+    report = tmp_path / "report"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--circuits-update",
+                                           f"--circuits-report={report}", "test_rung12_repeat.py")
+    result.assert_outcomes(passed=1, skipped=1)
+    assert "INTERNALERROR" not in text_of(result) and (report / "report.html").is_file()
+    assert "circuits report: " in text_of(result)

@@ -155,8 +155,6 @@ def terminal_summary(terminalreporter, session, collected: Collected) -> None:
     verbosity = terminalreporter.config.get_verbosity()
     for line in collected.notes + baseline_lines(session, collected, verbosity) + result_lines(collected):
         terminalreporter.write_line(line)
-    if collected.report_path is not None:
-        terminalreporter.write_line(f"report: {collected.report_path}")
 
 
 def write_report(session, collected: Collected) -> None:
