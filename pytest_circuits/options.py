@@ -143,3 +143,12 @@ def parse_value(name: str, raw: Any, front_end: str | None = None) -> Any:
     option = BY_NAME[name]
     value = option.parse(raw, front_end)
     return option.default if value is None else value
+
+
+def markdown_table() -> str:
+    """The README's option rows: flag, ini key, default and help of every option."""
+    rows = []
+    for option in OPTIONS:
+        default = "off" if option.kind == "bool" else ("none" if option.default in (None, "") else option.default)
+        rows.append(f"| `{option.pytest_flag}` | `{option.ini}` | `{default}` | {option.help} |")
+    return "\n".join(rows)
