@@ -147,7 +147,7 @@ def model_info(session, build) -> dict:
     """Name, spec, family, weight fingerprint and geometry of the session's model."""
     geo = build.geometry
     return {
-        "name": session.source.name,
+        "name": session.model_name,
         "spec": session.source.spec,
         "family": build.family.name,
         "fingerprint": fingerprint(session.source.folder),
