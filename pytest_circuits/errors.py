@@ -28,3 +28,7 @@ class RecipeError(CircuitsError):
 
 class BaselineError(CircuitsError):
     """A baseline file is missing, corrupt, or belongs to another model."""
+
+
+class FileSystemError(CircuitsError):
+    """A file or folder could not be read or written (read-only, missing, full, in the way)."""

@@ -16,7 +16,7 @@ import torch
 from ..errors import CircuitsError, RecipeError, first_line
 from .dense import is_projection
 from .families import Family, Geometry, family_for_config, geometry_of, get_module
-from .loading import ModelSource
+from .loading import ModelSource, check_finite_weights, nonfinite_line
 from .vocab import TokenInfo, token_info
 
 
@@ -177,6 +177,17 @@ def apply_rtn_(model, family: Family, bits: int) -> int:
     return count
 
 
+@torch.no_grad()
+def check_cast_finite(model, what: str) -> None:
+    """Refuse a build whose cast made a float parameter non-finite (float16 overflows above 65504)."""
+    bad = [(name, int(p.isnan().sum()), int(p.isinf().sum()))
+           for name, p in model.named_parameters() if p.is_floating_point() and not bool(p.isfinite().all())]
+    if bad:
+        name, n_nan, n_inf = bad[0]
+        fix = "the weights exceed this dtype's range: gate fp32 or bf16 instead"
+        raise RecipeError(nonfinite_line(f"{what} (after the cast)", name, n_nan, n_inf, len(bad) - 1, fix))
+
+
 def _quiet_transformers():
     from transformers.utils import logging as hf_logging
 
@@ -205,6 +216,8 @@ def load_build(
             f"model {source.spec!r}: {first_line(error)} (pass --circuits-trust-remote-code only if you trust it)"
         ) from None
     family = family_for_config(config)
+    tokens = token_info(source.folder, config, trust_remote_code)
+    check_finite_weights(source)  # NaN/inf in the float checkpoint: one line naming the tensor, before any figure
     kwargs = dict(
         local_files_only=True,
         trust_remote_code=trust_remote_code,
@@ -227,6 +240,7 @@ def load_build(
         apply_rtn_(model, family, recipe.bits)
     if recipe.backend != "bitsandbytes":
         model = model.to(device=device, dtype=recipe.dtype)
+        check_cast_finite(model, f"build {recipe.name} of {source.name}")
     model.eval()
     model.requires_grad_(False)
     identity = BuildIdentity(
@@ -242,5 +256,5 @@ def load_build(
         identity=identity,
         family=family,
         geometry=geometry_of(model),
-        tokens=token_info(source.folder, config),
+        tokens=tokens,
     )
