@@ -16,7 +16,7 @@ import torch
 from ..errors import CircuitsError, RecipeError, first_line
 from .dense import is_projection
 from .families import Family, Geometry, family_for_config, geometry_of, get_module
-from .loading import ModelSource, check_finite_weights, nonfinite_line
+from .loading import ModelSource, check_finite_weights, nonfinite_line, quiet_transformers
 from .vocab import TokenInfo, token_info
 
 
@@ -188,13 +188,6 @@ def check_cast_finite(model, what: str) -> None:
         raise RecipeError(nonfinite_line(f"{what} (after the cast)", name, n_nan, n_inf, len(bad) - 1, fix))
 
 
-def _quiet_transformers():
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-
-
 def load_build(
     source: ModelSource,
     recipe_name: str = "fp32",
@@ -204,7 +197,7 @@ def load_build(
     """Load one build of ``source`` on ``device``, eager attention, in eval mode, offline."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    _quiet_transformers()
+    quiet_transformers()
     recipe = get_recipe(recipe_name)
     device = device if isinstance(device, torch.device) else resolve_device(device)
     try:

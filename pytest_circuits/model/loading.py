@@ -8,11 +8,13 @@ keyed by the file's sha256. Pickle weights are refused: unpickling runs code.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
+import io
 import json
-import logging
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
@@ -30,7 +32,10 @@ from ..fsio import (
 )
 from .named import named_model_path
 
-log = logging.getLogger("pytest_circuits")
+
+def warn(text: str) -> None:
+    """One warning line on stderr (the run goes on)."""
+    print(f"pytest-circuits: warning: {text}", file=sys.stderr)
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -305,11 +310,21 @@ def gguf_to_folder(path: Path) -> Path:
         return _cached_conversion(primary, convert)
     except FileSystemError as error:
         fallback = _temporary_cache()
-        log.warning(
-            "pytest-circuits: warning: GGUF cache unusable (%s); converting %s into the temporary folder %s "
-            "(set PYTEST_CIRCUITS_CACHE to a writable folder to keep it)", error, path.name, fallback,
-        )
-        return _cached_conversion(fallback, convert)
+        try:
+            folder = _cached_conversion(fallback, convert)
+        except FileSystemError as second:
+            raise FileSystemError(f"{error}; the temporary folder failed too: {second}") from None
+        warn(f"GGUF cache unusable ({error}); converted {path.name} into the temporary folder {fallback} "
+             "instead (set PYTEST_CIRCUITS_CACHE to a writable folder to keep it)")
+        return folder
+
+
+def quiet_transformers() -> None:
+    """No progress bars or info lines from transformers: stderr carries only our own lines."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
 
 class _Converter:
@@ -330,10 +345,12 @@ class _Converter:
             import torch
             from transformers import AutoModelForCausalLM
 
+            quiet_transformers()
             try:
-                model = AutoModelForCausalLM.from_pretrained(
-                    str(self.path.parent), gguf_file=self.path.name, dtype=torch.float32, local_files_only=True
-                )
+                with contextlib.redirect_stderr(io.StringIO()):  # its own tqdm bar, outside transformers' switch
+                    model = AutoModelForCausalLM.from_pretrained(
+                        str(self.path.parent), gguf_file=self.path.name, dtype=torch.float32, local_files_only=True
+                    )
             except Exception as error:  # transformers raises many kinds here
                 raise ModelLoadError(
                     f"transformers could not read GGUF file {self.path}: {first_line(error)}"
@@ -365,7 +382,7 @@ def _cached_conversion(root: Path, convert: _Converter) -> Path:
         problem = cache_entry_problem(target)
         if problem is None:
             return target
-        log.warning("pytest-circuits: warning: GGUF cache entry %s is bad (%s); rebuilding it", target, problem)
+        warn(f"GGUF cache entry {target} is bad ({problem}); rebuilding it")
         _discard(target, root)
     convert.model()  # a GGUF read error is the file's fault, not the cache's: raise it before staging
     staging = make_staging_dir(root, f"{STAGING_PREFIX}{convert.key[:16]}.")

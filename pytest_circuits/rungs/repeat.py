@@ -130,6 +130,16 @@ def check_probe_memory(geometry, n: int, L: int, batch_size: int, knockout: bool
     return needed
 
 
+def _check_token_memory(n: int, L: int) -> None:
+    """Last guard before the draw: the token arrays alone (``8 n (5L + 1)`` bytes) must fit in host memory."""
+    needed, free = 8 * n * (5 * L + 1), available_memory("cpu")
+    if needed > free:
+        raise CircuitsError(
+            f"the repeat probe's tokens with n={n}, L={L} need {needed / 1024**3:.3g} GiB "
+            f"but {free / 1024**3:.3g} GiB is available; lower n or L"
+        )
+
+
 def check_fits(config, tokens: TokenInfo, L: int) -> None:
     """Refuse a vocabulary without two ordinary ids, or a segment length whose repeated sequence
     exceeds the model's context."""
@@ -148,6 +158,7 @@ def check_fits(config, tokens: TokenInfo, L: int) -> None:
 def repeat_tokens(tokens: TokenInfo, n: int, L: int, seed: int) -> torch.Tensor:
     """``(n, 2L [+1])`` int64 ids: ``[BOS] x x`` with ``x`` uniform over the ordinary ids."""
     check_vocabulary(tokens)
+    _check_token_memory(n, L)
     ordinary = tokens.ordinary_ids()
     rng = np.random.Generator(np.random.PCG64(seed))
     first = ordinary[rng.integers(0, ordinary.size, size=(n, L))]
