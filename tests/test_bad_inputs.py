@@ -550,3 +550,87 @@ def test_kill_9_during_gguf_conversion_leaves_no_staging(tmp_path):
     assert staging_folders(cache) == []
     assert cache_entry_problem(converted_entry(cache)) is None
     assert (converted_entry(cache) / MARKER).is_file()
+
+
+# ---------------------------------------------------------------- fsio: the write layer itself
+
+
+def _one_line_error(call) -> str:
+    from pytest_circuits.errors import FileSystemError
+
+    with pytest.raises(FileSystemError) as error:
+        call()
+    text = str(error.value)
+    assert "\n" not in text and "Traceback" not in text
+    return text
+
+
+def test_atomic_write_replaces_whole_files(tmp_path):
+    from pytest_circuits.fsio import atomic_write_text
+
+    target = tmp_path / "sub" / "scan.json"
+    atomic_write_text(target, "first\n")
+    atomic_write_text(target, "second\n")
+    assert target.read_text() == "second\n"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["scan.json"]  # no temporary file left
+
+
+def test_atomic_write_on_a_full_disk_keeps_the_old_file(tmp_path):
+    """A real write failure (RLIMIT_FSIZE: EFBIG, as ENOSPC on a full disk): one line, old bytes, no temp."""
+    from pytest_circuits.fsio import atomic_write_text
+
+    target = tmp_path / "baseline.json"
+    target.write_bytes(GOOD_JSON)
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.getsignal(signal.SIGXFSZ)
+    try:
+        _limit_file_size(10_000)()
+        line = _one_line_error(lambda: atomic_write_text(target, "x" * 100_000))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert str(target) in line and "no space" in line
+    assert target.read_bytes() == GOOD_JSON
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["baseline.json"]
+
+
+def test_filesystem_faults_are_one_line(tmp_path):
+    from pytest_circuits.fsio import atomic_write_text, ensure_dir
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("in the way")
+    line = _one_line_error(lambda: ensure_dir(a_file))
+    assert str(a_file) in line and "it is a file" in line
+    line = _one_line_error(lambda: atomic_write_text(a_file / "scan.json", "{}"))
+    assert str(a_file) in line and "file" in line
+    line = _one_line_error(lambda: atomic_write_text(tmp_path, "{}"))
+    assert "is a folder" in line
+    locked = unwritable_folder(tmp_path)
+    line = _one_line_error(lambda: atomic_write_text(locked / "scan.json", "{}"))
+    assert str(locked) in line and ("permission" in line or "read-only" in line)
+    assert a_file.read_text() == "in the way"
+
+
+def test_stale_temps_and_staging_are_removed(tmp_path):
+    from pytest_circuits.fsio import make_staging_dir, remove_stale_staging, remove_stale_temps
+
+    old_temp = tmp_path / ".baseline.json.abc123.tmp"
+    old_temp.write_text("half")
+    os.utime(old_temp, (time.time() - 3600, time.time() - 3600))
+    fresh_temp = tmp_path / ".baseline.json.def456.tmp"
+    fresh_temp.write_text("being written")
+    other = tmp_path / "baseline.json"
+    other.write_text("{}")
+    assert remove_stale_temps(tmp_path, older_than_s=600) == [old_temp]
+    assert fresh_temp.exists() and other.exists()
+
+    mine = make_staging_dir(tmp_path, ".staging-x.")  # owned by this live process
+    dead = tmp_path / ".staging-y.dead"
+    dead.mkdir()
+    (dead / "OWNER.json").write_text(json.dumps({"pid": dead_pid(), "host": os.uname().nodename, "started": 0}))
+    orphan = tmp_path / ".staging-z.orphan"  # no owner recorded: stale only when old
+    orphan.mkdir()
+    assert remove_stale_staging(tmp_path, ".staging-", max_age_s=600) == [dead]
+    os.utime(orphan, (time.time() - 3600, time.time() - 3600))
+    assert remove_stale_staging(tmp_path, ".staging-", max_age_s=600) == [orphan]
+    assert mine.is_dir()

@@ -61,13 +61,18 @@ def check_vocabulary(tokens: TokenInfo) -> int:
     return count
 
 
+def token_bytes(n: int, L: int, vocab: int) -> int:
+    """Peak bytes of `repeat_tokens`: ``8 n (5L + 2) + 24 V`` plus 64 KiB of bookkeeping."""
+    return 8 * n * (5 * L + 2) + 24 * vocab + 65536
+
+
 def probe_memory(geometry, n: int, L: int, batch_size: int, knockout: bool = True) -> dict[str, int]:
     """Estimated peak bytes of the repeat probe (and the knockout scan), by part.
 
     With ``T = 2L + 1`` (BOS counted), ``b`` = batch size, ``H`` heads, ``V`` vocab, ``d`` = d_model,
     a forward of ``r`` rows holds one layer's attention ``2 * 4 r H T^2`` (scores, softmax) and
-    activations ``8 * 4 r T d`` (float32). Token arrays: ``8 n (5L + 1)`` bytes per probe (draw,
-    copy, BOS column), twice with knockouts. Probe pass: logits ``4 b T V`` plus one sequence's
+    activations ``8 * 4 r T d`` (float32). Token arrays: ``8 n (5L + 2) + 24 V`` bytes per probe
+    plus 64 KiB (draw, copy, BOS column and array; the ordinary ids), twice with knockouts. Probe pass: logits ``4 b T V`` plus one sequence's
     float copies ``8 T V``. Knockout pass: every block's recorded input ``4 n T d n_layers`` plus
     the larger of the intact pass (logits, float copy, log-softmax: ``12 b T V``) and a replay of
     ``R = min(max(b, 64), n H)`` rows unembedding the ``L`` copy positions (``8 R L V``).
@@ -79,7 +84,7 @@ def probe_memory(geometry, n: int, L: int, batch_size: int, knockout: bool = Tru
         return 2 * 4 * rows * H * T * T + 8 * 4 * rows * T * d
 
     b = min(batch_size, n)
-    parts = {"tokens": 8 * n * (5 * L + 1) * (2 if knockout else 1),
+    parts = {"tokens": token_bytes(n, L, V) * (2 if knockout else 1),
              "probe pass": forward(b) + 4 * b * T * V + 8 * T * V}
     if knockout:
         replay = min(max(batch_size, KNOCKOUT_REPLAY_ROWS), n * H)
@@ -130,9 +135,9 @@ def check_probe_memory(geometry, n: int, L: int, batch_size: int, knockout: bool
     return needed
 
 
-def _check_token_memory(n: int, L: int) -> None:
-    """Last guard before the draw: the token arrays alone (``8 n (5L + 1)`` bytes) must fit in host memory."""
-    needed, free = 8 * n * (5 * L + 1), available_memory("cpu")
+def _check_token_memory(n: int, L: int, vocab: int) -> None:
+    """Last guard before the draw: the token arrays alone (`token_bytes`) must fit in host memory."""
+    needed, free = token_bytes(n, L, vocab), available_memory("cpu")
     if needed > free:
         raise CircuitsError(
             f"the repeat probe's tokens with n={n}, L={L} need {needed / 1024**3:.3g} GiB "
@@ -158,7 +163,7 @@ def check_fits(config, tokens: TokenInfo, L: int) -> None:
 def repeat_tokens(tokens: TokenInfo, n: int, L: int, seed: int) -> torch.Tensor:
     """``(n, 2L [+1])`` int64 ids: ``[BOS] x x`` with ``x`` uniform over the ordinary ids."""
     check_vocabulary(tokens)
-    _check_token_memory(n, L)
+    _check_token_memory(n, L, tokens.vocab_size)
     ordinary = tokens.ordinary_ids()
     rng = np.random.Generator(np.random.PCG64(seed))
     first = ordinary[rng.integers(0, ordinary.size, size=(n, L))]
