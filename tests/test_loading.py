@@ -327,3 +327,35 @@ def test_probe_memory_token_estimate_bounds_the_measured_peak():
     estimate = probe_memory(Geometry(1, 1, 1, 8, 8, 128), n, L, 1, knockout=False)["tokens"]
     assert ids.numel() * 8 <= peak <= estimate
     assert peak >= estimate / 2  # the estimate is not wildly above what the draw takes
+
+
+def test_gguf_cache_entry_is_verified_adopted_or_rebuilt(tmp_path, monkeypatch, capsys):
+    """A finished entry is reused; a pre-marker entry that is whole gets its marker (no rewrite);
+    a truncated one is rebuilt with one warning line, never 'incomplete metadata' forever."""
+    from pytest_circuits.model.loading import MARKER, cache_entry_problem, gguf_to_folder, safetensors_complete
+
+    from .test_bad_inputs import write_tiny_gguf
+
+    monkeypatch.setenv("PYTEST_CIRCUITS_CACHE", str(tmp_path / "cache"))
+    gguf_file = write_tiny_gguf(tmp_path / "tiny.gguf", seed=11)
+    entry = gguf_to_folder(gguf_file)
+    weights = entry / "model.safetensors"
+    assert cache_entry_problem(entry) is None and safetensors_complete(weights)
+    inode = weights.stat().st_ino
+    assert gguf_to_folder(gguf_file) == entry and weights.stat().st_ino == inode
+
+    (entry / MARKER).unlink()  # as written before the marker existed
+    assert "never finished" in cache_entry_problem(entry)
+    assert gguf_to_folder(gguf_file) == entry and weights.stat().st_ino == inode
+    assert cache_entry_problem(entry) is None
+    capsys.readouterr()
+
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    assert not safetensors_complete(weights)
+    assert "bytes" in cache_entry_problem(entry)
+    assert gguf_to_folder(gguf_file) == entry
+    assert weights.read_bytes() == data and cache_entry_problem(entry) is None
+    warning = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(warning) == 1 and "rebuilding" in warning[0]
+    assert load_build(resolve_model(str(gguf_file)), "fp32", "cpu").geometry.n_heads == 4

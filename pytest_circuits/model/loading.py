@@ -380,6 +380,8 @@ def _cached_conversion(root: Path, convert: _Converter) -> Path:
     target = root / convert.key
     if target.exists():
         problem = cache_entry_problem(target)
+        if problem is not None and adopt_legacy_entry(target, convert):
+            problem = cache_entry_problem(target)
         if problem is None:
             return target
         warn(f"GGUF cache entry {target} is bad ({problem}); rebuilding it")
@@ -447,6 +449,43 @@ def cache_entry_problem(folder: Path) -> str | None:
     if unlisted:
         return f"{', '.join(unlisted)} not in {MARKER}"
     return None
+
+
+def safetensors_complete(file: Path) -> bool:
+    """True when a safetensors file is as long as its header says: ``8 + header + max end offset`` bytes."""
+    try:
+        with open(file, "rb") as handle:
+            size = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(size))
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+        return file.stat().st_size == 8 + size + max(ends, default=0)
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return False
+
+
+def adopt_legacy_entry(target: Path, convert: _Converter) -> bool:
+    """Give an entry written before ``COMPLETE.json`` existed its marker, when it is whole.
+
+    Such entries were renamed into place only after a complete save; whole means its
+    ``SOURCE.json`` names this file's sha256 and every safetensors file is as long as its
+    header says (`safetensors_complete`). Returns True when the marker was written.
+    """
+    if (target / MARKER).exists():
+        return False
+    try:
+        source = json.loads((target / "SOURCE.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    weights = list(target.glob("*" + SAFETENSORS_SUFFIX))
+    if not isinstance(source, dict) or source.get("sha256") != convert.key or not weights:
+        return False
+    if not (target / "config.json").is_file() or not all(safetensors_complete(f) for f in weights):
+        return False
+    try:
+        write_marker(target, convert)
+    except (FileSystemError, OSError):
+        return False
+    return True
 
 
 def _discard(target: Path, root: Path) -> None:
