@@ -16,7 +16,7 @@ import torch
 from ..errors import CircuitsError, RecipeError, first_line
 from .dense import is_projection
 from .families import Family, Geometry, family_for_config, geometry_of, get_module
-from .loading import ModelSource, check_finite_weights, nonfinite_line, quiet_transformers
+from .loading import ModelSource, check_finite_weights, nonfinite_line, nonfinite_of, quiet_transformers
 from .vocab import TokenInfo, token_info
 
 
@@ -180,8 +180,8 @@ def apply_rtn_(model, family: Family, bits: int) -> int:
 @torch.no_grad()
 def check_cast_finite(model, what: str) -> None:
     """Refuse a build whose cast made a float parameter non-finite (float16 overflows above 65504)."""
-    bad = [(name, int(p.isnan().sum()), int(p.isinf().sum()))
-           for name, p in model.named_parameters() if p.is_floating_point() and not bool(p.isfinite().all())]
+    counts = ((name, nonfinite_of(p.detach())) for name, p in model.named_parameters())
+    bad = [(name, *found) for name, found in counts if found is not None]
     if bad:
         name, n_nan, n_inf = bad[0]
         fix = "the weights exceed this dtype's range: gate fp32 or bf16 instead"

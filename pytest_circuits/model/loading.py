@@ -196,9 +196,26 @@ def nonfinite_counts(folder: Path) -> list[tuple[str, str, int, int]]:
     return found
 
 
+def nonfinite_of(tensor) -> tuple[int, int] | None:
+    """``(n_nan, n_inf)`` of a float tensor holding any, else None (integer tensors: None).
+
+    Fast path: NaN and inf propagate through a sum, so a finite sum means every entry is
+    finite; only a non-finite sum (which overflow alone can also give) is counted exactly.
+    """
+    import torch
+
+    if not tensor.is_floating_point():
+        return None
+    if tensor.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        tensor = tensor.float()
+    if bool(torch.isfinite(tensor.sum())):
+        return None
+    n_nan, n_inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+    return (n_nan, n_inf) if n_nan or n_inf else None
+
+
 @lru_cache(maxsize=64)
 def _file_nonfinite(path: str, size: int, mtime_ns: int) -> tuple:
-    import torch
     from safetensors import safe_open
 
     found = []
@@ -206,13 +223,9 @@ def _file_nonfinite(path: str, size: int, mtime_ns: int) -> tuple:
         with safe_open(path, framework="pt") as handle:
             for name in handle.keys():
                 tensor = handle.get_tensor(name)
-                if not tensor.is_floating_point():
-                    continue
-                if tensor.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-                    tensor = tensor.float()
-                n_nan = int(torch.isnan(tensor).sum())
-                n_inf = int(torch.isinf(tensor).sum())
-                if n_nan or n_inf:
+                counts = nonfinite_of(tensor)
+                if counts is not None:
+                    n_nan, n_inf = counts
                     found.append((Path(path).name, name, n_nan, n_inf))
     except Exception as error:  # safetensors raises its own error type for a damaged file
         raise ModelLoadError(f"weight file {path} cannot be read: {first_line(error)}; re-save the model") from None
