@@ -400,7 +400,7 @@ CASES = [
     Case("fp16-cast-overflows", case_fp16_overflow, 2,
          ("build fp16", "model.layers.0.self_attn.v_proj.weight holds 2 inf values", "bf16")),
     Case("vocab-size-1", case_vocab_one, 2, ("1 ordinary token id", "vocab_size 1")),
-    Case("probe-n-1e9", case_probe_n_huge, 2, ("n=1000000000", "GiB")),
+    Case("probe-n-1e9", case_probe_n_huge, 2, ("--probe-n", "1000000000")),
     Case("tokenizer-remote-code-refused", case_tokenizer_remote_code, 2,
          ("tokenizer_config.json has auto_map", "--trust-remote-code")),
     Case("tokenizer-remote-code-trusted", case_tokenizer_remote_code_trusted, 0, ()),

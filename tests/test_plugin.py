@@ -79,8 +79,12 @@ def test_missing_baseline_fails_with_the_record_command(suite):
 
 def test_record_gate_and_sabotage(suite, tmp_path_factory):
     pytester, intact, baselines = suite
-    result = pytester.runpytest("-p", "no:cacheprovider", "--circuits-update")
-    result.assert_outcomes(passed=5)
+    result = pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "-rs")
+    # a random model has no induction head and no key knockout: those two are skipped with the
+    # reason, never counted as passes
+    result.assert_outcomes(passed=3, skipped=2)
+    assert "has no induction or previous-token head scoring >= 0.2; nothing to check" in text_of(result)
+    assert "has no head with knockout delta >= 0.1 nats; nothing to check" in text_of(result)
     assert "baselines written: " + str(baselines / "m--fp32.json") in text_of(result)
     written = json.loads((baselines / "m--fp32.json").read_text())
     assert written["build"]["recipe"] == "fp32" and written["knockout"]["seed"] == 1
@@ -89,7 +93,7 @@ def test_record_gate_and_sabotage(suite, tmp_path_factory):
     # an orphan: a baseline of this model that no tested build reads
     (baselines / "m--bnb-fp4.json").write_text("{}")
     result = pytester.runpytest("-p", "no:cacheprovider")
-    result.assert_outcomes(passed=5)
+    result.assert_outcomes(passed=3, skipped=2)
     out = text_of(result)
     assert "baselines compared: " + str(baselines / "m--fp32.json") in out
     assert "baselines orphaned (no tested build used them): " + str(baselines / "m--bnb-fp4.json") in out
@@ -107,7 +111,7 @@ def test_record_gate_and_sabotage(suite, tmp_path_factory):
     assert "test_copying_heads_survive[fp32] FAILED" in out or "FAILED test_rung1_weights.py::test_copying_heads_survive[fp32]" in out
     assert f"{name} " in out and "kappa_trace" in out
     assert "weights differ" in out
-    assert "--circuits-builds fp32 --circuits-update" in out
+    assert f"--circuits-builds fp32 --circuits-baselines {baselines} --circuits-update" in out
     assert "Traceback" not in out
 
     # a per-test marker loosens it
@@ -124,7 +128,7 @@ def test_record_gate_and_sabotage(suite, tmp_path_factory):
 
 def test_ini_tolerance_and_bad_values(suite):
     pytester, intact, baselines = suite
-    pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "test_rung12_repeat.py").assert_outcomes(passed=2)
+    pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "test_rung12_repeat.py").assert_outcomes(passed=1, skipped=1)
     pytester.makeini(ini(intact, baselines) + "circuits_tol_copy_loss = -1\n")
     result = pytester.runpytest("-p", "no:cacheprovider", "test_rung12_repeat.py")
     assert "circuits_tol_*: tolerance copy_loss must be >= 0" in text_of(result)
@@ -155,7 +159,7 @@ def test_corrupt_and_foreign_baselines_are_one_line(suite, tmp_path_factory):
     # a baseline recorded from a model of another geometry under the same name
     other = save_tiny_model("gpt2", tmp_path_factory.mktemp("other") / "m", seed=0, n_embd=32)
     pytester.makeini(ini(other, baselines))
-    pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "test_rung12_repeat.py").assert_outcomes(passed=2)
+    pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "test_rung12_repeat.py").assert_outcomes(passed=1, skipped=1)
     pytester.makeini(ini(intact, baselines))
     result = pytester.runpytest("-p", "no:cacheprovider", "test_rung12_repeat.py")
     result.assert_outcomes(failed=2)
@@ -171,3 +175,32 @@ def test_report_option_writes_a_report(suite, tmp_path):
     result.assert_outcomes(passed=2)
     assert report.is_dir() and any(report.iterdir()), text_of(result)
     shutil.rmtree(report)
+
+
+def test_an_invariant_registered_in_conftest_runs_through_circuits_gate(suite):
+    pytester, intact, baselines = suite
+    pytester.makeconftest("""
+        from pytest_circuits.gate.invariants import Comparison, Invariant, register, within
+
+        @register
+        class FirstCopyLoss(Invariant):
+            name = "first_copy_loss"
+            tolerances = ("copy_loss",)
+
+            def compare(self, before, after, tol):
+                return Comparison([within("model", "first_copy_loss", before["first_copy_loss"],
+                                          after["first_copy_loss"], tol.copy_loss)])
+    """)
+    pytester.makepyfile(test_mine="""
+        def test_first_copy_loss(circuits_gate):
+            outcome = circuits_gate("first_copy_loss")
+            assert outcome.results[0].compared == 1
+    """)
+    result = pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "test_mine.py")
+    result.assert_outcomes(passed=1)
+    result = pytester.runpytest("-p", "no:cacheprovider", "test_mine.py", "--circuits-probe-n", "5")
+    result.assert_outcomes(failed=1)  # other probe settings than the baseline's: refused, not compared
+    assert "recorded with other probe settings (n=4 vs 5)" in text_of(result)
+    from pytest_circuits.gate.invariants import REGISTRY
+
+    REGISTRY.pop("first_copy_loss", None)  # the inner run registered it in this process

@@ -17,34 +17,8 @@ from ..errors import CircuitsError, RecipeError, first_line
 from .dense import is_projection
 from .families import Family, Geometry, family_for_config, geometry_of, get_module
 from .loading import ModelSource, check_finite_weights, nonfinite_line, nonfinite_of, quiet_transformers
+from .recipes import RECIPES, Recipe, get_recipe, parse_builds  # noqa: F401  (re-exported)
 from .vocab import TokenInfo, token_info
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """How to turn the float32 checkpoint into one build."""
-
-    name: str
-    backend: str  # "torch", "bitsandbytes" or "rtn"
-    dtype: torch.dtype  # dtype of the float parameters / compute
-    bits: int | None = None
-    quant_type: str | None = None  # bitsandbytes 4-bit: "nf4" or "fp4"
-    summary: str = ""
-
-
-RECIPES: dict[str, Recipe] = {
-    r.name: r
-    for r in (
-        Recipe("fp32", "torch", torch.float32, summary="float32 reference"),
-        Recipe("bf16", "torch", torch.bfloat16, summary="bfloat16 weights and compute"),
-        Recipe("fp16", "torch", torch.float16, summary="float16 weights and compute"),
-        Recipe("bnb-int8", "bitsandbytes", torch.float32, 8, summary="bitsandbytes LLM.int8()"),
-        Recipe("bnb-nf4", "bitsandbytes", torch.float32, 4, "nf4", summary="bitsandbytes 4-bit NF4"),
-        Recipe("bnb-fp4", "bitsandbytes", torch.float32, 4, "fp4", summary="bitsandbytes 4-bit FP4"),
-        Recipe("rtn-int8", "rtn", torch.float32, 8, summary="simulated per-channel round-to-nearest int8"),
-        Recipe("rtn-int4", "rtn", torch.float32, 4, summary="simulated per-channel round-to-nearest int4"),
-    )
-}
 
 
 @dataclass(frozen=True)
@@ -86,25 +60,9 @@ class LoadedBuild:
         return torch.device(self.identity.device)
 
 
-def get_recipe(name: str) -> Recipe:
-    """The recipe called ``name``, or a one-line error listing the known ones."""
-    recipe = RECIPES.get(name.strip())
-    if recipe is None:
-        raise RecipeError(f"unknown build recipe {name!r}; known recipes: {', '.join(RECIPES)}")
-    return recipe
-
-
-def parse_builds(text: str | list[str]) -> list[str]:
-    """``"fp32, bnb-int8"`` -> ``["fp32", "bnb-int8"]``, each checked, duplicates dropped."""
-    items = text.split(",") if isinstance(text, str) else list(text)
-    names: list[str] = []
-    for item in items:
-        item = item.strip()
-        if item and get_recipe(item).name not in names:
-            names.append(item)
-    if not names:
-        raise RecipeError("no build recipe given; pass e.g. --circuits-builds fp32,bnb-int8")
-    return names
+def torch_dtype(recipe: Recipe) -> torch.dtype:
+    """The torch dtype a recipe's float parameters and compute use."""
+    return getattr(torch, recipe.dtype)
 
 
 def resolve_device(spec: str = "auto") -> torch.device:
@@ -141,7 +99,7 @@ def _bnb_config(recipe: Recipe):
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=recipe.quant_type,
-        bnb_4bit_compute_dtype=recipe.dtype,
+        bnb_4bit_compute_dtype=torch_dtype(recipe),
     )
 
 
@@ -218,7 +176,7 @@ def load_build(
         use_safetensors=True,
     )
     if recipe.backend == "bitsandbytes":
-        kwargs.update(quantization_config=_bnb_config(recipe), dtype=recipe.dtype, device_map={"": str(device)})
+        kwargs.update(quantization_config=_bnb_config(recipe), dtype=torch_dtype(recipe), device_map={"": str(device)})
     else:
         kwargs.update(dtype=torch.float32)
     try:
@@ -232,13 +190,13 @@ def load_build(
     if recipe.backend == "rtn":
         apply_rtn_(model, family, recipe.bits)
     if recipe.backend != "bitsandbytes":
-        model = model.to(device=device, dtype=recipe.dtype)
+        model = model.to(device=device, dtype=torch_dtype(recipe))
         check_cast_finite(model, f"build {recipe.name} of {source.name}")
     model.eval()
     model.requires_grad_(False)
     identity = BuildIdentity(
         recipe=recipe.name,
-        dtype=str(recipe.dtype).removeprefix("torch."),
+        dtype=recipe.dtype,
         backend=recipe.backend,
         backend_version=_backend_version(recipe),
         device=str(device),

@@ -3,7 +3,7 @@
 With a tokenizer in the model folder: ordinary ids are those below ``vocab_size`` that
 the tokenizer does not call special, and BOS is prepended when the tokenizer itself
 prepends it. Without one (token ids only): every id in ``[0, vocab_size)`` not named
-special in the config is ordinary, and no BOS is prepended (DEFINITIONS.md).
+special in the config is ordinary, and no BOS is prepended (docs/definitions.md, "The random-repeat probe").
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ModelLoadError, first_line
+from ..options import flag
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 CONFIG_SPECIAL_ATTRS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "sep_token_id")
@@ -80,7 +81,7 @@ def token_info(folder: Path, config, trust_remote_code: bool = False) -> TokenIn
     if remote and not trust_remote_code:
         raise ModelLoadError(
             f"the tokenizer of {folder} runs the folder's own code ({remote} has auto_map); nothing was imported: "
-            "pass --trust-remote-code (pytest: --circuits-trust-remote-code) only if you trust it"
+            f"pass {flag('trust-remote-code')} only if you trust it"
         )
     from transformers import AutoTokenizer
 

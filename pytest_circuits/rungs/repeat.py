@@ -1,4 +1,4 @@
-"""Tokens and losses of the random-repeat probe (DEFINITIONS.md).
+"""Tokens and losses of the random-repeat probe (docs/definitions.md, "The random-repeat probe").
 
 Tokens: ``n`` sequences of ``L`` ordinary ids drawn uniformly with
 ``numpy.random.Generator(PCG64(seed))``, each followed by an exact copy
@@ -10,29 +10,17 @@ copy loss = mean ``CE_t`` over ``t in L+1 .. 2L-1``; first-copy loss = mean over
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from ..errors import CircuitsError
 from ..model.vocab import TokenInfo
+from ..options import flag
+from ..settings import RepeatSettings  # noqa: F401  (re-exported: the probe's settings)
 
 CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
 MIN_ORDINARY_IDS = 2  # with one id every sequence is the same token: no copying to measure
 KNOCKOUT_REPLAY_ROWS = 64  # knockout.ROWS_PER_PASS: rows of one knockout replay pass
-
-
-@dataclass(frozen=True)
-class RepeatSettings:
-    """Probe settings that fix its tokens: seed, sequences ``n``, segment length ``L``."""
-
-    seed: int = 0
-    n: int = 8
-    L: int = 64
-
-    def as_dict(self) -> dict:
-        return {"seed": self.seed, "n": self.n, "L": self.L}
 
 
 def bos_offset(tokens: TokenInfo) -> int:
@@ -130,7 +118,8 @@ def check_probe_memory(geometry, n: int, L: int, batch_size: int, knockout: bool
         detail = ", ".join(f"{k} {v / gib:.3g}" for k, v in parts.items())
         raise CircuitsError(
             f"the repeat probe with n={n}, L={L}, batch size {batch_size} needs about {needed / gib:.3g} GiB "
-            f"({detail} GiB) but {free / gib:.3g} GiB is available on {device}; lower n, L or the batch size"
+            f"({detail} GiB) but {free / gib:.3g} GiB is available on {device}; lower "
+            f"{flag('probe-n')}, {flag('probe-length')} or {flag('batch-size')}"
         )
     return needed
 
@@ -141,7 +130,7 @@ def _check_token_memory(n: int, L: int, vocab: int) -> None:
     if needed > free:
         raise CircuitsError(
             f"the repeat probe's tokens with n={n}, L={L} need {needed / 1024**3:.3g} GiB "
-            f"but {free / 1024**3:.3g} GiB is available; lower n or L"
+            f"but {free / 1024**3:.3g} GiB is available; lower {flag('probe-n')} or {flag('probe-length')}"
         )
 
 
