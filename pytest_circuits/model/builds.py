@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..errors import CircuitsError, RecipeError, first_line
+from ..options import flag
 from .dense import is_projection
 from .families import Family, Geometry, family_for_config, geometry_of, get_module
 from .loading import ModelSource, check_finite_weights, nonfinite_line, nonfinite_of, quiet_transformers
@@ -76,7 +77,7 @@ def resolve_device(spec: str = "auto") -> torch.device:
         raise CircuitsError(f"unknown device {spec!r}; use auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise CircuitsError(f"device {spec!r}: no CUDA device is available here; use --circuits-device cpu")
+            raise CircuitsError(f"device {spec!r}: no CUDA device is available here; use {flag('device')} cpu")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise CircuitsError(
                 f"device {spec!r}: only {torch.cuda.device_count()} CUDA device(s) here; use cuda:0..cuda:{torch.cuda.device_count() - 1}"
@@ -164,7 +165,7 @@ def load_build(
         )
     except ValueError as error:
         raise CircuitsError(
-            f"model {source.spec!r}: {first_line(error)} (pass --circuits-trust-remote-code only if you trust it)"
+            f"model {source.spec!r}: {first_line(error)} (pass {flag('trust-remote-code')} only if you trust it)"
         ) from None
     family = family_for_config(config)
     tokens = token_info(source.folder, config, trust_remote_code)

@@ -139,13 +139,13 @@ def check_fits(config, tokens: TokenInfo, L: int) -> None:
     exceeds the model's context."""
     check_vocabulary(tokens)
     if L < 2:
-        raise CircuitsError(f"probe length L={L} is too short; use L >= 2 (e.g. --circuits-probe-length 64)")
+        raise CircuitsError(f"probe length L={L} is too short; use L >= 2 (e.g. {flag('probe-length')} 64)")
     needed = 2 * L + bos_offset(tokens)
     limit = context_length(config)
     if limit is not None and needed > limit:
         raise CircuitsError(
             f"probe length L={L} needs {needed} positions but the model's context is {limit}; "
-            f"use --circuits-probe-length {(limit - bos_offset(tokens)) // 2} or less"
+            f"use {flag('probe-length')} {(limit - bos_offset(tokens)) // 2} or less"
         )
 
 
