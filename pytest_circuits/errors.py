@@ -40,3 +40,7 @@ class BaselineCorrupt(BaselineError):
 
 class ForeignBaseline(BaselineError):
     """A baseline of another model geometry, or recorded with other probe settings."""
+
+
+class FileSystemError(CircuitsError):
+    """A file or folder could not be read or written (read-only, missing, full, in the way)."""

@@ -70,7 +70,7 @@ class CircuitsSession:
 
                 raise ModelLoadError(f"model {self.settings.model!r}: {first_line(error)} "
                                      f"(pass {flag('trust-remote-code')} only if you trust it)") from None
-            check_fits(config, token_info(self.source.folder, config), self.settings.probe.L)
+            check_fits(config, token_info(self.source.folder, config, self.settings.trust_remote_code), self.settings.probe.L)
             return geometry_of(SimpleNamespace(config=config))  # geometry_of reads .config alone
 
         return self._memo(("preflight",), check)

@@ -14,9 +14,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..errors import CircuitsError, RecipeError, first_line
+from ..options import flag
 from .dense import is_projection
 from .families import Family, Geometry, family_for_config, geometry_of, get_module
-from .loading import ModelSource
+from .loading import ModelSource, check_finite_weights, nonfinite_line, nonfinite_of, quiet_transformers
 from .recipes import RECIPES, Recipe, get_recipe, parse_builds  # noqa: F401  (re-exported)
 from .vocab import TokenInfo, token_info
 
@@ -76,7 +77,7 @@ def resolve_device(spec: str = "auto") -> torch.device:
         raise CircuitsError(f"unknown device {spec!r}; use auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise CircuitsError(f"device {spec!r}: no CUDA device is available here; use --circuits-device cpu")
+            raise CircuitsError(f"device {spec!r}: no CUDA device is available here; use {flag('device')} cpu")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise CircuitsError(
                 f"device {spec!r}: only {torch.cuda.device_count()} CUDA device(s) here; use cuda:0..cuda:{torch.cuda.device_count() - 1}"
@@ -135,11 +136,15 @@ def apply_rtn_(model, family: Family, bits: int) -> int:
     return count
 
 
-def _quiet_transformers():
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+@torch.no_grad()
+def check_cast_finite(model, what: str) -> None:
+    """Refuse a build whose cast made a float parameter non-finite (float16 overflows above 65504)."""
+    counts = ((name, nonfinite_of(p.detach())) for name, p in model.named_parameters())
+    bad = [(name, *found) for name, found in counts if found is not None]
+    if bad:
+        name, n_nan, n_inf = bad[0]
+        fix = "the weights exceed this dtype's range: gate fp32 or bf16 instead"
+        raise RecipeError(nonfinite_line(f"{what} (after the cast)", name, n_nan, n_inf, len(bad) - 1, fix))
 
 
 def load_build(
@@ -151,7 +156,7 @@ def load_build(
     """Load one build of ``source`` on ``device``, eager attention, in eval mode, offline."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    _quiet_transformers()
+    quiet_transformers()
     recipe = get_recipe(recipe_name)
     device = device if isinstance(device, torch.device) else resolve_device(device)
     try:
@@ -160,9 +165,11 @@ def load_build(
         )
     except ValueError as error:
         raise CircuitsError(
-            f"model {source.spec!r}: {first_line(error)} (pass --circuits-trust-remote-code only if you trust it)"
+            f"model {source.spec!r}: {first_line(error)} (pass {flag('trust-remote-code')} only if you trust it)"
         ) from None
     family = family_for_config(config)
+    tokens = token_info(source.folder, config, trust_remote_code)
+    check_finite_weights(source)  # NaN/inf in the float checkpoint: one line naming the tensor, before any figure
     kwargs = dict(
         local_files_only=True,
         trust_remote_code=trust_remote_code,
@@ -185,6 +192,7 @@ def load_build(
         apply_rtn_(model, family, recipe.bits)
     if recipe.backend != "bitsandbytes":
         model = model.to(device=device, dtype=torch_dtype(recipe))
+        check_cast_finite(model, f"build {recipe.name} of {source.name}")
     model.eval()
     model.requires_grad_(False)
     identity = BuildIdentity(
@@ -200,5 +208,5 @@ def load_build(
         identity=identity,
         family=family,
         geometry=geometry_of(model),
-        tokens=token_info(source.folder, config),
+        tokens=tokens,
     )
