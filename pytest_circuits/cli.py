@@ -133,8 +133,9 @@ def model_lines(record: dict) -> list[str]:
 
 
 def cmd_scan(args) -> int:
+    from .fsio import atomic_write_text
     from .gate.record import build_record
-    from .gate.store import dumps, write_text_atomic
+    from .gate.store import dumps
     from .model.recipes import get_recipe
 
     get_recipe(args.build)
@@ -143,7 +144,7 @@ def cmd_scan(args) -> int:
     print("\n".join(model_lines(record)))
     print(head_table(record))
     if args.json:
-        write_text_atomic(args.json, dumps(record))
+        atomic_write_text(args.json, dumps(record))
         print(f"wrote {args.json}")
     return EXIT_OK
 
@@ -156,7 +157,9 @@ def cmd_record(args) -> int:
     for recipe in recipes:
         path = session.write_baseline(recipe)
         record = session.record(recipe, knockout=True)
-        print(f"wrote {path}: copy loss {record['copy_loss']:.4f}, copy gain {record['copy_gain']:.4f}, "
+        written = any(e["event"] == "written" and e["recipe"] == recipe for e in session.events)
+        verb = "wrote" if written else "unchanged (no figure moved; --update-all rewrites it)"
+        print(f"{verb} {path}: copy loss {record['copy_loss']:.4f}, copy gain {record['copy_gain']:.4f}, "
               f"{sum(bool(h.get('copying')) for h in record['heads'])} copying heads")
     return EXIT_OK
 

@@ -122,7 +122,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("batch-size", "int", 8, "sequences per forward pass", minimum=1, maximum=1_000_000, cli=_SCAN_LIKE),
     Option("update", "bool", False, "record the baselines of the builds tested; an existing file is rewritten "
            "only when a figure moved by more than 1e-3 relative + 1e-6, or its identity or schema changed"),
-    Option("update-all", "bool", False, "record the baselines of the builds tested, rewriting every file"),
+    Option("update-all", "bool", False, "record baselines rewriting every file, even where no figure moved",
+           cli=("record",)),
     Option("trust-remote-code", "bool", False,
            "allow the model folder's own Python code to run (off unless asked for)", cli=_SCAN_LIKE),
 )

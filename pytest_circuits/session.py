@@ -60,7 +60,7 @@ class CircuitsSession:
 
             from .model.families import geometry_of
             from .model.vocab import token_info
-            from .rungs.repeat import check_fits
+            from .rungs.repeat import check_fits, check_probe_memory, check_vocabulary
 
             try:
                 config = AutoConfig.from_pretrained(self.source.folder, local_files_only=True,
@@ -70,8 +70,13 @@ class CircuitsSession:
 
                 raise ModelLoadError(f"model {self.settings.model!r}: {first_line(error)} "
                                      f"(pass {flag('trust-remote-code')} only if you trust it)") from None
-            check_fits(config, token_info(self.source.folder, config, self.settings.trust_remote_code), self.settings.probe.L)
-            return geometry_of(SimpleNamespace(config=config))  # geometry_of reads .config alone
+            s = self.settings
+            tokens = token_info(self.source.folder, config, s.trust_remote_code)
+            check_vocabulary(tokens)
+            check_fits(config, tokens, s.probe.L)
+            geometry = geometry_of(SimpleNamespace(config=config))  # geometry_of reads .config alone
+            check_probe_memory(geometry, s.probe.n, s.probe.L, s.batch_size, knockout=True, device=str(self.device))
+            return geometry
 
         return self._memo(("preflight",), check)
 

@@ -170,3 +170,61 @@ def test_scan_json_write_is_atomic(recorded, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(os, "replace", crash)
     assert main(["scan", str(model), "--no-knockout", "--json", str(out), *SMALL]) == 130
     assert out.read_text() == '{"good": true}\n' and [p.name for p in tmp_path.iterdir()] == ["scan.json"]
+
+
+def test_record_into_a_path_that_is_a_file_is_one_line(recorded, tmp_path, capsys):
+    model, _ = recorded
+    blocker = tmp_path / "baselines"
+    blocker.write_text("not a folder")
+    for folder in (blocker, blocker / "sub"):
+        code, _, err = run(capsys, ["record", str(model), "--build", "fp32", "--baselines", str(folder), *SMALL])
+        assert code == 2
+        line = one_line(err)
+        assert str(blocker) in line
+    assert blocker.read_text() == "not a folder"
+
+
+def test_record_cleans_what_a_killed_writer_left(recorded, tmp_path, capsys):
+    """A kill -9 mid-write leaves a temporary file beside the baseline; the next record removes it."""
+    import os
+    import time
+
+    model, good = recorded
+    folder = tmp_path / "baselines"
+    folder.mkdir()
+    (folder / good.name).write_bytes(good.read_bytes())
+    left = folder / f".{good.name}.k1ll3d.tmp"
+    left.write_text('{"half": ')
+    old = time.time() - 3600
+    os.utime(left, (old, old))
+    code, _, err = run(capsys, ["record", str(model), "--build", "fp32", "--baselines", str(folder), *SMALL])
+    assert code == 0, err
+    assert sorted(p.name for p in folder.iterdir()) == [good.name]
+
+
+@pytest.mark.slow
+def test_kill_9_during_record_keeps_the_old_baseline(recorded, tmp_path):
+    """kill -9 of `circuits record` at several moments: the old baseline stays whole and valid."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from pytest_circuits.gate.store import read_baseline
+
+    model, good = recorded
+    folder = tmp_path / "baselines"
+    folder.mkdir()
+    target = folder / good.name
+    target.write_bytes(good.read_bytes())
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for delay in (0.5, 2.0, 4.0, 6.0):
+        proc = subprocess.Popen([sys.executable, "-m", "pytest_circuits.cli", "record", str(model), "--build",
+                                 "fp32", "--baselines", str(folder), *SMALL], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        read_baseline(target)  # whole and valid, old or new
+    assert not [p for p in folder.iterdir() if p.name != target.name and not p.name.endswith(".tmp")]

@@ -7,8 +7,6 @@ the plugin and the CLI); ``assemble_record`` is the pure part, from the three ru
 from __future__ import annotations
 
 import math
-from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -129,28 +127,18 @@ def _rung1_info(spectrum, settings, folded: bool) -> dict:
     }
 
 
-@lru_cache(maxsize=16)
-def _fingerprint(folder: str, stamp: tuple) -> str:
-    from ..model.loading import weight_fingerprint
-
-    return weight_fingerprint(Path(folder))
-
-
-def fingerprint(folder) -> str:
-    """``loading.weight_fingerprint`` of a model folder, hashed once per folder state (names, sizes, mtimes)."""
-    files = sorted(Path(folder).glob("*.safetensors"))
-    stamp = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
-    return _fingerprint(str(folder), stamp)
 
 
 def model_info(session, build) -> dict:
     """Name, spec, family, weight fingerprint and geometry of the session's model."""
+    from ..model.loading import weight_fingerprint
+
     geo = build.geometry
     return {
         "name": session.model_name,
         "spec": session.source.spec,
         "family": build.family.name,
-        "fingerprint": fingerprint(session.source.folder),
+        "fingerprint": weight_fingerprint(session.source.folder),  # exactly the files loaded
         "geometry": {k: getattr(geo, k) for k in ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "vocab")},
     }
 

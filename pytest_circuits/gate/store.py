@@ -16,15 +16,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
-import tempfile
 import unicodedata
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from ..errors import BaselineCorrupt, BaselineMissing, ForeignBaseline
+from ..fsio import atomic_write_text, remove_stale_temps
 from ..options import FRONT_END, flag
 from .schema import SCHEMA_VERSION, Record, problem
 
@@ -98,43 +97,12 @@ def dumps(record: dict, digits: int = SIG_DIGITS) -> str:
 
 
 def write_baseline(path: str | Path, record: dict) -> Path:
-    """Write ``record`` to ``path`` atomically (`write_text_atomic` of `dumps`)."""
-    return write_text_atomic(path, dumps(record))
-
-
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` atomically (temp file in the same folder, fsync, os.replace)."""
+    """Write ``record`` to ``path`` atomically (`fsio.atomic_write_text` of `dumps`), after removing
+    the temporary files a killed writer left in its folder."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(path.parent)
-    return path
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    if path.parent.is_dir():
+        remove_stale_temps(path.parent)
+    return atomic_write_text(path, dumps(record))
 
 
 def _fix() -> str:
@@ -259,6 +227,8 @@ class BaselineStore:
         """
         path = self.path(model_name, build)
         validate(record, f"the scan record of {build}")
+        if path.parent.is_dir():
+            remove_stale_temps(path.parent)  # what a killed writer left
         if not force and path.is_file():
             try:
                 if unchanged(read_baseline(path), round_sig(record)):
