@@ -151,10 +151,18 @@ class CircuitsSession:
 
     @cached_property
     def store(self):
-        """The baselines folder (`gate.store.BaselineStore`)."""
+        """The baselines folder (`gate.store.BaselineStore`): the one given, else the default one,
+        else, for a named model whose baselines ship with the package and the default folder holds
+        none of them, the shipped folder (read only: recording writes to the default folder)."""
         from .gate.store import BaselineStore
+        from .model.named import NAMED_MODELS, SHIPPED_BASELINES
 
-        return BaselineStore(self.settings.baselines)
+        s = self.settings
+        store = BaselineStore(s.baselines)
+        if s.baselines_given or s.update or s.model not in NAMED_MODELS or store.builds(self.model_name):
+            return store
+        shipped = BaselineStore(SHIPPED_BASELINES)
+        return shipped if shipped.builds(self.model_name) else store
 
     def baseline_path(self, recipe: str):
         """Where the baseline of ``recipe`` for this model lives."""

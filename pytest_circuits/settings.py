@@ -32,6 +32,7 @@ class CircuitsSettings:
     builds: tuple[str, ...] = DEFAULT_BUILDS
     reference: str = DEFAULT_REFERENCE
     baselines: Path = Path("baselines")
+    baselines_given: bool = True  # False: the default folder, which falls back to a named model's shipped one
     update: bool = False  # record baselines (rewriting a file only when a figure moved)
     update_all: bool = False  # record baselines, rewriting every file
     device: str = "auto"
@@ -69,6 +70,7 @@ def build_settings(raw: dict, baselines: Path, front_end: str | None = None, **f
         builds=tuple(parse_builds(get("builds"))),
         reference=parse_builds(get("reference"))[0],
         baselines=get("baselines") or baselines,
+        baselines_given=get("baselines") is not None,
         update=get("update") or get("update-all"),
         update_all=get("update-all"),
         device=get("device"),

@@ -10,7 +10,7 @@ import pytest
 
 from pytest_circuits.testing import make_tiny_model, negate_head_ov, save_tiny_model
 
-PROBES = Path(__file__).resolve().parent.parent / "probes"
+PROBES = Path(__file__).resolve().parent.parent / "pytest_circuits" / "probes"  # the packaged gate suite
 
 
 def ini(folder: Path, baselines: Path, builds: str = "fp32") -> str:

@@ -7,6 +7,7 @@ from pathlib import Path
 from ..errors import ModelLoadError
 
 EMBEDDED_DIR = Path(__file__).resolve().parent.parent / "models"  # shipped package data
+SHIPPED_BASELINES = Path(__file__).resolve().parent.parent / "baselines"  # the named models' baselines
 DEFAULT_MODEL = "tiny-induction"
 
 
