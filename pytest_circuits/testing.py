@@ -23,16 +23,62 @@ TINY_SHAPES = {
 }
 
 
-def tiny_config(family: str, **overrides):
-    """A transformers config of a tiny model of ``family`` (``gpt2``, ``gpt_neox``, ``llama``)."""
-    from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig
+_BASE = dict(
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64, head_dim=16,
+    intermediate_size=128, vocab_size=128, max_position_embeddings=128, tie_word_embeddings=False,
+)
+_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+TINY_TYPE_SHAPES = {
+    "gpt_neo": dict(num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]], window_size=32),
+    "gptj": dict(n_layer=2, n_head=4, n_embd=64, rotary_dim=8, n_positions=128),
+    "gpt_bigcode": dict(n_layer=2, n_head=4, n_embd=64, n_positions=128, multi_query=True),
+    "opt": dict(ffn_dim=128, word_embed_proj_dim=64),
+    "bloom": dict(n_layer=2, n_head=4),
+    "falcon": dict(num_kv_heads=4, multi_query=True, new_decoder_architecture=False),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(**_EXPERTS, shared_expert_intermediate_size=32),
+    "qwen3_moe": dict(**_EXPERTS),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=32),
+    "gemma2": dict(sliding_window=32, query_pre_attn_scalar=16),
+    "gemma3_text": dict(sliding_window=32, query_pre_attn_scalar=16, final_logit_softcapping=30.0),
+    "mistral": dict(sliding_window=32),
+    "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0, attention_multiplier=0.2),
+    "stablelm": dict(use_qkv_bias=True),
+    "internlm3": dict(qkv_bias=True, bias=True),
+}
+"""Per model type: what differs from the shared tiny shape (config names, experts, windows, multipliers)."""
 
-    classes = {"gpt2": GPT2Config, "gpt_neox": GPTNeoXConfig, "llama": LlamaConfig}
-    shape = {**TINY_SHAPES[family], **overrides}
+TINY_VARIANTS = {
+    "falcon-new-decoder": ("falcon", dict(num_kv_heads=2, new_decoder_architecture=True, num_ln_in_parallel_attn=2)),
+    "falcon-multi-head": ("falcon", dict(multi_query=False, parallel_attn=False)),
+    "gpt_bigcode-multi-head": ("gpt_bigcode", dict(multi_query=False)),
+}
+"""Config variants of a model type that read their Q/K/V another way (named ``type-variant``)."""
+
+
+def tiny_config(family: str, **overrides):
+    """A transformers config of a tiny model of ``family``: a model type or a `TINY_VARIANTS` name.
+
+    Every model type: 2 layers, 4 query heads (2 key/value heads where the family groups
+    them, 1 where it is multi-query), d_model 64, vocab 128, untied embeddings where allowed.
+    """
+    from transformers import CONFIG_MAPPING, GPT2Config, GPTNeoXConfig, LlamaConfig
+
     no_special = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    if family == "gpt2":
-        shape.update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return classes[family](**{**no_special, **shape})
+    if family in TINY_SHAPES:
+        classes = {"gpt2": GPT2Config, "gpt_neox": GPTNeoXConfig, "llama": LlamaConfig}
+        shape = {**TINY_SHAPES[family], **overrides}
+        if family == "gpt2":
+            shape.update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return classes[family](**{**no_special, **shape})
+    model_type, variant = TINY_VARIANTS.get(family, (family, {}))
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"model type {model_type!r} is not in this transformers ({len(CONFIG_MAPPING)} types known)")
+    shape = {**_BASE, **TINY_TYPE_SHAPES.get(model_type, {}), **variant, **overrides}
+    if model_type == "falcon":  # head_dim is a read-only property there: hidden_size / num_attention_heads
+        shape.pop("head_dim")
+    return CONFIG_MAPPING[model_type](**{**no_special, **shape})
 
 
 def make_tiny_model(family: str, seed: int = 0, randomize_norms: bool = True, **overrides):
@@ -66,6 +112,14 @@ def save_tiny_model(family: str, folder: str | Path, seed: int = 0, **overrides)
 
 
 TINY_FAMILIES = tuple(TINY_SHAPES)
+"""The three layouts the plugin's older tests run on."""
+
+
+def tiny_model_types() -> tuple[str, ...]:
+    """Every model type the family table claims, plus the config variants that change the Q/K/V read."""
+    from .model.families import supported_model_types
+
+    return (*supported_model_types(), *TINY_VARIANTS)
 
 
 def has_smollm2() -> bool:
@@ -131,24 +185,18 @@ def negate_head_ov(model, layer: int, head: int) -> None:
 
 def _qk_rows(model, layer: int, head: int):
     """``[(module, out_rows)]`` holding W_Q (and W_K when not shared with other query heads) of one head."""
-    from .model.families import attention_module, family_of, geometry_of, get_module
+    from .model.families import attention_module, family_of, geometry_of, get_module, qkv_rows
 
     fam, geo = family_of(model), geometry_of(model)
     attn = attention_module(model, layer)
-    d = geo.d_head
-    q = list(range(head * d, (head + 1) * d))
-    if fam.qkv_layout == "fused_thirds":
-        k = [geo.n_heads * d + i for i in q]
-        return [(get_module(attn, fam.qkv[0]), q + k)]
-    if fam.qkv_layout == "fused_per_head":
-        base = head * 3 * d
-        return [(get_module(attn, fam.qkv[0]), list(range(base, base + 2 * d)))]
-    q_proj, k_proj, _ = (get_module(attn, name) for name in fam.qkv)
-    found = [(q_proj, q)]
+    q_rows, k_rows, _ = qkv_rows(fam.qkv_layout, geo)
+    rows = [list(q_rows[head]), []]
     if geo.group_size == 1:  # with grouped-query attention K is shared: zeroing W_Q alone flattens the head
-        g = geo.kv_group(head)
-        found.append((k_proj, list(range(g * d, (g + 1) * d))))
-    return found
+        rows[1] = list(k_rows[geo.kv_group(head)])
+    if len(fam.qkv) == 1:
+        return [(get_module(attn, fam.qkv[0]), rows[0] + rows[1])]
+    q_proj, k_proj, _ = (get_module(attn, name) for name in fam.qkv)  # rows index each module from 0
+    return [(q_proj, rows[0])] + ([(k_proj, rows[1])] if rows[1] else [])
 
 
 @torch.no_grad()

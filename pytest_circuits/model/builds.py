@@ -17,6 +17,7 @@ from ..errors import CircuitsError, RecipeError, first_line
 from .dense import is_projection
 from .families import Family, Geometry, family_for_config, geometry_of, get_module
 from .loading import ModelSource
+from .selfcheck import check_decomposition
 from .vocab import TokenInfo, token_info
 
 
@@ -236,7 +237,7 @@ def load_build(
         backend_version=_backend_version(recipe),
         device=str(device),
     )
-    return LoadedBuild(
+    build = LoadedBuild(
         model=model,
         source=source,
         identity=identity,
@@ -244,3 +245,5 @@ def load_build(
         geometry=geometry_of(model),
         tokens=token_info(source.folder, config),
     )
+    check_decomposition(build)  # refuses a build whose per-head read does not reproduce its attention
+    return build
