@@ -806,3 +806,34 @@ def qkv_rows(layout: str, geo: Geometry) -> tuple[list[list[int]], list[list[int
         parts = [torch.arange(total)]
     q, k, v = split_qkv(layout, parts, geo)
     return q.tolist(), k.tolist(), v.tolist()
+
+
+# ---------------------------------------------------------------- the documented table
+
+
+def _cell(family: Family) -> str:
+    norm = family.norm_kind if family.attn_norm is not None else f"{family.norm_kind} (none before attention)"
+    when = ", ".join(f"{a}={v}" for a, v in family.when)
+    return (
+        f"| `{', '.join(family.model_types)}`{f' ({when})' if when else ''} | {family.name} | "
+        f"`{family.layers}.N.{family.attn}` | {family.qkv_layout} (`{'`, `'.join(family.qkv)}`) | {norm} | "
+        f"{', '.join(family.quirks) or '-'} |"
+    )
+
+
+def families_markdown() -> str:
+    """The table of supported model types and their quirks (docs/families.md embeds it verbatim)."""
+    lines = [
+        "| model type | layout | attention module | Q/K/V layout | norm | quirks |",
+        "|---|---|---|---|---|---|",
+        *(_cell(f) for f in FAMILIES),
+        "",
+        "| quirk | what it does, and how it bears on the figures |",
+        "|---|---|",
+        *(f"| {tag} | {meaning} |" for tag, meaning in QUIRKS.items()),
+        "",
+        "| model type | why it has no per-head OV map |",
+        "|---|---|",
+        *(f"| `{t}` | {why} |" for t, why in NO_PER_HEAD_OV.items()),
+    ]
+    return "\n".join(lines) + "\n"
