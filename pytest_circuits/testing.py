@@ -222,3 +222,86 @@ def add_weight_noise(model, rel: float, seed: int = 0) -> None:
             noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
             rms = param.detach().float().pow(2).mean().sqrt()
             param.add_((rel * rms * noise).to(param.dtype))
+
+
+# ---------------------------------------------------------------- GGUF files of tiny models (gguf's GGUFWriter)
+
+GGUF_ARCH = {"gemma3_text": "gemma3", "mistral": "llama"}
+"""transformers model type -> llama.cpp architecture name, where they differ."""
+GGUF_EXTRA_NAMES = {"transformer.word_embeddings_layernorm": "token_embd_norm"}
+"""Tensor names the installed ``gguf`` name map lacks."""
+
+
+def _llama_cpp_permute(w, n_head: int):
+    """llama.cpp's reordering of Q/K rows for its rotary layout (transformers' GGUF loader undoes it)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _bloom_qkv_to_gguf(w, n_head: int):
+    """BLOOM's per-head ``[q_h | k_h | v_h]`` rows -> llama.cpp's ``[q | k | v]`` (the loader reverses it)."""
+    per_head = w.reshape(n_head, 3, -1, *w.shape[1:])
+    return per_head.transpose(1, 0, *range(2, per_head.ndim)).reshape(w.shape)
+
+
+def write_tiny_gguf(model, path: str | Path, tokens: list[str] | None = None, bos_id: int | None = None) -> Path:
+    """Write ``model`` (float32) as a GGUF file the way llama.cpp's converter lays it out.
+
+    Metadata: transformers' own GGUF key map (``GGUF_CONFIG_MAPPING``) inverted; tensor names:
+    the ``gguf`` package's name map; per-architecture reorderings (Llama Q/K rows, BLOOM's QKV,
+    GPT-2's transposed Conv1D weights) as llama.cpp applies them. ``tokens`` (optional) adds a
+    SentencePiece-style ("llama") vocabulary, with ``bos_id`` and ``add_bos_token`` when given.
+    """
+    import gguf
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    config = model.config
+    arch = GGUF_ARCH.get(config.model_type, config.model_type)
+    arch_enum = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    n_blocks = config.num_hidden_layers
+    names = gguf.get_tensor_name_map(arch_enum, n_blocks)
+    path = Path(path)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{config.model_type}")  # "mistral" in the name tells transformers a llama file is Mistral
+    for key, attr in GGUF_CONFIG_MAPPING[GGUF_ARCH.get(config.model_type, config.model_type)].items():
+        value = getattr(config, attr, None) if isinstance(attr, str) else None
+        if value is None or isinstance(value, (list, dict)):
+            continue
+        if isinstance(value, bool):
+            writer.add_bool(f"{arch}.{key}", value)
+        elif isinstance(value, int):
+            writer.add_uint32(f"{arch}.{key}", value)
+        elif isinstance(value, float):
+            writer.add_float32(f"{arch}.{key}", value)
+    if tokens is not None:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores([0.0] * len(tokens))
+        writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
+        writer.add_unk_token_id(0)
+        if bos_id is not None:
+            writer.add_bos_token_id(bos_id)
+            writer.add_add_bos_token(True)
+    n_head = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_head
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied: llama.cpp writes no output tensor
+        stem, _, suffix = name.rpartition(".")
+        mapped = names.get_name(stem) or GGUF_EXTRA_NAMES.get(stem)
+        if mapped is None:
+            raise ValueError(f"no GGUF name for {name} of {arch}")
+        data = tensor.detach().float().numpy()
+        if arch == "llama" and mapped.endswith(("attn_q", "attn_k")) and suffix == "weight":
+            data = _llama_cpp_permute(data, n_head if mapped.endswith("attn_q") else n_kv)
+        if arch in ("gemma2", "gemma3") and mapped.endswith("norm") and suffix == "weight":
+            data = data + 1  # llama.cpp stores Gemma's RMSNorm scale as 1 + w
+        if arch == "bloom" and mapped.endswith("attn_qkv"):
+            data = _bloom_qkv_to_gguf(data, n_head)
+        if arch == "gpt2" and suffix == "weight" and mapped.endswith(("attn_qkv", "attn_output", "ffn_up", "ffn_down")):
+            data = data.T.copy()
+        writer.add_tensor(f"{mapped}.{suffix}", data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
