@@ -56,6 +56,11 @@ ISSUE_TYPES = (
     "smollm3 helium glm internlm3 gpt_oss"
 ).split()
 SETTINGS = RepeatSettings(seed=1, n=3, L=8)
+DEFAULT_RUN = ("gpt2", "bloom", "gemma2", "gpt_oss", "granite", "olmo2", "falcon-new-decoder", "gpt_bigcode")
+"""Types whose probe and knockout run in the default suite: one per mechanism (learned positions,
+ALiBi, sandwich norm + soft cap + sliding window, sinks + MoE, multipliers, no pre-norm, grouped
+fused QKV, multi-query); the others run with --run-slow."""
+PROBE_TYPES = [t if t in DEFAULT_RUN else pytest.param(t, marks=pytest.mark.slow) for t in TYPES]
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +222,7 @@ def test_copying_head_scores_plus_one_and_flips(model_type):
         negate_head_ov(model, layer, head)
 
 
-@pytest.mark.parametrize("model_type", TYPES)
+@pytest.mark.parametrize("model_type", PROBE_TYPES)
 def test_probe_and_cached_knockout(tiny_build, model_type):
     build = tiny_build(model_type)
     probe = run_repeat_probe(build, SETTINGS)

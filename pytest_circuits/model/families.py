@@ -312,6 +312,10 @@ FAMILIES: tuple[Family, ...] = (
         "olmo2", attn_norm=None, post_attn_norm="post_attention_layernorm",
         quirks=("grouped_query", "rotary", "post_norm_only", "sandwich_norm", "qk_norm_full"),
     ),
+    LLAMA.for_type(
+        "olmo3", attn_norm=None, post_attn_norm="post_attention_layernorm",
+        quirks=("grouped_query", "rotary", "post_norm_only", "sandwich_norm", "qk_norm_full", "sliding_window"),
+    ),
     LLAMA.for_type("olmoe", quirks=("grouped_query", "rotary", "qk_norm_full", "moe")),
     LLAMA.for_type("stablelm", norm_kind="layernorm", quirks=("grouped_query", "qkv_bias", "partial_rotary")),
     LLAMA.for_type(
@@ -527,14 +531,25 @@ def family_of(model) -> Family:
     return family
 
 
+_QUIRK_FREE = dict(
+    norm_weight_offset=0.0, norm_eps=None, embed_scale=None, embed_norm=None, post_attn_norm=None,
+    attn_adds_residual=None, attn_out_multiplier=None, logit_scale=None, logit_divisor=None, logit_softcap=None,
+    quirks=(), when=(), requires_equal=(), unsupported="",
+)
+
+
 def _layouts() -> list[Family]:
-    """One representative per distinct structure, in the order they are tried."""
+    """One quirk-free representative per distinct structure, in the order they are tried.
+
+    Layouts without a pre-attention norm are not offered: a model whose norm has another name
+    would match them and be read without its norm (the attention check alone cannot see that).
+    """
     seen, out = set(), []
     for family in all_families():
         key = (family.layers, family.attn, family.out_proj, family.qkv, family.qkv_layout, family.attn_norm, family.final_norm)
-        if key not in seen and not family.when and not family.unsupported:
+        if key not in seen and not family.when and not family.unsupported and family.attn_norm is not None:
             seen.add(key)
-            out.append(family)
+            out.append(dataclasses.replace(family, **_QUIRK_FREE))
     return out
 
 
@@ -575,7 +590,7 @@ def infer_family(model) -> Family | None:
         candidate = dataclasses.replace(candidate, norm_kind=kind)
         try:
             geo = geometry_for(model.config, candidate)
-        except (AttributeError, TypeError, ZeroDivisionError):
+        except Exception:  # a config that does not say its geometry the usual way (per-layer head sizes, ...)
             continue
         if not _shapes_fit(candidate, geo, projs, out):
             continue

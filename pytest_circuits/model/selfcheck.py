@@ -157,10 +157,10 @@ def _relative(expected: torch.Tensor, actual: torch.Tensor) -> float:
 def _head_sum(lw, geo, x: torch.Tensor, pattern: torch.Tensor) -> torch.Tensor:
     """``sum_h A_h (X W_V^{g(h)} + b_V) W_O^h + b_O`` in float64: ``(batch, T, d_model)``."""
     x = x.double()
-    W_V = lw.W_V.double().to(x.device).repeat_interleave(geo.group_size, dim=0)
-    values = torch.einsum("btd,hde->bhte", x, W_V)
+    values = torch.einsum("btd,gde->bgte", x, lw.W_V.double().to(x.device))  # per K/V group
     if lw.b_V is not None:
-        values = values + lw.b_V.double().to(x.device).repeat_interleave(geo.group_size, dim=0)[None, :, None, :]
+        values = values + lw.b_V.double().to(x.device)[None, :, None, :]
+    values = values.repeat_interleave(geo.group_size, dim=1)  # query head h reads group h // group_size
     z = torch.einsum("bhts,bhse->bhte", pattern.double().to(x.device), values)
     out = torch.einsum("bhte,hed->btd", z, lw.W_O.double().to(x.device))
     return out if lw.b_O is None else out + lw.b_O.double().to(x.device)
@@ -212,8 +212,9 @@ def measure_decomposition(
             if norm is not None:
                 handles.append(norm.register_forward_hook(norm_io(layer, key), with_kwargs=True))
     ids = _probe_ids(build_or_model, n_tokens, seed).to(model.get_input_embeddings().weight.device)
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     try:
-        model(input_ids=ids, use_cache=False)
+        model(input_ids=ids, use_cache=False, **extra)  # logits of one position: the check needs none
     finally:
         for handle in handles:
             handle.remove()
@@ -238,7 +239,7 @@ def measure_decomposition(
                 "attn_implementation='eager' (load_build does)"
             )
         x = seen["x"]
-        lw = _layer_weights(block, fam, geo, False, model.config, x.device)
+        lw = _layer_weights(block, fam, geo, False, model.config, x.device, qk=False)
         expected = _head_sum(lw, geo, x, seen["pattern"])
         if fam.attn_adds_residual:
             expected = expected + seen["residual"].double()

@@ -105,7 +105,8 @@ def _read_map(scale: torch.Tensor, norm_kind: str) -> torch.Tensor:
     return read
 
 
-def _layer_weights(block, fam: Family, geo: Geometry, fold: bool, config, device=None) -> LayerWeights:
+def _layer_weights(block, fam: Family, geo: Geometry, fold: bool, config, device=None, qk: bool = True) -> LayerWeights:
+    """One block's per-head weights; ``qk=False`` skips ``W_Q``/``W_K`` (None), for the self-check."""
     device = torch.device("cpu") if device is None else device
     attn = get_module(block, fam.attn)
     projs = [get_module(attn, name) for name in fam.qkv]
@@ -125,10 +126,10 @@ def _layer_weights(block, fam: Family, geo: Geometry, fold: bool, config, device
     post_scale = None if post_norm is None else norm_scale(post_norm, geo.d_model, fam.norm_weight_offset)
     multiplier = float(getattr(config, fam.attn_out_multiplier, 1.0)) if fam.attn_out_multiplier else 1.0
     # (heads, d_head, d_model) -> (heads, d_model, d_head): row-vector convention
-    W_Q, W_K, W_V = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    W_Q, W_K, W_V = (t.transpose(1, 2).contiguous() if qk or t is v else None for t in (q, k, v))
     if fold:
         read = _read_map(scale, fam.norm_kind if pre_norm is not None else "none").to(device)
-        W_Q, W_K, W_V = (read @ t for t in (W_Q, W_K, W_V))
+        W_Q, W_K, W_V = (None if t is None else read @ t for t in (W_Q, W_K, W_V))
         if post_scale is not None:
             W_O = W_O * post_scale.to(device)
         W_O = W_O * multiplier
