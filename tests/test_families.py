@@ -415,3 +415,24 @@ def test_gguf_round_trip(tmp_path, monkeypatch, model_type):
     with torch.no_grad():
         torch.testing.assert_close(build.model(ids).logits, model(ids).logits, rtol=0, atol=1e-5)
     assert resolve_model(str(path)).folder == source.folder  # the cached conversion is reused
+
+
+def test_recognised_layout_that_reads_wrong_is_refused():
+    """Nemotron has Llama's module names but a (1 + w) LayerNorm: assumed llama, then refused by the self-check."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    config = CONFIG_MAPPING["nemotron"](
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64, intermediate_size=128,
+        vocab_size=128, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert family_for_config(config).assumed
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for block in layer_modules(model):
+            block.input_layernorm.weight.normal_(0.0, 0.3)  # stored w; the model scales by 1 + w
+    with pytest.raises(DecompositionError) as error:
+        check_decomposition(model)
+    assert "'nemotron'" in _one_line(error) and "pre-attention norm" in _one_line(error)
