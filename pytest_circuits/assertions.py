@@ -12,6 +12,8 @@ import numpy as np
 import pandas as pd
 
 from .errors import CircuitsError
+from .gate.stats import spearman
+from .rungs.figures import parse_label
 
 MAX_ROWS = 20
 
@@ -63,20 +65,11 @@ def _table(lines: list[str], total: int | None = None) -> str:
 
 def _head_order(pairs: pd.DataFrame) -> np.ndarray:
     """Heads in model order (L0H0, L0H1, ..., L1H0, ...) when labels parse, else as given."""
-    parsed = pairs["head"].str.extract(r"^L(\d+)H(\d+)$")
-    if parsed.isna().any().any():
+    parsed = [parse_label(label) for label in pairs["head"]]
+    cells = [cell for cell in parsed if cell is not None]
+    if len(cells) < len(parsed):
         return np.arange(len(pairs))
-    return np.lexsort((parsed[1].astype(int).to_numpy(), parsed[0].astype(int).to_numpy()))
-
-
-def spearman(x, y) -> float:
-    """Spearman rank correlation (average ranks for ties); nan when either side is constant."""
-    from scipy.stats import spearmanr
-
-    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    if len(x) < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
-        return float("nan")
-    return float(spearmanr(x, y).statistic)
+    return np.lexsort(([h for _, h in cells], [l for l, _ in cells]))
 
 
 def assert_kappa_close(reference_df, candidate_df, tol: float = 0.1, column: str = "kappa") -> None:

@@ -1,52 +1,42 @@
 """The ``circuits`` command: scan, record, gate and diff builds; same code path as the plugin.
 
 Exit status: 0 pass, 1 an invariant broke (``gate``), 2 a usage or input error
-(a `CircuitsError` is printed as one line on stderr, never a traceback).
+(a `CircuitsError` is printed as one line on stderr, never a traceback). Shared options
+come from the one table in `options.py`; errors name the flags as this command spells them.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import sys
 from pathlib import Path
 
 from .errors import CircuitsError
+from .options import FRONT_END, OPTIONS
 
 EXIT_OK, EXIT_BROKEN, EXIT_USAGE = 0, 1, 2
-
-TABLE_COLUMNS = (
-    ("kappa", "kappa", "{:+.3f}"),
-    ("kappa_trace", "trace", "{:+.3f}"),
-    ("kappa_z", "z", "{:+.2f}"),
-    ("kappa_q", "q", "{:.3f}"),
-    ("ov_gain_rel", "ov gain", "{:.3f}"),  # sum |lambda| / the largest head's
-    ("prefix_matching", "prefix", "{:.3f}"),
-    ("previous_token", "prev", "{:.3f}"),
-    ("duplicate_token", "dup", "{:.3f}"),
-    ("knockout_delta", "knockout", "{:+.3f}"),
-)
-DIFF_METRICS = ("kappa", "kappa_trace", "kappa_z", "prefix_matching", "previous_token", "duplicate_token",
-                "knockout_delta")
-MODEL_FIGURES = ("copy_loss", "first_copy_loss", "copy_gain", "uniform_loss")
+STATUS_WORDS = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}
+MODEL_HELP = "model folder, .gguf file, cache id or named model (tiny-induction, smollm2-135m)"
 
 
 # ---------------------------------------------------------------- parser
 
 
-def _probe_options(p: argparse.ArgumentParser, defaults_from_baseline: bool = False) -> None:
-    from .settings import CircuitsSettings
-
-    d = CircuitsSettings()
-    hint = " (default: the baseline's)" if defaults_from_baseline else ""
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
-    p.add_argument("--probe-seed", type=int, default=None, help=f"repeat-probe seed (default {d.probe.seed}){hint}")
-    p.add_argument("--probe-n", type=int, default=None, help=f"repeat sequences (default {d.probe.n}){hint}")
-    p.add_argument("--probe-length", type=int, default=None, help=f"segment length L (default {d.probe.L}){hint}")
-    p.add_argument("--knockout-mode", choices=("zero", "mean"), default="zero", help="head knockout ablation")
-    p.add_argument("--knockout-screen", type=int, default=None, help="exact knockouts only on the top K of a screen")
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per forward pass")
-    p.add_argument("--trust-remote-code", action="store_true", help="allow the model folder's own code to run")
+def _shared_options(p: argparse.ArgumentParser, command: str, defaults_from_baseline: bool = False) -> None:
+    """The options of `options.OPTIONS` that ``command`` takes (parsed and checked later, in one place)."""
+    for option in OPTIONS:
+        if command not in option.cli:
+            continue
+        if option.kind == "bool":
+            p.add_argument(option.cli_flag, dest=option.dest, action="store_true", default=None, help=option.help)
+            continue
+        default = option.cli_default if option.cli_default is not None else option.default
+        hint = " (default: the baseline's)" if defaults_from_baseline and option.name.startswith("probe-") else ""
+        shown = f" (default: {default})" if default not in (None, "") and not hint else ""
+        p.add_argument(option.cli_flag, dest=option.dest, default=None, metavar=option.dest.upper(),
+                       help=f"{option.help}{shown}{hint}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,30 +48,29 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     p = sub.add_parser("scan", help="print every head's figures of one build (and write them as JSON)")
-    p.add_argument("model", help="model folder, .gguf file, cache id or named model (tiny-induction, smollm2-135m)")
-    p.add_argument("--build", default="fp32", help="build recipe (default fp32)")
-    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the scan record here")
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--build", default="fp32", help="build recipe (default: fp32)")
+    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the scan record here (atomically)")
     p.add_argument("--no-knockout", action="store_true", help="skip the head knockouts (rung 2)")
-    _probe_options(p)
+    _shared_options(p, "scan")
 
     p = sub.add_parser("record", help="write the baselines of builds (atomically)")
-    p.add_argument("model")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--build", required=True, help="build recipe(s), comma-separated")
-    p.add_argument("--baselines", type=Path, default=Path("baselines"), help="baselines folder (default baselines/)")
-    _probe_options(p)
+    _shared_options(p, "record")
 
     p = sub.add_parser("gate", help="gate one build against a baseline file (exit 1 if an invariant broke)")
-    p.add_argument("model")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--build", required=True, help="build recipe")
     p.add_argument("--baseline", required=True, type=Path, metavar="FILE", help="baseline file to gate against")
     p.add_argument("--tol", action="append", default=[], metavar="NAME=VALUE",
                    help="override a tolerance (repeatable), e.g. --tol kappa=0.1")
-    _probe_options(p, defaults_from_baseline=True)
+    _shared_options(p, "gate", defaults_from_baseline=True)
 
     p = sub.add_parser("diff", help="what moved between two scan records, per head")
-    p.add_argument("file_a", type=Path)
-    p.add_argument("file_b", type=Path)
-    p.add_argument("--min-change", type=float, default=0.01, help="hide changes smaller than this (default 0.01)")
+    p.add_argument("file_a", type=Path, metavar="A", help="the earlier scan record or baseline file")
+    p.add_argument("file_b", type=Path, metavar="B", help="the later scan record or baseline file")
+    p.add_argument("--min-change", type=float, default=0.01, help="hide changes smaller than this (default: 0.01)")
 
     sub.add_parser("report", help="write the HTML report of baseline files (see circuits report --help)",
                    add_help=False)
@@ -91,31 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------- helpers
 
 
-def _session(args, probe=None):
-    from .rungs.repeat import RepeatSettings
-    from .session import CircuitsSession, CircuitsSettings
+def _session(args, probe: dict | None = None):
+    """A session from the parsed arguments; a gated baseline's probe settings fill the unset ones."""
+    from .session import CircuitsSession
+    from .settings import build_settings
 
-    d = CircuitsSettings()
-    probe = probe or {}
-    settings = CircuitsSettings(
-        model=args.model,
-        device=args.device,
-        trust_remote_code=args.trust_remote_code,
-        probe=RepeatSettings(
-            seed=_pick(args.probe_seed, probe.get("seed"), d.probe.seed),
-            n=_pick(args.probe_n, probe.get("n"), d.probe.n),
-            L=_pick(args.probe_length, probe.get("L"), d.probe.L),
-        ),
-        knockout_mode=args.knockout_mode,
-        knockout_screen=args.knockout_screen,
-        batch_size=args.batch_size,
-        baselines=getattr(args, "baselines", None) or d.baselines,
-    )
-    return CircuitsSession(settings)
-
-
-def _pick(*values):
-    return next(v for v in values if v is not None)
+    raw = {option.name: getattr(args, option.dest, None) for option in OPTIONS}
+    for name, key in (("probe-seed", "seed"), ("probe-n", "n"), ("probe-length", "L")):
+        if raw[name] is None and probe:
+            raw[name] = probe.get(key)
+    raw["model"] = args.model
+    return CircuitsSession(build_settings(raw, baselines=Path("baselines"), front_end="cli"))
 
 
 def _fmt(value, spec: str) -> str:
@@ -125,30 +100,32 @@ def _fmt(value, spec: str) -> str:
 
 
 def head_table(record: dict) -> str:
-    """One line per head: the figures of all three rungs and the copying/suppression flag;
+    """One line per head: the figures of `figures.table_figures` and the copying/suppression flag;
     ``ov gain`` is the head's OV gain over the largest head's (idle heads sit near 0)."""
     from .gate.invariants import ov_gains
+    from .rungs.figures import table_figures
 
     gains = ov_gains(record)
     largest = max(gains.values(), default=0.0)
-    heads = [{**h, "ov_gain_rel": gains[h["head"]] / largest if largest > 0 and h["head"] in gains else None}
+    heads = [{**h, "ov_gain": gains[h["head"]] / largest if largest > 0 and h["head"] in gains else None}
              for h in record["heads"]]
-    cols = [(key, title, spec) for key, title, spec in TABLE_COLUMNS if any(h.get(key) is not None for h in heads)]
-    header = f"{'head':<8}" + "".join(f"{title:>10}" for _, title, _ in cols) + "  flag"
-    lines = [header]
+    cols = [f for f in table_figures() if any(h.get(f.name) is not None for h in heads)]
+    lines = [f"{'head':<8}" + "".join(f"{f.title:>10}" for f in cols) + "  flag"]
     for h in heads:
         flag = "copying" if h.get("copying") else "suppression" if h.get("suppression") else ""
-        lines.append(f"{h['head']:<8}" + "".join(f"{_fmt(h.get(k), s):>10}" for k, _, s in cols) + f"  {flag}")
+        lines.append(f"{h['head']:<8}" + "".join(f"{_fmt(h.get(f.name), f.fmt):>10}" for f in cols) + f"  {flag}")
     return "\n".join(lines)
 
 
 def model_lines(record: dict) -> list[str]:
+    from .rungs.figures import MODEL_FIGURES
+
     m, b, p = record["model"], record["build"], record["probe"]
-    figures = ", ".join(f"{k} {_fmt(record.get(k), '{:.4f}')}" for k in MODEL_FIGURES)
+    said = ", ".join(f"{f.name} {_fmt(record.get(f.name), f.fmt)}" for f in MODEL_FIGURES)
     return [
         f"model {m['name']} ({m['family']}, {m['geometry']['n_layers']} layers x {m['geometry']['n_heads']} heads), "
         f"build {b['recipe']} ({b['backend_version']}, {b['device']})",
-        f"probe seed {p['seed']} n {p['n']} L {p['L']}: {figures} (nats)",
+        f"probe seed {p['seed']} n {p['n']} L {p['L']}: {said} (nats)",
     ]
 
 
@@ -157,8 +134,8 @@ def model_lines(record: dict) -> list[str]:
 
 def cmd_scan(args) -> int:
     from .gate.record import build_record
-    from .gate.store import dumps
-    from .model.builds import get_recipe
+    from .gate.store import dumps, write_text_atomic
+    from .model.recipes import get_recipe
 
     get_recipe(args.build)
     session = _session(args)
@@ -166,14 +143,13 @@ def cmd_scan(args) -> int:
     print("\n".join(model_lines(record)))
     print(head_table(record))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(dumps(record), encoding="utf-8")
+        write_text_atomic(args.json, dumps(record))
         print(f"wrote {args.json}")
     return EXIT_OK
 
 
 def cmd_record(args) -> int:
-    from .model.builds import parse_builds
+    from .model.recipes import parse_builds
 
     recipes = parse_builds(args.build)
     session = _session(args)
@@ -186,7 +162,7 @@ def cmd_record(args) -> int:
 
 
 def _tolerances(pairs: list[str]):
-    from .gate.invariants import Tolerances
+    from .gate.tolerances import Tolerances
 
     overrides = {}
     for pair in pairs:
@@ -200,40 +176,67 @@ def _tolerances(pairs: list[str]):
         raise CircuitsError(f"--tol: {error}") from None
 
 
+def _print_results(results, notes=()) -> bool:
+    from .gate.invariants import verdict
+
+    for note in notes:
+        print(note)
+    for r in results:
+        print(f"{STATUS_WORDS[r.status]} {r.invariant}: {r.message}")
+    passed, line = verdict(results)
+    print(line)
+    return passed
+
+
 def cmd_gate(args) -> int:
-    from .gate.invariants import _has_knockout, gate_all
+    from .gate.invariants import gate_all, key_heads
+    from .gate.record import has_figures
     from .gate.store import compatibility, read_baseline
-    from .model.builds import get_recipe
+    from .model.recipes import get_recipe
 
     get_recipe(args.build)
     tol = _tolerances(args.tol)
     baseline = read_baseline(args.baseline)
     session = _session(args, probe=baseline.get("probe"))
-    candidate = session.record(args.build, knockout=_has_knockout(baseline))
+    # refuse another geometry or probe before any figure is computed
+    compatibility(baseline, {"model": {"geometry": session.preflight().__dict__},
+                             "probe": session.settings.probe.as_dict()}, f"baseline {args.baseline.name}")
+    session.pinned_key_heads = set(key_heads(baseline, "knockout_delta", tol.top_k, tol.min_delta))
+    candidate = session.record(args.build, knockout=has_figures(baseline, "knockout"))
     label = f"baseline {args.baseline.name}"
     notes = compatibility(baseline, candidate, label)
-    folder = args.baseline.parent
-    fix = f"if the change is intended, record the baseline again: circuits record {args.model} --build {args.build} --baselines {folder}"
+    fix = ("if the change is intended, record the baseline again: "
+           + _record_command(args, baseline["build"]["recipe"], args.baseline))
     results = gate_all(baseline, candidate, tol, args.build, label, fix)
-    for note in notes:
-        print(note)
-    for r in results:
-        print(f"{'PASS' if r.passed else 'FAIL'} {r.invariant}: {r.message}")
-    broken = [r.invariant for r in results if not r.passed]
-    print(f"gate {'failed: ' + ', '.join(broken) if broken else 'passed'} "
-          f"({len(results) - len(broken)} of {len(results)} invariants hold)")
-    return EXIT_BROKEN if broken else EXIT_OK
+    return EXIT_OK if _print_results(results, notes) else EXIT_BROKEN
+
+
+def _record_command(args, recipe: str, baseline: Path) -> str:
+    """``circuits record`` that rewrites ``baseline`` itself (its folder, its model name) from this build."""
+    from .gate.store import SEPARATOR, SUFFIX
+
+    name = baseline.name.removesuffix(SUFFIX).rsplit(SEPARATOR, 1)[0]
+    words = ["circuits", "record", args.model, "--build", recipe, "--baselines", str(baseline.parent),
+             "--name", name]
+    for option in OPTIONS:
+        value = getattr(args, option.dest, None)
+        if option.name in ("baselines", "name", "device") or value in (None, False):
+            continue
+        words += [option.cli_flag] if value is True else [option.cli_flag, str(value)]
+    return shlex.join(words)
 
 
 def diff_rows(a: dict, b: dict, min_change: float = 0.01) -> list[tuple]:
     """``(head, metric, before, after, change)`` for every per-head figure that moved at least ``min_change``."""
+    from .rungs.figures import diff_figures
+
     rows = []
     heads_b = {h["head"]: h for h in b["heads"]}
     for ha in a["heads"]:
         hb = heads_b.get(ha["head"])
         if hb is None:
             continue
-        for metric in DIFF_METRICS:
+        for metric in diff_figures():
             x, y = ha.get(metric), hb.get(metric)
             if x is None or y is None:
                 continue
@@ -246,18 +249,20 @@ def diff_rows(a: dict, b: dict, min_change: float = 0.01) -> list[tuple]:
 
 
 def cmd_diff(args) -> int:
-    from .gate.invariants import Tolerances, gate_all
+    from .gate.invariants import gate_all, verdict
     from .gate.store import compatibility, read_baseline
+    from .gate.tolerances import Tolerances
+    from .rungs.figures import MODEL_FIGURES
 
     a, b = read_baseline(args.file_a), read_baseline(args.file_b)
     for note in compatibility(a, b, f"baseline {args.file_a.name}"):
         print(note)
     print(f"A {args.file_a}: {a['model']['name']} {a['build']['recipe']}")
     print(f"B {args.file_b}: {b['model']['name']} {b['build']['recipe']}")
-    for key in MODEL_FIGURES:
-        x, y = a.get(key), b.get(key)
+    for figure in MODEL_FIGURES:
+        x, y = a.get(figure.name), b.get(figure.name)
         if x is not None and y is not None:
-            print(f"  {key:<16} {x:10.4f} -> {y:10.4f}  ({y - x:+.4f})")
+            print(f"  {figure.name:<16} {x:10.4f} -> {y:10.4f}  ({y - x:+.4f})")
     rows = diff_rows(a, b, args.min_change)
     if rows:
         print(f"{'head':<8} {'metric':<16} {'A':>10} {'B':>10} {'change':>10}")
@@ -266,8 +271,8 @@ def cmd_diff(args) -> int:
     else:
         print(f"no per-head figure moved by {args.min_change} or more")
     results = gate_all(a, b, Tolerances(), b["build"]["recipe"], f"baseline {args.file_a.name}")
-    broken = [r.invariant for r in results if not r.passed]
-    print(f"with default tolerances, B against A: {'broken: ' + ', '.join(broken) if broken else 'all invariants hold'}")
+    _, line = verdict(results)
+    print(f"with default tolerances, B against A: {line}")
     return EXIT_OK
 
 
@@ -276,19 +281,22 @@ COMMANDS = {"scan": cmd_scan, "record": cmd_record, "gate": cmd_gate, "diff": cm
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "report":
-        return _report(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)  # exits 2 on a usage error, 0 on --help
+    token = FRONT_END.set("cli")
     try:
-        code = COMMANDS[args.command](args)
-    except CircuitsError as error:
-        print(f"circuits {args.command}: {error}", file=sys.stderr)
-        code = EXIT_USAGE
-    except KeyboardInterrupt:
-        print("circuits: interrupted", file=sys.stderr)
-        code = 130
-    return code
+        if argv and argv[0] == "report":
+            return _report(argv[1:])
+        parser = build_parser()
+        args = parser.parse_args(argv)  # exits 2 on a usage error, 0 on --help
+        try:
+            return COMMANDS[args.command](args)
+        except CircuitsError as error:
+            print(f"circuits {args.command}: {error}", file=sys.stderr)
+            return EXIT_USAGE
+        except KeyboardInterrupt:
+            print("circuits: interrupted", file=sys.stderr)
+            return 130
+    finally:
+        FRONT_END.reset(token)
 
 
 def _report(argv) -> int:

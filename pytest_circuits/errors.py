@@ -28,3 +28,19 @@ class RecipeError(CircuitsError):
 
 class BaselineError(CircuitsError):
     """A baseline file is missing, corrupt, or belongs to another model."""
+
+
+class BaselineMissing(BaselineError):
+    """No baseline file where one was expected."""
+
+
+class BaselineCorrupt(BaselineError):
+    """A baseline file that is unreadable, not JSON, or not a valid scan record."""
+
+
+class ForeignBaseline(BaselineError):
+    """A baseline of another model geometry, or recorded with other probe settings."""
+
+
+class FileSystemError(CircuitsError):
+    """A file or folder could not be read or written (read-only, missing, full, in the way)."""

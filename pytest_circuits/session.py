@@ -1,42 +1,89 @@
-"""One run's loaded builds and figures, computed once and shared by fixtures and the CLI."""
+"""One run's loaded builds and figures, computed once and shared by fixtures and the CLI.
+
+Light at import (the plugin creates a session for every pytest run): each method imports
+the layer it needs when first called.
+"""
 
 from __future__ import annotations
 
+import shlex
 from functools import cached_property
+from typing import Any
 
-from .model.builds import LoadedBuild, get_recipe, load_build, resolve_device
-from .model.loading import ModelSource, resolve_model
+from .options import flag
 from .settings import CircuitsSettings
 
 
 class CircuitsSession:
-    """Memoises, per build recipe: the loaded build and its rung 1, probe and knockout figures."""
+    """Memoises, per build: the loaded build and its rung 1, probe and knockout figures."""
 
     def __init__(self, settings: CircuitsSettings):
         self.settings = settings
-        self._cache: dict[tuple[str, str], object] = {}
+        self._cache: dict[tuple, Any] = {}
+        self.events: list[dict] = []  # baseline events: written, compared, missing, corrupt (for the summary)
+        self.pinned_key_heads: set[str] = set()  # always knocked out exactly (e.g. a baseline file's key heads)
 
-    def _memo(self, kind: str, recipe: str, compute):
-        key = (kind, recipe)
+    def _memo(self, key: tuple, compute) -> Any:
         if key not in self._cache:
             self._cache[key] = compute()
         return self._cache[key]
 
     @cached_property
-    def source(self) -> ModelSource:
-        """The model's weights folder, resolved once, offline."""
+    def source(self):
+        """The model's weights folder (`model.loading.ModelSource`), resolved once, offline."""
+        from .model.loading import resolve_model
+
         return resolve_model(self.settings.model)
+
+    @property
+    def model_name(self) -> str:
+        """The model's name in baseline file names: ``settings.name``, else the source's."""
+        return self.settings.name or self.source.name
 
     @cached_property
     def device(self):
+        from .model.builds import resolve_device
+
         return resolve_device(self.settings.device)
 
-    def build(self, recipe: str) -> LoadedBuild:
-        """The loaded build ``recipe`` of the session's model."""
+    def preflight(self):
+        """Check the model and the probe settings before any figure is computed; the `Geometry`.
+
+        Reads the config and the tokenizer only (no weights): an unknown family, or a probe
+        that does not fit the model's context, is refused in seconds, not after a scan.
+        """
+
+        def check():
+            from types import SimpleNamespace
+
+            from transformers import AutoConfig
+
+            from .model.families import geometry_of
+            from .model.vocab import token_info
+            from .rungs.repeat import check_fits
+
+            try:
+                config = AutoConfig.from_pretrained(self.source.folder, local_files_only=True,
+                                                    trust_remote_code=self.settings.trust_remote_code)
+            except ValueError as error:
+                from .errors import ModelLoadError, first_line
+
+                raise ModelLoadError(f"model {self.settings.model!r}: {first_line(error)} "
+                                     f"(pass {flag('trust-remote-code')} only if you trust it)") from None
+            check_fits(config, token_info(self.source.folder, config, self.settings.trust_remote_code), self.settings.probe.L)
+            return geometry_of(SimpleNamespace(config=config))  # geometry_of reads .config alone
+
+        return self._memo(("preflight",), check)
+
+    def build(self, recipe: str):
+        """The loaded build ``recipe`` (`model.builds.LoadedBuild`) of the session's model."""
+        from .model.builds import load_build
+        from .model.recipes import get_recipe
+
         get_recipe(recipe)
+        self.preflight()
         return self._memo(
-            "build",
-            recipe,
+            ("build", recipe),
             lambda: load_build(self.source, recipe, self.device, self.settings.trust_remote_code),
         )
 
@@ -44,7 +91,7 @@ class CircuitsSession:
         """Per-head weights of a build (float32, dequantized, folded by default)."""
         from .model.weights import extract_weights
 
-        return self._memo(f"weights-fold={fold}", recipe, lambda: extract_weights(self.build(recipe).model, fold))
+        return self._memo(("weights", recipe, fold), lambda: extract_weights(self.build(recipe).model, fold))
 
     def ov_spectrum(self, recipe: str):
         """Rung 1: kappa of every head against the rotation null (DataFrame)."""
@@ -52,8 +99,7 @@ class CircuitsSession:
 
         s = self.settings
         return self._memo(
-            "ov_spectrum",
-            recipe,
+            ("ov_spectrum", recipe),
             lambda: ov_spectrum(self.weights(recipe), n_rotations=s.n_rotations, q=s.fdr_q, seed=0),
         )
 
@@ -63,81 +109,99 @@ class CircuitsSession:
 
         s = self.settings
         return self._memo(
-            "repeat_probe",
-            recipe,
-            lambda: run_repeat_probe(self.build(recipe), s.probe, batch_size=s.batch_size),
+            ("repeat_probe", recipe), lambda: run_repeat_probe(self.build(recipe), s.probe, batch_size=s.batch_size)
         )
 
     def head_knockout(self, recipe: str, heads=None):
-        """Rung 2: knockout delta of every head on held-out repeat sequences (DataFrame)."""
+        """Rung 2: knockout delta of every head (or of ``heads``) on held-out repeat sequences (DataFrame).
+
+        With a screen, the key heads of this build's baselines are always knocked out exactly.
+        """
         from .rungs.knockout import knockout_scan
 
         s = self.settings
+        chosen = None if heads is None else tuple(sorted(heads))
         return self._memo(
-            "head_knockout",
-            recipe,
+            ("head_knockout", recipe, chosen),
             lambda: knockout_scan(
                 self.build(recipe),
                 s.knockout_probe,
                 mode=s.knockout_mode,
-                heads=heads,
+                heads=None if chosen is None else list(chosen),
                 screen_top_k=s.knockout_screen,
-                must_include=self.baseline_key_heads() if s.knockout_screen else (),
+                must_include=self.baseline_key_heads() if s.knockout_screen is not None else (),
                 batch_size=s.batch_size,
             ),
         )
 
-    # ------------------------------------------------------------ baselines (record.py, baseline.py)
+    # ------------------------------------------------------------ baselines (gate/record.py, gate/store.py)
 
     def record(self, recipe: str, knockout: bool = True) -> dict:
-        """The scan record of one build (`record.build_record`), knockouts optional."""
+        """The scan record of one build (`gate.record.build_record`), knockouts optional."""
         from .gate.record import build_record
 
-        if not knockout and ("record-knockout=True", recipe) in self._cache:
-            return self._cache[("record-knockout=True", recipe)]
-        return self._memo(f"record-knockout={knockout}", recipe, lambda: build_record(self, recipe, knockout))
+        if not knockout and ("record", recipe, True) in self._cache:
+            return self._cache[("record", recipe, True)]
+        return self._memo(("record", recipe, knockout), lambda: build_record(self, recipe, knockout))
+
+    @cached_property
+    def store(self):
+        """The baselines folder (`gate.store.BaselineStore`)."""
+        from .gate.store import BaselineStore
+
+        return BaselineStore(self.settings.baselines)
 
     def baseline_path(self, recipe: str):
         """Where the baseline of ``recipe`` for this model lives."""
-        from .gate.store import baseline_path
-
-        return baseline_path(self.settings.baselines, self.source.name, recipe)
+        return self.store.path(self.model_name, recipe)
 
     def record_command(self, recipe: str) -> str:
-        """The shell command that (re)records the baseline of ``recipe``."""
-        return (
-            f"circuits record {self.settings.model} --build {recipe} --baselines {self.settings.baselines}"
-        )
+        """The shell command that (re)records the baseline of ``recipe``, with every setting it was gated with."""
+        s = self.settings
+        words = ["circuits", "record", s.model, "--build", recipe, "--baselines", str(s.baselines)]
+        if s.name:
+            words += ["--name", s.name]
+        if s.knockout_screen is not None:
+            words += ["--knockout-screen", str(s.knockout_screen)]
+        if s.knockout_mode != "zero":
+            words += ["--knockout-mode", s.knockout_mode]
+        if s.trust_remote_code:
+            words += ["--trust-remote-code"]
+        for name, value, default in (("probe-seed", s.probe.seed, 0), ("probe-n", s.probe.n, 8),
+                                     ("probe-length", s.probe.L, 64)):
+            if value != default:
+                words += [f"--{name}", str(value)]
+        return shlex.join(words)
 
     def write_baseline(self, recipe: str):
         """Record ``recipe`` (with knockouts) and write its baseline atomically, once per session."""
-        from .gate.store import write_baseline
 
         def write():
-            path = write_baseline(self.baseline_path(recipe), self.record(recipe, knockout=True))
-            self.events.append({"event": "written", "recipe": recipe, "path": str(path)})
+            path, written = self.store.write(self.model_name, recipe, self.record(recipe, knockout=True),
+                                             force=self.settings.update_all)
+            self.events.append({"event": "written" if written else "unchanged", "recipe": recipe, "path": str(path)})
             return path
 
-        return self._memo("written", recipe, write)
+        return self._memo(("written", recipe), write)
 
     def load_baseline(self, recipe: str) -> dict:
-        """The baseline record of ``recipe``: written first under ``update``; BaselineError if missing/corrupt."""
-        from .errors import BaselineError
-        from .gate.store import read_baseline
+        """The baseline record of ``recipe``: written first under ``update``; a typed BaselineError
+        (`BaselineMissing`, `BaselineCorrupt`) if there is none or it is unreadable."""
+        from .errors import BaselineCorrupt, BaselineMissing
 
         def load():
             if self.settings.update and (recipe in self.settings.builds or recipe == self.settings.reference):
                 self.write_baseline(recipe)
             path = self.baseline_path(recipe)
-            if not path.is_file():
-                self.events.append({"event": "missing", "recipe": recipe, "path": str(path)})
-                raise BaselineError(
-                    f"baseline {path} does not exist; record it with: {self.record_command(recipe)} "
-                    f"(or pytest --circuits-builds {recipe} --circuits-update)"
-                )
             try:
-                record = read_baseline(path)
-            except BaselineError:
+                record = self.store.read(self.model_name, recipe)
+            except BaselineMissing:
+                self.events.append({"event": "missing", "recipe": recipe, "path": str(path)})
+                raise BaselineMissing(
+                    f"baseline {path} does not exist; record it with: {self.record_command(recipe)} "
+                    f"(or add {flag('update')} to this pytest command)"
+                ) from None
+            except BaselineCorrupt:
                 self.events.append({"event": "corrupt", "recipe": recipe, "path": str(path)})
                 raise
             self.events.append({"event": "compared", "recipe": recipe, "path": str(path)})
@@ -155,31 +219,24 @@ class CircuitsSession:
         return value
 
     def baseline_key_heads(self) -> list[str]:
-        """The reference baseline's key knockout heads, which a screened scan always runs exactly."""
+        """The key knockout heads of this run's baselines (reference and each build's own), which a
+        screened scan always knocks out exactly."""
         from .errors import BaselineError
         from .gate.invariants import key_heads
-        from .gate.store import read_baseline
 
-        heads: set[str] = set()
+        heads: set[str] = set(self.pinned_key_heads)
+        tol = self.tolerances
         for recipe in dict.fromkeys((self.settings.reference, *self.settings.builds)):
-            path = self.baseline_path(recipe)
-            if path.is_file():
-                try:
-                    record = read_baseline(path)
-                except BaselineError:
-                    continue  # the gate reports the corrupt file
-                tol = self.tolerances
-                heads.update(key_heads(record, "knockout_delta", tol.top_k, tol.min_delta))
+            try:
+                record = self.store.read(self.model_name, recipe)
+            except BaselineError:
+                continue  # missing or corrupt: the gate reports it
+            heads.update(key_heads(record, "knockout_delta", tol.top_k, tol.min_delta))
         return sorted(heads)
-
-    @cached_property
-    def events(self) -> list[dict]:
-        """Baseline events of this run: written, compared, missing, corrupt (for the summary)."""
-        return []
 
     @cached_property
     def tolerances(self):
         """Gate tolerances: defaults, overridden by ini ``circuits_tol_*`` keys."""
-        from .gate.invariants import Tolerances
+        from .gate.tolerances import Tolerances
 
         return Tolerances().updated(self.settings.tolerances)

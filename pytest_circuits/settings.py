@@ -1,15 +1,26 @@
-"""Every knob of a circuits run, read once from options, ini or the CLI."""
+"""Every knob of a circuits run, read once from options, ini or the CLI (see `options.py`).
+
+Light: no torch, numpy or pandas here, so the pytest plugin costs nothing to load.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .model.named import DEFAULT_MODEL
-from .rungs.repeat import RepeatSettings
+from .options import DEFAULT_BUILDS, DEFAULT_MODEL, DEFAULT_REFERENCE, parse_value
 
-DEFAULT_BUILDS = ("fp32", "bnb-int8", "bnb-nf4")
-DEFAULT_REFERENCE = "fp32"
+
+@dataclass(frozen=True)
+class RepeatSettings:
+    """Probe settings that fix its tokens: seed, sequences ``n``, segment length ``L``."""
+
+    seed: int = 0
+    n: int = 8
+    L: int = 64
+
+    def as_dict(self) -> dict:
+        return {"seed": self.seed, "n": self.n, "L": self.L}
 
 
 @dataclass
@@ -17,10 +28,12 @@ class CircuitsSettings:
     """What to load, which builds to gate, and how to probe them."""
 
     model: str = DEFAULT_MODEL
+    name: str | None = None  # the model's name in baseline file names (None: from the source)
     builds: tuple[str, ...] = DEFAULT_BUILDS
     reference: str = DEFAULT_REFERENCE
     baselines: Path = Path("baselines")
-    update: bool = False
+    update: bool = False  # record baselines (rewriting a file only when a figure moved)
+    update_all: bool = False  # record baselines, rewriting every file
     device: str = "auto"
     report: Path | None = None
     trust_remote_code: bool = False
@@ -37,3 +50,33 @@ class CircuitsSettings:
     def knockout_probe(self) -> RepeatSettings:
         """The held-out repeat sequences knockouts are measured on."""
         return RepeatSettings(seed=self.knockout_seed, n=self.probe.n, L=self.probe.L)
+
+
+def build_settings(raw: dict, baselines: Path, front_end: str | None = None, **fixed) -> CircuitsSettings:
+    """Settings from raw option values (strings from the command line or ini, or values), each
+    checked by its `options.Option`; a bad one is a one-line error naming the flag typed.
+
+    ``baselines``: the folder when no option names one. ``fixed``: settings given directly.
+    """
+    from .model.recipes import parse_builds
+
+    def get(name):
+        return parse_value(name, raw.get(name), front_end)
+
+    values = dict(
+        model=get("model"),
+        name=get("name"),
+        builds=tuple(parse_builds(get("builds"))),
+        reference=parse_builds(get("reference"))[0],
+        baselines=get("baselines") or baselines,
+        update=get("update") or get("update-all"),
+        update_all=get("update-all"),
+        device=get("device"),
+        report=get("report"),
+        trust_remote_code=get("trust-remote-code"),
+        probe=RepeatSettings(seed=get("probe-seed"), n=get("probe-n"), L=get("probe-length")),
+        knockout_mode=get("knockout-mode"),
+        knockout_screen=get("knockout-screen"),
+        batch_size=get("batch-size"),
+    )
+    return CircuitsSettings(**{**values, **fixed})

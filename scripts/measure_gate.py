@@ -18,15 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pytest_circuits.gate.invariants import (
-    RANK_MIN_Z,
-    Tolerances,
-    _num,
-    gate_all,
-    key_heads,
-    negligible_heads,
-    spearman,
-)
+from pytest_circuits.gate.invariants import REGISTRY, gate_all, key_heads, negligible_heads, runnable
+from pytest_circuits.gate.tolerances import Tolerances
 from pytest_circuits.rungs.repeat import RepeatSettings
 from pytest_circuits.session import CircuitsSession
 from pytest_circuits.settings import CircuitsSettings
@@ -37,30 +30,25 @@ def session_for(model: str, probe: RepeatSettings) -> CircuitsSession:
     return CircuitsSession(CircuitsSettings(model=model, device="cpu", probe=probe))
 
 
-def statistics(before: dict, after: dict, tol: Tolerances) -> dict:
-    """The numbers each invariant compares with its tolerance (kappa: heads the gate compares)."""
-    b = {h["head"]: h for h in before["heads"]}
-    a = {h["head"]: h for h in after["heads"]}
-    negligible = negligible_heads(before, tol.min_ov_gain)
-    compared = [n for n in b if n not in negligible]
-    flagged = [n for n in compared if b[n].get("copying") or b[n].get("suppression")]
-    ranked = [n for n in compared if abs(_num(b[n]["kappa_z"])) >= RANK_MIN_Z]
-    out = {
-        "dkappa_flag": max((abs(_num(a[n]["kappa"]) - _num(b[n]["kappa"])) for n in flagged), default=0.0),
-        "dtrace_all": max((abs(_num(a[n]["kappa_trace"]) - _num(b[n]["kappa_trace"])) for n in compared), default=0.0),
-        "rank": spearman([_num(b[n]["kappa"]) for n in ranked], [_num(a[n]["kappa"]) for n in ranked]),
-        "dz": float(np.mean([_num(a[n]["kappa_z"]) - _num(b[n]["kappa_z"]) for n in compared])),
-        "dtz": float(np.mean([_num(a[n].get("kappa_trace_z")) - _num(b[n].get("kappa_trace_z")) for n in compared])),
-        "dcopy": _num(after["copy_loss"]) - _num(before["copy_loss"]),
-        "dgain": _num(after["copy_gain"]) - _num(before["copy_gain"]),
-    }
-    routing = [0.0]
-    for metric in ("prefix_matching", "previous_token"):
-        routing += [abs(_num(a[n][metric]) - _num(b[n][metric])) for n in key_heads(before, metric, tol.top_k, tol.min_score)]
-    out["drouting"] = max(routing)
-    ko = [abs(_num(a[n]["knockout_delta"]) - _num(b[n]["knockout_delta"])) / abs(_num(b[n]["knockout_delta"]))
-          for n in key_heads(before, "knockout_delta", tol.top_k, tol.min_delta)]
-    out["dknockout_rel"] = max(ko, default=0.0)
+def statistics(before: dict, after: dict, tol: Tolerances) -> dict[str, float]:
+    """What each invariant compared, from its own rows (`Invariant.compare`): per metric the change
+    furthest from the baseline (signed), the smallest rank correlation, and knockout changes
+    relative to the delta's size."""
+    out: dict[str, float] = {}
+    for name in runnable(after):
+        for row in REGISTRY[name].compare(before, after, tol).rows:
+            key = row.metric
+            if row.metric == "rank corr":
+                value = row.after
+                better = value > out.get(key, np.inf)
+            elif row.metric == "knockout_delta":
+                value = abs(row.after - row.before) / abs(row.before)
+                better = value < out.get(key, -np.inf)
+            else:
+                value = row.after - row.before
+                better = abs(value) < abs(out.get(key, 0.0))
+            if key not in out or not better:
+                out[key] = value
     return out
 
 
@@ -118,14 +106,16 @@ def main() -> None:
     }
     for i, (name, edit) in enumerate(edits.items()):
         cases.append((name, session_for(str(edited_folder(folder, tmp / f"m{i}", edit)), probe), "fp32"))
-    columns = ("dkappa_flag", "dtrace_all", "rank", "dz", "dtz", "dcopy", "dgain", "drouting", "dknockout_rel")
-    print(f"{'case':<24}" + "".join(f"{c:>14}" for c in columns) + "  verdict")
+    columns = ("kappa", "kappa_trace", "rank corr", "mean kappa_z", "mean kappa_trace_z", "copy_loss", "copy_gain",
+               "prefix_matching", "previous_token", "knockout_delta")
+    print("largest change per compared figure (rank corr: its value; knockout_delta: relative to its size)")
+    print(f"{'case':<24}" + "".join(f"{c:>19}" for c in columns) + "  verdict")
     for name, session, recipe in cases:
         record = session.record(recipe)
         stats = statistics(reference, record, tol)
         results = gate_all(reference, record, tol, recipe, "fp32 baseline")
         broken = [r.invariant for r in results if not r.passed]
-        print(f"{name:<24}" + "".join(f"{stats[c]:>+14.4f}" for c in columns)
+        print(f"{name:<24}" + "".join(f"{stats.get(c, np.nan):>+19.4f}" for c in columns)
               + f"  {'FAIL ' + ','.join(broken) if broken else 'pass'}", flush=True)
     print("tolerances:", tol.as_dict())
 

@@ -20,21 +20,26 @@ GEOMETRY = {"n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "d_model": 8, "d_head"
 
 
 def fake_record(kappa=(0.9, -0.1, 0.05, 0.3), fingerprint="sha256:aa", geometry=None, seed=0) -> dict:
-    heads = []
+    """A complete, valid scan record of a 2 x 2 model (every stored head figure, eigenvalues of d_head)."""
+    heads, eigenvalues = [], {}
     for i, k in enumerate(kappa):
-        heads.append({"head": f"L{i // 2}H{i % 2}", "layer": i // 2, "head_index": i % 2, "kappa": k,
-                      "kappa_trace": k / 2, "kappa_z": 10 * k, "copying": k > 0.5, "suppression": False,
+        label = f"L{i // 2}H{i % 2}"
+        heads.append({"head": label, "layer": i // 2, "head_index": i % 2, "kappa": k,
+                      "kappa_trace": k / 2, "kappa_null_mean": 0.0, "kappa_null_sd": 0.05, "kappa_z": 10 * k,
+                      "kappa_p": 0.01, "kappa_q": 0.02, "copying": k > 0.5, "suppression": False,
                       "prefix_matching": 0.01, "previous_token": 0.02, "duplicate_token": 0.0,
                       "knockout_delta": None})
+        eigenvalues[label] = [[0.123456789, -1e-9], [2.0, 0.0], [k, 0.5], [k, -0.5]]
     return {
         "schema_version": SCHEMA_VERSION,
         "model": {"name": "m", "spec": "m", "family": "gpt2", "fingerprint": fingerprint,
                   "geometry": dict(geometry or GEOMETRY)},
-        "build": {"recipe": "fp32"},
+        "build": {"recipe": "fp32", "dtype": "float32", "backend": "torch", "backend_version": "torch 2",
+                  "device": "cpu"},
         "probe": {"seed": seed, "n": 4, "L": 8},
-        "copy_loss": 1.0 / 3.0,
+        "copy_loss": 1.0 / 3.0, "first_copy_loss": 2.0, "copy_gain": 2.0 - 1.0 / 3.0, "uniform_loss": 2.77,
         "heads": heads,
-        "eigenvalues": {"L0H0": [[0.123456789, -1e-9], [2.0, 0.0]]},
+        "eigenvalues": eigenvalues,
     }
 
 
@@ -63,7 +68,11 @@ def test_dumps_is_stable_sorted_and_pairs_one_line():
 
 def test_baseline_path_and_listing(tmp_path):
     assert bl.baseline_path(tmp_path, "tiny-induction", "bnb-nf4") == tmp_path / "tiny-induction--bnb-nf4.json"
-    assert bl.baseline_path(tmp_path, "org/model x", "fp32").name == "org_model_x--fp32.json"
+    lossy = bl.baseline_path(tmp_path, "org/model x", "fp32").name
+    assert lossy.startswith("org_model_x-") and lossy.endswith("--fp32.json")  # + a hash of the original name
+    assert lossy != bl.baseline_path(tmp_path, "org/model_x", "fp32").name
+    assert bl.safe_name("my modèl ü 模型 dir") != bl.safe_name("my model u xx dir")  # other scripts kept apart
+    assert bl.safe_name("modèl") == "modèl" and bl.safe_name("tiny-induction") == "tiny-induction"
     for name in ("m--fp32.json", "m--bnb-nf4.json", "other--fp32.json", "m--fp32.json.tmp"):
         (tmp_path / name).write_text("{}")
     assert sorted(bl.model_baselines(tmp_path, "m")) == ["bnb-nf4", "fp32"]
@@ -146,9 +155,22 @@ def test_bad_json_names_file_and_fix(tmp_path):
     "mutate, expected",
     [
         (lambda r: r.update(schema_version=99), "schema version 99"),
-        (lambda r: r.pop("heads"), "missing heads"),
-        (lambda r: r["model"]["geometry"].pop("d_head"), "model.geometry"),
-        (lambda r: r.update(heads=[{"kappa": 1.0}]), "heads[].head"),
+        (lambda r: r.pop("heads"), "heads: Field required"),
+        (lambda r: r["model"]["geometry"].pop("d_head"), "model.geometry.d_head: Field required"),
+        (lambda r: r.update(heads=[{"kappa": 1.0}]), "heads[0].head: Field required"),
+        (lambda r: r.update(heads=[]), "heads holds 0 of the geometry's 4 heads"),
+        (lambda r: r["heads"][3].update(head="L9H9"), "heads[3].head L9H9 does not exist"),
+        (lambda r: r["heads"][0].update(kappa="high"), "heads[0].kappa: Input should be a valid number (got 'high')"),
+        (lambda r: r["heads"][0].update(knockout_delta="0.3"), "heads[0].knockout_delta"),
+        (lambda r: r["heads"][0].pop("layer"), "heads[0].layer: Field required"),
+        (lambda r: r["heads"][1].update(head="L0H0"), "heads[1] is labelled L0H0 but has layer 0, head_index 1"),
+        (lambda r: r["eigenvalues"].update(L0H0=[[1.0, 0.0]]), "eigenvalues.L0H0 holds 1 values, d_head is 4"),
+        (lambda r: r["eigenvalues"].update(L0H0=[["x", 0.0]] * 4), "eigenvalues.L0H0[0][0]"),
+        (lambda r: r.update(copy_loss="high"), "copy_loss: Input should be a valid number"),
+        (lambda r: r.update(build=None), "build: Input should be"),
+        (lambda r: r.update(probe="x"), "probe: Input should be"),
+        (lambda r: r["model"].update(fingerprint=7), "model.fingerprint"),
+        (lambda r: r["heads"][0].update(prefix_matching=1.5), "heads[0].prefix_matching: Input should be less"),
     ],
 )
 def test_wrong_schema_is_one_line(tmp_path, mutate, expected):
@@ -267,3 +289,27 @@ def test_shipped_baseline_belongs_to_the_shipped_weights(path):
     assert record["model"]["fingerprint"] == weight_fingerprint(source.folder), (
         f"{path.name} was recorded from other weights: circuits record {name} --build {recipe} --baselines baselines/"
     )
+
+
+def test_unchanged_compares_numbers_within_a_stated_tolerance():
+    old = fake_record()
+    assert bl.unchanged(old, fake_record())
+    near = fake_record(kappa=(0.9 * (1 + 5e-4), -0.1, 0.05, 0.3))
+    assert bl.unchanged(old, near)  # within 1e-3 relative
+    assert not bl.unchanged(old, fake_record(kappa=(0.9 * (1 + 2e-3), -0.1, 0.05, 0.3)))
+    assert not bl.unchanged(old, fake_record(fingerprint="sha256:bb"))  # identity changed
+    flipped = fake_record()
+    flipped["heads"][0]["copying"] = False
+    assert not bl.unchanged(old, flipped)
+    assert bl.unchanged(old, {**fake_record(), "versions": {"torch": "9"}})  # versions alone do not count
+
+
+def test_store_write_leaves_an_unchanged_baseline_alone(tmp_path):
+    store = bl.BaselineStore(tmp_path)
+    path, written = store.write("m", "fp32", fake_record())
+    stamp = path.stat().st_mtime_ns
+    assert written and store.write("m", "fp32", fake_record(), force=False) == (path, False)
+    assert path.stat().st_mtime_ns == stamp
+    assert store.write("m", "fp32", fake_record(kappa=(0.5, 0.1, 0.1, 0.1)), force=False) == (path, True)
+    with pytest.raises(BaselineError, match="the scan record of fp32 is not a valid scan record"):
+        store.write("m", "fp32", {**fake_record(), "heads": []})

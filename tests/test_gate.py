@@ -11,7 +11,11 @@ import torch
 from scipy.stats import spearmanr
 
 from pytest_circuits.gate import invariants as gate
-from pytest_circuits.gate.invariants import InvariantResult, Tolerances, check, gate_all, key_heads
+from pytest_circuits.gate import verdict
+from pytest_circuits.gate.invariants import InvariantResult, Row, format_rows, gate_all, key_heads
+from pytest_circuits.gate.invariants import evaluate as check
+from pytest_circuits.gate.stats import spearman
+from pytest_circuits.gate.tolerances import Tolerances
 from pytest_circuits.testing import (
     add_weight_noise,
     flatten_head_qk,
@@ -52,7 +56,7 @@ def head(rec, name):
 
 def test_identical_records_pass_every_invariant():
     results = gate_all(record(), record(), TOL, "bnb-nf4", "fp32 baseline")
-    assert [r.invariant for r in results] == list(gate.INVARIANTS)
+    assert [r.invariant for r in results] == list(gate.REGISTRY)
     assert all(r.passed and isinstance(r, InvariantResult) for r in results)
     assert all(r.as_dict()["moved"] == [] for r in results)
 
@@ -126,7 +130,7 @@ def test_spearman_matches_scipy():
     rng = np.random.default_rng(3)
     a, b = rng.normal(size=12), rng.normal(size=12)
     b[3] = b[4]  # a tie
-    assert gate.spearman(a, b) == pytest.approx(spearmanr(a, b).statistic, abs=1e-12)
+    assert spearman(a, b) == pytest.approx(spearmanr(a, b).statistic, abs=1e-12)
 
 
 def test_rank_order_of_distinguishable_heads_is_gated():
@@ -182,7 +186,8 @@ def test_key_heads_and_induction_check():
     flat = record()
     for h in flat["heads"]:
         h.update(prefix_matching=0.01, previous_token=0.01)
-    assert "nothing to check" in check("induction_heads", flat, flat, TOL, "b", "a").message
+    skipped = check("induction_heads", flat, flat, TOL, "b", "a")
+    assert skipped.skipped and not skipped.passed and "nothing to check" in skipped.message
 
 
 def test_knockout_deltas_keep_their_size():
@@ -195,8 +200,8 @@ def test_knockout_deltas_keep_their_size():
 
 
 def test_message_table_is_capped():
-    rows = [gate.moved_row(f"L0H{i}", "kappa", 0.5, -0.5, 0.1) for i in range(25)]
-    text = gate.format_moved(rows)
+    rows = [Row(f"L0H{i}", "kappa", 0.5, -0.5, 0.1, True) for i in range(25)]
+    text = format_rows(rows)
     assert text.count("\n") == 20 and text.endswith("... and 5 more")
 
 
@@ -350,10 +355,10 @@ class FakeSession:
         return self.candidate
 
     def load_baseline(self, recipe):
-        from pytest_circuits.errors import BaselineError
+        from pytest_circuits.errors import BaselineMissing
 
         if recipe not in self.baselines:
-            raise BaselineError(f"baseline {recipe}.json does not exist; record it with: circuits record m --build {recipe}")
+            raise BaselineMissing(f"baseline {recipe}.json does not exist; record it with: circuits record m --build {recipe}")
         return self.baselines[recipe]
 
 
@@ -369,7 +374,7 @@ def test_gate_build_against_reference_and_own():
     cand = with_model(record())
     head(cand, "L1H2")["kappa_trace"] = -0.9
     both = FakeSession({"fp32": with_model(record()), "bnb-nf4": with_model(record())}, cand)
-    outcome = gate.gate_build(both, "bnb-nf4", "copying_heads", TOL, fixes)
+    outcome = verdict.gate_build(both, "bnb-nf4", "copying_heads", TOL, fixes)
     assert [r.against for r in outcome.results] == ["fp32 baseline", "own baseline"]
     assert not outcome.passed and outcome.message().count("L1H2") == 2
     assert "REF FIX" in outcome.message() and outcome.message().endswith("OWN FIX")
@@ -378,21 +383,21 @@ def test_gate_build_against_reference_and_own():
 def test_gate_build_missing_own_is_skipped_missing_reference_fails():
     cand = with_model(record())
     only_ref = FakeSession({"fp32": with_model(record())}, cand)
-    outcome = gate.gate_build(only_ref, "bnb-nf4", "copy_loss", TOL, {})
+    outcome = verdict.gate_build(only_ref, "bnb-nf4", "copy_loss", TOL, {})
     assert outcome.passed and [r.against for r in outcome.results] == ["fp32 baseline"]
     no_ref = FakeSession({"bnb-nf4": with_model(record())}, cand)
-    outcome = gate.gate_build(no_ref, "bnb-nf4", "copy_loss", TOL, {})
+    outcome = verdict.gate_build(no_ref, "bnb-nf4", "copy_loss", TOL, {})
     assert not outcome.passed and "circuits record m --build fp32" in outcome.problems[0]
-    outcome = gate.gate_build(FakeSession({}, cand), "fp32", "copy_loss", TOL, {})  # the reference build itself
+    outcome = verdict.gate_build(FakeSession({}, cand), "fp32", "copy_loss", TOL, {})  # the reference build itself
     assert not outcome.passed and "does not exist" in outcome.message()
 
 
 def test_gate_build_refuses_other_geometry_and_notes_other_weights():
     cand = with_model(record(), fingerprint="sha256:bb")
-    outcome = gate.gate_build(FakeSession({"fp32": with_model(record())}, cand), "fp32", "copy_loss", TOL, {})
+    outcome = verdict.gate_build(FakeSession({"fp32": with_model(record())}, cand), "fp32", "copy_loss", TOL, {})
     assert outcome.passed and len(outcome.notes) == 1 and "weights differ" in outcome.notes[0]
     other = with_model(record(), n_heads=2)  # same heads listed, another geometry declared
-    outcome = gate.gate_build(FakeSession({"fp32": other}, cand), "fp32", "copy_loss", TOL, {})
+    outcome = verdict.gate_build(FakeSession({"fp32": other}, cand), "fp32", "copy_loss", TOL, {})
     assert not outcome.passed and "another model geometry" in outcome.problems[0] and not outcome.results
 
 
@@ -400,4 +405,85 @@ def test_gate_build_unknown_invariant():
     from pytest_circuits.errors import CircuitsError
 
     with pytest.raises(CircuitsError, match="unknown invariant 'copying'"):
-        gate.gate_build(FakeSession({}, record()), "fp32", "copying", TOL, {})
+        verdict.gate_build(FakeSession({}, record()), "fp32", "copying", TOL, {})
+
+
+# ---------------------------------------------------------------- a user's own invariant
+
+
+class FirstCopyLoss(gate.Invariant):
+    """A user's invariant: the first-copy loss (how unpredictable fresh tokens are) stays put."""
+
+    name = "first_copy_loss"
+    tolerances = ("copy_loss",)
+    held = "first-copy loss of {build} holds against the {against}"
+    moved = "first-copy loss of {build} moved against the {against}"
+
+    def compare(self, before, after, tol):
+        return gate.Comparison([gate.within("model", "first_copy_loss", before["first_copy_loss"],
+                                            after["first_copy_loss"], tol.copy_loss)])
+
+
+@pytest.fixture
+def registered():
+    gate.register(FirstCopyLoss)
+    yield FirstCopyLoss.name
+    del gate.REGISTRY[FirstCopyLoss.name]
+
+
+def test_a_registered_invariant_joins_the_gate(registered):
+    results = {r.invariant: r for r in gate_all(record(), record(), TOL, "b", "fp32 baseline")}
+    assert registered in results and results[registered].passed and results[registered].compared == 1
+    after = record()
+    after["first_copy_loss"] = 9.0
+    result = check(registered, record(), after, TOL, "b", "fp32 baseline", fix="FIX")
+    assert not result.passed and "first_copy_loss +6.000 -> +9.000 (tolerance 0.25)" in result.message
+    assert result.message.startswith("first-copy loss of b moved against the fp32 baseline:")
+    assert result.message.endswith("FIX")
+
+
+def test_an_invariant_that_compares_nothing_never_passes():
+    class Empty(gate.Invariant):
+        name = "empty"
+
+        def compare(self, before, after, tol):
+            return gate.Comparison(nothing="nothing here")
+
+    result = check(Empty(), record(), record(), TOL, "b", "a")
+    assert result.status == "failed" and result.message == "nothing here" and result.compared == 0
+    passed, line = gate.verdict([result])
+    assert not passed and "gate failed: empty" in line
+    skipped = check("induction_heads", *(2 * [_flat()]), TOL, "b", "a")
+    passed, line = gate.verdict([skipped])
+    assert not passed and "gate compared nothing" in line
+
+
+def _flat():
+    flat = record()
+    for h in flat["heads"]:
+        h.update(prefix_matching=0.01, previous_token=0.01)
+    return flat
+
+
+def test_an_undefined_rank_correlation_breaks_the_invariant():
+    before, after = record(), record()
+    for h in after["heads"]:
+        h["kappa"] = 0.3  # constant: Spearman is undefined
+    result = check("copying_heads", before, after, Tolerances(kappa=10.0), "b", "a")
+    assert not result.passed and "rank corr" in result.message and "undefined" in result.message
+
+
+def test_knockouts_of_other_settings_are_not_compared():
+    before, after = record(), record()
+    before["knockout"], after["knockout"] = {"mode": "mean", "seed": 1, "n": 4, "L": 8}, {"mode": "zero", "seed": 1,
+                                                                                         "n": 4, "L": 8}
+    result = check("knockout_deltas", before, after, TOL, "b", "fp32 baseline")
+    assert result.status == "failed" and "other settings (mode mean vs zero)" in result.message
+
+
+def test_one_comparison_skipped_and_one_passed_is_a_pass():
+    cand = with_model(record())
+    own = with_model(_flat())
+    outcome = verdict.gate_build(FakeSession({"fp32": with_model(record()), "bnb-nf4": own}, cand), "bnb-nf4",
+                                 "induction_heads", TOL, {})
+    assert [r.status for r in outcome.results] == ["passed", "skipped"] and outcome.passed

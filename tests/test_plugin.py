@@ -79,17 +79,32 @@ def test_missing_baseline_fails_with_the_record_command(suite):
 
 def test_record_gate_and_sabotage(suite, tmp_path_factory):
     pytester, intact, baselines = suite
-    result = pytester.runpytest("-p", "no:cacheprovider", "--circuits-update")
-    result.assert_outcomes(passed=5)
+    result = pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "-rs")
+    # a random model has no induction head and no key knockout: those two are skipped with the
+    # reason, never counted as passes
+    result.assert_outcomes(passed=3, skipped=2)
+    assert "has no induction or previous-token head scoring >= 0.2; nothing to check" in text_of(result)
+    assert "has no head with knockout delta >= 0.1 nats; nothing to check" in text_of(result)
     assert "baselines written: " + str(baselines / "m--fp32.json") in text_of(result)
     written = json.loads((baselines / "m--fp32.json").read_text())
     assert written["build"]["recipe"] == "fp32" and written["knockout"]["seed"] == 1
     assert all(h["knockout_delta"] is not None for h in written["heads"])
 
+    # recording the same build again rewrites nothing; --circuits-update-all does
+    stamp = (baselines / "m--fp32.json").stat().st_mtime_ns
+    result = pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "test_rung12_repeat.py")
+    assert "baselines unchanged (not rewritten" in text_of(result)
+    assert (baselines / "m--fp32.json").stat().st_mtime_ns == stamp
+    result = pytester.runpytest("-p", "no:cacheprovider", "--circuits-update-all", "test_rung12_repeat.py")
+    assert "baselines written: " in text_of(result) and (baselines / "m--fp32.json").stat().st_mtime_ns != stamp
+
     # an orphan: a baseline of this model that no tested build reads
     (baselines / "m--bnb-fp4.json").write_text("{}")
     result = pytester.runpytest("-p", "no:cacheprovider")
-    result.assert_outcomes(passed=5)
+    assert "1 other baseline(s) of this model not used by the builds tested (-v names them)" in text_of(result)
+    assert "unchanged (not rewritten" not in text_of(result)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-v")
+    result.assert_outcomes(passed=3, skipped=2)
     out = text_of(result)
     assert "baselines compared: " + str(baselines / "m--fp32.json") in out
     assert "baselines orphaned (no tested build used them): " + str(baselines / "m--bnb-fp4.json") in out
@@ -107,8 +122,16 @@ def test_record_gate_and_sabotage(suite, tmp_path_factory):
     assert "test_copying_heads_survive[fp32] FAILED" in out or "FAILED test_rung1_weights.py::test_copying_heads_survive[fp32]" in out
     assert f"{name} " in out and "kappa_trace" in out
     assert "weights differ" in out
-    assert "--circuits-builds fp32 --circuits-update" in out
+    assert f"--circuits-builds fp32 --circuits-baselines {baselines} --circuits-update" in out
     assert "Traceback" not in out
+    # the hint, pasted, accepts the change: the sabotaged build becomes the baseline and passes
+    import re
+    import shlex
+
+    hint = shlex.split(re.search(r"record its baseline again: (pytest .*)", out).group(1))
+    assert hint[0] == "pytest" and hint[1] == "test_rung1_weights.py" and str(sabotaged) in hint
+    pytester.runpytest("-p", "no:cacheprovider", *hint[1:])
+    pytester.runpytest("-p", "no:cacheprovider", "test_rung1_weights.py").assert_outcomes(passed=2)
 
     # a per-test marker loosens it
     pytester.makepyfile(test_loose="""
@@ -124,7 +147,7 @@ def test_record_gate_and_sabotage(suite, tmp_path_factory):
 
 def test_ini_tolerance_and_bad_values(suite):
     pytester, intact, baselines = suite
-    pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "test_rung12_repeat.py").assert_outcomes(passed=2)
+    pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "test_rung12_repeat.py").assert_outcomes(passed=1, skipped=1)
     pytester.makeini(ini(intact, baselines) + "circuits_tol_copy_loss = -1\n")
     result = pytester.runpytest("-p", "no:cacheprovider", "test_rung12_repeat.py")
     assert "circuits_tol_*: tolerance copy_loss must be >= 0" in text_of(result)
@@ -155,7 +178,7 @@ def test_corrupt_and_foreign_baselines_are_one_line(suite, tmp_path_factory):
     # a baseline recorded from a model of another geometry under the same name
     other = save_tiny_model("gpt2", tmp_path_factory.mktemp("other") / "m", seed=0, n_embd=32)
     pytester.makeini(ini(other, baselines))
-    pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "test_rung12_repeat.py").assert_outcomes(passed=2)
+    pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "test_rung12_repeat.py").assert_outcomes(passed=1, skipped=1)
     pytester.makeini(ini(intact, baselines))
     result = pytester.runpytest("-p", "no:cacheprovider", "test_rung12_repeat.py")
     result.assert_outcomes(failed=2)
@@ -171,3 +194,74 @@ def test_report_option_writes_a_report(suite, tmp_path):
     result.assert_outcomes(passed=2)
     assert report.is_dir() and any(report.iterdir()), text_of(result)
     shutil.rmtree(report)
+
+
+def test_an_invariant_registered_in_conftest_runs_through_circuits_gate(suite):
+    pytester, intact, baselines = suite
+    pytester.makeconftest("""
+        from pytest_circuits.gate.invariants import Comparison, Invariant, register, within
+
+        @register
+        class FirstCopyLoss(Invariant):
+            name = "first_copy_loss"
+            tolerances = ("copy_loss",)
+
+            def compare(self, before, after, tol):
+                return Comparison([within("model", "first_copy_loss", before["first_copy_loss"],
+                                          after["first_copy_loss"], tol.copy_loss)])
+    """)
+    pytester.makepyfile(test_mine="""
+        def test_first_copy_loss(circuits_gate):
+            outcome = circuits_gate("first_copy_loss")
+            assert outcome.results[0].compared == 1
+    """)
+    result = pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "test_mine.py")
+    result.assert_outcomes(passed=1)
+    result = pytester.runpytest("-p", "no:cacheprovider", "test_mine.py", "--circuits-probe-n", "5")
+    result.assert_outcomes(failed=1)  # other probe settings than the baseline's: refused, not compared
+    assert "recorded with other probe settings (n=4 vs 5)" in text_of(result)
+    from pytest_circuits.gate.invariants import REGISTRY
+
+    REGISTRY.pop("first_copy_loss", None)  # the inner run registered it in this process
+
+
+def test_a_model_that_cannot_be_gated_is_one_line_once(suite, tmp_path):
+    pytester, intact, baselines = suite
+    pytester.makeini(ini(tmp_path / "no-such-model", baselines))
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    out = text_of(result)
+    assert out.count("not found: not a folder, a .gguf file, a named model") == 1 and "Traceback" not in out
+
+
+def test_the_missing_baseline_hint_is_a_command_that_works(suite):
+    """Paste the hint the failure prints: it records the right baseline, and the gate then runs."""
+    import re
+    import shlex
+    import subprocess
+    import sys
+
+    pytester, intact, baselines = suite
+    result = pytester.runpytest("-p", "no:cacheprovider", "test_rung12_repeat.py")
+    hint = re.search(r"record it with: (circuits record .*?) \(or add", text_of(result)).group(1)
+    words = shlex.split(hint)
+    assert words[:3] == ["circuits", "record", str(intact)] and "--probe-n" in words and "--probe-length" in words
+    done = subprocess.run([sys.executable, "-m", "pytest_circuits.cli", *words[1:]], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = pytester.runpytest("-p", "no:cacheprovider", "test_rung12_repeat.py")
+    result.assert_outcomes(passed=1, skipped=1)
+
+
+def test_xdist_workers_send_plain_data_and_the_report_is_written(suite, tmp_path):
+    """Under pytest-xdist every result a worker sends must be plain data (a torch version object
+    once broke the run), and the controller writes the report."""
+    pytest.importorskip("xdist")
+    pytest.importorskip("matplotlib")
+    pytester, intact, baselines = suite
+    report = tmp_path / "report"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--circuits-update",
+                                           f"--circuits-report={report}", "test_rung12_repeat.py")
+    result.assert_outcomes(passed=1, skipped=1)
+    assert "INTERNALERROR" not in text_of(result) and (report / "report.html").is_file()
+    assert "circuits report: " in text_of(result)

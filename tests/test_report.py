@@ -62,7 +62,8 @@ def fake_record(recipe="fp32", n_layers=2, n_heads=4, d_head=8, seed=0, knockout
                 "head": label, "layer": layer, "head_index": index,
                 "kappa": kappa, "kappa_trace": float(lam.real.sum() / np.abs(lam).sum()),
                 "kappa_null_mean": 0.0, "kappa_null_sd": null_sd, "kappa_z": z,
-                "kappa_p": float(math.erfc(abs(z) / math.sqrt(2))), "kappa_q": None,
+                "kappa_p": float(math.erfc(abs(z) / math.sqrt(2))),
+                "kappa_q": float(math.erfc(abs(z) / math.sqrt(2))),
                 "copying": bool(z > 3), "suppression": bool(z < -3),
                 "prefix_matching": 0.9 if (layer, index) == INDUCTION else float(rng.uniform(0, 0.1)),
                 "previous_token": 0.85 if (layer, index) == PREVIOUS else float(rng.uniform(0, 0.2)),
@@ -84,7 +85,7 @@ def fake_record(recipe="fp32", n_layers=2, n_heads=4, d_head=8, seed=0, knockout
         "copy_loss": 0.4 + 0.01 * seed, "first_copy_loss": 6.1, "copy_gain": 5.7 - 0.01 * seed,
         "uniform_loss": math.log(512),
         "heads": heads,
-        "eigenvalues": eig if eigenvalues else None,
+        "eigenvalues": eig if eigenvalues else {},
     }
 
 
@@ -257,7 +258,7 @@ def test_terminal_summary_ranks_moved_heads_by_change_over_tolerance():
     assert lines[2] == "  pass copy_loss"
     ranked = re.findall(r"(L\dH\d) ", lines[3])
     assert lines[3].startswith("  moved most: ") and ranked == ["L1H2", "L0H1", "L1H3"]
-    assert lines[4] == "circuits bf16 vs fp32 baseline: pass (1 invariants held)"
+    assert lines[4] == "circuits bf16 vs fp32 baseline: pass (1 invariant held)"
     assert lines[5] == "  pass copy_loss"
     assert lines[6] == "circuits fp32: scanned, not gated (copy loss 0.400 nats)"
     assert lines[-1] == f"circuits report: {os.path.join('out', 'rep', REPORT_PAGE)}"
@@ -283,7 +284,7 @@ def test_report_command_draws_again_from_baseline_files(tmp_path, capsys):
         report_from_files(out, bad)
     assert "\n" not in str(error.value)
     assert report_command([str(tmp_path / "missing.json")]) == 2
-    assert "missing.json does not exist" in capsys.readouterr().out
+    assert "missing.json does not exist" in capsys.readouterr().err  # errors go to stderr
 
 
 def test_missing_matplotlib_is_one_line_naming_pip_install(tmp_path, monkeypatch):

@@ -1,85 +1,119 @@
-"""The precision-swap gate: invariants of a build checked against a baseline scan record.
+"""The invariants of the gate, one registry entry each (docs/definitions.md, "The gate").
 
-Every check reads two scan records (dicts, see `record.py`): ``before`` (the baseline)
-and ``after`` (the build under test). Each returns an `InvariantResult` whose message is
-a table of the heads and numbers that moved. Never gate on one number alone
-(DEFINITIONS.md): kappa AND kappa_trace, plus behaviour (copy loss, knockouts).
+An `Invariant` reads two scan records (``before``: the baseline, ``after``: the build under
+test) and returns a `Comparison`: one `Row` per figure it compared (subject, metric,
+before, after, limit, broken?). Everything else derives from those rows in one flow,
+`evaluate`: pass or fail, the failure table, the CLI verdict, ``circuits diff``, the
+report's broken list and ``scripts/measure_gate.py``. An invariant that compared nothing
+never passes: it fails with its reason, or is skipped when the baseline model has none of
+the mechanism it guards (a random model has no induction head).
 
-Invariants (``INVARIANTS``):
+Built in (``REGISTRY``, in gate order):
 
-- ``copying_heads``: every head flagged copying or suppression in the baseline keeps
-  ``|kappa' - kappa| <= kappa`` and ``|kappa_trace' - kappa_trace| <= kappa``; every head
-  keeps ``|kappa_trace' - kappa_trace| <= kappa`` (trace-weighted is the stable one); and
-  the Spearman rank correlation of kappa across the heads the baseline tells apart from the
-  null (``|kappa_z| >= 2``; noise heads only shuffle) stays ``>= rank``.
-- ``kappa_distribution``: the mean over heads of ``kappa_z' - kappa_z`` (shift against the
-  rotation null, in null standard deviations) stays within ``+-shift``.
+- ``copying_heads``: every head flagged copying or suppression keeps ``|kappa' - kappa|``
+  and ``|kappa_trace' - kappa_trace|`` within ``kappa``; every head keeps kappa_trace within
+  ``kappa``; the Spearman rank correlation of kappa over the heads the baseline tells apart
+  from the null (``|kappa_z| >= 2``) stays ``>= rank``.
+- ``kappa_distribution``: the mean over heads of ``kappa_z' - kappa_z`` (and of the trace
+  twin) stays within ``+-shift`` null standard deviations.
 - Both kappa invariants leave out heads whose OV gain ``sum_i |lambda_i|`` is below
-  ``min_ov_gain`` x the baseline's largest: such a head writes almost nothing, and
-  quantization noise on the scale of the model's big weights sets its eigenvalues' directions.
-- ``copy_loss``: ``|copy_loss' - copy_loss| <= copy_loss`` and
-  ``|copy_gain' - copy_gain| <= copy_gain`` (nats).
-- ``induction_heads``: the baseline's top-``top_k`` prefix-matching heads scoring at least
-  ``min_score`` keep ``prefix_matching`` within ``+-prefix``; likewise the top
-  previous-token heads keep ``previous_token`` (the first half of the induction circuit).
-- ``knockout_deltas``: the baseline's top-``top_k`` heads by knockout delta (delta at least
+  ``min_ov_gain`` x the baseline's largest, and say how many.
+- ``copy_loss``: copy loss and copy gain each within ``copy_loss`` / ``copy_gain`` nats.
+- ``induction_heads``: the baseline's top-``top_k`` prefix-matching and previous-token heads
+  scoring at least ``min_score`` keep their score within ``+-prefix``.
+- ``knockout_deltas``: the baseline's top-``top_k`` knockout heads (delta at least
   ``min_delta`` nats) keep ``|delta' - delta| <= knockout * |delta|``.
+
+A user adds one with `register` (see the README, "Your own invariant").
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
-from ..assertions import spearman  # one Spearman for the gate and the users' helpers
-from ..rungs.kappa import ov_gain
-from .record import record_eigenvalues
+from ..errors import CircuitsError
+from .record import has_figures, record_eigenvalues
+from .stats import spearman
+from .tolerances import Tolerances
 
-INVARIANTS = ("copying_heads", "kappa_distribution", "copy_loss", "induction_heads", "knockout_deltas")
 MAX_ROWS = 20
 RANK_MIN_Z = 2.0  # heads in the rank correlation: those the baseline tells apart from the null
+STATUSES = ("passed", "failed", "skipped")
 
 
 @dataclass(frozen=True)
-class Tolerances:
-    """Gate tolerances; each is an ini key ``circuits_tol_<name>`` and a marker keyword."""
+class Row:
+    """One compared figure: ``subject`` (a head ``L1H0``, ``model``, ``all heads``) and its numbers."""
 
-    kappa: float = 0.15  # |delta kappa| and |delta kappa_trace| per head
-    rank: float = 0.80  # minimum Spearman rank correlation of kappa across heads
-    shift: float = 1.0  # |mean delta kappa_z| across heads, in null standard deviations
-    copy_loss: float = 0.25  # |delta copy loss|, nats
-    copy_gain: float = 0.25  # |delta copy gain|, nats
-    prefix: float = 0.10  # |delta prefix_matching| / |delta previous_token| of key heads
-    knockout: float = 0.5  # |delta knockout_delta| / |knockout_delta| of key heads
-    top_k: int = 3  # key heads per routing score and for knockouts
-    min_score: float = 0.2  # a routing score below this does not make a key head
-    min_delta: float = 0.1  # a knockout delta below this (nats) does not make a key head
-    min_ov_gain: float = 0.01  # heads with OV gain below this x the largest: kappa not compared
-
-    @classmethod
-    def names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
-
-    def updated(self, overrides: dict) -> Tolerances:
-        """A copy with ``overrides`` applied; unknown names or bad values raise ValueError."""
-        unknown = sorted(set(overrides) - set(self.names()))
-        if unknown:
-            raise ValueError(f"unknown tolerance(s) {', '.join(unknown)}; known: {', '.join(self.names())}")
-        clean = {}
-        for name, value in overrides.items():
-            kind = int if name == "top_k" else float
-            try:
-                clean[name] = kind(value)
-            except (TypeError, ValueError):
-                raise ValueError(f"tolerance {name} must be a number, got {value!r}") from None
-            if clean[name] < 0 and name != "rank":
-                raise ValueError(f"tolerance {name} must be >= 0, got {value!r}")
-        return replace(self, **clean)
+    subject: str
+    metric: str
+    before: float
+    after: float
+    limit: float
+    broken: bool
+    note: str = ""
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {"head": self.subject, "metric": self.metric, "before": self.before, "after": self.after,
+                "tolerance": self.limit, "broken": self.broken, "note": self.note}
+
+
+@dataclass
+class Comparison:
+    """What one invariant compared: its rows, and why some or all heads were left out."""
+
+    rows: list[Row] = field(default_factory=list)
+    context: list[Row] = field(default_factory=list)  # shown under a failure (e.g. the heads driving a shift)
+    left_out: str = ""  # "; 4 heads with OV gain < 0.01 x the largest not compared"
+    detail: str = ""  # appended to the pass line (e.g. the mean shifts)
+    nothing: str = ""  # why nothing was compared
+    nothing_is_skip: bool = False  # the baseline model has none of this mechanism: skip, not fail
+
+    @property
+    def broken(self) -> list[Row]:
+        return [r for r in self.rows if r.broken]
+
+
+class Invariant:
+    """One check of a build against a baseline. Subclass, set the class fields, write `compare`."""
+
+    name: ClassVar[str]
+    needs: ClassVar[frozenset[str]] = frozenset()  # record figures both sides must hold ("knockout")
+    tolerances: ClassVar[tuple[str, ...]] = ()  # the `Tolerances` fields it reads
+    held: ClassVar[str] = "{name} of {build} holds against the {against}"
+    moved: ClassVar[str] = "{name} of {build} broke against the {against}"
+
+    def compare(self, before: dict, after: dict, tol: Tolerances) -> Comparison:
+        raise NotImplementedError
+
+
+REGISTRY: dict[str, Invariant] = {}
+
+
+def register(invariant):
+    """Add an invariant (an instance, or a subclass to instantiate) to the gate; returns it.
+
+    Usable as a class decorator. Its ``name`` is what ``circuits_gate(name)`` runs.
+    """
+    instance = invariant() if isinstance(invariant, type) else invariant
+    if not getattr(instance, "name", ""):
+        raise CircuitsError(f"invariant {type(instance).__name__} has no name; set the class field `name`")
+    REGISTRY[instance.name] = instance
+    return invariant
+
+
+def get(name: str) -> Invariant:
+    """The registered invariant called ``name``, or a one-line error listing the known ones."""
+    if name not in REGISTRY:
+        raise CircuitsError(f"unknown invariant {name!r}; known: {', '.join(REGISTRY)}")
+    return REGISTRY[name]
+
+
+# ---------------------------------------------------------------- the one flow: rows -> result
 
 
 @dataclass
@@ -89,66 +123,128 @@ class InvariantResult:
     invariant: str
     build: str
     against: str  # "fp32 baseline" or "own baseline"
-    passed: bool
+    status: str  # one of STATUSES
     message: str
-    moved: list[dict] = field(default_factory=list)  # head, metric, before, after, tolerance
+    compared: int = 0  # figures compared
+    moved: list[dict] = field(default_factory=list)  # broken rows (and context), as dicts
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    @property
+    def skipped(self) -> bool:
+        return self.status == "skipped"
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "passed": self.passed}
 
 
-# ---------------------------------------------------------------- helpers
+def evaluate(invariant: Invariant | str, before: dict, after: dict, tol: Tolerances, build: str, against: str,
+             fix: str | None = None) -> InvariantResult:
+    """Run one invariant; a failure's message is a table of what broke and ends with ``fix``."""
+    inv = get(invariant) if isinstance(invariant, str) else invariant
+    missing = [need for need in sorted(inv.needs) if not has_figures(before, need)]
+    if missing:
+        comparison = Comparison(nothing=f"the {against} holds no {', '.join(missing)} figures; record it again with them")
+    else:
+        comparison = inv.compare(before, after, tol)
+    words = dict(name=inv.name, build=build, against=against)
+    if not comparison.rows:
+        status = "skipped" if comparison.nothing_is_skip else "failed"
+        message = (comparison.nothing or "{name} compared nothing for {build} against the {against}").format(**words)
+    elif comparison.broken:
+        status = "failed"
+        shown = comparison.broken + comparison.context
+        message = f"{inv.moved.format(**words)}{comparison.left_out}:\n{format_rows(shown)}"
+    else:
+        status = "passed"
+        detail = f" ({comparison.detail})" if comparison.detail else ""
+        message = f"{inv.held.format(**words)}{detail}{comparison.left_out} ({len(comparison.rows)} compared)"
+    if status == "failed" and fix:
+        message = f"{message}\n{fix}"
+    moved = [r.as_dict() for r in comparison.broken + (comparison.context if comparison.broken else [])]
+    return InvariantResult(inv.name, build, against, status, message, len(comparison.rows), moved)
 
 
-def _heads(record: dict) -> dict[str, dict]:
-    return {row["head"]: row for row in record.get("heads", [])}
+def runnable(after: dict, names=None) -> list[str]:
+    """The invariants (all registered, or ``names``) whose figures the candidate record holds."""
+    chosen = list(REGISTRY) if names is None else list(names)
+    return [n for n in chosen if all(has_figures(after, need) for need in get(n).needs)]
 
 
-def _num(value) -> float:
-    """A float, NaN for None (missing knockouts)."""
-    return float("nan") if value is None else float(value)
+def gate_all(before: dict, after: dict, tol: Tolerances, build: str, against: str, fix: str | None = None,
+             names=None) -> list[InvariantResult]:
+    """`evaluate` every invariant the candidate has figures for."""
+    return [evaluate(n, before, after, tol, build, against, fix) for n in runnable(after, names)]
+
+
+def verdict(results: list[InvariantResult]) -> tuple[bool, str]:
+    """``(passed, line)`` of a whole gate: it passes when nothing broke and something was compared."""
+    broken = [r.invariant for r in results if r.status == "failed"]
+    held = [r for r in results if r.passed]
+    skipped = [r.invariant for r in results if r.skipped]
+    said = f"{len(held)} of {len(results)} invariants hold" + (f", {len(skipped)} skipped ({', '.join(skipped)})"
+                                                                if skipped else "")
+    if broken:
+        return False, f"gate failed: {', '.join(broken)} ({said})"
+    if not held:
+        return False, f"gate compared nothing ({said}); a gate that compared nothing has not passed"
+    return True, f"gate passed ({said})"
+
+
+# ---------------------------------------------------------------- the message table
 
 
 def _signed(x: float) -> str:
-    return "nan" if math.isnan(x) else f"{x:+.3g}" if abs(x) < 1e-3 and x != 0 else f"{x:+.3f}"
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "nan"
+    return f"{x:+.3g}" if abs(x) < 1e-3 and x != 0 else f"{x:+.3f}"
 
 
-def moved_row(head: str, metric: str, before: float, after: float, tolerance: float, **extra) -> dict:
-    return {"head": head, "metric": metric, "before": before, "after": after, "tolerance": tolerance, **extra}
-
-
-def format_moved(rows: list[dict], max_rows: int = MAX_ROWS) -> str:
+def format_rows(rows: list[Row], max_rows: int = MAX_ROWS) -> str:
     """``L1H2 kappa +0.910 -> -0.880 (tolerance 0.10)`` lines, at most ``max_rows``."""
     lines = []
-    width = max((len(str(r["head"])) for r in rows), default=4)
-    mwidth = max((len(r["metric"]) for r in rows), default=6)
+    width = max((len(r.subject) for r in rows), default=4)
+    mwidth = max((len(r.metric) for r in rows), default=6)
     for r in rows[:max_rows]:
-        note = f" {r['note']}" if r.get("note") else ""
-        lines.append(
-            f"  {str(r['head']):<{width}} {r['metric']:<{mwidth}} {_signed(r['before'])} -> "
-            f"{_signed(r['after'])} (tolerance {r['tolerance']:.3g}){note}"
-        )
+        note = f" {r.note}" if r.note else ""
+        lines.append(f"  {r.subject:<{width}} {r.metric:<{mwidth}} {_signed(r.before)} -> "
+                     f"{_signed(r.after)} (tolerance {r.limit:.3g}){note}")
     if len(rows) > max_rows:
         lines.append(f"  ... and {len(rows) - max_rows} more")
     return "\n".join(lines)
 
 
-def _result(invariant, build, against, failed, checked, header_ok, header_bad) -> InvariantResult:
-    if failed:
-        return InvariantResult(invariant, build, against, False, f"{header_bad}\n{format_moved(failed)}", failed)
-    return InvariantResult(invariant, build, against, True, f"{header_ok} ({checked} checked)", [])
+# ---------------------------------------------------------------- shared helpers of the built-in invariants
 
 
-def _pairs(before: dict, after: dict):
+def num(value) -> float:
+    """A float, NaN for None (a figure that was not measured)."""
+    return float("nan") if value is None else float(value)
+
+
+def heads_by_label(record: dict) -> dict[str, dict]:
+    return {row["head"]: row for row in record.get("heads", [])}
+
+
+def head_pairs(before: dict, after: dict) -> list[tuple[str, dict, dict]]:
     """Heads present in both records, in the baseline's order."""
-    b, a = _heads(before), _heads(after)
+    b, a = heads_by_label(before), heads_by_label(after)
     return [(name, b[name], a[name]) for name in b if name in a]
+
+
+def within(subject: str, metric: str, before: float, after: float, limit: float, note: str = "") -> Row:
+    """A row that holds when ``|after - before| <= limit`` (NaN never holds)."""
+    return Row(subject, metric, before, after, limit, not abs(after - before) <= limit, note)
 
 
 def ov_gains(record: dict) -> dict[str, float]:
     """Each head's OV gain ``sum_i |lambda_i|``: the ``ov_gain`` column, or from the stored
     eigenvalues for records written before that column existed; empty when neither is there."""
-    heads = _heads(record)
+    from ..rungs.kappa import ov_gain
+
+    heads = heads_by_label(record)
     if heads and all(row.get("ov_gain") is not None for row in heads.values()):
         return {name: float(row["ov_gain"]) for name, row in heads.items()}
     return {name: float(ov_gain(lam)) for name, lam in record_eigenvalues(record).items() if lam.size}
@@ -163,370 +259,146 @@ def negligible_heads(record: dict, min_ov_gain: float) -> set[str]:
     return {name for name, gain in gains.items() if gain < min_ov_gain * largest}
 
 
-def _compared_pairs(before: dict, after: dict, tol: Tolerances):
-    """``(pairs, note)``: the heads the kappa invariants compare, and a note naming how many
+def compared_pairs(before: dict, after: dict, tol: Tolerances) -> tuple[list, str]:
+    """``(pairs, left_out)``: the heads the kappa invariants compare, and a note naming how many
     negligible heads were left out ("" when none)."""
     negligible = negligible_heads(before, tol.min_ov_gain)
-    pairs = [(name, b, a) for name, b, a in _pairs(before, after) if name not in negligible]
+    pairs = [(name, b, a) for name, b, a in head_pairs(before, after) if name not in negligible]
     if not negligible:
         return pairs, ""
     return pairs, f"; {len(negligible)} heads with OV gain < {tol.min_ov_gain:g} x the largest not compared"
 
 
-# ---------------------------------------------------------------- invariants
-
-
-def check_copying_heads(before: dict, after: dict, tol: Tolerances, build: str, against: str) -> InvariantResult:
-    """Copying/suppression heads keep kappa and kappa_trace; kappa keeps its rank order."""
-    failed, checked = [], 0
-    pairs, skipped = _compared_pairs(before, after, tol)
-    for name, b, a in pairs:
-        metrics = ["kappa", "kappa_trace"] if (b.get("copying") or b.get("suppression")) else ["kappa_trace"]
-        for metric in metrics:
-            checked += 1
-            x, y = _num(b.get(metric)), _num(a.get(metric))
-            if not abs(y - x) <= tol.kappa:
-                role = "copying" if b.get("copying") else "suppression" if b.get("suppression") else ""
-                failed.append(moved_row(name, metric, x, y, tol.kappa, note=role))
-    ranked = [(b, a) for _, b, a in pairs if abs(_num(b.get("kappa_z"))) >= RANK_MIN_Z]
-    if len(ranked) >= 3:
-        checked += 1
-        rho = spearman([_num(b.get("kappa")) for b, _ in ranked], [_num(a.get("kappa")) for _, a in ranked])
-        if not math.isnan(rho) and rho < tol.rank:
-            failed.append(moved_row(f"{len(ranked)} heads", "rank corr", 1.0, rho, tol.rank,
-                                    note=f"(Spearman of kappa over heads with |kappa_z| >= {RANK_MIN_Z:g})"))
-    return _result(
-        "copying_heads", build, against, failed, checked,
-        f"copying heads of {build} survive against the {against}{skipped}",
-        f"copying heads of {build} moved against the {against}{skipped}:",
-    )
-
-
-def check_kappa_distribution(before: dict, after: dict, tol: Tolerances, build: str, against: str) -> InvariantResult:
-    """Mean shift across heads of kappa_z (and kappa_trace_z when recorded) within +-shift null sds."""
-    pairs, skipped = _compared_pairs(before, after, tol)
-    failed, shifts = [], {}
-    for metric in ("kappa_z", "kappa_trace_z"):
-        dz = np.array([_num(a.get(metric)) - _num(b.get(metric)) for _, b, a in pairs], float)
-        dz = dz[np.isfinite(dz)]
-        if not dz.size:
-            continue
-        shifts[metric] = shift = float(dz.mean())
-        if not abs(shift) <= tol.shift:
-            mean_b = float(np.nanmean([_num(b.get(metric)) for _, b, _ in pairs]))
-            failed.append(moved_row("all heads", f"mean {metric}", mean_b, mean_b + shift, tol.shift))
-            # name the heads that moved most, so the table says where the shift came from
-            order = sorted(pairs, key=lambda p: -abs(_num(p[2].get(metric)) - _num(p[1].get(metric))))
-            for name, b, a in order[:5]:
-                failed.append(moved_row(name, metric, _num(b.get(metric)), _num(a.get(metric)), tol.shift))
-    said = ", ".join(f"mean d{m} {v:+.2f}" for m, v in shifts.items())
-    return _result(
-        "kappa_distribution", build, against, failed, len(pairs),
-        f"kappa distribution of {build} not shifted against the {against} ({said}){skipped}",
-        f"kappa distribution of {build} shifted against the null, compared with the {against}{skipped}:",
-    )
-
-
-def check_copy_loss(before: dict, after: dict, tol: Tolerances, build: str, against: str) -> InvariantResult:
-    """Copy loss and copy gain (nats) within tolerance, both directions."""
-    failed = []
-    for metric, t in (("copy_loss", tol.copy_loss), ("copy_gain", tol.copy_gain)):
-        x, y = _num(before.get(metric)), _num(after.get(metric))
-        if not abs(y - x) <= t:
-            failed.append(moved_row("model", metric, x, y, t))
-    return _result(
-        "copy_loss", build, against, failed, 2,
-        f"copy loss {_num(after.get('copy_loss')):.3f} and gain {_num(after.get('copy_gain')):.3f} of {build} "
-        f"within tolerance of the {against}",
-        f"copy behaviour of {build} moved against the {against}:",
-    )
-
-
 def key_heads(record: dict, metric: str, top_k: int, minimum: float) -> list[str]:
-    """The record's top-``top_k`` heads by ``metric`` among those scoring at least ``minimum``."""
-    rows = [(r["head"], _num(r.get(metric))) for r in record.get("heads", [])]
+    """The record's heads scoring at least ``minimum`` on ``metric``, best first; the top ``top_k``
+    of them when ``top_k`` is positive, every one when it is 0."""
+    rows = [(r["head"], num(r.get(metric))) for r in record.get("heads", [])]
     rows = [(h, v) for h, v in rows if not math.isnan(v) and v >= minimum]
     rows.sort(key=lambda hv: -hv[1])
-    return [h for h, _ in rows[:top_k]]
+    return [h for h, _ in (rows[:top_k] if top_k > 0 else rows)]
 
 
-def check_induction_heads(before: dict, after: dict, tol: Tolerances, build: str, against: str) -> InvariantResult:
+def _role(row: dict) -> str:
+    return "copying" if row.get("copying") else "suppression" if row.get("suppression") else ""
+
+
+# ---------------------------------------------------------------- the built-in invariants
+
+
+@register
+class CopyingHeads(Invariant):
+    """Copying/suppression heads keep kappa and kappa_trace; kappa keeps its rank order."""
+
+    name = "copying_heads"
+    tolerances = ("kappa", "rank", "min_ov_gain")
+    held = "copying heads of {build} survive against the {against}"
+    moved = "copying heads of {build} moved against the {against}"
+
+    def compare(self, before, after, tol):
+        pairs, left_out = compared_pairs(before, after, tol)
+        rows = []
+        for name, b, a in pairs:
+            for metric in (["kappa", "kappa_trace"] if _role(b) else ["kappa_trace"]):
+                rows.append(within(name, metric, num(b.get(metric)), num(a.get(metric)), tol.kappa, _role(b)))
+        ranked = [(b, a) for _, b, a in pairs if abs(num(b.get("kappa_z"))) >= RANK_MIN_Z]
+        if len(ranked) >= 3:
+            rho = spearman([num(b.get("kappa")) for b, _ in ranked], [num(a.get("kappa")) for _, a in ranked])
+            undefined = " undefined: kappa is constant on one side" if math.isnan(rho) else ""
+            rows.append(Row(f"{len(ranked)} heads", "rank corr", 1.0, rho, tol.rank, not rho >= tol.rank,
+                            f"(Spearman of kappa over heads with |kappa_z| >= {RANK_MIN_Z:g}){undefined}"))
+        return Comparison(rows, left_out=left_out,
+                          nothing=f"no head of the {{against}} is compared{left_out}; check the baseline")
+
+
+@register
+class KappaDistribution(Invariant):
+    """Mean shift across heads of kappa_z (and kappa_trace_z when recorded) within +-shift null sds."""
+
+    name = "kappa_distribution"
+    tolerances = ("shift", "min_ov_gain")
+    held = "kappa distribution of {build} not shifted against the {against}"
+    moved = "kappa distribution of {build} shifted against the null, compared with the {against}"
+
+    def compare(self, before, after, tol):
+        pairs, left_out = compared_pairs(before, after, tol)
+        rows, context, said = [], [], []
+        for metric in ("kappa_z", "kappa_trace_z"):
+            dz = np.array([num(a.get(metric)) - num(b.get(metric)) for _, b, a in pairs], float)
+            if not np.isfinite(dz).any():
+                continue
+            shift = float(dz[np.isfinite(dz)].mean()) if np.isfinite(dz).all() else math.nan
+            mean_b = float(np.nanmean([num(b.get(metric)) for _, b, _ in pairs]))
+            row = within("all heads", f"mean {metric}", mean_b, mean_b + shift, tol.shift)
+            rows.append(row)
+            said.append(f"mean d{metric} {shift:+.2f}")
+            if row.broken:  # the heads that drive the shift: same sign, largest first
+                drivers = sorted((p for p, d in zip(pairs, dz) if np.sign(d) == np.sign(shift)),
+                                 key=lambda p: -abs(num(p[2].get(metric)) - num(p[1].get(metric))))
+                context += [Row(name, metric, num(b.get(metric)), num(a.get(metric)), tol.shift, True,
+                                "(drives the shift)") for name, b, a in drivers[:5]]
+        return Comparison(rows, context, left_out, ", ".join(said),
+                          nothing=f"no kappa z-scores to compare in the {{against}}{left_out}; check the baseline")
+
+
+@register
+class CopyLoss(Invariant):
+    """Copy loss and copy gain (nats) within tolerance, both directions."""
+
+    name = "copy_loss"
+    tolerances = ("copy_loss", "copy_gain")
+    held = "copy behaviour of {build} within tolerance of the {against}"
+    moved = "copy behaviour of {build} moved against the {against}"
+
+    def compare(self, before, after, tol):
+        rows = [within("model", metric, num(before.get(metric)), num(after.get(metric)), limit)
+                for metric, limit in (("copy_loss", tol.copy_loss), ("copy_gain", tol.copy_gain))]
+        detail = f"copy loss {num(after.get('copy_loss')):.3f}, gain {num(after.get('copy_gain')):.3f}"
+        return Comparison(rows, detail=detail)
+
+
+@register
+class InductionHeads(Invariant):
     """Top prefix-matching (and previous-token) heads of the baseline keep their scores."""
-    b, a = _heads(before), _heads(after)
-    failed, checked = [], 0
-    for metric, role in (("prefix_matching", "induction"), ("previous_token", "previous-token")):
-        for name in key_heads(before, metric, tol.top_k, tol.min_score):
-            checked += 1
-            x = _num(b[name].get(metric))
-            y = _num(a.get(name, {}).get(metric))
-            if not abs(y - x) <= tol.prefix:
-                failed.append(moved_row(name, metric, x, y, tol.prefix, note=role))
-    if not checked:
-        return InvariantResult(
-            "induction_heads", build, against, True,
-            f"the {against} has no induction or previous-token head scoring >= {tol.min_score}; nothing to check",
-        )
-    return _result(
-        "induction_heads", build, against, failed, checked,
-        f"induction heads of {build} survive against the {against}",
-        f"induction heads of {build} moved against the {against}:",
-    )
+
+    name = "induction_heads"
+    tolerances = ("prefix", "top_k", "min_score")
+    held = "induction heads of {build} survive against the {against}"
+    moved = "induction heads of {build} moved against the {against}"
+
+    def compare(self, before, after, tol):
+        b, a = heads_by_label(before), heads_by_label(after)
+        rows = []
+        for metric, role in (("prefix_matching", "induction"), ("previous_token", "previous-token")):
+            for name in key_heads(before, metric, tol.top_k, tol.min_score):
+                rows.append(within(name, metric, num(b[name].get(metric)), num(a.get(name, {}).get(metric)),
+                                   tol.prefix, role))
+        return Comparison(rows, nothing_is_skip=True, nothing=(
+            f"the {{against}} has no induction or previous-token head scoring >= {tol.min_score:g}; nothing to check"))
 
 
-def check_knockout_deltas(before: dict, after: dict, tol: Tolerances, build: str, against: str) -> InvariantResult:
+@register
+class KnockoutDeltas(Invariant):
     """Key heads' knockout deltas keep their size: ``|d' - d| <= knockout * |d|``."""
-    b, a = _heads(before), _heads(after)
-    keys = key_heads(before, "knockout_delta", tol.top_k, tol.min_delta)
-    if not keys:
-        has_any = any(r.get("knockout_delta") is not None for r in before.get("heads", []))
-        why = f"no head with knockout delta >= {tol.min_delta} nats" if has_any else "no knockout figures"
-        return InvariantResult("knockout_deltas", build, against, True, f"the {against} has {why}; nothing to check")
-    failed = []
-    for name in keys:
-        x = _num(b[name].get("knockout_delta"))
-        y = _num(a.get(name, {}).get("knockout_delta"))
-        allowed = tol.knockout * abs(x)
-        if not abs(y - x) <= allowed:
-            failed.append(moved_row(name, "knockout_delta", x, y, allowed, note=f"({tol.knockout:.0%} of its size)"))
-    return _result(
-        "knockout_deltas", build, against, failed, len(keys),
-        f"knockout deltas of {build}'s key heads keep their size against the {against}",
-        f"knockout deltas of {build}'s key heads changed against the {against}:",
-    )
 
+    name = "knockout_deltas"
+    needs = frozenset({"knockout"})
+    tolerances = ("knockout", "top_k", "min_delta")
+    held = "knockout deltas of {build}'s key heads keep their size against the {against}"
+    moved = "knockout deltas of {build}'s key heads changed against the {against}"
 
-CHECKS = {
-    "copying_heads": check_copying_heads,
-    "kappa_distribution": check_kappa_distribution,
-    "copy_loss": check_copy_loss,
-    "induction_heads": check_induction_heads,
-    "knockout_deltas": check_knockout_deltas,
-}
-
-
-def check(invariant: str, before: dict, after: dict, tol: Tolerances, build: str, against: str,
-          fix: str | None = None) -> InvariantResult:
-    """Run one invariant; a failed result's message ends with ``fix`` (the update command)."""
-    result = CHECKS[invariant](before, after, tol, build, against)
-    if not result.passed and fix:
-        result.message = f"{result.message}\n{fix}"
-    return result
-
-
-def gate_all(before: dict, after: dict, tol: Tolerances, build: str, against: str, fix: str | None = None,
-             invariants=INVARIANTS) -> list[InvariantResult]:
-    """Every invariant (those whose figures both records hold)."""
-    results = []
-    for name in invariants:
-        if name == "knockout_deltas" and not _has_knockout(after):
-            continue
-        results.append(check(name, before, after, tol, build, against, fix))
-    return results
-
-
-def _has_knockout(record: dict) -> bool:
-    return any(r.get("knockout_delta") is not None for r in record.get("heads", []))
-
-
-# ---------------------------------------------------------------- one build against its baselines
-
-
-@dataclass
-class GateOutcome:
-    """What gating one invariant of one build produced: results, plus problems that fail it."""
-
-    results: list[InvariantResult] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)  # missing / refused / corrupt baselines
-    notes: list[str] = field(default_factory=list)  # e.g. "the weights differ"
-
-    @property
-    def passed(self) -> bool:
-        return not self.problems and all(r.passed for r in self.results)
-
-    def message(self) -> str:
-        parts = list(self.notes) + list(self.problems) + [r.message for r in self.results if not r.passed]
-        return "\n".join(parts)
-
-
-def comparisons(recipe: str, reference: str) -> list[tuple[str, str]]:
-    """``(baseline recipe, label)`` pairs a build is gated against: the reference, then its own."""
-    if recipe == reference:  # its own baseline is the reference: missing it fails the gate
-        return [(reference, f"{reference} baseline")]
-    return [(reference, f"{reference} baseline"), (recipe, "own baseline")]
-
-
-def gate_build(session, recipe: str, invariant: str, tol: Tolerances, fixes: dict[str, str]) -> GateOutcome:
-    """Gate one invariant of ``recipe`` against the reference baseline and its own (drift).
-
-    ``session`` provides ``record(recipe, knockout)``, ``load_baseline(recipe)`` (record, or
-    raises BaselineError) and ``settings.reference``. A missing reference baseline is a
-    problem (the gate fails); a missing own baseline only skips the drift comparison.
-    ``fixes`` maps ``"reference"``/``"own"`` to the line that ends a failure message.
-    """
-    from ..errors import BaselineError
-    from .store import compatibility
-
-    if invariant not in CHECKS:
-        from ..errors import CircuitsError
-
-        raise CircuitsError(f"unknown invariant {invariant!r}; known: {', '.join(INVARIANTS)}")
-    outcome = GateOutcome()
-    candidate = session.record(recipe, knockout=invariant == "knockout_deltas")
-    for base_recipe, label in comparisons(recipe, session.settings.reference):
-        own = label == "own baseline"
-        try:
-            baseline = session.load_baseline(base_recipe)
-            outcome.notes.extend(n for n in compatibility(baseline, candidate, label) if n not in outcome.notes)
-        except BaselineError as error:
-            if own and "does not exist" in str(error):
-                continue
-            outcome.problems.append(str(error))
-            continue
-        if invariant == "knockout_deltas" and not _has_knockout(baseline):
-            outcome.problems.append(
-                f"the {label} of {recipe} holds no knockout figures; record it again with knockouts"
-            )
-            continue
-        outcome.results.append(
-            check(invariant, baseline, candidate, tol, recipe, label, fixes.get("own" if own else "reference"))
-        )
-    return outcome
-
-
-# ---------------------------------------------------------------- the pytest side (plugin.py stays thin)
-
-
-@dataclass
-class Collected:
-    """Everything the gate tests of one run attached, gathered where the summary is printed."""
-
-    results: list[dict] = field(default_factory=list)
-    events: list[dict] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    records: dict = field(default_factory=dict)  # recipe -> scan record (only with --circuits-report)
-    references: dict = field(default_factory=dict)  # recipe -> reference baseline record or None
-    report_path: object = None
-    used: bool = False
-
-    def add(self, user_properties) -> None:
-        for key, value in user_properties:
-            if not key.startswith("circuits_"):
-                continue
-            self.used = True
-            if key == "circuits_results":
-                self.results.extend(value)
-            elif key == "circuits_events":
-                self.events.extend(e for e in value if e not in self.events)
-            elif key in ("circuits_notes", "circuits_problems"):
-                bucket = self.notes if key == "circuits_notes" else self.problems
-                bucket.extend(v for v in value if v not in bucket)
-            elif key == "circuits_record":
-                recipe, record = value
-                old = self.records.get(recipe)
-                if old is None or _has_knockout(record) or not _has_knockout(old):
-                    self.records[recipe] = record
-            elif key == "circuits_reference":
-                recipe, record = value
-                self.references[recipe] = record
-
-
-def fix_lines(session, recipe: str, test_path: str) -> dict[str, str]:
-    """The closing line of a failure message: how to accept the change if it is intended."""
-    s = session.settings
-    update = "pytest {path} --circuits-model {model} --circuits-builds {r} --circuits-update"
-    own = update.format(path=test_path, model=s.model, r=recipe)
-    ref = update.format(path=test_path, model=s.model, r=s.reference)
-    return {
-        "own": f"if the change is intended, update the baseline: {own}",
-        "reference": (
-            f"if {recipe} may differ this much from {s.reference}, loosen the tolerance "
-            "(@pytest.mark.circuits_tolerance(...) or circuits_tol_* in [tool.pytest.ini_options]); "
-            f"if the {s.reference} build changed on purpose, update its baseline: {ref}"
-        ),
-    }
-
-
-def gate_for_test(request, session, recipe: str, invariant: str, tol: Tolerances) -> GateOutcome:
-    """`gate_build` for one pytest item; results travel as user properties (pytest-xdist safe)."""
-    try:
-        test_path = request.node.path.relative_to(request.config.rootpath)
-    except ValueError:
-        test_path = request.node.path
-    outcome = gate_build(session, recipe, invariant, tol, fix_lines(session, recipe, str(test_path)))
-    props = request.node.user_properties
-    props.append(("circuits_results", [r.as_dict() for r in outcome.results]))
-    props.append(("circuits_events", list(session.events)))
-    props.append(("circuits_notes", [f"{recipe}: {n}" for n in outcome.notes]))
-    props.append(("circuits_problems", list(outcome.problems)))
-    if session.settings.report is not None:
-        knockout = invariant == "knockout_deltas"
-        props.append(("circuits_record", (recipe, session.record(recipe, knockout=knockout))))
-        try:
-            reference = session.load_baseline(session.settings.reference)
-        except Exception:
-            reference = None
-        props.append(("circuits_reference", (recipe, reference)))
-    return outcome
-
-
-def baseline_lines(session, collected: Collected) -> list[str]:
-    """Which baselines were written, compared, missing, corrupt, and orphaned (named)."""
-    from .store import orphans
-
-    lines = []
-    for event, verb in (("written", "written"), ("compared", "compared"), ("missing", "missing"),
-                        ("corrupt", "unreadable")):
-        paths = sorted({e["path"] for e in collected.events if e["event"] == event})
-        if paths:
-            lines.append(f"baselines {verb}: {', '.join(paths)}")
-    missing = sorted({e["recipe"] for e in collected.events if e["event"] == "missing"})
-    for recipe in missing:
-        lines.append(f"  record {recipe} with: {session.record_command(recipe)}")
-    try:
-        used = set(session.settings.builds) | {session.settings.reference}
-        orphaned = orphans(session.settings.baselines, session.source.name, used)
-    except Exception:  # the model did not resolve: the tests already said why
-        orphaned = []
-    if orphaned:
-        lines.append(f"baselines orphaned (no tested build used them): {', '.join(str(p) for p in orphaned)}")
-    return lines
-
-
-def result_lines(collected: Collected) -> list[str]:
-    """The report module's summary lines when it is installed, else one line per failed result."""
-    try:
-        from ..report import summary_lines
-
-        return list(summary_lines(collected.results, report_dir=collected.report_path))
-    except ImportError:
-        pass
-    failed = [r for r in collected.results if not r["passed"]]
-    lines = [f"gate: {len(collected.results) - len(failed)} of {len(collected.results)} invariant checks passed"]
-    lines += [f"  FAILED {r['build']} {r['invariant']} against the {r['against']}" for r in failed]
-    return lines
-
-
-def terminal_summary(terminalreporter, session, collected: Collected) -> None:
-    """The ``circuits`` section of the terminal summary."""
-    terminalreporter.section("circuits")
-    for line in collected.notes + baseline_lines(session, collected) + result_lines(collected):
-        terminalreporter.write_line(line)
-    if collected.report_path is not None:
-        terminalreporter.write_line(f"report: {collected.report_path}")
-
-
-def write_report(session, collected: Collected) -> None:
-    """``--circuits-report DIR``: the report module's HTML page; a missing module is one line."""
-    if session.settings.report is None:
-        return
-    try:
-        from ..report import write_report as write
-    except ImportError as error:
-        collected.notes.append(f"--circuits-report: the report module is unavailable ({error})")
-        return
-    try:
-        collected.report_path = write(session.settings.report, list(collected.records.values()),
-                                      collected.references, collected.results)
-    except Exception as error:  # the gate's verdict stands even if drawing fails
-        collected.notes.append(f"--circuits-report: writing the report failed: {type(error).__name__}: {error}")
+    def compare(self, before, after, tol):
+        settings = [(k, (before.get("knockout") or {}).get(k), (after.get("knockout") or {}).get(k))
+                    for k in ("mode", "seed", "n", "L")]
+        other = [f"{k} {x} vs {y}" for k, x, y in settings if x is not None and y is not None and x != y]
+        if other:  # deltas of another ablation or other sequences are other figures, not a change
+            return Comparison(nothing=f"the {{against}} was knocked out with other settings ({', '.join(other)}); "
+                                      "record it again with this run's knockout settings")
+        b, a = heads_by_label(before), heads_by_label(after)
+        rows = []
+        for name in key_heads(before, "knockout_delta", tol.top_k, tol.min_delta):
+            x, y = num(b[name].get("knockout_delta")), num(a.get(name, {}).get("knockout_delta"))
+            note = f"({tol.knockout:.0%} of its size)" if not math.isnan(y) else \
+                "NOT MEASURED in this build (screened out): an error, not a change; measure it exactly"
+            rows.append(within(name, "knockout_delta", x, y, tol.knockout * abs(x), note))
+        return Comparison(rows, nothing_is_skip=True, nothing=(
+            f"the {{against}} has no head with knockout delta >= {tol.min_delta:g} nats; nothing to check"))

@@ -14,17 +14,19 @@ import numpy as np
 import pandas as pd
 
 from ..model.families import head_label
+from ..rungs import figures
+from .schema import SCHEMA_VERSION
 
-SCHEMA_VERSION = 1
+HEAD_COLUMNS = figures.stored_head_figures("always")  # in every head row (None where not measured)
+EXTRA_COLUMNS = figures.stored_head_figures("measured")  # only when the rung produced them
+MODEL_FIGURES = figures.model_figure_names()
+NEEDS = {"knockout": "knockout_delta"}  # what an invariant may need -> the head figure that shows it
 
-HEAD_COLUMNS = (
-    "head", "layer", "head_index",
-    "kappa", "kappa_trace", "kappa_null_mean", "kappa_null_sd", "kappa_z", "kappa_p", "kappa_q",
-    "copying", "suppression",
-    "prefix_matching", "previous_token", "duplicate_token",
-    "knockout_delta",
-)
-EXTRA_COLUMNS = ("kappa_trace_z", "copying_trace", "suppression_trace", "ov_gain", "knockout_estimate")
+
+def has_figures(record: dict, need: str) -> bool:
+    """True when the record holds the figures of ``need`` (``"knockout"``: any measured knockout delta)."""
+    column = NEEDS[need]
+    return any(row.get(column) is not None for row in record.get("heads") or [] if isinstance(row, dict))
 
 
 def versions() -> dict:
@@ -40,7 +42,8 @@ def versions() -> dict:
         bnb = metadata.version("bitsandbytes")
     except Exception:
         bnb = None
-    return {"torch": torch.__version__, "transformers": transformers.__version__,
+    # plain str: torch's TorchVersion cannot cross pytest-xdist's wire
+    return {"torch": str(torch.__version__), "transformers": str(transformers.__version__),
             "bitsandbytes": bnb, "pytest_circuits": __version__}
 
 
@@ -72,7 +75,7 @@ def head_rows(spectrum, probe_heads=None, knockout=None) -> list[dict]:
     return rows
 
 
-def eigenvalue_map(eigenvalues, labels: list[str] | None = None) -> dict:
+def eigenvalue_map(eigenvalues) -> dict:
     """``(n_layers, n_heads, d_head)`` complex array -> ``{"L0H0": [[re, im], ...]}``."""
     if eigenvalues is None:
         return {}
@@ -96,7 +99,7 @@ def record_eigenvalues(record: dict) -> dict[str, np.ndarray]:
 def assemble_record(*, model: dict, build: dict, probe: dict, knockout_info: dict | None, spectrum,
                     probe_result, knockout=None, rung1: dict) -> dict:
     """The scan record from its parts (pure; see the contract in the module docstring)."""
-    figures = probe_result.model_figures() if probe_result is not None else {}
+    model_figures = probe_result.model_figures() if probe_result is not None else {}
     return {
         "schema_version": SCHEMA_VERSION,
         "model": model,
@@ -105,7 +108,7 @@ def assemble_record(*, model: dict, build: dict, probe: dict, knockout_info: dic
         "probe": probe,
         "knockout": knockout_info,
         "rung1": rung1,
-        **{k: _plain(figures.get(k)) for k in ("copy_loss", "first_copy_loss", "copy_gain", "uniform_loss")},
+        **{k: _plain(model_figures.get(k)) for k in MODEL_FIGURES},
         "heads": head_rows(spectrum, None if probe_result is None else probe_result.heads, knockout),
         "eigenvalues": eigenvalue_map(spectrum.attrs.get("eigenvalues")),
     }
@@ -144,7 +147,7 @@ def model_info(session, build) -> dict:
     """Name, spec, family, weight fingerprint and geometry of the session's model."""
     geo = build.geometry
     return {
-        "name": session.source.name,
+        "name": session.model_name,
         "spec": session.source.spec,
         "family": build.family.name,
         "fingerprint": fingerprint(session.source.folder),

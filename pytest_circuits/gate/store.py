@@ -5,30 +5,46 @@ diff-friendly: sorted keys, two-space indent, every float rounded to ``SIG_DIGIT
 significant digits, eigenvalue pairs on one line. Writes go to a temporary file in
 the same folder, are fsynced, then ``os.replace``d over the target, so readers (and
 concurrent pytest-xdist workers) only ever see a whole old or a whole new file.
+
+`BaselineStore` is the one way the plugin, the CLI and the report find, read, validate,
+write and list baselines. Its errors are typed (`BaselineMissing`, `BaselineCorrupt`,
+`ForeignBaseline`), each one line naming the file and the fix.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import re
 import tempfile
+import unicodedata
 from pathlib import Path
 
-from ..errors import BaselineError
-from .record import SCHEMA_VERSION
+from pydantic import ValidationError
+
+from ..errors import BaselineCorrupt, BaselineMissing, ForeignBaseline
+from ..options import FRONT_END, flag
+from .schema import SCHEMA_VERSION, Record, problem
 
 SIG_DIGITS = 6
 SUFFIX = ".json"
 SEPARATOR = "--"
-REQUIRED_KEYS = ("schema_version", "model", "build", "probe", "heads")
 GEOMETRY_KEYS = ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "vocab")
 
 
 def safe_name(text: str) -> str:
-    """A file-name-safe form of a model name: anything but ``[A-Za-z0-9._-]`` becomes ``_``."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", str(text)).strip("._") or "model"
+    """A file-name-safe form of a model name: letters (any script), digits, ``.``, ``_``, ``-``.
+
+    Anything else becomes ``_``; when that changed the name, a short hash of the original is
+    appended, so two names that differ only in such characters never share a baseline.
+    """
+    original = unicodedata.normalize("NFC", str(text))
+    cleaned = re.sub(r"[^\w.-]+", "_", original).strip("._") or "model"
+    if cleaned == original:
+        return cleaned
+    return f"{cleaned}-{hashlib.sha256(original.encode()).hexdigest()[:8]}"
 
 
 def baseline_path(folder: str | Path, model_name: str, recipe: str) -> Path:
@@ -82,10 +98,14 @@ def dumps(record: dict, digits: int = SIG_DIGITS) -> str:
 
 
 def write_baseline(path: str | Path, record: dict) -> Path:
-    """Write ``record`` to ``path`` atomically (temp file in the same folder, fsync, os.replace)."""
+    """Write ``record`` to ``path`` atomically (`write_text_atomic` of `dumps`)."""
+    return write_text_atomic(path, dumps(record))
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically (temp file in the same folder, fsync, os.replace)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = dumps(record)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
@@ -117,26 +137,26 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _fix() -> str:
+    """How to record a baseline again, as the running front end says it."""
+    if FRONT_END.get() == "cli":
+        return "record it again with circuits record"
+    return f"record it again with {flag('update')} (or circuits record)"
+
+
 def validate(record, source: str = "baseline") -> dict:
-    """``record`` if it is a scan record of this schema, else a one-line BaselineError."""
-    fix = "record it again with --circuits-update (or circuits record)"
+    """``record`` if it is a valid scan record of this schema (`schema.Record`), else a one-line
+    `BaselineCorrupt` naming ``source``, the field and the fix."""
     if not isinstance(record, dict):
-        raise BaselineError(f"{source} is not a scan record (top level is not an object); {fix}")
+        raise BaselineCorrupt(f"{source} is not a scan record (top level is not an object); {_fix()}")
     version = record.get("schema_version")
     if version != SCHEMA_VERSION:
-        raise BaselineError(
-            f"{source} has schema version {version!r}, this pytest-circuits reads {SCHEMA_VERSION}; {fix}"
-        )
-    missing = [k for k in REQUIRED_KEYS if k not in record]
-    geometry = (record.get("model") or {}).get("geometry") if isinstance(record.get("model"), dict) else None
-    if not isinstance(geometry, dict) or any(k not in geometry for k in GEOMETRY_KEYS):
-        missing.append("model.geometry")
-    if not isinstance(record.get("heads"), list) or any(
-        not isinstance(h, dict) or "head" not in h for h in record.get("heads") or []
-    ):
-        missing.append("heads[].head")
-    if missing:
-        raise BaselineError(f"{source} is not a valid scan record (missing {', '.join(missing)}); {fix}")
+        raise BaselineCorrupt(f"{source} has schema version {version!r}, this pytest-circuits reads "
+                              f"{SCHEMA_VERSION}; {_fix()}")
+    try:
+        Record.model_validate(record)
+    except ValidationError as error:
+        raise BaselineCorrupt(f"{source} is not a valid scan record: {problem(error)}; {_fix()}") from None
     return record
 
 
@@ -146,16 +166,18 @@ def read_baseline(path: str | Path) -> dict:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise BaselineError(f"baseline {path} does not exist; record it with --circuits-update or circuits record") from None
+        raise BaselineMissing(f"baseline {path} does not exist; {_fix().replace(' again', '')}") from None
+    except IsADirectoryError:
+        raise BaselineCorrupt(f"baseline {path} is a folder, not a file; pass a baseline .json file") from None
+    except UnicodeDecodeError:
+        raise BaselineCorrupt(f"baseline {path} is not UTF-8 text (a binary file?); delete it and {_fix()}") from None
     except OSError as error:
-        raise BaselineError(f"baseline {path} cannot be read ({error.strerror}); check its permissions") from None
+        raise BaselineCorrupt(f"baseline {path} cannot be read ({error.strerror}); check its permissions") from None
     try:
         record = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        line = getattr(error, "lineno", "?")
-        raise BaselineError(
-            f"baseline {path} is not valid JSON (line {line}); delete it and record it again with "
-            "--circuits-update (or circuits record)"
+    except json.JSONDecodeError as error:
+        raise BaselineCorrupt(
+            f"baseline {path} is not valid JSON (line {error.lineno}); delete it and {_fix()}"
         ) from None
     return validate(record, f"baseline {path}")
 
@@ -169,17 +191,17 @@ def compatibility(baseline: dict, record: dict, source: str = "baseline") -> lis
     geo_b, geo_r = baseline["model"]["geometry"], record["model"]["geometry"]
     diff = [f"{k} {geo_b.get(k)} vs {geo_r.get(k)}" for k in GEOMETRY_KEYS if geo_b.get(k) != geo_r.get(k)]
     if diff:
-        raise BaselineError(
+        raise ForeignBaseline(
             f"{source} is of another model geometry ({', '.join(diff)}); record a baseline for this model "
-            "with --circuits-update (or circuits record)"
+            f"with {_fix().removeprefix('record it again with ')}"
         )
     pb, pr = baseline.get("probe") or {}, record.get("probe") or {}
     pdiff = [f"{k}={pb.get(k)} vs {pr.get(k)}" for k in ("seed", "n", "L") if pb.get(k) != pr.get(k)]
     if pdiff:
-        raise BaselineError(
+        raise ForeignBaseline(
             f"{source} was recorded with other probe settings ({', '.join(pdiff)}); run with "
-            f"--circuits-probe-seed {pb.get('seed')} --circuits-probe-n {pb.get('n')} "
-            f"--circuits-probe-length {pb.get('L')} or record it again"
+            f"{flag('probe-seed')} {pb.get('seed')} {flag('probe-n')} {pb.get('n')} "
+            f"{flag('probe-length')} {pb.get('L')} or record it again"
         )
     notes = []
     fb, fr = baseline["model"].get("fingerprint"), record["model"].get("fingerprint")
@@ -193,3 +215,62 @@ def compatibility(baseline: dict, record: dict, source: str = "baseline") -> lis
 
 def _short(fingerprint: str) -> str:
     return fingerprint.split(":")[-1][:12]
+
+
+UNCHANGED_REL, UNCHANGED_ABS = 1e-3, 1e-6  # a figure within this of the stored one has not moved
+VOLATILE_KEYS = ("versions",)  # library versions alone do not make a baseline change
+
+
+def unchanged(old, new, rel: float = UNCHANGED_REL, atol: float = UNCHANGED_ABS) -> bool:
+    """True when ``new`` holds the same keys, flags and identity as ``old`` and every number is
+    within ``atol + rel * |old|`` of it (re-recording an unchanged build then rewrites nothing)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = set(old) | set(new)
+        return all(k in old and k in new and unchanged(old[k], new[k], rel, atol) for k in keys
+                   if k not in VOLATILE_KEYS)
+    if isinstance(old, list) and isinstance(new, list):
+        return len(old) == len(new) and all(unchanged(a, b, rel, atol) for a, b in zip(old, new))
+    numbers = (int, float)
+    if isinstance(old, numbers) and isinstance(new, numbers) and not isinstance(old, bool) \
+            and not isinstance(new, bool):
+        return abs(new - old) <= atol + rel * abs(old)
+    return old == new
+
+
+class BaselineStore:
+    """The baselines folder: one file per (model, build), found, read, written and listed here."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+
+    def path(self, model_name: str, build: str) -> Path:
+        """``folder/<model>--<build>.json``."""
+        return baseline_path(self.folder, model_name, build)
+
+    def read(self, model_name: str, build: str) -> dict:
+        """The validated baseline of ``build``; `BaselineMissing` or `BaselineCorrupt` otherwise."""
+        return read_baseline(self.path(model_name, build))
+
+    def write(self, model_name: str, build: str, record: dict, force: bool = True) -> tuple[Path, bool]:
+        """Write ``record`` as the baseline of ``build``, atomically: ``(path, written)``.
+
+        Without ``force`` an existing valid baseline that `unchanged` says holds the same figures
+        is left as it is, so re-recording an unchanged build churns no diff in review.
+        """
+        path = self.path(model_name, build)
+        validate(record, f"the scan record of {build}")
+        if not force and path.is_file():
+            try:
+                if unchanged(read_baseline(path), round_sig(record)):
+                    return path, False
+            except BaselineCorrupt:
+                pass  # rewritten below
+        return write_baseline(path, record), True
+
+    def builds(self, model_name: str) -> dict[str, Path]:
+        """Every baseline file of ``model_name`` here, by build."""
+        return model_baselines(self.folder, model_name)
+
+    def orphans(self, model_name: str, used_builds) -> list[Path]:
+        """Baselines of ``model_name`` that no build in ``used_builds`` reads."""
+        return orphans(self.folder, model_name, used_builds)

@@ -14,38 +14,13 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..errors import CircuitsError, RecipeError, first_line
+from ..options import flag
 from .dense import is_projection
 from .families import Family, Geometry, family_for_config, geometry_of, get_module
-from .loading import ModelSource
+from .loading import ModelSource, check_finite_weights, nonfinite_line, nonfinite_of, quiet_transformers
+from .recipes import RECIPES, Recipe, get_recipe, parse_builds  # noqa: F401  (re-exported)
 from .selfcheck import check_decomposition
 from .vocab import TokenInfo, token_info
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """How to turn the float32 checkpoint into one build."""
-
-    name: str
-    backend: str  # "torch", "bitsandbytes" or "rtn"
-    dtype: torch.dtype  # dtype of the float parameters / compute
-    bits: int | None = None
-    quant_type: str | None = None  # bitsandbytes 4-bit: "nf4" or "fp4"
-    summary: str = ""
-
-
-RECIPES: dict[str, Recipe] = {
-    r.name: r
-    for r in (
-        Recipe("fp32", "torch", torch.float32, summary="float32 reference"),
-        Recipe("bf16", "torch", torch.bfloat16, summary="bfloat16 weights and compute"),
-        Recipe("fp16", "torch", torch.float16, summary="float16 weights and compute"),
-        Recipe("bnb-int8", "bitsandbytes", torch.float32, 8, summary="bitsandbytes LLM.int8()"),
-        Recipe("bnb-nf4", "bitsandbytes", torch.float32, 4, "nf4", summary="bitsandbytes 4-bit NF4"),
-        Recipe("bnb-fp4", "bitsandbytes", torch.float32, 4, "fp4", summary="bitsandbytes 4-bit FP4"),
-        Recipe("rtn-int8", "rtn", torch.float32, 8, summary="simulated per-channel round-to-nearest int8"),
-        Recipe("rtn-int4", "rtn", torch.float32, 4, summary="simulated per-channel round-to-nearest int4"),
-    )
-}
 
 
 @dataclass(frozen=True)
@@ -87,25 +62,9 @@ class LoadedBuild:
         return torch.device(self.identity.device)
 
 
-def get_recipe(name: str) -> Recipe:
-    """The recipe called ``name``, or a one-line error listing the known ones."""
-    recipe = RECIPES.get(name.strip())
-    if recipe is None:
-        raise RecipeError(f"unknown build recipe {name!r}; known recipes: {', '.join(RECIPES)}")
-    return recipe
-
-
-def parse_builds(text: str | list[str]) -> list[str]:
-    """``"fp32, bnb-int8"`` -> ``["fp32", "bnb-int8"]``, each checked, duplicates dropped."""
-    items = text.split(",") if isinstance(text, str) else list(text)
-    names: list[str] = []
-    for item in items:
-        item = item.strip()
-        if item and get_recipe(item).name not in names:
-            names.append(item)
-    if not names:
-        raise RecipeError("no build recipe given; pass e.g. --circuits-builds fp32,bnb-int8")
-    return names
+def torch_dtype(recipe: Recipe) -> torch.dtype:
+    """The torch dtype a recipe's float parameters and compute use."""
+    return getattr(torch, recipe.dtype)
 
 
 def resolve_device(spec: str = "auto") -> torch.device:
@@ -119,7 +78,7 @@ def resolve_device(spec: str = "auto") -> torch.device:
         raise CircuitsError(f"unknown device {spec!r}; use auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise CircuitsError(f"device {spec!r}: no CUDA device is available here; use --circuits-device cpu")
+            raise CircuitsError(f"device {spec!r}: no CUDA device is available here; use {flag('device')} cpu")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise CircuitsError(
                 f"device {spec!r}: only {torch.cuda.device_count()} CUDA device(s) here; use cuda:0..cuda:{torch.cuda.device_count() - 1}"
@@ -142,7 +101,7 @@ def _bnb_config(recipe: Recipe):
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=recipe.quant_type,
-        bnb_4bit_compute_dtype=recipe.dtype,
+        bnb_4bit_compute_dtype=torch_dtype(recipe),
     )
 
 
@@ -178,11 +137,15 @@ def apply_rtn_(model, family: Family, bits: int) -> int:
     return count
 
 
-def _quiet_transformers():
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+@torch.no_grad()
+def check_cast_finite(model, what: str) -> None:
+    """Refuse a build whose cast made a float parameter non-finite (float16 overflows above 65504)."""
+    counts = ((name, nonfinite_of(p.detach())) for name, p in model.named_parameters())
+    bad = [(name, *found) for name, found in counts if found is not None]
+    if bad:
+        name, n_nan, n_inf = bad[0]
+        fix = "the weights exceed this dtype's range: gate fp32 or bf16 instead"
+        raise RecipeError(nonfinite_line(f"{what} (after the cast)", name, n_nan, n_inf, len(bad) - 1, fix))
 
 
 def load_build(
@@ -194,7 +157,7 @@ def load_build(
     """Load one build of ``source`` on ``device``, eager attention, in eval mode, offline."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    _quiet_transformers()
+    quiet_transformers()
     recipe = get_recipe(recipe_name)
     device = device if isinstance(device, torch.device) else resolve_device(device)
     try:
@@ -203,9 +166,11 @@ def load_build(
         )
     except ValueError as error:
         raise CircuitsError(
-            f"model {source.spec!r}: {first_line(error)} (pass --circuits-trust-remote-code only if you trust it)"
+            f"model {source.spec!r}: {first_line(error)} (pass {flag('trust-remote-code')} only if you trust it)"
         ) from None
     family = family_for_config(config)
+    tokens = token_info(source.folder, config, trust_remote_code)
+    check_finite_weights(source)  # NaN/inf in the float checkpoint: one line naming the tensor, before any figure
     kwargs = dict(
         local_files_only=True,
         trust_remote_code=trust_remote_code,
@@ -213,7 +178,7 @@ def load_build(
         use_safetensors=True,
     )
     if recipe.backend == "bitsandbytes":
-        kwargs.update(quantization_config=_bnb_config(recipe), dtype=recipe.dtype, device_map={"": str(device)})
+        kwargs.update(quantization_config=_bnb_config(recipe), dtype=torch_dtype(recipe), device_map={"": str(device)})
     else:
         kwargs.update(dtype=torch.float32)
     try:
@@ -227,12 +192,13 @@ def load_build(
     if recipe.backend == "rtn":
         apply_rtn_(model, family, recipe.bits)
     if recipe.backend != "bitsandbytes":
-        model = model.to(device=device, dtype=recipe.dtype)
+        model = model.to(device=device, dtype=torch_dtype(recipe))
+        check_cast_finite(model, f"build {recipe.name} of {source.name}")
     model.eval()
     model.requires_grad_(False)
     identity = BuildIdentity(
         recipe=recipe.name,
-        dtype=str(recipe.dtype).removeprefix("torch."),
+        dtype=recipe.dtype,
         backend=recipe.backend,
         backend_version=_backend_version(recipe),
         device=str(device),
@@ -243,7 +209,7 @@ def load_build(
         identity=identity,
         family=family,
         geometry=geometry_of(model),
-        tokens=token_info(source.folder, config),
+        tokens=tokens,
     )
     check_decomposition(build)  # refuses a build whose per-head read does not reproduce its attention
     return build

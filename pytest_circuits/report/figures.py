@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import io
 import math
+from collections.abc import Collection
+from typing import Literal
 
 import numpy as np
 
@@ -30,7 +32,7 @@ def require_matplotlib():
         ) from None
 
 
-def new_figure(width: float, height: float, layout: str | None = "constrained"):
+def new_figure(width: float, height: float, layout: Literal["constrained"] | None = "constrained"):
     """A Figure bound to an Agg canvas (no pyplot, no display).
 
     ``layout=None`` leaves the margins to the caller: about half the drawing time of the
@@ -145,7 +147,8 @@ def kappa_figure(record: dict, title: str, reference: dict | None = None):
         from matplotlib.collections import PolyCollection
 
         lo, hi, xb = mean[band] - 2 * sd[band], mean[band] + 2 * sd[band], x[band]
-        boxes = np.stack([np.c_[xb - 0.42, lo], np.c_[xb + 0.42, lo], np.c_[xb + 0.42, hi], np.c_[xb - 0.42, hi]], 1)
+        boxes = list(np.stack([np.c_[xb - 0.42, lo], np.c_[xb + 0.42, lo], np.c_[xb + 0.42, hi],
+                               np.c_[xb - 0.42, hi]], 1))
         ax.add_collection(PolyCollection(boxes, facecolors="#d9d9d9", edgecolors="none",
                                          label="null band (mean ± 2 sd)"))
     if reference is not None and data.grid_shape(reference) == data.grid_shape(record):
@@ -190,7 +193,7 @@ def _layer_axis(ax, heads: list[dict]) -> None:
     ax.set_xlabel("head (grouped by layer)")
 
 
-def heatmap_figure(panels: list[dict], title: str, outline: set[tuple[int, int]] = frozenset()):
+def heatmap_figure(panels: list[dict], title: str, outline: Collection[tuple[int, int]] = frozenset()):
     """Layer x head heatmaps side by side.
 
     Each panel: ``grid`` (layers x heads, NaN = not measured, None = not available),

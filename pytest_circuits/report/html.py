@@ -74,7 +74,7 @@ def _model_line(sections: list[Section]) -> str:
 def _banner(sections: list[Section], extra_results: list[dict]) -> str:
     """The verdict at the top: every broken invariant named, or that all held."""
     results = [r for s in sections for r in s.results] + extra_results
-    failed = [r for r in results if not r["passed"]]
+    failed = [r for r in results if r["failed"]]
     if failed:
         items = "".join(
             f"<li><b>{escape(r['build'])}</b>: <b>{escape(r['invariant'])}</b> broken"
@@ -84,7 +84,11 @@ def _banner(sections: list[Section], extra_results: list[dict]) -> str:
         return (f'<div class="banner fail"><h2>{len(failed)} of {len(results)} invariants broken</h2>'
                 f"<ul>{items}</ul></div>")
     if results:
-        return f'<div class="banner pass"><h2>All {len(results)} invariants held</h2></div>'
+        held = sum(r["passed"] for r in results)
+        skipped = [f"{r['build']} {r['invariant']}" for r in results if r["status"] == "skipped"]
+        note = f"<p>Skipped, nothing to compare: {escape(', '.join(skipped))}</p>" if skipped else ""
+        said = f"All {held} invariants held" if not skipped else f"{held} of {len(results)} invariants held, none broken"
+        return f'<div class="banner pass"><h2>{said}</h2>{note}</div>'
     return ('<div class="banner none"><h2>No gate verdicts</h2>This report shows scan results only'
             "; differences against a reference are descriptive, not verdicts.</div>")
 
@@ -97,7 +101,7 @@ def _section(s: Section) -> str:
     if moved:
         parts += ["<h3>Heads the gate found moved</h3>", _moved_table(moved)]
     if s.changes:
-        parts += [f"<h3>Largest per-head changes against {escape(data.recipe_of(s.reference))}</h3>",
+        parts += [f"<h3>Largest per-head changes against {escape(data.recipe_of(s.reference or {}))}</h3>",
                   "<p>Ranked by the change divided by the metric's spread across heads in the reference.</p>",
                   _changes_table(s.changes)]
     parts += [f'<p class="note">{escape(n)}</p>' for n in s.notes]
@@ -139,7 +143,7 @@ def _model_figures(s: Section) -> str:
 def _verdicts(results: list[dict]) -> str:
     rows = []
     for r in results:
-        status = "pass" if r["passed"] else "FAIL"
+        status = {"passed": "pass", "skipped": "skip"}.get(r["status"], "FAIL")
         message = f"<details{'' if r['passed'] else ' open'}><summary>details</summary><pre>" \
                   f"{escape(r['message'])}</pre></details>" if r["message"] else ""
         rows.append(f"<tr><td class={status}>{status}</td><td>{escape(r['invariant'])}</td>"

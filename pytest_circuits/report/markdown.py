@@ -9,20 +9,22 @@ from .sections import Section
 def summary(sections: list[Section], extra_results: list[dict]) -> str:
     """The markdown summary of the same verdicts and figures as the HTML page."""
     results = [r for s in sections for r in s.results] + extra_results
-    failed = [r for r in results if not r["passed"]]
+    failed = [r for r in results if r["failed"]]
     name = next(((s.record.get("model") or {}).get("name") for s in sections), None)
     lines = [f"# Circuits report{': ' + str(name) if name else ''}", ""]
     if failed:
         lines.append(f"**{len(failed)} of {len(results)} invariants broken:** "
                      + ", ".join(f"`{r['invariant']}` ({r['build']})" for r in failed))
     elif results:
-        lines.append(f"All {len(results)} invariants held.")
+        held = sum(r["passed"] for r in results)
+        lines.append(f"All {held} invariants held." if held == len(results) else
+                     f"{held} of {len(results)} invariants held, none broken (the rest skipped: nothing to compare).")
     else:
         lines.append("No gate verdicts: scan results only.")
     lines.append("")
     if results:
         lines += ["| result | build | invariant | against |", "|---|---|---|---|"]
-        lines += [f"| {'pass' if r['passed'] else '**FAIL**'} | {r['build']} | {r['invariant']} | {r['against']} |"
+        lines += [f"| { {'passed': 'pass', 'skipped': 'skip'}.get(r['status'], '**FAIL**') } | {r['build']} | {r['invariant']} | {r['against']} |"
                   for r in results]
         lines.append("")
     if sections:

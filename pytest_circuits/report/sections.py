@@ -62,7 +62,7 @@ class Section:
 
     @property
     def failed(self) -> list[dict]:
-        return [r for r in self.results if not r["passed"]]
+        return [r for r in self.results if r["failed"]]
 
 
 def build_section(record: dict, reference: dict | None, results: list[dict], slug: str) -> Section:
@@ -95,6 +95,7 @@ def _own_figures(section: Section) -> list[Figure]:
 def _comparison_figures(section: Section) -> list[Figure]:
     """Difference maps against the reference, then the eigenvalues of the heads that moved most."""
     record, reference, label, slug = section.record, section.reference, section.label, section.slug
+    assert reference is not None  # callers draw comparisons only against a reference
     against = data.recipe_of(reference)
     if data.grid_shape(record) != data.grid_shape(reference):
         section.notes.append(

@@ -23,11 +23,15 @@ def summary_lines(results: Iterable[Any] | None, records: Iterable[dict] | None 
     grouped = data.results_by_build(results)
     lines = []
     for build, build_results in grouped.items():
-        failed = [r for r in build_results if not r["passed"]]
+        failed = [r for r in build_results if r["failed"]]
         against = sorted({r["against"] for r in build_results if r["against"]})
         head = f"circuits {build}" + (f" vs {', '.join(against)}" if against else "")
+        skipped = [r["invariant"] for r in build_results if r["status"] == "skipped"]
+        held = sum(r["passed"] for r in build_results)
         verdict = f"FAIL ({len(failed)} of {len(build_results)} invariants broken)" if failed \
-            else f"pass ({len(build_results)} invariants held)"
+            else f"pass ({held} {'invariant' if held == 1 else 'invariants'} held)"
+        if skipped:
+            verdict += f"; skipped, nothing to compare: {', '.join(skipped)}"
         lines.append(f"{head}: {verdict}")
         for r in failed:
             lines.append(f"  FAIL {r['invariant']}" + (f": {_first_line(r['message'])}" if r["message"] else ""))

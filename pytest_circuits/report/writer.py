@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import BaselineError, CircuitsError
+from ..errors import CircuitsError
+from ..gate.store import read_baseline
 from . import data, figures, html, markdown
 from .sections import build_section
 from .summary import REPORT_PAGE, SUMMARY_PAGE, summary_lines
@@ -48,22 +49,6 @@ def write_report(out_dir: str | Path, records: Iterable[dict], references: dict[
     return page
 
 
-def load_record(path: str | Path) -> dict:
-    """The scan record stored in a baseline JSON file (file-level keys are kept and ignored)."""
-    path = Path(path)
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise BaselineError(f"baseline file {path} does not exist: check the path") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise BaselineError(f"baseline file {path} is not readable JSON ({error}): re-record it with --circuits-update") from None
-    if isinstance(raw, dict) and not isinstance(raw.get("heads"), list) and isinstance(raw.get("record"), dict):
-        raw = raw["record"]
-    if not isinstance(raw, dict) or not isinstance(raw.get("heads"), list):
-        raise BaselineError(f"baseline file {path} holds no scan record (no 'heads' list): re-record it with --circuits-update")
-    return raw
-
-
 def report_from_files(out_dir: str | Path, baseline_path: str | Path, against_path: str | Path | None = None,
                       results: Iterable[Any] | None = None) -> Path:
     """Draw the report again from baseline files alone, without the model.
@@ -71,8 +56,9 @@ def report_from_files(out_dir: str | Path, baseline_path: str | Path, against_pa
     ``baseline_path`` is the build shown; ``against_path`` (optional) the reference it is drawn
     against. Without ``results`` the differences are descriptive: verdicts come from the gate.
     """
-    record = load_record(baseline_path)
-    references = {data.recipe_of(record): load_record(against_path)} if against_path else None
+    record = read_baseline(baseline_path)
+    references: dict[str, dict | None] | None = (
+        {data.recipe_of(record): read_baseline(against_path)} if against_path else None)
     return write_report(out_dir, [record], references, results)
 
 
@@ -86,9 +72,9 @@ def report_command(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         page = report_from_files(args.out, args.baseline, args.against)
-        record = load_record(args.baseline)
+        record = read_baseline(args.baseline)
     except CircuitsError as error:
-        print(f"circuits report: error: {error}")
+        print(f"circuits report: {error}", file=sys.stderr)
         return 2
     for line in summary_lines([], [record], page):
         print(line)

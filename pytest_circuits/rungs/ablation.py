@@ -1,4 +1,4 @@
-"""Hooks on the attention output projection, whose input is ``z`` (DEFINITIONS.md, rung 2).
+"""Hooks on the attention output projection, whose input is ``z`` (docs/definitions.md, "Rung 2").
 
 ``z`` is the concatenation of the head outputs: head ``h`` is columns
 ``h*d_head:(h+1)*d_head`` of the input of ``out_proj_module(model, l)``. Knocking out

@@ -1,6 +1,6 @@
 """Rung 1, weights: the OV copying score kappa of every head, against a rotation null.
 
-Definitions (shared/reference/DEFINITIONS.md, "Rung 1, weights"):
+Definitions (docs/definitions.md, "Rung 1, weights: kappa"):
 
 * reduced OV matrix of head ``LlHh``: ``M_h = W_O W_U W_E W_V`` (``d_head x d_head``); its
   nonzero eigenvalues are those of ``W_E W_OV W_U`` (``vocab x vocab``, never formed).

@@ -1,4 +1,4 @@
-"""Rung 2: the head knockout scan (DEFINITIONS.md), exact and fast.
+"""Rung 2: the head knockout scan (docs/definitions.md, "Rung 2, interventions: knockout"), exact and fast.
 
 ``knockout_delta(h) = copy_loss(model with h knocked out) - copy_loss(intact model)`` on
 held-out repeat sequences (``settings`` carries a seed other than the probe's). Copy loss

@@ -1,4 +1,4 @@
-"""The random-repeat probe: copy losses and per-head routing scores (DEFINITIONS.md).
+"""The random-repeat probe: copy losses and per-head routing scores (docs/definitions.md, "The random-repeat probe").
 
 Tokens come from `repeat.repeat_tokens` (``[BOS] x x``, ``x`` of length ``L``); write
 ``o`` for the BOS offset (0 or 1) and index positions of ``x x`` by ``t = 0 .. 2L-1``

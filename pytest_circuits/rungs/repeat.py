@@ -1,4 +1,4 @@
-"""Tokens and losses of the random-repeat probe (DEFINITIONS.md).
+"""Tokens and losses of the random-repeat probe (docs/definitions.md, "The random-repeat probe").
 
 Tokens: ``n`` sequences of ``L`` ordinary ids drawn uniformly with
 ``numpy.random.Generator(PCG64(seed))``, each followed by an exact copy
@@ -10,27 +10,17 @@ copy loss = mean ``CE_t`` over ``t in L+1 .. 2L-1``; first-copy loss = mean over
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from ..errors import CircuitsError
 from ..model.vocab import TokenInfo
+from ..options import flag
+from ..settings import RepeatSettings  # noqa: F401  (re-exported: the probe's settings)
 
 CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
-
-
-@dataclass(frozen=True)
-class RepeatSettings:
-    """Probe settings that fix its tokens: seed, sequences ``n``, segment length ``L``."""
-
-    seed: int = 0
-    n: int = 8
-    L: int = 64
-
-    def as_dict(self) -> dict:
-        return {"seed": self.seed, "n": self.n, "L": self.L}
+MIN_ORDINARY_IDS = 2  # with one id every sequence is the same token: no copying to measure
+KNOCKOUT_REPLAY_ROWS = 64  # knockout.ROWS_PER_PASS: rows of one knockout replay pass
 
 
 def bos_offset(tokens: TokenInfo) -> int:
@@ -47,24 +37,123 @@ def context_length(config) -> int | None:
     return None
 
 
+def check_vocabulary(tokens: TokenInfo) -> int:
+    """The number of ordinary ids, refused below `MIN_ORDINARY_IDS` (the probe would be one token repeated)."""
+    count = int(tokens.ordinary_ids().size)
+    if count < MIN_ORDINARY_IDS:
+        raise CircuitsError(
+            f"the model has {count} ordinary token id(s) (vocab_size {tokens.vocab_size}, "
+            f"{len(tokens.special_ids)} special); the repeat probe needs at least {MIN_ORDINARY_IDS} "
+            "to draw random sequences: check vocab_size in config.json"
+        )
+    return count
+
+
+def token_bytes(n: int, L: int, vocab: int) -> int:
+    """Peak bytes of `repeat_tokens`: ``8 n (5L + 2) + 24 V`` plus 64 KiB of bookkeeping."""
+    return 8 * n * (5 * L + 2) + 24 * vocab + 65536
+
+
+def probe_memory(geometry, n: int, L: int, batch_size: int, knockout: bool = True) -> dict[str, int]:
+    """Estimated peak bytes of the repeat probe (and the knockout scan), by part.
+
+    With ``T = 2L + 1`` (BOS counted), ``b`` = batch size, ``H`` heads, ``V`` vocab, ``d`` = d_model,
+    a forward of ``r`` rows holds one layer's attention ``2 * 4 r H T^2`` (scores, softmax) and
+    activations ``8 * 4 r T d`` (float32). Token arrays: ``8 n (5L + 2) + 24 V`` bytes per probe
+    plus 64 KiB (draw, copy, BOS column and array; the ordinary ids), twice with knockouts. Probe pass: logits ``4 b T V`` plus one sequence's
+    float copies ``8 T V``. Knockout pass: every block's recorded input ``4 n T d n_layers`` plus
+    the larger of the intact pass (logits, float copy, log-softmax: ``12 b T V``) and a replay of
+    ``R = min(max(b, 64), n H)`` rows unembedding the ``L`` copy positions (``8 R L V``).
+    """
+    T = 2 * L + 1
+    H, V, d, layers = geometry.n_heads, geometry.vocab, geometry.d_model, geometry.n_layers
+
+    def forward(rows: int) -> int:
+        return 2 * 4 * rows * H * T * T + 8 * 4 * rows * T * d
+
+    b = min(batch_size, n)
+    parts = {"tokens": token_bytes(n, L, V) * (2 if knockout else 1),
+             "probe pass": forward(b) + 4 * b * T * V + 8 * T * V}
+    if knockout:
+        replay = min(max(batch_size, KNOCKOUT_REPLAY_ROWS), n * H)
+        intact = forward(b) + 12 * b * T * V
+        parts["knockout pass"] = 4 * n * T * d * layers + max(intact, forward(replay) + 8 * replay * L * V)
+    return parts
+
+
+def probe_peak(parts: dict[str, int]) -> int:
+    """Peak bytes of `probe_memory`'s parts: the token arrays plus the larger of the two passes (they never overlap)."""
+    return parts["tokens"] + max(v for k, v in parts.items() if k != "tokens")
+
+
+def available_memory(device="cpu") -> int:
+    """Bytes free for new tensors: ``psutil``'s available host memory, or the CUDA device's free memory."""
+    device = str(device)
+    if device.startswith("cuda"):
+        import torch
+
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        with open("/proc/meminfo") as handle:
+            info = dict(line.split(":", 1) for line in handle)
+        return int(info["MemAvailable"].split()[0]) * 1024
+
+
+def check_probe_memory(geometry, n: int, L: int, batch_size: int, knockout: bool = True,
+                       device="cpu", available: int | None = None) -> int:
+    """Refuse, before anything is allocated, a probe whose estimated peak (`probe_memory`) exceeds
+    the memory available (``available`` bytes, by default `available_memory`); returns the estimate."""
+    for name, value, least in (("n", n, 1), ("L", L, 2), ("batch size", batch_size, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise CircuitsError(f"probe {name} must be an integer >= {least}, got {value!r}")
+    parts = probe_memory(geometry, n, L, batch_size, knockout)
+    needed = probe_peak(parts)
+    free = available_memory(device) if available is None else int(available)
+    if needed > free:
+        gib = 1024**3
+        detail = ", ".join(f"{k} {v / gib:.3g}" for k, v in parts.items())
+        raise CircuitsError(
+            f"the repeat probe with n={n}, L={L}, batch size {batch_size} needs about {needed / gib:.3g} GiB "
+            f"({detail} GiB) but {free / gib:.3g} GiB is available on {device}; lower "
+            f"{flag('probe-n')}, {flag('probe-length')} or {flag('batch-size')}"
+        )
+    return needed
+
+
+def _check_token_memory(n: int, L: int, vocab: int) -> None:
+    """Last guard before the draw: the token arrays alone (`token_bytes`) must fit in host memory."""
+    needed, free = token_bytes(n, L, vocab), available_memory("cpu")
+    if needed > free:
+        raise CircuitsError(
+            f"the repeat probe's tokens with n={n}, L={L} need {needed / 1024**3:.3g} GiB "
+            f"but {free / 1024**3:.3g} GiB is available; lower {flag('probe-n')} or {flag('probe-length')}"
+        )
+
+
 def check_fits(config, tokens: TokenInfo, L: int) -> None:
-    """Refuse a segment length whose repeated sequence exceeds the model's context."""
+    """Refuse a vocabulary without two ordinary ids, or a segment length whose repeated sequence
+    exceeds the model's context."""
+    check_vocabulary(tokens)
     if L < 2:
-        raise CircuitsError(f"probe length L={L} is too short; use L >= 2 (e.g. --circuits-probe-length 64)")
+        raise CircuitsError(f"probe length L={L} is too short; use L >= 2 (e.g. {flag('probe-length')} 64)")
     needed = 2 * L + bos_offset(tokens)
     limit = context_length(config)
     if limit is not None and needed > limit:
         raise CircuitsError(
             f"probe length L={L} needs {needed} positions but the model's context is {limit}; "
-            f"use --circuits-probe-length {(limit - bos_offset(tokens)) // 2} or less"
+            f"use {flag('probe-length')} {(limit - bos_offset(tokens)) // 2} or less"
         )
 
 
 def repeat_tokens(tokens: TokenInfo, n: int, L: int, seed: int) -> torch.Tensor:
     """``(n, 2L [+1])`` int64 ids: ``[BOS] x x`` with ``x`` uniform over the ordinary ids."""
+    check_vocabulary(tokens)
+    _check_token_memory(n, L, tokens.vocab_size)
     ordinary = tokens.ordinary_ids()
-    if ordinary.size == 0:
-        raise CircuitsError("the model has no ordinary token ids to sample from; check its vocab_size")
     rng = np.random.Generator(np.random.PCG64(seed))
     first = ordinary[rng.integers(0, ordinary.size, size=(n, L))]
     sequences = np.concatenate([first, first], axis=1)

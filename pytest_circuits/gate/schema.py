@@ -1,0 +1,141 @@
+"""The validated schema of a scan record (baselines and ``circuits scan --json``).
+
+Built with pydantic v2 from the figure table (`rungs/figures.py`), so a figure is declared
+once and checked everywhere: strict types (a string is never a number, a bool never a
+float), ranges, head labels that exist in the stated geometry, every head of the geometry
+present exactly once, eigenvalue arrays of ``d_head`` pairs. pydantic rather than
+jsonschema: the models are built from Python declarations we already have, cross-field
+checks (labels against geometry) are plain Python, and every error carries its location.
+Unknown extra keys are allowed (a newer minor version may add figures).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+
+from ..rungs import figures
+
+SCHEMA_VERSION = 1
+
+_STRICT = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+_TYPES: dict[str, Any] = {"float": float, "int": int, "bool": bool, "str": str}
+
+
+def _field(figure: figures.Figure):
+    """``(annotation, default)`` of one stored head figure."""
+    kind: Any = _TYPES[figure.kind]
+    if figure.low is not None or figure.high is not None:
+        kind = Annotated[kind, Field(ge=figure.low, le=figure.high)]
+    if figure.nullable or figure.stored == "measured":
+        kind = kind | None
+    return kind, (None if figure.stored == "measured" else ...)
+
+
+HeadRow = create_model(
+    "HeadRow",
+    __config__=_STRICT,
+    **{f.name: _field(f) for f in figures.HEAD_FIGURES if f.stored},
+)
+
+
+class Geometry(BaseModel):
+    model_config = _STRICT
+    n_layers: int = Field(ge=1)
+    n_heads: int = Field(ge=1)
+    n_kv_heads: int = Field(ge=1)
+    d_model: int = Field(ge=1)
+    d_head: int = Field(ge=1)
+    vocab: int = Field(ge=2)
+
+
+class ModelInfo(BaseModel):
+    model_config = _STRICT
+    name: str
+    spec: str
+    family: str
+    fingerprint: str | None = None
+    geometry: Geometry
+
+
+class BuildInfo(BaseModel):
+    model_config = _STRICT
+    recipe: str = Field(min_length=1)
+    dtype: str
+    backend: str
+    backend_version: str
+    device: str
+
+
+class ProbeInfo(BaseModel):
+    model_config = _STRICT
+    seed: int = Field(ge=0)
+    n: int = Field(ge=1)
+    L: int = Field(ge=2)
+
+
+class KnockoutInfo(ProbeInfo):
+    mode: Literal["zero", "mean"]
+
+
+_MODEL_FIGURES = {f.name: (Annotated[float, Field(ge=f.low, le=f.high)], ...) for f in figures.MODEL_FIGURES}
+_Figures = create_model("_Figures", __config__=_STRICT, **_MODEL_FIGURES)  # type: ignore[call-overload]
+
+
+class Record(_Figures):  # type: ignore[misc, valid-type]
+    """One scan record; `model_validator` checks the heads against the geometry."""
+
+    schema_version: Literal[1]
+    model: ModelInfo
+    build: BuildInfo
+    probe: ProbeInfo
+    knockout: KnockoutInfo | None = None
+    heads: list[HeadRow]  # type: ignore[valid-type]
+    eigenvalues: dict[str, list[Annotated[list[float], Field(min_length=2, max_length=2)]]] = Field(
+        default_factory=dict)  # head -> [[re, im], ...]
+
+    @model_validator(mode="after")
+    def _heads_match_geometry(self):
+        geo = self.model.geometry
+        seen: set[str] = set()
+        for i, row in enumerate(self.heads):
+            cell = figures.parse_label(row.head)
+            if cell is None:
+                raise ValueError(f"heads[{i}].head {row.head!r} is not a head label L<layer>H<head>")
+            layer, head = cell
+            if not (layer < geo.n_layers and head < geo.n_heads):
+                raise ValueError(f"heads[{i}].head {row.head} does not exist in a model of "
+                                 f"{geo.n_layers} layers x {geo.n_heads} heads")
+            if (row.layer, row.head_index) != (layer, head):
+                raise ValueError(f"heads[{i}] is labelled {row.head} but has layer {row.layer}, "
+                                 f"head_index {row.head_index}")
+            if row.head in seen:
+                raise ValueError(f"heads[{i}].head {row.head} appears twice")
+            seen.add(row.head)
+        expected = geo.n_layers * geo.n_heads
+        if len(seen) != expected:
+            raise ValueError(f"heads holds {len(seen)} of the geometry's {expected} heads "
+                             f"({geo.n_layers} layers x {geo.n_heads} heads)")
+        for label, pairs in self.eigenvalues.items():
+            if label not in seen:
+                raise ValueError(f"eigenvalues.{label} names a head that is not in heads")
+            if len(pairs) != geo.d_head:
+                raise ValueError(f"eigenvalues.{label} holds {len(pairs)} values, d_head is {geo.d_head}")
+        return self
+
+
+def problem(error: ValidationError) -> str:
+    """The first violation of a record as ``field: what is wrong (got X)``, plus how many more."""
+    errors = error.errors(include_url=False)
+    first = errors[0]
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in first["loc"]).lstrip(".")
+    message = first["msg"].removeprefix("Value error, ")
+    got = "" if first["type"] in ("missing", "value_error") else f" (got {_short(first.get('input'))})"
+    more = f"; {len(errors) - 1} more problem(s)" if len(errors) > 1 else ""
+    return f"{where + ': ' if where else ''}{message}{got}{more}"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

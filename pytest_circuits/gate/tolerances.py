@@ -1,0 +1,51 @@
+"""Gate tolerances: defaults < ini ``circuits_tol_<name>`` < ``@pytest.mark.circuits_tolerance``.
+
+Light (no numpy): the plugin registers one ini key per field at start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """Each field is an ini key ``circuits_tol_<name>``, a marker keyword and a ``--tol`` name."""
+
+    kappa: float = 0.15  # |delta kappa| and |delta kappa_trace| per head
+    rank: float = 0.80  # minimum Spearman rank correlation of kappa across heads
+    shift: float = 1.0  # |mean delta kappa_z| across heads, in null standard deviations
+    copy_loss: float = 0.25  # |delta copy loss|, nats
+    copy_gain: float = 0.25  # |delta copy gain|, nats
+    prefix: float = 0.10  # |delta prefix_matching| / |delta previous_token| of key heads
+    knockout: float = 0.5  # |delta knockout_delta| / |knockout_delta| of key heads
+    top_k: int = 0  # at most this many key heads per routing score and for knockouts (0: every one)
+    min_score: float = 0.2  # a routing score below this does not make a key head
+    min_delta: float = 0.1  # a knockout delta below this (nats) does not make a key head
+    min_ov_gain: float = 0.01  # heads with OV gain below this x the largest: kappa not compared
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    def updated(self, overrides: dict) -> Tolerances:
+        """A copy with ``overrides`` applied; unknown names or bad values raise ValueError."""
+        unknown = sorted(set(overrides) - set(self.names()))
+        if unknown:
+            raise ValueError(f"unknown tolerance(s) {', '.join(unknown)}; known: {', '.join(self.names())}")
+        clean: dict[str, Any] = {}
+        for name, value in overrides.items():
+            kind = int if name == "top_k" else float
+            try:
+                clean[name] = kind(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"tolerance {name} must be a number, got {value!r}") from None
+            if not clean[name] == clean[name]:  # NaN would make every comparison fail silently
+                raise ValueError(f"tolerance {name} must be a number, got {value!r}")
+            if clean[name] < 0 and name != "rank":
+                raise ValueError(f"tolerance {name} must be >= 0, got {value!r}")
+        return replace(self, **clean)
+
+    def as_dict(self) -> dict:
+        return asdict(self)

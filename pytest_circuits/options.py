@@ -1,0 +1,154 @@
+"""Every option of a circuits run, declared once for pytest (flags and ini keys) and the CLI.
+
+An `Option` knows its three spellings (``--circuits-probe-n``, ini ``circuits_probe_n``,
+``--probe-n``), its type, default, bounds and help; `parse` checks a raw value and names
+the flag the user actually typed. `flag(name)` spells an option for the front end that is
+running (pytest or the ``circuits`` command), so hints deep in the code are copyable.
+
+Light by design: this module imports nothing heavier than the standard library, because
+pytest imports it for every run of every project that has the plugin installed.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import CircuitsError
+
+DEFAULT_MODEL = "tiny-induction"
+DEFAULT_BUILDS = ("fp32", "bnb-int8", "bnb-nf4")
+DEFAULT_REFERENCE = "fp32"
+
+FRONT_END: ContextVar[str] = ContextVar("circuits_front_end", default="pytest")
+
+
+class OptionError(CircuitsError):
+    """An option value out of its type or bounds."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One knob: ``kind`` is ``str``, ``int``, ``bool``, ``path`` or ``choice``."""
+
+    name: str  # "probe-n": pytest --circuits-probe-n, ini circuits_probe_n, CLI --probe-n
+    kind: str
+    default: Any
+    help: str
+    minimum: int | None = None
+    maximum: int | None = None
+    choices: tuple[str, ...] = ()
+    cli: tuple[str, ...] = ()  # CLI subcommands that take it ("" entries never)
+    cli_default: Any = field(default=None)  # the CLI's default where it differs from pytest's
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+    @property
+    def ini(self) -> str:
+        return "circuits_" + self.dest
+
+    @property
+    def pytest_flag(self) -> str:
+        return f"--circuits-{self.name}"
+
+    @property
+    def cli_flag(self) -> str:
+        return f"--{self.name}"
+
+    def parse(self, raw: Any, front_end: str | None = None) -> Any:
+        """``raw`` (a string from the command line or ini, or a value) checked and converted."""
+        said = _flag_of(self, front_end)
+        if raw is None or raw == "":
+            return None
+        if self.kind == "bool":
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise OptionError(f"{said} must be true or false, got {raw!r}")
+        if self.kind == "int":
+            try:
+                value = int(str(raw).strip())
+            except ValueError:
+                raise OptionError(f"{said} must be an integer, got {raw!r}") from None
+            if self.minimum is not None and value < self.minimum:
+                raise OptionError(f"{said} must be at least {self.minimum}, got {value}")
+            if self.maximum is not None and value > self.maximum:
+                raise OptionError(f"{said} must be at most {self.maximum}, got {value}")
+            return value
+        if self.kind == "choice":
+            choice = str(raw).strip()
+            if choice not in self.choices:
+                raise OptionError(f"{said} must be one of {', '.join(self.choices)}, got {raw!r}")
+            return choice
+        if self.kind == "path":
+            return Path(str(raw)).expanduser()
+        return str(raw).strip()
+
+
+_SCAN_LIKE = ("scan", "record", "gate")
+
+OPTIONS: tuple[Option, ...] = (
+    Option("model", "str", DEFAULT_MODEL,
+           "model to gate: a save_pretrained folder, a local Hugging Face cache id, a .gguf file, "
+           "or a named model (tiny-induction, smollm2-135m)"),
+    Option("builds", "str", ",".join(DEFAULT_BUILDS),
+           "comma list of build recipes (fp32, bf16, fp16, bnb-int8, bnb-nf4, bnb-fp4, rtn-int8, rtn-int4)"),
+    Option("reference", "str", DEFAULT_REFERENCE, "the build every other build is gated against"),
+    Option("name", "str", None,
+           "the model's name in baseline file names (default: the model folder's or file's name)",
+           cli=("scan", "record", "gate")),
+    Option("baselines", "path", None, "baselines folder (default: baselines/ at the rootdir; circuits: ./baselines)",
+           cli=("record",), cli_default=Path("baselines")),
+    Option("device", "str", "auto", "auto, cpu, cuda or cuda:N", cli=_SCAN_LIKE),
+    Option("report", "path", None, "write an HTML and markdown report to this folder"),
+    Option("probe-seed", "int", 0, "seed of the random-repeat probe tokens", minimum=0, maximum=2**63 - 1,
+           cli=_SCAN_LIKE),
+    Option("probe-n", "int", 8, "number of random-repeat sequences", minimum=1, maximum=1_000_000, cli=_SCAN_LIKE),
+    Option("probe-length", "int", 64, "length L of each random segment (sequences are 2L long)",
+           minimum=2, maximum=1_000_000, cli=_SCAN_LIKE),
+    Option("knockout-mode", "choice", "zero", "head knockout: zero or mean ablation", choices=("zero", "mean"),
+           cli=_SCAN_LIKE),
+    Option("knockout-screen", "int", None,
+           "rank heads by attribution patching and knock out only the top K exactly (big models)",
+           minimum=0, cli=_SCAN_LIKE),
+    Option("batch-size", "int", 8, "sequences per forward pass", minimum=1, maximum=1_000_000, cli=_SCAN_LIKE),
+    Option("update", "bool", False, "record the baselines of the builds tested; an existing file is rewritten "
+           "only when a figure moved by more than 1e-3 relative + 1e-6, or its identity or schema changed"),
+    Option("update-all", "bool", False, "record the baselines of the builds tested, rewriting every file"),
+    Option("trust-remote-code", "bool", False,
+           "allow the model folder's own Python code to run (off unless asked for)", cli=_SCAN_LIKE),
+)
+BY_NAME = {option.name: option for option in OPTIONS}
+
+
+def _flag_of(option: Option, front_end: str | None = None) -> str:
+    return option.cli_flag if (front_end or FRONT_END.get()) == "cli" else option.pytest_flag
+
+
+def flag(name: str) -> str:
+    """How the running front end spells option ``name`` (``--circuits-probe-n`` or ``--probe-n``)."""
+    return _flag_of(BY_NAME[name])
+
+
+def parse_value(name: str, raw: Any, front_end: str | None = None) -> Any:
+    """`Option.parse` of the option called ``name``; the default when ``raw`` is empty."""
+    option = BY_NAME[name]
+    value = option.parse(raw, front_end)
+    return option.default if value is None else value
+
+
+def markdown_table() -> str:
+    """The README's option rows: flag, ini key, default and help of every option."""
+    rows = []
+    for option in OPTIONS:
+        default = "off" if option.kind == "bool" else ("none" if option.default in (None, "") else option.default)
+        rows.append(f"| `{option.pytest_flag}` | `{option.ini}` | `{default}` | {option.help} |")
+    return "\n".join(rows)

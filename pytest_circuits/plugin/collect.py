@@ -1,0 +1,184 @@
+"""The pytest side of the gate: results gathered from test reports, the terminal summary,
+the report folder. Results travel as plain data in ``user_properties``, so pytest-xdist
+carries them from the workers to the controller, where the summary and report are made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from ..options import flag
+
+
+@dataclass
+class Collected:
+    """Everything the gate tests of one run attached, gathered where the summary is printed."""
+
+    results: list[dict] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    records: dict = field(default_factory=dict)  # recipe -> scan record (only with --circuits-report)
+    references: dict = field(default_factory=dict)  # recipe -> reference baseline record or None
+    report_path: Path | None = None
+    used: bool = False
+
+    def add(self, user_properties) -> None:
+        from ..gate.record import has_figures
+
+        for key, value in user_properties:
+            if not key.startswith("circuits_"):
+                continue
+            self.used = True
+            if key == "circuits_results":
+                self.results.extend(value)
+            elif key == "circuits_events":
+                self.events.extend(e for e in value if e not in self.events)
+            elif key in ("circuits_notes", "circuits_problems"):
+                bucket = self.notes if key == "circuits_notes" else self.problems
+                bucket.extend(v for v in value if v not in bucket)
+            elif key == "circuits_record":
+                recipe, record = value
+                old = self.records.get(recipe)
+                if old is None or has_figures(record, "knockout") or not has_figures(old, "knockout"):
+                    self.records[recipe] = record
+            elif key == "circuits_reference":
+                recipe, record = value
+                self.references[recipe] = record
+
+
+def fix_lines(session, recipe: str, test_path: str) -> dict[str, str]:
+    """The closing line of a failure message: how to accept the change if it is intended."""
+    s = session.settings
+    return {
+        "own": f"if the change is intended, record the baseline again: {update_command(session, recipe, test_path)}",
+        "reference": (
+            f"if {recipe} may differ this much from {s.reference}, loosen the tolerance "
+            "(@pytest.mark.circuits_tolerance(...) or circuits_tol_* in [tool.pytest.ini_options]); "
+            f"if the {s.reference} build changed on purpose, record its baseline again: "
+            f"{update_command(session, s.reference, test_path)}"
+        ),
+    }
+
+
+def update_command(session, recipe: str, test_path: str) -> str:
+    """A complete pytest command that re-records the baseline of ``recipe`` as this run gated it."""
+    import shlex
+
+    s = session.settings
+    words = ["pytest", test_path, flag("model"), s.model, flag("builds"), recipe, flag("baselines"),
+             str(s.baselines), flag("update")]
+    if s.name:
+        words += [flag("name"), s.name]
+    if s.knockout_screen is not None:
+        words += [flag("knockout-screen"), str(s.knockout_screen)]
+    if s.knockout_mode != "zero":
+        words += [flag("knockout-mode"), s.knockout_mode]
+    for name, value, default in (("probe-seed", s.probe.seed, 0), ("probe-n", s.probe.n, 8),
+                                 ("probe-length", s.probe.L, 64)):
+        if value != default:
+            words += [flag(name), str(value)]
+    return shlex.join(words)
+
+
+def gate_for_test(request, session, recipe: str, invariant: str, tol):
+    """`gate_build` for one pytest item; results travel as user properties (pytest-xdist safe)."""
+    try:
+        test_path = request.node.path.relative_to(request.config.rootpath)
+    except ValueError:
+        test_path = request.node.path
+    from ..gate.verdict import gate_build
+
+    outcome = gate_build(session, recipe, invariant, tol, fix_lines(session, recipe, str(test_path)))
+    props = request.node.user_properties
+    props.append(("circuits_results", [r.as_dict() for r in outcome.results]))
+    props.append(("circuits_events", list(session.events)))
+    props.append(("circuits_notes", [f"{recipe}: {n}" for n in outcome.notes]))
+    props.append(("circuits_problems", list(outcome.problems)))
+    if session.settings.report is not None:
+        from ..gate.invariants import get
+
+        knockout = "knockout" in get(invariant).needs
+        props.append(("circuits_record", (recipe, session.record(recipe, knockout=knockout))))
+        try:
+            reference = session.load_baseline(session.settings.reference)
+        except Exception:
+            reference = None
+        props.append(("circuits_reference", (recipe, reference)))
+    return outcome
+
+
+def baseline_lines(session, collected: Collected, verbosity: int = 0) -> list[str]:
+    """Which baselines were written, compared, missing, corrupt; orphans counted (named with -v,
+    left out with -q)."""
+
+    lines = []
+    for event, verb in (("written", "written"), ("unchanged", "unchanged (not rewritten; --circuits-update-all "
+                        "forces it)"), ("compared", "compared"), ("missing", "missing"), ("corrupt", "unreadable")):
+        paths = sorted({e["path"] for e in collected.events if e["event"] == event})
+        if paths:
+            lines.append(f"baselines {verb}: {', '.join(paths)}")
+    missing = sorted({e["recipe"] for e in collected.events if e["event"] == "missing"})
+    for recipe in missing:
+        lines.append(f"  record {recipe} with: {session.record_command(recipe)}")
+    try:
+        used = set(session.settings.builds) | {session.settings.reference}
+        orphaned = session.store.orphans(session.model_name, used)
+    except Exception:  # the model did not resolve: the tests already said why
+        orphaned = []
+    if orphaned and verbosity > 0:
+        lines.append(f"baselines orphaned (no tested build used them): {', '.join(str(p) for p in orphaned)}")
+    elif orphaned and verbosity == 0:
+        lines.append(f"{len(orphaned)} other baseline(s) of this model not used by the builds tested (-v names them)")
+    return lines
+
+
+def result_lines(collected: Collected) -> list[str]:
+    """The report module's summary lines when it is installed, else one line per failed result."""
+    try:
+        from ..report import summary_lines
+
+        return list(summary_lines(collected.results, report_dir=collected.report_path))
+    except ImportError:
+        pass
+    failed = [r for r in collected.results if r["status"] == "failed"]
+    lines = [f"gate: {len(collected.results) - len(failed)} of {len(collected.results)} invariant checks passed"]
+    lines += [f"  FAILED {r['build']} {r['invariant']} against the {r['against']}" for r in failed]
+    return lines
+
+
+def terminal_summary(terminalreporter, session, collected: Collected) -> None:
+    """The ``circuits`` section of the terminal summary."""
+    terminalreporter.section("circuits")
+    verbosity = terminalreporter.config.get_verbosity()
+    for line in collected.notes + baseline_lines(session, collected, verbosity) + result_lines(collected):
+        terminalreporter.write_line(line)
+
+
+def write_report(session, collected: Collected) -> None:
+    """``--circuits-report DIR``: the report module's HTML page; a missing module is one line."""
+    if session.settings.report is None:
+        return
+    try:
+        from ..report import write_report as write
+    except ImportError as error:
+        collected.notes.append(f"--circuits-report: the report module is unavailable ({error})")
+        return
+    try:
+        collected.report_path = write(session.settings.report, list(collected.records.values()),
+                                      collected.references, collected.results)
+    except Exception as error:  # the gate's verdict stands even if drawing fails
+        collected.notes.append(f"--circuits-report: writing the report failed: {type(error).__name__}: {error}")
+
+
+class Collector:
+    """Collects the gate results tests attach as user properties (on the controller under xdist)."""
+
+    def __init__(self, collected: Collected):
+        self.collected = collected
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call":
+            self.collected.add(report.user_properties)

@@ -1,0 +1,135 @@
+"""Every figure the rungs report, declared once (docs/definitions.md gives each formula).
+
+A `Figure` says which rung and result frame produce it, its type and range, whether scan
+records (baselines, ``circuits scan --json``) store it, and how the CLI table, ``circuits
+diff`` and the report show it. The kappa frame's columns, the record's head rows and their
+validation, the CLI table and diff and the report's heatmaps all derive from `HEAD_FIGURES`
+and `MODEL_FIGURES`; adding a figure is one entry here.
+
+Light: no torch, numpy or pandas.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+HEAD_LABEL = re.compile(r"^L(\d+)H(\d+)$")  # L{layer}H{head}, zero-based
+
+
+def parse_label(label) -> tuple[int, int] | None:
+    """``(layer, head)`` of a head label ``L3H7``; None when ``label`` is not one."""
+    match = HEAD_LABEL.match(str(label).strip())
+    return (int(match[1]), int(match[2])) if match else None
+
+
+# where a figure comes from: the per-head frames of the rungs, or the probe's model-level result
+SOURCES = ("index", "kappa", "probe", "knockout", "probe_model")
+# stored: "always" (None when not measured), "measured" (only when its frame has it), "" (never)
+STORED = ("always", "measured", "")
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One per-head or model-level figure."""
+
+    name: str
+    source: str  # one of SOURCES
+    kind: str  # "float", "bool", "int", "str"
+    rung: str  # "1", "1/2", "2" or "" (identifiers)
+    stored: str = "always"  # one of STORED
+    low: float | None = None  # range checked when records are read (inclusive)
+    high: float | None = None
+    nullable: bool = False  # a stored None is legal (not measured), not a corrupt record
+    title: str = ""  # CLI table column title ("" = not in the table)
+    fmt: str = "{:.3f}"
+    diff: bool = False  # shown by `circuits diff`
+    heatmap: str = ""  # report heatmap title ("" = none)
+    heatmap_kind: str = ""  # "diverging" (centred on 0) or "score" (0..1)
+
+
+def _kappa(name: str, kind: str = "float", **how: Any) -> Figure:
+    """A rung-1 figure of the kappa frame."""
+    return Figure(name, "kappa", kind, "1", **how)
+
+
+def _routing(name: str, **how: Any) -> Figure:
+    """A rung-1/2 routing score of the repeat probe: a mean attention weight, in [0, 1]."""
+    return Figure(name, "probe", "float", "1/2", low=0.0, high=1.0, **how)
+
+
+_PROB: dict[str, Any] = dict(low=0.0, high=1.0)
+
+HEAD_FIGURES: tuple[Figure, ...] = (
+    Figure("head", "index", "str", ""),
+    Figure("layer", "index", "int", "", low=0),
+    Figure("head_index", "index", "int", "", low=0),
+    # rung 1: the kappa frame, in its column order
+    _kappa("kappa", low=-1.0, high=1.0, title="kappa", fmt="{:+.3f}", diff=True,
+           heatmap="κ (OV copying)", heatmap_kind="diverging"),
+    _kappa("kappa_trace", low=-1.0, high=1.0, title="trace", fmt="{:+.3f}", diff=True),
+    _kappa("kappa_null_mean", low=-1.0, high=1.0),
+    _kappa("kappa_null_sd", low=0.0),
+    _kappa("kappa_z", title="z", fmt="{:+.2f}", diff=True),
+    _kappa("kappa_p", **_PROB),
+    _kappa("kappa_q", **_PROB, title="q"),
+    _kappa("copying", "bool"),
+    _kappa("suppression", "bool"),
+    _kappa("kappa_p_empirical", **_PROB, stored=""),
+    _kappa("kappa_trace_null_mean", stored=""),
+    _kappa("kappa_trace_null_sd", stored=""),
+    _kappa("kappa_trace_z", stored="measured"),
+    _kappa("kappa_trace_p", stored=""),
+    _kappa("kappa_trace_q", stored=""),
+    _kappa("kappa_trace_p_empirical", stored=""),
+    _kappa("copying_trace", "bool", stored="measured"),
+    _kappa("suppression_trace", "bool", stored="measured"),
+    _kappa("kv_group", "int", stored=""),
+    _kappa("ov_gain", stored="measured", low=0.0, title="ov gain"),  # the CLI shows it over the largest
+    # rung 1/2: routing scores of the repeat probe
+    _routing("prefix_matching", title="prefix", diff=True, heatmap="prefix-matching", heatmap_kind="score"),
+    _routing("previous_token", title="prev", diff=True, heatmap="previous-token", heatmap_kind="score"),
+    _routing("duplicate_token", title="dup", diff=True),
+    # rung 2: knockouts (None where a screened scan ran no exact knockout)
+    Figure("knockout_delta", "knockout", "float", "2", nullable=True, title="knockout", fmt="{:+.3f}",
+           diff=True, heatmap="knockout Δloss (nats)", heatmap_kind="diverging"),
+    Figure("knockout_estimate", "knockout", "float", "2", stored="measured", nullable=True),
+)
+
+MODEL_FIGURES: tuple[Figure, ...] = (
+    Figure("copy_loss", "probe_model", "float", "1/2", low=0.0, fmt="{:.4f}"),
+    Figure("first_copy_loss", "probe_model", "float", "1/2", low=0.0, fmt="{:.4f}"),
+    Figure("copy_gain", "probe_model", "float", "1/2", fmt="{:.4f}"),
+    Figure("uniform_loss", "probe_model", "float", "1/2", low=0.0, fmt="{:.4f}"),
+)
+
+BY_NAME = {f.name: f for f in HEAD_FIGURES + MODEL_FIGURES}
+
+
+def columns(source: str) -> tuple[str, ...]:
+    """The columns of one rung's per-head frame, in order (identifiers first)."""
+    return tuple(f.name for f in HEAD_FIGURES if f.source in ("index", source))
+
+
+def stored_head_figures(stored: str) -> tuple[str, ...]:
+    """Per-head figures a record stores ``"always"`` or only when ``"measured"``."""
+    return tuple(f.name for f in HEAD_FIGURES if f.stored == stored)
+
+
+def model_figure_names() -> tuple[str, ...]:
+    return tuple(f.name for f in MODEL_FIGURES)
+
+
+def table_figures() -> tuple[Figure, ...]:
+    """The CLI table's columns: every figure with a title."""
+    return tuple(f for f in HEAD_FIGURES if f.title)
+
+
+def diff_figures() -> tuple[str, ...]:
+    return tuple(f.name for f in HEAD_FIGURES if f.diff)
+
+
+def heatmap_figures() -> tuple[tuple[str, str, str], ...]:
+    """``(column, title, kind)`` of the report's per-head maps."""
+    return tuple((f.name, f.heatmap, f.heatmap_kind) for f in HEAD_FIGURES if f.heatmap)
