@@ -23,16 +23,62 @@ TINY_SHAPES = {
 }
 
 
-def tiny_config(family: str, **overrides):
-    """A transformers config of a tiny model of ``family`` (``gpt2``, ``gpt_neox``, ``llama``)."""
-    from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig
+_BASE = dict(
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64, head_dim=16,
+    intermediate_size=128, vocab_size=128, max_position_embeddings=128, tie_word_embeddings=False,
+)
+_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+TINY_TYPE_SHAPES = {
+    "gpt_neo": dict(num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]], window_size=32),
+    "gptj": dict(n_layer=2, n_head=4, n_embd=64, rotary_dim=8, n_positions=128),
+    "gpt_bigcode": dict(n_layer=2, n_head=4, n_embd=64, n_positions=128, multi_query=True),
+    "opt": dict(ffn_dim=128, word_embed_proj_dim=64),
+    "bloom": dict(n_layer=2, n_head=4),
+    "falcon": dict(num_kv_heads=4, multi_query=True, new_decoder_architecture=False),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(**_EXPERTS, shared_expert_intermediate_size=32),
+    "qwen3_moe": dict(**_EXPERTS),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=32),
+    "gemma2": dict(sliding_window=32, query_pre_attn_scalar=16),
+    "gemma3_text": dict(sliding_window=32, query_pre_attn_scalar=16, final_logit_softcapping=30.0),
+    "mistral": dict(sliding_window=32),
+    "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0, attention_multiplier=0.2),
+    "stablelm": dict(use_qkv_bias=True),
+    "internlm3": dict(qkv_bias=True, bias=True),
+}
+"""Per model type: what differs from the shared tiny shape (config names, experts, windows, multipliers)."""
 
-    classes = {"gpt2": GPT2Config, "gpt_neox": GPTNeoXConfig, "llama": LlamaConfig}
-    shape = {**TINY_SHAPES[family], **overrides}
+TINY_VARIANTS = {
+    "falcon-new-decoder": ("falcon", dict(num_kv_heads=2, new_decoder_architecture=True, num_ln_in_parallel_attn=2)),
+    "falcon-multi-head": ("falcon", dict(multi_query=False, parallel_attn=False)),
+    "gpt_bigcode-multi-head": ("gpt_bigcode", dict(multi_query=False)),
+}
+"""Config variants of a model type that read their Q/K/V another way (named ``type-variant``)."""
+
+
+def tiny_config(family: str, **overrides):
+    """A transformers config of a tiny model of ``family``: a model type or a `TINY_VARIANTS` name.
+
+    Every model type: 2 layers, 4 query heads (2 key/value heads where the family groups
+    them, 1 where it is multi-query), d_model 64, vocab 128, untied embeddings where allowed.
+    """
+    from transformers import CONFIG_MAPPING, GPT2Config, GPTNeoXConfig, LlamaConfig
+
     no_special = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    if family == "gpt2":
-        shape.update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return classes[family](**{**no_special, **shape})
+    if family in TINY_SHAPES:
+        classes = {"gpt2": GPT2Config, "gpt_neox": GPTNeoXConfig, "llama": LlamaConfig}
+        shape = {**TINY_SHAPES[family], **overrides}
+        if family == "gpt2":
+            shape.update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return classes[family](**{**no_special, **shape})
+    model_type, variant = TINY_VARIANTS.get(family, (family, {}))
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"model type {model_type!r} is not in this transformers ({len(CONFIG_MAPPING)} types known)")
+    shape = {**_BASE, **TINY_TYPE_SHAPES.get(model_type, {}), **variant, **overrides}
+    if model_type == "falcon":  # head_dim is a read-only property there: hidden_size / num_attention_heads
+        shape.pop("head_dim")
+    return CONFIG_MAPPING[model_type](**{**no_special, **shape})
 
 
 def make_tiny_model(family: str, seed: int = 0, randomize_norms: bool = True, **overrides):
@@ -66,6 +112,14 @@ def save_tiny_model(family: str, folder: str | Path, seed: int = 0, **overrides)
 
 
 TINY_FAMILIES = tuple(TINY_SHAPES)
+"""The three layouts the plugin's older tests run on."""
+
+
+def tiny_model_types() -> tuple[str, ...]:
+    """Every model type the family table claims, plus the config variants that change the Q/K/V read."""
+    from .model.families import supported_model_types
+
+    return (*supported_model_types(), *TINY_VARIANTS)
 
 
 def has_smollm2() -> bool:
@@ -131,24 +185,18 @@ def negate_head_ov(model, layer: int, head: int) -> None:
 
 def _qk_rows(model, layer: int, head: int):
     """``[(module, out_rows)]`` holding W_Q (and W_K when not shared with other query heads) of one head."""
-    from .model.families import attention_module, family_of, geometry_of, get_module
+    from .model.families import attention_module, family_of, geometry_of, get_module, qkv_rows
 
     fam, geo = family_of(model), geometry_of(model)
     attn = attention_module(model, layer)
-    d = geo.d_head
-    q = list(range(head * d, (head + 1) * d))
-    if fam.qkv_layout == "fused_thirds":
-        k = [geo.n_heads * d + i for i in q]
-        return [(get_module(attn, fam.qkv[0]), q + k)]
-    if fam.qkv_layout == "fused_per_head":
-        base = head * 3 * d
-        return [(get_module(attn, fam.qkv[0]), list(range(base, base + 2 * d)))]
-    q_proj, k_proj, _ = (get_module(attn, name) for name in fam.qkv)
-    found = [(q_proj, q)]
+    q_rows, k_rows, _ = qkv_rows(fam.qkv_layout, geo)
+    rows = [list(q_rows[head]), []]
     if geo.group_size == 1:  # with grouped-query attention K is shared: zeroing W_Q alone flattens the head
-        g = geo.kv_group(head)
-        found.append((k_proj, list(range(g * d, (g + 1) * d))))
-    return found
+        rows[1] = list(k_rows[geo.kv_group(head)])
+    if len(fam.qkv) == 1:
+        return [(get_module(attn, fam.qkv[0]), rows[0] + rows[1])]
+    q_proj, k_proj, _ = (get_module(attn, name) for name in fam.qkv)  # rows index each module from 0
+    return [(q_proj, rows[0])] + ([(k_proj, rows[1])] if rows[1] else [])
 
 
 @torch.no_grad()
@@ -174,3 +222,86 @@ def add_weight_noise(model, rel: float, seed: int = 0) -> None:
             noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
             rms = param.detach().float().pow(2).mean().sqrt()
             param.add_((rel * rms * noise).to(param.dtype))
+
+
+# ---------------------------------------------------------------- GGUF files of tiny models (gguf's GGUFWriter)
+
+GGUF_ARCH = {"gemma3_text": "gemma3", "mistral": "llama"}
+"""transformers model type -> llama.cpp architecture name, where they differ."""
+GGUF_EXTRA_NAMES = {"transformer.word_embeddings_layernorm": "token_embd_norm"}
+"""Tensor names the installed ``gguf`` name map lacks."""
+
+
+def _llama_cpp_permute(w, n_head: int):
+    """llama.cpp's reordering of Q/K rows for its rotary layout (transformers' GGUF loader undoes it)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _bloom_qkv_to_gguf(w, n_head: int):
+    """BLOOM's per-head ``[q_h | k_h | v_h]`` rows -> llama.cpp's ``[q | k | v]`` (the loader reverses it)."""
+    per_head = w.reshape(n_head, 3, -1, *w.shape[1:])
+    return per_head.transpose(1, 0, *range(2, per_head.ndim)).reshape(w.shape)
+
+
+def write_tiny_gguf(model, path: str | Path, tokens: list[str] | None = None, bos_id: int | None = None) -> Path:
+    """Write ``model`` (float32) as a GGUF file the way llama.cpp's converter lays it out.
+
+    Metadata: transformers' own GGUF key map (``GGUF_CONFIG_MAPPING``) inverted; tensor names:
+    the ``gguf`` package's name map; per-architecture reorderings (Llama Q/K rows, BLOOM's QKV,
+    GPT-2's transposed Conv1D weights) as llama.cpp applies them. ``tokens`` (optional) adds a
+    SentencePiece-style ("llama") vocabulary, with ``bos_id`` and ``add_bos_token`` when given.
+    """
+    import gguf
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    config = model.config
+    arch = GGUF_ARCH.get(config.model_type, config.model_type)
+    arch_enum = {name: key for key, name in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    n_blocks = config.num_hidden_layers
+    names = gguf.get_tensor_name_map(arch_enum, n_blocks)
+    path = Path(path)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{config.model_type}")  # "mistral" in the name tells transformers a llama file is Mistral
+    for key, attr in GGUF_CONFIG_MAPPING[GGUF_ARCH.get(config.model_type, config.model_type)].items():
+        value = getattr(config, attr, None) if isinstance(attr, str) else None
+        if value is None or isinstance(value, (list, dict)):
+            continue
+        if isinstance(value, bool):
+            writer.add_bool(f"{arch}.{key}", value)
+        elif isinstance(value, int):
+            writer.add_uint32(f"{arch}.{key}", value)
+        elif isinstance(value, float):
+            writer.add_float32(f"{arch}.{key}", value)
+    if tokens is not None:
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores([0.0] * len(tokens))
+        writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
+        writer.add_unk_token_id(0)
+        if bos_id is not None:
+            writer.add_bos_token_id(bos_id)
+            writer.add_add_bos_token(True)
+    n_head = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_head
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied: llama.cpp writes no output tensor
+        stem, _, suffix = name.rpartition(".")
+        mapped = names.get_name(stem) or GGUF_EXTRA_NAMES.get(stem)
+        if mapped is None:
+            raise ValueError(f"no GGUF name for {name} of {arch}")
+        data = tensor.detach().float().numpy()
+        if arch == "llama" and mapped.endswith(("attn_q", "attn_k")) and suffix == "weight":
+            data = _llama_cpp_permute(data, n_head if mapped.endswith("attn_q") else n_kv)
+        if arch in ("gemma2", "gemma3") and mapped.endswith("norm") and suffix == "weight":
+            data = data + 1  # llama.cpp stores Gemma's RMSNorm scale as 1 + w
+        if arch == "bloom" and mapped.endswith("attn_qkv"):
+            data = _bloom_qkv_to_gguf(data, n_head)
+        if arch == "gpt2" and suffix == "weight" and mapped.endswith(("attn_qkv", "attn_output", "ffn_up", "ffn_down")):
+            data = data.T.copy()
+        writer.add_tensor(f"{mapped}.{suffix}", data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

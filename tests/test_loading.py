@@ -44,15 +44,14 @@ def test_folder_without_config_is_refused(tmp_path):
 
 
 def test_unknown_family_lists_supported(tmp_path):
-    from transformers import OPTConfig, OPTForCausalLM
+    from transformers import OpenAIGPTConfig, OpenAIGPTLMHeadModel
 
-    config = OPTConfig(num_hidden_layers=1, hidden_size=16, ffn_dim=32, num_attention_heads=2,
-                       vocab_size=32, max_position_embeddings=32, word_embed_proj_dim=16)
-    OPTForCausalLM(config).save_pretrained(tmp_path)
+    config = OpenAIGPTConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=32)
+    OpenAIGPTLMHeadModel(config).save_pretrained(tmp_path)
     with pytest.raises(UnknownFamilyError) as error:
         load_build(resolve_model(str(tmp_path)), "fp32", "cpu")
     line = _one_line(error)
-    assert "'opt'" in line
+    assert "'openai-gpt'" in line
     for model_type in supported_model_types():
         assert model_type in line
 

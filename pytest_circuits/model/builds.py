@@ -19,6 +19,7 @@ from .dense import is_projection
 from .families import Family, Geometry, family_for_config, geometry_of, get_module
 from .loading import ModelSource, check_finite_weights, nonfinite_line, nonfinite_of, quiet_transformers
 from .recipes import RECIPES, Recipe, get_recipe, parse_builds  # noqa: F401  (re-exported)
+from .selfcheck import check_decomposition
 from .vocab import TokenInfo, token_info
 
 
@@ -202,7 +203,7 @@ def load_build(
         backend_version=_backend_version(recipe),
         device=str(device),
     )
-    return LoadedBuild(
+    build = LoadedBuild(
         model=model,
         source=source,
         identity=identity,
@@ -210,3 +211,5 @@ def load_build(
         geometry=geometry_of(model),
         tokens=tokens,
     )
+    check_decomposition(build)  # refuses a build whose per-head read does not reproduce its attention
+    return build

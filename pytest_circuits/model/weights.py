@@ -4,7 +4,14 @@ Row-vector convention (docs/definitions.md, "Conventions"): ``W_Q, W_K, W_V`` ar
 ``W_O`` is ``d_head x d_model``, ``W_E`` is ``vocab x d_model``, ``W_U`` is
 ``d_model x vocab``. Folding reads through the norms:
 ``W_{Q,K,V} <- C diag(g) W`` and ``W_U <- C diag(g_f) W_U`` with
-``C = I - 11^T / d_model`` for LayerNorm and ``C = I`` for RMSNorm.
+``C = I - 11^T / d_model`` for LayerNorm and ``C = I`` for RMSNorm; ``g`` is the stored
+weight plus the family's ``norm_weight_offset`` (Gemma: ``1 + w``). Family quirks read here:
+a norm on the attention output (sandwich norm) scales each position by one positive factor
+shared by all heads, then by ``g_post``, so folding gives ``W_O <- W_O diag(g_post)``; an
+attention-output multiplier ``m`` gives ``W_O <- m W_O``. ``W_E`` is what a token adds to the
+residual: ``embed_scale * W_E`` (through the embedding norm, row by row, where the family has
+one). ``W_U`` carries the positive logit factor; a logit soft cap is not applied (kappa reads
+the logits before it; the cap is monotone per token).
 """
 
 from __future__ import annotations
@@ -14,7 +21,19 @@ from dataclasses import dataclass, field
 import torch
 
 from .dense import dense_bias, dense_weight
-from .families import Family, Geometry, family_of, geometry_of, get_module, split_qkv
+from .families import (
+    Family,
+    Geometry,
+    attn_norm_module,
+    embed_scale_of,
+    family_of,
+    final_norm_module,
+    geometry_of,
+    get_module,
+    logit_factor_of,
+    post_attn_norm_module,
+    split_qkv,
+)
 
 
 @dataclass
@@ -29,7 +48,9 @@ class LayerWeights:
     b_K: torch.Tensor | None  # (n_kv_heads, d_head)
     b_V: torch.Tensor | None  # (n_kv_heads, d_head)
     b_O: torch.Tensor | None  # (d_model,)
-    norm_scale: torch.Tensor  # (d_model,) pre-attention norm weight g
+    norm_scale: torch.Tensor  # (d_model,) pre-attention norm weight g (ones where there is none)
+    post_norm_scale: torch.Tensor | None = None  # (d_model,) sandwich norm weight g_post, folded into W_O
+    out_multiplier: float = 1.0  # attention-output multiplier, folded into W_O
 
 
 @dataclass
@@ -66,15 +87,16 @@ class ModelWeights:
         return self.layers[layer].W_V.repeat_interleave(self.geometry.group_size, dim=0)
 
 
-def _norm_weight(module: torch.nn.Module, d_model: int) -> torch.Tensor:
-    weight = getattr(module, "weight", None)
+def norm_scale(module: torch.nn.Module | None, d_model: int, offset: float = 0.0) -> torch.Tensor:
+    """A norm's effective scale ``g = offset + w`` (float32, CPU); ones for no norm or no weight."""
+    weight = getattr(module, "weight", None) if module is not None else None
     if weight is None:
         return torch.ones(d_model)
-    return weight.detach().float().cpu()
+    return weight.detach().float().cpu() + offset
 
 
 def _read_map(scale: torch.Tensor, norm_kind: str) -> torch.Tensor:
-    """The linear map a norm applies before a projection: ``C diag(g)`` or ``diag(g)``."""
+    """The linear map a norm applies before a projection: ``C diag(g)`` or ``diag(g)`` (``norm_kind="none"``: I)."""
     d = scale.shape[0]
     read = torch.diag(scale)
     if norm_kind == "layernorm":
@@ -83,25 +105,34 @@ def _read_map(scale: torch.Tensor, norm_kind: str) -> torch.Tensor:
     return read
 
 
-def _layer_weights(block, fam: Family, geo: Geometry, fold: bool) -> LayerWeights:
+def _layer_weights(block, fam: Family, geo: Geometry, fold: bool, config, device=None, qk: bool = True) -> LayerWeights:
+    """One block's per-head weights; ``qk=False`` skips ``W_Q``/``W_K`` (None), for the self-check."""
+    device = torch.device("cpu") if device is None else device
     attn = get_module(block, fam.attn)
     projs = [get_module(attn, name) for name in fam.qkv]
-    q, k, v = split_qkv(fam.qkv_layout, [dense_weight(p).cpu() for p in projs], geo)
+    q, k, v = split_qkv(fam.qkv_layout, [dense_weight(p).to(device) for p in projs], geo)
     biases = [dense_bias(p) for p in projs]
     if any(b is None for b in biases):
         b_q = b_k = b_v = None
     else:
-        b_q, b_k, b_v = split_qkv(fam.qkv_layout, [b.cpu() for b in biases], geo)
+        b_q, b_k, b_v = split_qkv(fam.qkv_layout, [b.to(device) for b in biases], geo)
     out = get_module(attn, fam.out_proj)
-    w_o = dense_weight(out).cpu()  # (d_model, n_heads * d_head)
+    w_o = dense_weight(out).to(device)  # (d_model, n_heads * d_head)
     W_O = w_o.T.reshape(geo.n_heads, geo.d_head, geo.d_model)
     b_o = dense_bias(out)
-    scale = _norm_weight(get_module(block, fam.attn_norm), geo.d_model)
+    pre_norm = attn_norm_module(block, fam)
+    scale = norm_scale(pre_norm, geo.d_model, fam.norm_weight_offset)
+    post_norm = post_attn_norm_module(block, fam)
+    post_scale = None if post_norm is None else norm_scale(post_norm, geo.d_model, fam.norm_weight_offset)
+    multiplier = float(getattr(config, fam.attn_out_multiplier, 1.0)) if fam.attn_out_multiplier else 1.0
     # (heads, d_head, d_model) -> (heads, d_model, d_head): row-vector convention
-    W_Q, W_K, W_V = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    W_Q, W_K, W_V = (t.transpose(1, 2).contiguous() if qk or t is v else None for t in (q, k, v))
     if fold:
-        read = _read_map(scale, fam.norm_kind)
-        W_Q, W_K, W_V = (read @ t for t in (W_Q, W_K, W_V))
+        read = _read_map(scale, fam.norm_kind if pre_norm is not None else "none").to(device)
+        W_Q, W_K, W_V = (None if t is None else read @ t for t in (W_Q, W_K, W_V))
+        if post_scale is not None:
+            W_O = W_O * post_scale.to(device)
+        W_O = W_O * multiplier
     return LayerWeights(
         W_Q=W_Q,
         W_K=W_K,
@@ -110,9 +141,39 @@ def _layer_weights(block, fam: Family, geo: Geometry, fold: bool) -> LayerWeight
         b_Q=b_q,
         b_K=b_k,
         b_V=b_v,
-        b_O=None if b_o is None else b_o.cpu(),
+        b_O=None if b_o is None else b_o.to(device),
         norm_scale=scale,
+        post_norm_scale=post_scale,
+        out_multiplier=multiplier,
     )
+
+
+@torch.no_grad()
+def layer_weights(model, layer: int, fold: bool = False, device=None) -> LayerWeights:
+    """One layer's per-head weights (float32, dequantized) on ``device`` (default CPU); unfolded by default."""
+    fam = family_of(model)
+    block = list(get_module(model, fam.layers))[layer]
+    return _layer_weights(block, fam, geometry_of(model), fold, model.config, device)
+
+
+@torch.no_grad()
+def embedding_matrix(model, fam: Family | None = None) -> torch.Tensor:
+    """``W_E`` (vocab x d_model, float32, CPU): what each token adds to the residual stream.
+
+    ``embed_scale * E`` for the stored embedding ``E``; through the family's embedding norm,
+    row by row, where it has one (exact: a norm acts on each token alone).
+    """
+    fam = fam or family_of(model)
+    embedding = model.get_input_embeddings()
+    W_E = dense_weight(embedding) * embed_scale_of(model, fam)
+    if fam.embed_norm is not None:
+        norm = get_module(model, fam.embed_norm)
+        param = next(norm.parameters(), None)
+        if param is not None:
+            W_E = norm(W_E.to(device=param.device, dtype=param.dtype)).float()
+        else:
+            W_E = norm(W_E)
+    return W_E.float().cpu()
 
 
 @torch.no_grad()
@@ -125,12 +186,13 @@ def extract_weights(model, fold: bool = True) -> ModelWeights:
     fam = family_of(model)
     geo = geometry_of(model)
     blocks = list(get_module(model, fam.layers))
-    layers = [_layer_weights(block, fam, geo, fold) for block in blocks]
-    W_E = dense_weight(model.get_input_embeddings()).cpu()  # (vocab, d_model)
-    W_U = dense_weight(model.get_output_embeddings()).cpu().T.contiguous()
-    final_scale = _norm_weight(get_module(model, fam.final_norm), geo.d_model)
+    layers = [_layer_weights(block, fam, geo, fold, model.config) for block in blocks]
+    W_E = embedding_matrix(model, fam)  # (vocab, d_model)
+    W_U = dense_weight(model.get_output_embeddings()).cpu().T.contiguous() * logit_factor_of(model.config, fam)
+    final = final_norm_module(model, fam)
+    final_scale = norm_scale(final, geo.d_model, fam.norm_weight_offset)
     if fold:
-        W_U = _read_map(final_scale, fam.norm_kind) @ W_U
+        W_U = _read_map(final_scale, fam.norm_kind if final is not None else "none") @ W_U
     return ModelWeights(
         family=fam.name,
         geometry=geo,

@@ -32,7 +32,7 @@ import torch
 
 from ..errors import CircuitsError
 from ..model.builds import LoadedBuild, get_recipe
-from ..model.families import get_module, head_label, layer_modules
+from ..model.families import flattens_batch_with_heads, head_label, layer_modules, tail_logits
 from .ablation import ZMeans, ablated, parse_heads, z_differentiable, z_observed
 from .repeat import RepeatSettings, bos_offset, check_fits, copy_slices, next_token_losses, repeat_losses, repeat_tokens
 
@@ -164,11 +164,6 @@ def _recorded_hidden(args, kwargs) -> torch.Tensor:
     return args[0] if args else kwargs["hidden_states"]
 
 
-def _tail(build: LoadedBuild):
-    """Final norm and unembedding (from the family table)."""
-    return get_module(build.model, build.family.final_norm), build.model.get_output_embeddings()
-
-
 @torch.no_grad()
 def _replay(build, chunk: _Chunk, layer: int, k: int, L: int) -> torch.Tensor:
     """Copy loss per sequence of ``k`` stacked copies of ``chunk``, run from block ``layer`` on: ``(k, s)``."""
@@ -193,9 +188,8 @@ def _call_args(args, kwargs, rows, k, memo, hidden):
 
 def _tail_copy_losses(build, hidden, ids, L) -> torch.Tensor:
     """Per-sequence copy loss from the last block's output: norm and unembed the copy positions only."""
-    norm, unembed = _tail(build)
     predict = copy_slices(L, bos_offset(build.tokens))[1]
-    logits = unembed(norm(hidden[:, predict])).float()
+    logits = tail_logits(build.model, hidden[:, predict], build.family).float()
     targets = ids[:, predict.start + 1 : predict.stop + 1].to(logits.device)
     losses = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
     return losses.reshape(targets.shape).mean(dim=1)
@@ -260,7 +254,7 @@ def _auto_per_pass(build, knockouts_per_pass, batch_size, n) -> int:
         if knockouts_per_pass < 1:
             raise CircuitsError(f"knockouts_per_pass={knockouts_per_pass} must be at least 1")
         return knockouts_per_pass
-    if not batch_invariant(build):
+    if not batch_invariant(build) or flattens_batch_with_heads(build.model):
         return 1
     return max(1, ROWS_PER_PASS // min(batch_size, n))
 
