@@ -163,7 +163,9 @@ def _is_conv1d(module) -> bool:
 
 def _float_weight(module):
     weight = module.weight
-    if not weight.dtype.is_floating_point or type(module).__name__ in ("Linear8bitLt", "Linear4bit"):
+    from .model.dense import bnb_kind
+
+    if not weight.dtype.is_floating_point or bnb_kind(module) is not None:
         raise TypeError(f"sabotage edits float weights only; {type(module).__name__} is quantized: edit the fp32 build")
     return weight
 

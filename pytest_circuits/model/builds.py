@@ -89,13 +89,15 @@ def resolve_device(spec: str = "auto") -> torch.device:
 
 
 def _bnb_config(recipe: Recipe):
+    # before the import: on AVX512-BF16 CPUs bitsandbytes' CPU backend logs, at import, that it
+    # could not fetch a kernel from the Hub (we never download); int8 matmuls warn on every cast
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
         raise RecipeError(f"recipe {recipe.name} needs bitsandbytes: pip install bitsandbytes") from None
     from transformers import BitsAndBytesConfig
 
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)  # a cast warning on every int8 matmul
     if recipe.bits == 8:
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(

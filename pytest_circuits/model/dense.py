@@ -9,19 +9,30 @@ from __future__ import annotations
 
 import torch
 
+BNB_LAYERS = {"Linear8bitLt": "int8", "Linear4bit": "4bit", "LinearNF4": "4bit", "LinearFP4": "4bit"}
 
-def _bnb_kind(module: torch.nn.Module) -> str | None:
-    name = type(module).__name__
-    if name == "Linear8bitLt":
-        return "int8"
-    if name in ("Linear4bit", "LinearNF4", "LinearFP4"):
-        return "4bit"
-    return None
+
+def bnb_kind(module: torch.nn.Module) -> str | None:
+    """``"int8"`` or ``"4bit"`` for a bitsandbytes layer, else None."""
+    return BNB_LAYERS.get(type(module).__name__)
+
+
+def bnb_4bit_compute_dtype(requested: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype bitsandbytes' 4-bit matmuls actually compute in: on a CPU with AVX512-BF16 its
+    CPU backend (0.49 and later) casts the input to bfloat16 whatever the build asked for, so
+    such builds are as exact as bfloat16, not float32."""
+    if device.type != "cpu":
+        return requested
+    try:
+        from bitsandbytes.functional import has_avx512bf16
+    except ImportError:
+        return requested
+    return torch.bfloat16 if has_avx512bf16() else requested
 
 
 def dense_weight(module: torch.nn.Module) -> torch.Tensor:
     """The layer's weight as float32 ``(out_features, in_features)``, dequantized if needed."""
-    kind = _bnb_kind(module)
+    kind = bnb_kind(module)
     weight = module.weight
     if kind == "int8":
         import bitsandbytes.functional as bnbf
@@ -55,5 +66,5 @@ def is_projection(module: torch.nn.Module) -> bool:
     return (
         isinstance(module, torch.nn.Linear)
         or type(module).__name__ == "Conv1D"
-        or _bnb_kind(module) is not None
+        or bnb_kind(module) is not None
     )

@@ -27,7 +27,8 @@ Tolerances (relative, Frobenius), from what each compute path guarantees:
   case; 3e-2.
 - LLM.int8() (bitsandbytes 8-bit) also quantizes activations row by row to int8 (step
   max|x|/127, error up to half a step): 5e-2. 4-bit bitsandbytes and RTN layers compute with
-  exactly the dequantized weights the read returns, so their compute dtype decides.
+  exactly the dequantized weights the read returns, so their compute dtype decides; on a CPU
+  with AVX512-BF16, bitsandbytes computes 4-bit matmuls in bfloat16 (`dense.bnb_4bit_compute_dtype`).
 A wrong read (wrong Q/K/V layout, swapped heads, a missed bias or residual) leaves an error
 of order 1, far above every tolerance.
 """
@@ -41,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CircuitsError
+from .dense import bnb_4bit_compute_dtype, bnb_kind
 from .families import (
     Family,
     attn_norm_module,
@@ -84,10 +86,13 @@ class DecompositionCheck:
 
 def tolerance_for(model, dtype: torch.dtype) -> float:
     """The relative tolerance of the check for a model computing in ``dtype`` (see the module docstring)."""
-    if any(type(m).__name__ == "Linear8bitLt" for m in model.modules()):
+    kinds = {bnb_kind(m) for m in model.modules()}
+    if "int8" in kinds:
         return INT8_TOLERANCE
-    tol = TOLERANCES.get(dtype, TOLERANCES[torch.bfloat16])
     on_cuda = any(p.is_cuda for p in model.parameters())
+    if "4bit" in kinds:
+        dtype = bnb_4bit_compute_dtype(dtype, torch.device("cuda" if on_cuda else "cpu"))
+    tol = TOLERANCES.get(dtype, TOLERANCES[torch.bfloat16])
     if dtype == torch.float32 and on_cuda and torch.backends.cuda.matmul.allow_tf32:
         tol = TF32_TOLERANCE
     return tol
