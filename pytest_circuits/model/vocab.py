@@ -36,14 +36,6 @@ class TokenInfo:
         special = [i for i in self.special_ids if 0 <= i < self.vocab_size]
         return np.setdiff1d(ids, np.asarray(special, dtype=np.int64))
 
-    def as_dict(self) -> dict:
-        return {
-            "vocab_size": self.vocab_size,
-            "n_special": len(self.special_ids),
-            "bos_id": self.bos_id,
-            "has_tokenizer": self.has_tokenizer,
-        }
-
 
 def _config_special_ids(config) -> set[int]:
     found: set[int] = set()

@@ -16,7 +16,7 @@ the logits before it; the cap is monotone per token).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -64,7 +64,6 @@ class ModelWeights:
     W_U: torch.Tensor  # (d_model, vocab)
     final_norm_scale: torch.Tensor  # (d_model,)
     folded: bool
-    meta: dict = field(default_factory=dict)
 
     def W_V_of(self, layer: int, head: int) -> torch.Tensor:
         """``W_V`` of query head ``head``: its key/value group's (grouped-query attention)."""

@@ -27,6 +27,7 @@ import torch
 from ..errors import CircuitsError
 from ..model.builds import LoadedBuild
 from ..model.families import attention_module, head_label
+from ..options import flag
 from .repeat import RepeatSettings, bos_offset, check_fits, next_token_losses, repeat_losses, repeat_tokens
 
 SCORES = ("prefix_matching", "previous_token", "duplicate_token")
@@ -160,7 +161,7 @@ def run_repeat_probe(build: LoadedBuild, settings: RepeatSettings, batch_size: i
     model = build.model
     L, n = settings.L, settings.n
     if n < 1:
-        raise CircuitsError(f"probe needs at least one sequence, got n={n}; use e.g. --circuits-probe-n 8")
+        raise CircuitsError(f"probe needs at least one sequence, got n={n}; use e.g. {flag('probe-n')} 8")
     if batch_size < 1:
         raise CircuitsError(f"batch size must be at least 1, got {batch_size}")
     check_fits(model.config, build.tokens, L)
