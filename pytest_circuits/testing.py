@@ -7,10 +7,11 @@ a model in memory, ``save_tiny_model`` writes it as a ``save_pretrained`` folder
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
-TINY_SHAPES = {
+TINY_SHAPES: dict[str, dict[str, Any]] = {
     "gpt2": dict(n_layer=2, n_head=4, n_embd=64, vocab_size=128, n_positions=128),
     "gpt_neox": dict(
         num_hidden_layers=2, num_attention_heads=4, hidden_size=64, intermediate_size=128,
@@ -23,12 +24,12 @@ TINY_SHAPES = {
 }
 
 
-_BASE = dict(
+_BASE: dict[str, Any] = dict(
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64, head_dim=16,
     intermediate_size=128, vocab_size=128, max_position_embeddings=128, tie_word_embeddings=False,
 )
-_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
-TINY_TYPE_SHAPES = {
+_EXPERTS: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+TINY_TYPE_SHAPES: dict[str, dict[str, Any]] = {
     "gpt_neo": dict(num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]], window_size=32),
     "gptj": dict(n_layer=2, n_head=4, n_embd=64, rotary_dim=8, n_positions=128),
     "gpt_bigcode": dict(n_layer=2, n_head=4, n_embd=64, n_positions=128, multi_query=True),
@@ -49,7 +50,7 @@ TINY_TYPE_SHAPES = {
 }
 """Per model type: what differs from the shared tiny shape (config names, experts, windows, multipliers)."""
 
-TINY_VARIANTS = {
+TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "falcon-new-decoder": ("falcon", dict(num_kv_heads=2, new_decoder_architecture=True, num_ln_in_parallel_attn=2)),
     "falcon-multi-head": ("falcon", dict(multi_query=False, parallel_attn=False)),
     "gpt_bigcode-multi-head": ("gpt_bigcode", dict(multi_query=False)),
@@ -264,7 +265,10 @@ def write_tiny_gguf(model, path: str | Path, tokens: list[str] | None = None, bo
     path = Path(path)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{config.model_type}")  # "mistral" in the name tells transformers a llama file is Mistral
-    for key, attr in GGUF_CONFIG_MAPPING[GGUF_ARCH.get(config.model_type, config.model_type)].items():
+    key_map = GGUF_CONFIG_MAPPING[GGUF_ARCH.get(config.model_type, config.model_type)]
+    if not isinstance(key_map, dict):  # transformers' table is one literal, so mypy infers its values as object
+        raise TypeError(f"transformers' GGUF_CONFIG_MAPPING entry for {arch!r} is a {type(key_map).__name__}, not a dict")
+    for key, attr in key_map.items():
         value = getattr(config, attr, None) if isinstance(attr, str) else None
         if value is None or isinstance(value, (list, dict)):
             continue

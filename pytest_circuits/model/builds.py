@@ -15,8 +15,8 @@ import torch
 
 from ..errors import CircuitsError, RecipeError, first_line
 from ..options import flag
-from .dense import is_projection
-from .families import Family, Geometry, family_for_config, geometry_of, get_module
+from .dense import is_projection, weight_of
+from .families import Family, Geometry, family_for_config, geometry_of, modules_at
 from .loading import ModelSource, check_finite_weights, nonfinite_line, nonfinite_of, quiet_transformers
 from .recipes import RECIPES, Recipe, get_recipe, parse_builds  # noqa: F401  (re-exported)
 from .selfcheck import check_decomposition
@@ -130,11 +130,11 @@ def rtn_quantize_(weight: torch.Tensor, bits: int, out_dim: int = 0) -> torch.Te
 def apply_rtn_(model, family: Family, bits: int) -> int:
     """Simulate RTN on every projection of every decoder block; returns how many layers changed."""
     count = 0
-    for block in get_module(model, family.layers):
+    for block in modules_at(model, family.layers):
         for module in block.modules():
-            if is_projection(module) and module.weight.dim() == 2:
+            if is_projection(module) and weight_of(module).dim() == 2:
                 out_dim = 1 if type(module).__name__ == "Conv1D" else 0
-                rtn_quantize_(module.weight, bits, out_dim)
+                rtn_quantize_(weight_of(module), bits, out_dim)
                 count += 1
     return count
 
@@ -184,7 +184,8 @@ def load_build(
     else:
         kwargs.update(dtype=torch.float32)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source.folder, **kwargs)
+        # typed as the Module it is: transformers' functools.wraps on .to hides the bound self from mypy
+        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(source.folder, **kwargs)
     except CircuitsError:
         raise
     except Exception as error:
@@ -192,6 +193,8 @@ def load_build(
             f"build {recipe.name} of {source.name} failed to load on {device}: {first_line(error)}"
         ) from None
     if recipe.backend == "rtn":
+        if recipe.bits is None:
+            raise RecipeError(f"build {recipe.name}: an rtn recipe needs its bits (e.g. 8 or 4); set Recipe.bits")
         apply_rtn_(model, family, recipe.bits)
     if recipe.backend != "bitsandbytes":
         model = model.to(device=device, dtype=torch_dtype(recipe))

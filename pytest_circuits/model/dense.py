@@ -7,6 +7,8 @@ Handles ``nn.Linear``, GPT-2's ``Conv1D`` (stored ``(in, out)``), bitsandbytes
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 BNB_LAYERS = {"Linear8bitLt": "int8", "Linear4bit": "4bit", "LinearNF4": "4bit", "LinearFP4": "4bit"}
@@ -30,16 +32,25 @@ def bnb_4bit_compute_dtype(requested: torch.dtype, device: torch.device) -> torc
     return torch.bfloat16 if has_avx512bf16() else requested
 
 
+def weight_of(module: torch.nn.Module) -> torch.Tensor:
+    """``module.weight`` as the tensor it is (torch types a module attribute ``Tensor | Module``)."""
+    weight = module.weight
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{type(module).__name__}.weight is a {type(weight).__name__}, not a tensor")
+    return weight
+
+
 def dense_weight(module: torch.nn.Module) -> torch.Tensor:
     """The layer's weight as float32 ``(out_features, in_features)``, dequantized if needed."""
     kind = bnb_kind(module)
-    weight = module.weight
+    weight = weight_of(module)
     if kind == "int8":
         import bitsandbytes.functional as bnbf
 
         scb = getattr(weight, "SCB", None)
         if scb is None:  # bitsandbytes keeps SCB on the module on some versions
-            scb = module.state.SCB
+            state: Any = module.state  # bitsandbytes' MatmulLtState (untyped), not a Tensor or Module
+            scb = state.SCB
         if weight.dtype != torch.int8:  # not yet quantized (still on the host before .cuda())
             return weight.detach().float()
         return bnbf.int8_vectorwise_dequant(weight.data, scb).float()

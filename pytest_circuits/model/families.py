@@ -21,7 +21,9 @@ import dataclasses
 import math
 import warnings
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
@@ -128,7 +130,7 @@ QUIRKS = {
 
 def _split_qkv(**kw) -> Family:
     """Llama-style: separate q_proj, k_proj, v_proj and o_proj under ``model.layers.N.self_attn``."""
-    base = dict(
+    base: dict[str, Any] = dict(
         name="llama",
         model_types=("llama",),
         layers="model.layers",
@@ -173,7 +175,7 @@ GPT_NEOX = Family(
     n_kv_heads_attr=None,
     quirks=("fused_qkv", "qkv_bias", "partial_rotary", "parallel_block"),
 )
-_TRANSFORMER_H = dict(layers="transformer.h", final_norm="transformer.ln_f", norm_kind="layernorm", n_kv_heads_attr=None)
+_TRANSFORMER_H: dict[str, Any] = dict(layers="transformer.h", final_norm="transformer.ln_f", norm_kind="layernorm", n_kv_heads_attr=None)
 _BIGCODE = Family(
     name="gpt_bigcode",
     model_types=("gpt_bigcode",),
@@ -200,7 +202,7 @@ _FALCON = Family(
     when=(("new_decoder_architecture", False), ("multi_query", True)),
     **_TRANSFORMER_H,
 )
-_RMS_OFFSET = dict(norm_weight_offset=1.0, embed_scale="sqrt_d_model")
+_RMS_OFFSET: dict[str, Any] = dict(norm_weight_offset=1.0, embed_scale="sqrt_d_model")
 _SEP_LAYERNORM = dict(norm_kind="layernorm")
 
 FAMILIES: tuple[Family, ...] = (
@@ -437,7 +439,7 @@ def supported_model_types() -> list[str]:
     return sorted({t for f in all_families() for t in f.model_types})
 
 
-def _candidates(model_type: str) -> list[Family]:
+def _candidates(model_type: str | None) -> list[Family]:
     return [f for f in all_families() if model_type in f.model_types]
 
 
@@ -459,7 +461,7 @@ def _unsupported_line(model_type) -> str:
     )
 
 
-def _resolve_listed(config, model_type: str) -> Family | None:
+def _resolve_listed(config, model_type: str | None) -> Family | None:
     candidates = _candidates(model_type)
     if not candidates:
         return None
@@ -531,7 +533,7 @@ def family_of(model) -> Family:
     return family
 
 
-_QUIRK_FREE = dict(
+_QUIRK_FREE: dict[str, Any] = dict(
     norm_weight_offset=0.0, norm_eps=None, embed_scale=None, embed_norm=None, post_attn_norm=None,
     attn_adds_residual=None, attn_out_multiplier=None, logit_scale=None, logit_divisor=None, logit_softcap=None,
     quirks=(), when=(), requires_equal=(), unsupported="",
@@ -572,10 +574,12 @@ def infer_family(model) -> Family | None:
     says in one line which layout was assumed.
     """
     model_type = getattr(model.config, "model_type", None)
+    if not isinstance(model_type, str):  # transformers configs always carry one ("" on the base class)
+        return None
     for layout in _layouts():
         candidate = layout.for_type(model_type, quirks=(), assumed=True, name=layout.name)
         try:
-            blocks = list(model.get_submodule(candidate.layers))
+            blocks = modules_at(model, candidate.layers)
             block = blocks[0]
             attn = block.get_submodule(candidate.attn)
             projs = [attn.get_submodule(p) for p in candidate.qkv]
@@ -618,8 +622,9 @@ def _weight_shape(module) -> tuple[int, int] | None:
 
 
 def _shapes_fit(family: Family, geo: Geometry, projs, out) -> bool:
-    shapes = [_weight_shape(p) for p in projs]
-    if any(s is None for s in shapes) or _weight_shape(out) is None:
+    shapes = [s for s in (_weight_shape(p) for p in projs) if s is not None]
+    out_shape = _weight_shape(out)
+    if len(shapes) != len(projs) or out_shape is None:
         return False
     q_rows, kv_rows = geo.n_heads * geo.d_head, geo.n_kv_heads * geo.d_head
     rows = [s[0] for s in shapes]
@@ -631,12 +636,13 @@ def _shapes_fit(family: Family, geo: Geometry, projs, out) -> bool:
         "fused_per_head": [3 * q_rows],
         "fused_grouped": [q_rows + 2 * kv_rows],
     }[family.qkv_layout]
-    return rows == expected and _weight_shape(out) == (geo.d_model, q_rows)
+    return rows == expected and out_shape == (geo.d_model, q_rows)
 
 
 def geometry_for(config, family: Family) -> Geometry:
     """Layers, heads, key/value heads, widths and vocabulary from a config, as ``family`` reads them."""
     n_heads = getattr(config, family.n_heads_attr)
+    n_kv: int | None
     if family.multi_query_attr and getattr(config, family.multi_query_attr, False):
         n_kv = 1
     else:
@@ -668,9 +674,18 @@ def get_module(root: torch.nn.Module, dotted: str) -> torch.nn.Module:
     return root.get_submodule(dotted)
 
 
+def modules_at(root: torch.nn.Module, dotted: str) -> list[torch.nn.Module]:
+    """The modules of the container at ``dotted`` (the ModuleList of decoder blocks), in order.
+
+    ``get_submodule`` is typed as returning a plain Module; a container iterates over its
+    children (one that cannot raises TypeError, as ``list`` does).
+    """
+    return list(cast(Iterable[torch.nn.Module], get_module(root, dotted)))
+
+
 def layer_modules(model) -> list[torch.nn.Module]:
     """The decoder blocks, in order."""
-    return list(get_module(model, family_of(model).layers))
+    return modules_at(model, family_of(model).layers)
 
 
 def attention_module(model, layer: int) -> torch.nn.Module:

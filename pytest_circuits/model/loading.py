@@ -189,7 +189,7 @@ def check_folder(folder: Path) -> Path:
 
 def nonfinite_counts(folder: Path) -> list[tuple[str, str, int, int]]:
     """``(file, tensor, n_nan, n_inf)`` of every floating tensor in `weight_files` holding NaN or inf."""
-    found = []
+    found: list[tuple[str, str, int, int]] = []
     for file in weight_files(folder):
         stat = file.stat()
         found.extend(_file_nonfinite(str(file), stat.st_size, stat.st_mtime_ns))

@@ -38,6 +38,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -49,6 +50,7 @@ from .families import (
     family_of,
     geometry_of,
     get_module,
+    modules_at,
     post_attn_norm_module,
 )
 from .weights import _layer_weights
@@ -128,7 +130,8 @@ def _probe_ids(build_or_model, n_tokens: int, seed: int) -> torch.Tensor:
         ordinary = torch.as_tensor(tokens.ordinary_ids())
         if ordinary.numel():
             return ordinary[torch.randint(0, ordinary.numel(), (1, n_tokens), generator=generator)]
-    return torch.randint(0, model.config.vocab_size, (1, n_tokens), generator=generator)
+    config: Any = model.config  # the transformers config (torch types a module attribute Tensor | Module)
+    return torch.randint(0, config.vocab_size, (1, n_tokens), generator=generator)
 
 
 def _eps(module, fam: Family) -> float:
@@ -180,7 +183,7 @@ def measure_decomposition(
     model = _model_of(build_or_model)
     fam = family or family_of(model)
     geo = geometry_of(model) if family is None else _geometry(model, fam)
-    blocks = list(get_module(model, fam.layers))
+    blocks = modules_at(model, fam.layers)
     captured: list[dict] = [{} for _ in blocks]
     handles = []
 
@@ -217,7 +220,8 @@ def measure_decomposition(
         for key, norm in (("pre", attn_norm_module(block, fam)), ("post", post_attn_norm_module(block, fam))):
             if norm is not None:
                 handles.append(norm.register_forward_hook(norm_io(layer, key), with_kwargs=True))
-    ids = _probe_ids(build_or_model, n_tokens, seed).to(model.get_input_embeddings().weight.device)
+    causal_lm: Any = model  # its transformers methods (get_input_embeddings) are not on torch.nn.Module
+    ids = _probe_ids(build_or_model, n_tokens, seed).to(causal_lm.get_input_embeddings().weight.device)
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     try:
         model(input_ids=ids, use_cache=False, **extra)  # logits of one position: the check needs none
@@ -263,6 +267,7 @@ def measure_decomposition(
             )
         if "post" in seen:
             post = post_attn_norm_module(block, fam)
+            assert lw.post_norm_scale is not None, "a hooked post-attention norm has a scale in the read"
             check.post_norm_errors.append(_norm_error(post, fam, lw.post_norm_scale, *seen["post"]))
     return check
 

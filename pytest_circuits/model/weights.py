@@ -31,6 +31,7 @@ from .families import (
     geometry_of,
     get_module,
     logit_factor_of,
+    modules_at,
     post_attn_norm_module,
     split_qkv,
 )
@@ -40,8 +41,8 @@ from .families import (
 class LayerWeights:
     """One attention layer, per head. K and V have ``n_kv_heads`` heads."""
 
-    W_Q: torch.Tensor  # (n_heads, d_model, d_head)
-    W_K: torch.Tensor  # (n_kv_heads, d_model, d_head)
+    W_Q: torch.Tensor | None  # (n_heads, d_model, d_head); None when read with qk=False (the self-check)
+    W_K: torch.Tensor | None  # (n_kv_heads, d_model, d_head); None when read with qk=False
     W_V: torch.Tensor  # (n_kv_heads, d_model, d_head)
     W_O: torch.Tensor  # (n_heads, d_head, d_model)
     b_Q: torch.Tensor | None  # (n_heads, d_head)
@@ -71,7 +72,9 @@ class ModelWeights:
 
     def W_K_of(self, layer: int, head: int) -> torch.Tensor:
         """``W_K`` of query head ``head``: its key/value group's."""
-        return self.layers[layer].W_K[self.geometry.kv_group(head)]
+        W_K = self.layers[layer].W_K
+        assert W_K is not None, "extract_weights reads W_K of every layer (qk=True)"
+        return W_K[self.geometry.kv_group(head)]
 
     def W_OV(self, layer: int, head: int) -> torch.Tensor:
         """``W_OV = W_V W_O`` (d_model x d_model)."""
@@ -79,7 +82,9 @@ class ModelWeights:
 
     def W_QK(self, layer: int, head: int) -> torch.Tensor:
         """``W_QK = W_Q W_K^T`` (d_model x d_model)."""
-        return self.layers[layer].W_Q[head] @ self.W_K_of(layer, head).T
+        W_Q = self.layers[layer].W_Q
+        assert W_Q is not None, "extract_weights reads W_Q of every layer (qk=True)"
+        return W_Q[head] @ self.W_K_of(layer, head).T
 
     def W_V_per_query_head(self, layer: int) -> torch.Tensor:
         """``W_V`` expanded to one entry per query head: (n_heads, d_model, d_head)."""
@@ -110,8 +115,8 @@ def _layer_weights(block, fam: Family, geo: Geometry, fold: bool, config, device
     attn = get_module(block, fam.attn)
     projs = [get_module(attn, name) for name in fam.qkv]
     q, k, v = split_qkv(fam.qkv_layout, [dense_weight(p).to(device) for p in projs], geo)
-    biases = [dense_bias(p) for p in projs]
-    if any(b is None for b in biases):
+    biases = [b for b in (dense_bias(p) for p in projs) if b is not None]
+    if len(biases) != len(projs):
         b_q = b_k = b_v = None
     else:
         b_q, b_k, b_v = split_qkv(fam.qkv_layout, [b.to(device) for b in biases], geo)
@@ -125,10 +130,14 @@ def _layer_weights(block, fam: Family, geo: Geometry, fold: bool, config, device
     post_scale = None if post_norm is None else norm_scale(post_norm, geo.d_model, fam.norm_weight_offset)
     multiplier = float(getattr(config, fam.attn_out_multiplier, 1.0)) if fam.attn_out_multiplier else 1.0
     # (heads, d_head, d_model) -> (heads, d_model, d_head): row-vector convention
-    W_Q, W_K, W_V = (t.transpose(1, 2).contiguous() if qk or t is v else None for t in (q, k, v))
+    W_Q = q.transpose(1, 2).contiguous() if qk else None
+    W_K = k.transpose(1, 2).contiguous() if qk else None
+    W_V = v.transpose(1, 2).contiguous()
     if fold:
         read = _read_map(scale, fam.norm_kind if pre_norm is not None else "none").to(device)
-        W_Q, W_K, W_V = (None if t is None else read @ t for t in (W_Q, W_K, W_V))
+        W_Q = None if W_Q is None else read @ W_Q
+        W_K = None if W_K is None else read @ W_K
+        W_V = read @ W_V
         if post_scale is not None:
             W_O = W_O * post_scale.to(device)
         W_O = W_O * multiplier
@@ -151,7 +160,7 @@ def _layer_weights(block, fam: Family, geo: Geometry, fold: bool, config, device
 def layer_weights(model, layer: int, fold: bool = False, device=None) -> LayerWeights:
     """One layer's per-head weights (float32, dequantized) on ``device`` (default CPU); unfolded by default."""
     fam = family_of(model)
-    block = list(get_module(model, fam.layers))[layer]
+    block = modules_at(model, fam.layers)[layer]
     return _layer_weights(block, fam, geometry_of(model), fold, model.config, device)
 
 
@@ -184,7 +193,7 @@ def extract_weights(model, fold: bool = True) -> ModelWeights:
     """
     fam = family_of(model)
     geo = geometry_of(model)
-    blocks = list(get_module(model, fam.layers))
+    blocks = modules_at(model, fam.layers)
     layers = [_layer_weights(block, fam, geo, fold, model.config) for block in blocks]
     W_E = embedding_matrix(model, fam)  # (vocab, d_model)
     W_U = dense_weight(model.get_output_embeddings()).cpu().T.contiguous() * logit_factor_of(model.config, fam)
