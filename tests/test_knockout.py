@@ -177,8 +177,8 @@ def test_subset_and_screening_agree_with_full_scan(fp32_builds):
         build, HELD_OUT, mode="mean", screen_top_k=3, must_include=["L0H0"], batch_size=3, progress=False
     )
     scr = screened.set_index("head")
-    estimate = scr["knockout_estimate"]
-    top = set(estimate.abs().sort_values(ascending=False).index[:3])
+    score = scr["knockout_screen_score"]
+    top = set(score.sort_values(ascending=False).index[:3])
     exact = set(scr.index[scr["knockout_delta"].notna()])
     assert exact == top | {"L0H0"}
     assert screened.attrs["screened"] and sorted(screened.attrs["exact_heads"]) == sorted(exact)
@@ -191,7 +191,7 @@ def test_attribution_estimate_is_the_directional_derivative(tiny_folders, mode):
     """estimate_h = d/de L(z_h + e (z_h^ablated - z_h)) at e = 0, checked by central differences in float64."""
     build = load_build(resolve_model(str(tiny_folders["llama"])), "fp32", "cpu")
     build.model.double()
-    df = knockout_scan(build, HELD_OUT, mode=mode, screen_top_k=0, batch_size=3, progress=False)
+    df = knockout_scan(build, HELD_OUT, mode=mode, screen_top_k=0, screen_method="atp", batch_size=3, progress=False)
     estimate = df.set_index("head")["knockout_estimate"]
     ids = repeat_tokens(build.tokens, HELD_OUT.n, HELD_OUT.L, HELD_OUT.seed)
     means = head_means(build, HELD_OUT) if mode == "mean" else None
@@ -219,14 +219,12 @@ def test_attribution_estimate_is_the_directional_derivative(tiny_folders, mode):
 
 def test_screening_falls_back_to_exact_when_backward_fails(fp32_builds, monkeypatch):
     build = fp32_builds["gpt2"]
-    real = knockout._intact_pass
+    from pytest_circuits.rungs import screen
 
-    def no_backward(*args, screen, **kwargs):
-        if screen:
-            raise RuntimeError("backward is not implemented for this layer")
-        return real(*args, screen=screen, **kwargs)
+    def no_backward(*args, **kwargs):
+        raise RuntimeError("backward is not implemented for this layer")
 
-    monkeypatch.setattr(knockout, "_intact_pass", no_backward)
+    monkeypatch.setattr(screen, "screen_estimate", no_backward)
     with pytest.warns(UserWarning, match="running exact knockouts on every requested head"):
         df = knockout_scan(build, HELD_OUT, screen_top_k=2, progress=False)
     assert not df.attrs["screened"] and "knockout_estimate" not in df
@@ -348,19 +346,37 @@ def routing_scores_of(build, settings):
 
 @needs_embedded
 def test_embedded_screen_keeps_must_include_heads_exact(embedded_build):
-    """Attribution patching misses saturated heads: on the embedded model the previous-token
+    """Plain attribution patching misses saturated heads: on the embedded model the previous-token
     head's first-order estimate is near zero while its exact knockout is several nats, because
-    the intact copy loss sits near zero where the gradient vanishes. The screen therefore always
+    the induction head's attention moves between saturated keys. The screen therefore always
     knocks out the baseline's key heads (``must_include``) exactly, whatever their estimate."""
     held_out = RepeatSettings(seed=1, n=16, L=32)
     full = knockout_scan(embedded_build, held_out, progress=False).set_index("head")["knockout_delta"]
-    key = full.idxmax()
-    screened = knockout_scan(embedded_build, held_out, screen_top_k=1, must_include=[key], progress=False)
-    screened = screened.set_index("head")
-    assert screened.loc[key, "knockout_estimate"] < 0.1 * full[key]  # the estimate alone would miss it
-    assert screened.loc[key, "knockout_delta"] == pytest.approx(full[key], abs=1e-5)
-    top_estimate = screened["knockout_estimate"].abs().idxmax()
-    assert set(screened.index[screened["knockout_delta"].notna()]) == {top_estimate, key}
+    previous = "L0H1"
+    assert full[previous] > 3.0, full.to_string()
+    screened = knockout_scan(
+        embedded_build, held_out, screen_top_k=1, screen_method="atp", must_include=[previous], progress=False
+    ).set_index("head")
+    assert abs(screened.loc[previous, "knockout_estimate"]) < 0.1 * full[previous]  # AtP alone would miss it
+    assert screened.loc[previous, "knockout_delta"] == pytest.approx(full[previous], abs=1e-5)
+    top_estimate = screened["knockout_screen_score"].idxmax()
+    assert set(screened.index[screened["knockout_delta"].notna()]) == {top_estimate, previous}
+
+
+@needs_embedded
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+def test_embedded_atp_star_ranks_both_circuit_heads_first(embedded_build, mode):
+    """AtP*'s QK fix recomputes the induction head's softmax for the previous-token head's change
+    of its keys: both circuit heads (their exact deltas are the two largest) lead its ranking."""
+    held_out = RepeatSettings(seed=1, n=16, L=32)
+    full = knockout_scan(embedded_build, held_out, mode=mode, progress=False).set_index("head")["knockout_delta"]
+    circuit = set(full.abs().sort_values(ascending=False).index[:2])
+    assert circuit == {"L1H0", "L0H1"}, full.to_string()
+    screened = knockout_scan(embedded_build, held_out, mode=mode, screen_top_k=4, progress=False).set_index("head")
+    assert screened.attrs["screen_method"] == "atp*"
+    top4 = set(screened["knockout_screen_score"].sort_values(ascending=False).index[:4])
+    assert circuit <= top4, screened.to_string()
+    assert screened.loc["L0H1", "knockout_estimate"] > 0.5 * screened.loc["L1H0", "knockout_estimate"] > 0
 
 
 # --- the real model ---
