@@ -84,7 +84,10 @@ def test_hook_knockout_equals_weight_surgery(fp32_builds, family, mode):
     offset = bos_offset(build.tokens)
     intact = own_copy_loss(build.model, ids, HELD_OUT.L, offset)
     heads = [(0, 1), (1, 3)]
+    implementation = build.model.config._attn_implementation
     copy_loss, deltas = naive_knockout_deltas(build, HELD_OUT, mode=mode, heads=heads, batch_size=3)
+    # the loop ran on SDPA; own_copy_loss and the probe run on the model's own (eager) attention
+    assert build.model.config._attn_implementation == implementation == "eager"
     assert copy_loss == pytest.approx(intact, abs=1e-5)
     means = head_means(build, HELD_OUT, batch_size=3) if mode == "mean" else None
     for layer, head in heads:
@@ -157,6 +160,44 @@ def test_bnb_builds_knock_out_heads(tiny_folders, fp32_builds, recipe, mode):
     ref = reference["knockout_delta"].to_numpy()
     assert np.abs(ref).max() > 0.05
     assert np.corrcoef(ref, df["knockout_delta"].to_numpy())[0, 1] > 0.8
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_scan_runs_on_sdpa_and_restores_eager(fp32_builds, family, monkeypatch):
+    """Knockout forwards need no attention weights: they run on SDPA, and the model is eager again after."""
+    build = fp32_builds[family]
+    seen = []
+    real = knockout._plain_copy_losses
+
+    def spy(model, *args):
+        seen.append(model.config._attn_implementation)
+        return real(model, *args)
+
+    monkeypatch.setattr(knockout, "_plain_copy_losses", spy)
+    knockout_scan(build, HELD_OUT, heads=["L1H0"], batch_size=3, progress=False)
+    assert seen and set(seen) == {"sdpa"}
+    assert build.model.config._attn_implementation == "eager"
+
+
+def test_inexact_replay_falls_back_to_the_plain_loop(fp32_builds):
+    """A model whose forward does more than its blocks and tail (here a hook on the decoder stack's
+    output, as final-logit soft-capping would) cannot be replayed: one warning, then the plain loop."""
+    build = fp32_builds["llama"]
+    _, before = naive_knockout_deltas(build, HELD_OUT, heads=["L0H1", "L1H2"], batch_size=3)
+    handle = build.model.model.register_forward_hook(
+        lambda module, args, out: out.__class__(last_hidden_state=out.last_hidden_state * 1.5)
+    )
+    try:
+        _, shifted = naive_knockout_deltas(build, HELD_OUT, heads=["L0H1", "L1H2"], batch_size=3)
+        with pytest.warns(UserWarning, match="does not reproduce the model's copy loss .* running the plain loop") as info:
+            df = knockout_scan(build, HELD_OUT, heads=["L0H1", "L1H2"], batch_size=3, progress=False)
+    finally:
+        handle.remove()
+    assert len(info) == 1 and "\n" not in str(info[0].message)
+    assert df.attrs["cached"] is False
+    got = df.set_index("head")["knockout_delta"]
+    assert max(abs(got[h] - shifted[h]) for h in shifted) <= 1e-6
+    assert max(abs(shifted[h] - before[h]) for h in shifted) > 1e-3  # the hook mattered
 
 
 def test_int8_is_not_stacked_by_default(tiny_folders):

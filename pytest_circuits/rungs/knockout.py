@@ -447,6 +447,35 @@ def naive_knockout_deltas(
     return intact.copy_loss, {head_label(*p): v - intact.copy_loss for p, v in losses.items()}
 
 
+def _matrix_params(module) -> int:
+    return sum(p.numel() for p in module.parameters() if p.dim() >= 2)
+
+
+def knockout_flops(build: LoadedBuild, settings: RepeatSettings, heads=None) -> dict[str, float]:
+    """Floating-point operations (multiply-add = 2) counted from the shapes, for ``n`` sequences of ``T`` tokens.
+
+    ``forward``: one forward unembedding the last ``L`` positions, ``n (T sum_j B_j(T) + L 2 d V)``
+    with ``B_j = 2 x (block j's matrix parameters) + 4 n_heads d_head (T+1)/2`` per token (causal
+    attention reads ``(T+1)/2`` keys on average). ``plain``: the plain loop (its intact forward,
+    then one forward per head). ``scan``: the exact cached scan (intact forward, then per head of
+    layer ``l`` blocks ``l..end`` on ``T`` tokens, the last block's MLP on the ``L-1`` copy
+    positions only, the unembedding on those). Norms, softmax and elementwise ops are not counted.
+    """
+    geo, model = build.geometry, build.model
+    n, L = settings.n, settings.L
+    T = 2 * L + bos_offset(build.tokens)
+    blocks = layer_modules(model)
+    attention = 4 * geo.n_heads * geo.d_head * (T + 1) / 2
+    per_token = [2 * _matrix_params(b) + attention for b in blocks]
+    unembed = 2 * model.get_output_embeddings().weight.numel()
+    last_mlp = getattr(blocks[-1], "mlp", None)
+    mlp_cut = 2 * _matrix_params(last_mlp) * (T - (L - 1)) if last_mlp is not None else 0.0
+    forward = n * (T * sum(per_token) + L * unembed)
+    pairs = parse_heads(heads, geo)
+    scan = forward + sum(n * (T * sum(per_token[l:]) - mlp_cut + (L - 1) * unembed) for l, _ in pairs)
+    return {"forward": forward, "plain": forward * (1 + len(pairs)), "scan": scan}
+
+
 def head_means(build: LoadedBuild, settings: RepeatSettings, batch_size: int = 8) -> torch.Tensor:
     """``(n_layers, n_heads, d_head)``: the mean-ablation ``mu_h``, over every position of every held-out sequence."""
     ids = held_out_ids(build, settings)

@@ -47,13 +47,14 @@ ATTN_NAME = "circuits_atp"
 class _State:
     """What the custom attention function does on this call: record (frozen patterns) or QK fix."""
 
-    mode: str = "off"  # "frozen" | "qkfix" | "off"
+    mode: str = "off"  # "record" | "qkfix" | "linear" | "off"
     layer_of: dict = field(default_factory=dict)  # id(attention module) -> layer
     patterns: dict = field(default_factory=dict)  # layer -> A (detached)
     leaves: dict = field(default_factory=dict)  # layer -> zero leaf added to A
     grads: dict = field(default_factory=dict)  # layer -> dCL/dA
     copies: int = 1
-    qk: torch.Tensor | None = None  # (copies,) accumulated QK term of the current source group
+    qk: torch.Tensor | None = None  # (copies,) accumulated exact pattern term of the current source group
+    linear: torch.Tensor | None = None  # (copies,) sum A . dCL/dA of the last "linear" call
 
 
 _STATE = _State()
@@ -82,17 +83,18 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     pattern = _causal_scores(module, query, key, attention_mask, scaling)
     n_rep = query.shape[1] // value.shape[1]
     value = value.repeat_interleave(n_rep, dim=1) if n_rep > 1 else value
-    if state.mode == "qkfix":
-        rows = pattern.shape[0] // state.copies
-        moved = (pattern - state.patterns[layer].repeat(state.copies, 1, 1, 1)) * state.grads[layer].repeat(
-            state.copies, 1, 1, 1
-        )
-        state.qk += moved.reshape(state.copies, rows, -1).double().sum(dim=(1, 2)).cpu()
+    if state.mode in ("qkfix", "linear"):
+        grad = state.grads[layer].repeat(state.copies, 1, 1, 1)
+        if state.mode == "qkfix":  # exact: sum (A' - A) . dCL/dA per stacked copy
+            moved = (pattern - state.patterns[layer].repeat(state.copies, 1, 1, 1)) * grad
+            state.qk += moved.reshape(state.copies, -1).double().sum(dim=1).cpu()
+        else:  # sum A . dCL/dA per copy, differentiated along the knockout's direction by the caller
+            state.linear = (pattern * grad).reshape(state.copies, -1).sum(dim=1)
         return value.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
-    if state.mode == "frozen":
+    if state.mode == "record":
         leaf = torch.zeros_like(pattern, requires_grad=True)
         state.patterns[layer], state.leaves[layer] = pattern.detach(), leaf
-        pattern = pattern.detach() + leaf
+        pattern = pattern + leaf
     out = torch.matmul(pattern.to(value.dtype), value).transpose(1, 2).contiguous()
     return out, None
 
@@ -213,7 +215,7 @@ def atp_star(build, ids, L, mode, means, batch_size, grad_drop: bool = True) -> 
                 if grad_drop:
                     handles.append(block.register_forward_hook(lambda *a, _m=m: drop_block(*a, _m=_m), with_kwargs=True))
             try:
-                state.mode = "frozen"
+                state.mode = "record"
                 with torch.enable_grad(), z_differentiable(model, geo.n_layers) as zleaves:
                     loss = _loss(build, batch, L).sum() / n
                     zs = [leaf for _, _, leaf in zleaves]
@@ -262,22 +264,35 @@ def _add_value_term(out: torch.Tensor, zleaves, dzs, grads) -> None:
 def _qk_fix(build, qk_term, dzs, residual, calls, norms, attn, rows) -> None:
     """Add ``sum_{m > l} (A'_m - A_m) . dCL/dA_m`` for every head of every layer ``l`` (heads stacked on the batch)."""
     geo, state = build.geometry, _STATE
-    state.mode, state.copies = "qkfix", geo.n_heads
+    state.copies = geo.n_heads
     try:
         for layer in range(geo.n_layers - 1):
             dr = _output_change(build, layer, dzs[layer].detach())
             state.qk = torch.zeros(geo.n_heads, dtype=torch.float64)
+            linear = torch.zeros(geo.n_heads, dtype=torch.float64)
             for m in range(layer + 1, geo.n_layers):
-                hidden = norms[m](residual[m].repeat(geo.n_heads, 1, 1) + dr)
-                args, kwargs = calls[m]
-                kwargs = _tile_batch(kwargs, rows, geo.n_heads)
-                if args:
-                    attn[m](hidden, *_tile_batch(tuple(args[1:]), rows, geo.n_heads), **kwargs)
-                else:
-                    attn[m](**{**kwargs, "hidden_states": hidden})
-            qk_term[layer] += state.qk
+                base = residual[m].repeat(geo.n_heads, 1, 1)
+                state.mode = "qkfix"
+                _call(attn[m], calls[m], norms[m](base + dr), rows, geo.n_heads)
+                # the same term linearised (what AtP's gradient already holds): d/de at e = 0
+                state.mode = "linear"
+                e = torch.zeros(geo.n_heads, dtype=dr.dtype, requires_grad=True)
+                with torch.enable_grad():
+                    _call(attn[m], calls[m], norms[m](base + e.repeat_interleave(rows)[:, None, None] * dr), rows, geo.n_heads)
+                    (slope,) = torch.autograd.grad(state.linear.sum(), e)
+                linear += slope.double().cpu()
+            qk_term[layer] += state.qk - linear
     finally:
         state.mode, state.copies = "off", 1
+
+
+def _call(module, call, hidden, rows: int, k: int):
+    """Call an attention module as recorded, with ``hidden`` as its input and batch tensors stacked ``k`` times."""
+    args, kwargs = call
+    kwargs = _tile_batch(kwargs, rows, k)
+    if args:
+        return module(hidden, *_tile_batch(tuple(args[1:]), rows, k), **kwargs)
+    return module(**{**kwargs, "hidden_states": hidden})
 
 
 def screen_estimate(build, ids, L, mode, means, method: str, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
