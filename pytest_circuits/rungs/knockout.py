@@ -38,7 +38,7 @@ from .ablation import ZMeans, ablated, parse_heads, z_observed
 from .repeat import RepeatSettings, bos_offset, check_fits, copy_slices, next_token_losses, repeat_losses, repeat_tokens
 
 MODES = ("zero", "mean")
-SCREEN_METHODS = ("atp*", "atp")
+SCREEN_METHODS = ("atp*", "atp*gd", "atp")
 ROWS_PER_PASS = 64  # default cap on sequences x knockouts in one replay
 FAST_ATTENTION = "sdpa"  # knockouts need no attention weights: the fused exact kernel
 
@@ -325,7 +325,7 @@ def knockout_scan(
     and ``knockout_screen_score`` (what heads are ranked by). ``screen_top_k``: exact knockouts
     only on the ``k`` top-ranked heads among ``heads`` (default all), plus ``must_include`` (always exact).
     ``screen_method``: ``"atp*"`` (default, `screen.atp_star`: attribution patching with the
-    QK fix and GradDrop) or ``"atp"`` (plain attribution patching).
+    QK fix), ``"atp*gd"`` (and GradDrop) or ``"atp"`` (plain attribution patching).
     ``knockouts_per_pass``: knockouts stacked in one replay (default: up to
     ``ROWS_PER_PASS`` rows; 1 for bnb-int8, see `batch_invariant`). ``cached=False`` runs the
     plain loop (one full forward per head); so does a model whose replay is not exact (one warning).

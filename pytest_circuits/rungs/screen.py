@@ -7,26 +7,29 @@ copy loss ``CL`` (knockout.py).
 * AtP (Nanda 2023): ``est_h = sum_{seq,pos} dz_h . dCL/dz_h``, one forward and one backward.
 * AtP* (Kramar et al. 2024) fixes AtP's two failure modes.
 
-  QK fix (attention saturation): the linear estimate misses a later head's attention that
-  moves from one saturated key to another (the embedded model's previous-token head: AtP
-  -0.08, exact +7.2). So the gradient is split: ``g_h = dCL/dz_h`` with every attention
-  pattern held fixed (through values, MLPs, the residual stream), and for every later
-  layer ``m > l`` the pattern is recomputed exactly, softmax included, from queries and
-  keys of ``attn_norm_m(r_m + dr_h)``, ``dr_h = dz_h W_O[h]`` the knockout's direct change
-  of the residual stream ``r_m`` entering block ``m``:
+  QK fix (attention saturation): AtP's gradient holds the knockout's effect on every later
+  attention pattern as a linearised softmax, which misses a head's attention moving from
+  one saturated key to another (the embedded model's previous-token head: AtP -0.08, exact
+  +7.2). For every later layer ``m > l`` the pattern is recomputed exactly from queries and
+  keys of ``attn_norm_m(r_m + dr_h)`` (``r_m`` the residual stream entering block ``m``,
+  ``dr_h = dz_h W_O[h]`` the knockout's direct change of it), and the linearised direct
+  term is swapped for the exact one:
 
-      est*_h = sum dz_h . g_h + sum_{m > l} sum_{heads, seq, t, s} (A'_m - A_m) * dCL/dA_m.
+      est*_h = est_h + sum_{m > l} sum_{heads,seq,t,s} (A'_m - A_m - dA_m^lin) * dCL/dA_m,
 
-  GradDrop (cancellation across layers): the value-path term is recomputed with the
-  gradient through block ``j``'s output dropped, for every ``j`` in ``1 .. n_layers-1``, and
-  the head is ranked by ``mean_j |sum dz_h . g_h^(-j) + QK term|`` (a block ``j <= l`` lies on
-  no path from the head and contributes the undropped ``|est*_h|``; Kramar et al. take the
-  QK term with the dropped gradient too; holding it at full gradient keeps the memory at
-  one pattern gradient per layer). The signed ``est*_h`` is what the frame reports.
+  ``dA_m^lin = d/de A_m(attn_norm_m(r_m + e dr_h))`` at ``e = 0`` (autograd). Paths through
+  intermediate layers stay linear, as in AtP.
 
-Work: AtP one forward and one backward; AtP* adds the QK fix (one attention-module
-forward per (source layer, later layer) on ``n_heads`` stacked copies) and GradDrop's
-``n_layers - 1`` extra backwards. The benchmark reports both in forward-equivalents, timed.
+  GradDrop (cancellation across layers), ``method="atp*gd"``: AtP's term is recomputed with
+  the gradient through block ``j``'s output dropped, for every ``j`` in ``1 .. n_layers-1``,
+  and the head is ranked by ``mean_j |est_h^(-j) + QK correction|`` (a block ``j <= l`` lies
+  on no path from the head: those terms are ``|est*_h|``). Off by default: on SmolLM2-135M
+  it ranked the exact top heads worse than the QK fix alone and costs ``n_layers - 1``
+  backward passes (benchmarks/test_bench_knockout.py, README).
+
+Work: AtP one forward and one backward; the QK fix one attention-module forward, forward
+and backward per (source layer, later layer) on ``n_heads`` stacked copies. The benchmark
+reports each screen's cost in forward-equivalents, timed.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ ATTN_NAME = "circuits_atp"
 
 @dataclass
 class _State:
-    """What the custom attention function does on this call: record (frozen patterns) or QK fix."""
+    """What the custom attention function does: record (pattern + zero leaf), qkfix (exact term), linear."""
 
     mode: str = "off"  # "record" | "qkfix" | "linear" | "off"
     layer_of: dict = field(default_factory=dict)  # id(attention module) -> layer
@@ -173,8 +176,8 @@ def _tile_batch(obj, rows: int, k: int):
     return obj
 
 
-def atp_star(build, ids, L, mode, means, batch_size, grad_drop: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """``(estimate, rank_score)``, each ``(n_layers, n_heads)``: the AtP* estimate (value path + QK fix)
+def atp_star(build, ids, L, mode, means, batch_size, grad_drop: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """``(estimate, rank_score)``, each ``(n_layers, n_heads)``: the AtP* estimate (AtP + QK fix)
     and the score heads are ranked by (GradDrop's ``mean_j |.|``, or ``|estimate|``)."""
     _register()
     model, geo, n = build.model, build.geometry, ids.shape[0]
@@ -183,7 +186,7 @@ def atp_star(build, ids, L, mode, means, batch_size, grad_drop: bool = True) -> 
     norms = [get_module(blocks[m], build.family.attn_norm) for m in range(geo.n_layers)]
     means = means if mode == "mean" else None
     drops = list(range(1, geo.n_layers)) if grad_drop else []
-    value_term = torch.zeros(len(drops) + 1, geo.n_layers, geo.n_heads, dtype=torch.float64)
+    atp_term = torch.zeros(len(drops) + 1, geo.n_layers, geo.n_heads, dtype=torch.float64)
     qk_term = torch.zeros(geo.n_layers, geo.n_heads, dtype=torch.float64)
     state = _STATE
     before = model.config._attn_implementation
@@ -222,7 +225,7 @@ def atp_star(build, ids, L, mode, means, batch_size, grad_drop: bool = True) -> 
                     pattern_leaves = [state.leaves[m] for m in range(geo.n_layers)]
                     grads = torch.autograd.grad(loss, zs + pattern_leaves, retain_graph=bool(drops), allow_unused=True)
                     dzs = [_dz(z, means, layer, geo.n_heads, geo.d_head) for layer, z, _ in zleaves]
-                    _add_value_term(value_term[0], zleaves, dzs, grads[: len(zs)])
+                    _add_atp_term(atp_term[0], zleaves, dzs, grads[: len(zs)])
                     for m in range(geo.n_layers):
                         g = grads[len(zs) + m]
                         state.grads[m] = torch.zeros_like(state.patterns[m]) if g is None else g.detach()
@@ -230,7 +233,7 @@ def atp_star(build, ids, L, mode, means, batch_size, grad_drop: bool = True) -> 
                         gates.fill_(1.0)
                         gates[j] = 0.0
                         dropped = torch.autograd.grad(loss, zs, retain_graph=j != drops[-1], allow_unused=True)
-                        _add_value_term(value_term[i], zleaves, dzs, dropped)
+                        _add_atp_term(atp_term[i], zleaves, dzs, dropped)
                     del loss, grads, pattern_leaves
             finally:
                 state.mode = "off"
@@ -242,11 +245,11 @@ def atp_star(build, ids, L, mode, means, batch_size, grad_drop: bool = True) -> 
     finally:
         state.mode = "off"
         model.set_attn_implementation(before)
-    estimate = value_term[0] + qk_term
+    estimate = atp_term[0] + qk_term
     if drops:
         # dropping a block j <= l says nothing about a head of layer l (j < l: no path through it;
         # j = l: its own output): those terms are the undropped |estimate|
-        dropped = (value_term[1:] + qk_term).abs()
+        dropped = (atp_term[1:] + qk_term).abs()
         layer_index = torch.arange(geo.n_layers)[None, :, None]
         j = torch.tensor(drops)[:, None, None]
         score = torch.where(j > layer_index, dropped, estimate.abs()[None]).mean(dim=0)
@@ -255,7 +258,7 @@ def atp_star(build, ids, L, mode, means, batch_size, grad_drop: bool = True) -> 
     return estimate.numpy(), score.numpy()
 
 
-def _add_value_term(out: torch.Tensor, zleaves, dzs, grads) -> None:
+def _add_atp_term(out: torch.Tensor, zleaves, dzs, grads) -> None:
     for (layer, _, _), dz, g in zip(zleaves, dzs, grads):
         if g is not None:
             out[layer] += (dz.double() * g.reshape(dz.shape).double()).sum(dim=(0, 1, 3)).cpu()
@@ -296,9 +299,9 @@ def _call(module, call, hidden, rows: int, k: int):
 
 
 def screen_estimate(build, ids, L, mode, means, method: str, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(estimate, rank_score)`` of every head by ``method`` ("atp*" or "atp")."""
+    """``(estimate, rank_score)`` of every head by ``method``: "atp*", "atp*gd" (with GradDrop) or "atp"."""
     if method == "atp":
         est = plain_atp(build, ids, L, mode, means, batch_size)
         return est, np.abs(est)
-    return atp_star(build, ids, L, mode, means, batch_size)
+    return atp_star(build, ids, L, mode, means, batch_size, grad_drop=method == "atp*gd")
 
