@@ -1,4 +1,5 @@
-"""Rung 1 on SmolLM2-135M: the batched kappa scan with its rotation null, against a naive per-head loop.
+"""Rung 1 on SmolLM2-135M: the batched kappa scan with its rotation null, against a naive per-head loop;
+the cheap null (32 draws, symmetric t) against the old one (256 draws, normal) and its calibration.
 
 Run:  python -m pytest benchmarks/test_bench_kappa.py -m real --run-slow --benchmark-only -s
 
@@ -51,13 +52,13 @@ def test_bench_kappa_scan_vs_naive(benchmark, smollm2):
     n_heads = geo.n_layers * geo.n_heads
 
     start, cpu_start = time.perf_counter(), time.process_time()
-    df = benchmark.pedantic(ov_spectrum, args=(weights,), kwargs=dict(n_rotations=256, seed=0), rounds=1, iterations=1)
+    df = benchmark.pedantic(ov_spectrum, args=(weights,), kwargs=dict(seed=0), rounds=1, iterations=1)
     fast_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
 
     every = os.environ.get("PYTEST_CIRCUITS_BENCH_NAIVE", "") == "all"
     heads = [(l, h) for l in range(geo.n_layers) for h in range(geo.n_heads)] if every else NAIVE_HEADS
     start, cpu_start = time.perf_counter(), time.process_time()
-    naive = ov_spectrum_reference(weights, n_rotations=256, seed=0, heads=heads)
+    naive = ov_spectrum_reference(weights, seed=0, heads=heads)
     naive_s, naive_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     naive_all_s = naive_s / len(heads) * n_heads
     naive_all_cpu_s = naive_cpu_s / len(heads) * n_heads
@@ -68,7 +69,7 @@ def test_bench_kappa_scan_vs_naive(benchmark, smollm2):
     summary = df.attrs["summary"]
     info = {
         "heads": n_heads,
-        "n_rotations": 256,
+        "n_rotations": df.attrs["summary"]["n_rotations"],
         "threads": torch.get_num_threads(),
         "load_s": round(load_s, 2),
         "extract_s": round(extract_s, 2),
@@ -95,7 +96,7 @@ def test_bench_kappa_scan_vs_naive(benchmark, smollm2):
     }
     benchmark.extra_info.update(info)
     print(
-        f"\nkappa scan of SmolLM2-135M ({n_heads} heads, 256 rotations, {info['threads']} threads, "
+        f"\nkappa scan of SmolLM2-135M ({n_heads} heads, {info['n_rotations']} rotations, {info['threads']} threads, "
         f"load average {info['load_average_1min']}): {fast_s:.1f} s wall, {cpu_s:.1f} s CPU "
         f"(~{info['scan_idle_estimate_s']:.1f} s on idle cores; target {TARGET_S:.0f} s); "
         f"load {load_s:.1f} s + extract {extract_s:.1f} s\n"
@@ -108,3 +109,37 @@ def test_bench_kappa_scan_vs_naive(benchmark, smollm2):
         f"(trace-weighted {info['median_trace_null_sd']:.4f})"
     )
     assert len(df) == n_heads
+
+
+def test_bench_cheap_null_against_256_draws_and_calibration(smollm2):
+    """The default null (32 draws, symmetric t, float32 eigenvalues) against the old default
+    (256 draws, normal p, float64) on the same weights, and the share of random-model heads flagged."""
+    import pandas as pd
+
+    from pytest_circuits.rungs.kappa import ov_spectrum_of_model, without_attrs
+    from pytest_circuits.testing import make_tiny_model
+
+    weights = smollm2[0]
+    timed = {}
+    for name, kwargs in (("cheap", {}), ("old", dict(n_rotations=256, p_method="normal", null_dtype=torch.float64))):
+        cpu_start = time.process_time()
+        timed[name] = (ov_spectrum(weights, seed=0, n_workers=1, **kwargs), time.process_time() - cpu_start)
+    (cheap, cheap_s), (old, old_s) = timed["cheap"], timed["old"]
+    lines = [f"\nrung 1 with its null, all {len(cheap)} heads, 1 worker: {cheap_s:.1f} CPU-s "
+             f"(32 draws, t) vs {old_s:.1f} CPU-s (256 draws, normal) = {cheap_s / old_s:.2f}"]
+    for metric in ("kappa", "kappa_trace"):
+        flag, flag_old = cheap[f"{metric}_q"] <= 0.05, old[f"{metric}_q"] <= 0.05
+        ratio = (cheap[f"{metric}_z"] / old[f"{metric}_z"]).abs()
+        shift = float((cheap[f"{metric}_z"] - old[f"{metric}_z"]).mean())
+        lines.append(f"{metric}: flagged {int(flag.sum())} vs {int(flag_old.sum())} (differ on {int((flag != flag_old).sum())}); "
+                     f"median |z/z_old - 1| {float((ratio - 1).abs().median()):.3f}; mean z shift {shift:+.3f} (gate: +-1)")
+    shapes = [("gpt2", dict(n_layer=3, n_head=8, n_embd=128)), ("llama", dict(num_hidden_layers=3, num_attention_heads=8,
+              num_key_value_heads=4, hidden_size=128)), ("gpt_neox", dict(num_hidden_layers=3, num_attention_heads=8, hidden_size=128))]
+    pooled = pd.concat([without_attrs(ov_spectrum_of_model(make_tiny_model(f, seed=s, **kw), seed=s))
+                        for f, kw in shapes for s in range(4)], ignore_index=True)
+    flagged = float((pooled["copying"] | pooled["suppression"]).mean())
+    raw = float((pooled["kappa_p"] < 0.05).mean())
+    lines.append(f"calibration, {len(pooled)} heads of 12 random models: flagged {flagged:.3f} (q = 0.05), "
+                 f"uncorrected p < 0.05: {raw:.3f}")
+    print("\n".join(lines))
+    assert flagged <= 0.05

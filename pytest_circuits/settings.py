@@ -42,7 +42,7 @@ class CircuitsSettings:
     knockout_seed: int = 1  # held out: differs from the probe's seed
     knockout_mode: str = "zero"  # or "mean"
     knockout_screen: int | None = None  # exact knockouts only on the top k of an attribution screen
-    n_rotations: int = 256
+    n_rotations: int = 32  # rotation-null draws per head (kappa.N_ROTATIONS, symmetric t test)
     fdr_q: float = 0.05
     batch_size: int = 8
     tolerances: dict = field(default_factory=dict)  # gate tolerance overrides (ini circuits_tol_*)

@@ -84,7 +84,10 @@ def test_hook_knockout_equals_weight_surgery(fp32_builds, family, mode):
     offset = bos_offset(build.tokens)
     intact = own_copy_loss(build.model, ids, HELD_OUT.L, offset)
     heads = [(0, 1), (1, 3)]
+    implementation = build.model.config._attn_implementation
     copy_loss, deltas = naive_knockout_deltas(build, HELD_OUT, mode=mode, heads=heads, batch_size=3)
+    # the loop ran on SDPA; own_copy_loss and the probe run on the model's own (eager) attention
+    assert build.model.config._attn_implementation == implementation == "eager"
     assert copy_loss == pytest.approx(intact, abs=1e-5)
     means = head_means(build, HELD_OUT, batch_size=3) if mode == "mean" else None
     for layer, head in heads:
@@ -159,6 +162,44 @@ def test_bnb_builds_knock_out_heads(tiny_folders, fp32_builds, recipe, mode):
     assert np.corrcoef(ref, df["knockout_delta"].to_numpy())[0, 1] > 0.8
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_scan_runs_on_sdpa_and_restores_eager(fp32_builds, family, monkeypatch):
+    """Knockout forwards need no attention weights: they run on SDPA, and the model is eager again after."""
+    build = fp32_builds[family]
+    seen = []
+    real = knockout._plain_copy_losses
+
+    def spy(model, *args):
+        seen.append(model.config._attn_implementation)
+        return real(model, *args)
+
+    monkeypatch.setattr(knockout, "_plain_copy_losses", spy)
+    knockout_scan(build, HELD_OUT, heads=["L1H0"], batch_size=3, progress=False)
+    assert seen and set(seen) == {"sdpa"}
+    assert build.model.config._attn_implementation == "eager"
+
+
+def test_inexact_replay_falls_back_to_the_plain_loop(fp32_builds):
+    """A model whose forward does more than its blocks and tail (here a hook on the decoder stack's
+    output, as final-logit soft-capping would) cannot be replayed: one warning, then the plain loop."""
+    build = fp32_builds["llama"]
+    _, before = naive_knockout_deltas(build, HELD_OUT, heads=["L0H1", "L1H2"], batch_size=3)
+    handle = build.model.model.register_forward_hook(
+        lambda module, args, out: out.__class__(last_hidden_state=out.last_hidden_state * 1.5)
+    )
+    try:
+        _, shifted = naive_knockout_deltas(build, HELD_OUT, heads=["L0H1", "L1H2"], batch_size=3)
+        with pytest.warns(UserWarning, match="does not reproduce the model's copy loss .* running the plain loop") as info:
+            df = knockout_scan(build, HELD_OUT, heads=["L0H1", "L1H2"], batch_size=3, progress=False)
+    finally:
+        handle.remove()
+    assert len(info) == 1 and "\n" not in str(info[0].message)
+    assert df.attrs["cached"] is False
+    got = df.set_index("head")["knockout_delta"]
+    assert max(abs(got[h] - shifted[h]) for h in shifted) <= 1e-6
+    assert max(abs(shifted[h] - before[h]) for h in shifted) > 1e-3  # the hook mattered
+
+
 def test_int8_is_not_stacked_by_default(tiny_folders):
     build = load_build(resolve_model(str(tiny_folders["gpt2"])), "bnb-int8", "cpu")
     assert not knockout.batch_invariant(build)
@@ -177,8 +218,8 @@ def test_subset_and_screening_agree_with_full_scan(fp32_builds):
         build, HELD_OUT, mode="mean", screen_top_k=3, must_include=["L0H0"], batch_size=3, progress=False
     )
     scr = screened.set_index("head")
-    estimate = scr["knockout_estimate"]
-    top = set(estimate.abs().sort_values(ascending=False).index[:3])
+    score = scr["knockout_screen_score"]
+    top = set(score.sort_values(ascending=False).index[:3])
     exact = set(scr.index[scr["knockout_delta"].notna()])
     assert exact == top | {"L0H0"}
     assert screened.attrs["screened"] and sorted(screened.attrs["exact_heads"]) == sorted(exact)
@@ -191,7 +232,7 @@ def test_attribution_estimate_is_the_directional_derivative(tiny_folders, mode):
     """estimate_h = d/de L(z_h + e (z_h^ablated - z_h)) at e = 0, checked by central differences in float64."""
     build = load_build(resolve_model(str(tiny_folders["llama"])), "fp32", "cpu")
     build.model.double()
-    df = knockout_scan(build, HELD_OUT, mode=mode, screen_top_k=0, batch_size=3, progress=False)
+    df = knockout_scan(build, HELD_OUT, mode=mode, screen_top_k=0, screen_method="atp", batch_size=3, progress=False)
     estimate = df.set_index("head")["knockout_estimate"]
     ids = repeat_tokens(build.tokens, HELD_OUT.n, HELD_OUT.L, HELD_OUT.seed)
     means = head_means(build, HELD_OUT) if mode == "mean" else None
@@ -219,14 +260,12 @@ def test_attribution_estimate_is_the_directional_derivative(tiny_folders, mode):
 
 def test_screening_falls_back_to_exact_when_backward_fails(fp32_builds, monkeypatch):
     build = fp32_builds["gpt2"]
-    real = knockout._intact_pass
+    from pytest_circuits.rungs import screen
 
-    def no_backward(*args, screen, **kwargs):
-        if screen:
-            raise RuntimeError("backward is not implemented for this layer")
-        return real(*args, screen=screen, **kwargs)
+    def no_backward(*args, **kwargs):
+        raise RuntimeError("backward is not implemented for this layer")
 
-    monkeypatch.setattr(knockout, "_intact_pass", no_backward)
+    monkeypatch.setattr(screen, "screen_estimate", no_backward)
     with pytest.warns(UserWarning, match="running exact knockouts on every requested head"):
         df = knockout_scan(build, HELD_OUT, screen_top_k=2, progress=False)
     assert not df.attrs["screened"] and "knockout_estimate" not in df
@@ -348,19 +387,37 @@ def routing_scores_of(build, settings):
 
 @needs_embedded
 def test_embedded_screen_keeps_must_include_heads_exact(embedded_build):
-    """Attribution patching misses saturated heads: on the embedded model the previous-token
+    """Plain attribution patching misses saturated heads: on the embedded model the previous-token
     head's first-order estimate is near zero while its exact knockout is several nats, because
-    the intact copy loss sits near zero where the gradient vanishes. The screen therefore always
+    the induction head's attention moves between saturated keys. The screen therefore always
     knocks out the baseline's key heads (``must_include``) exactly, whatever their estimate."""
     held_out = RepeatSettings(seed=1, n=16, L=32)
     full = knockout_scan(embedded_build, held_out, progress=False).set_index("head")["knockout_delta"]
-    key = full.idxmax()
-    screened = knockout_scan(embedded_build, held_out, screen_top_k=1, must_include=[key], progress=False)
-    screened = screened.set_index("head")
-    assert screened.loc[key, "knockout_estimate"] < 0.1 * full[key]  # the estimate alone would miss it
-    assert screened.loc[key, "knockout_delta"] == pytest.approx(full[key], abs=1e-5)
-    top_estimate = screened["knockout_estimate"].abs().idxmax()
-    assert set(screened.index[screened["knockout_delta"].notna()]) == {top_estimate, key}
+    previous = "L0H1"
+    assert full[previous] > 3.0, full.to_string()
+    screened = knockout_scan(
+        embedded_build, held_out, screen_top_k=1, screen_method="atp", must_include=[previous], progress=False
+    ).set_index("head")
+    assert abs(screened.loc[previous, "knockout_estimate"]) < 0.1 * full[previous]  # AtP alone would miss it
+    assert screened.loc[previous, "knockout_delta"] == pytest.approx(full[previous], abs=1e-5)
+    top_estimate = screened["knockout_screen_score"].idxmax()
+    assert set(screened.index[screened["knockout_delta"].notna()]) == {top_estimate, previous}
+
+
+@needs_embedded
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+def test_embedded_atp_star_ranks_both_circuit_heads_first(embedded_build, mode):
+    """AtP*'s QK fix recomputes the induction head's softmax for the previous-token head's change
+    of its keys: both circuit heads (their exact deltas are the two largest) lead its ranking."""
+    held_out = RepeatSettings(seed=1, n=16, L=32)
+    full = knockout_scan(embedded_build, held_out, mode=mode, progress=False).set_index("head")["knockout_delta"]
+    circuit = set(full.abs().sort_values(ascending=False).index[:2])
+    assert circuit == {"L1H0", "L0H1"}, full.to_string()
+    screened = knockout_scan(embedded_build, held_out, mode=mode, screen_top_k=4, progress=False).set_index("head")
+    assert screened.attrs["screen_method"] == "atp*"
+    top4 = set(screened["knockout_screen_score"].sort_values(ascending=False).index[:4])
+    assert circuit <= top4, screened.to_string()
+    assert screened.loc["L0H1", "knockout_estimate"] > 0.5 * screened.loc["L1H0", "knockout_estimate"] > 0
 
 
 # --- the real model ---

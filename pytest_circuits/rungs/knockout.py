@@ -24,20 +24,23 @@ from __future__ import annotations
 
 import math
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import numpy as np
 import pandas as pd
 import torch
 
 from ..errors import CircuitsError
 from ..model.builds import LoadedBuild, get_recipe
 from ..model.families import flattens_batch_with_heads, head_label, layer_modules, tail_logits
-from .ablation import ZMeans, ablated, parse_heads, z_differentiable, z_observed
+from ..progress import Progress
+from .ablation import ZMeans, ablated, parse_heads, z_observed
 from .repeat import RepeatSettings, bos_offset, check_fits, copy_slices, next_token_losses, repeat_losses, repeat_tokens
 
 MODES = ("zero", "mean")
+SCREEN_METHODS = ("atp*", "atp*gd", "atp")
 ROWS_PER_PASS = 64  # default cap on sequences x knockouts in one replay
+FAST_ATTENTION = "sdpa"  # knockouts need no attention weights: the fused exact kernel
 
 
 @dataclass
@@ -54,13 +57,35 @@ class _Intact:
     copy_loss: float
     chunks: list[_Chunk]
     means: torch.Tensor | None  # (n_layers, n_heads, d_head)
-    zg: np.ndarray | None = None  # (n_layers, n_heads): sum over sequences, positions of z_h . dL/dz_h
-    g: torch.Tensor | None = None  # (n_layers, n_heads, d_head): sum of dL/dz_h
 
 
 def _check_mode(mode: str) -> None:
     if mode not in MODES:
         raise CircuitsError(f"knockout mode {mode!r} is unknown; use zero or mean (--circuits-knockout-mode)")
+
+
+@contextmanager
+def attention_implementation(model, impl: str = FAST_ATTENTION):
+    """Run ``model`` with attention implementation ``impl`` inside the block, then restore its own.
+
+    Knockouts, their replays and the attribution screen need no attention weights, so they run
+    on SDPA (same softmax(QK^T/sqrt(d)+mask)V, fused); the probe keeps eager attention for its
+    patterns. A model that cannot switch (no ``set_attn_implementation``, or ``impl`` not
+    supported) keeps its own.
+    """
+    before = getattr(model.config, "_attn_implementation", None)
+    switched = False
+    if before != impl and hasattr(model, "set_attn_implementation"):
+        try:
+            model.set_attn_implementation(impl)
+            switched = True
+        except (ValueError, ImportError, NotImplementedError, KeyError):
+            switched = False
+    try:
+        yield
+    finally:
+        if switched:
+            model.set_attn_implementation(before)
 
 
 def held_out_ids(build: LoadedBuild, settings: RepeatSettings) -> torch.Tensor:
@@ -94,14 +119,13 @@ def _copy_losses(build, logits, ids, L) -> torch.Tensor:
     return repeat_losses(next_token_losses(logits, ids), L, bos_offset(build.tokens))[1]
 
 
-def _intact_pass(build: LoadedBuild, ids: torch.Tensor, L: int, batch_size: int, record: bool, screen: bool):
-    """Run the intact model once: copy loss, block calls (``record``), z means, attribution (``screen``)."""
+@torch.no_grad()
+def _intact_pass(build: LoadedBuild, ids: torch.Tensor, L: int, batch_size: int, record: bool):
+    """Run the intact model once: per-sequence copy loss, every block's call (``record``), z means."""
     model, geo, n = build.model, build.geometry, ids.shape[0]
     blocks = layer_modules(model)
     z_means = ZMeans(geo)
     chunks, total = [], 0.0
-    grad_g = torch.zeros(geo.n_layers, geo.n_heads, geo.d_head, dtype=torch.float64)  # sum dL/dz_h
-    grad_zg = torch.zeros(geo.n_layers, geo.n_heads, dtype=torch.float64)  # sum z_h . dL/dz_h
     for batch in _chunks(ids, batch_size):
         chunk = _Chunk(batch)
         handles = []
@@ -112,36 +136,14 @@ def _intact_pass(build: LoadedBuild, ids: torch.Tensor, L: int, batch_size: int,
             handles = [b.register_forward_pre_hook(keep, with_kwargs=True) for b in blocks]
         try:
             with z_observed(model, geo.n_layers, z_means.observe):
-                if screen:
-                    with torch.enable_grad(), z_differentiable(model, geo.n_layers) as leaves:
-                        per_seq = _copy_losses(build, _forward_logits(model, batch, build.device), batch, L)
-                        (per_seq.sum() / n).backward()
-                    for layer, z, delta in leaves:
-                        g = delta.grad.double().reshape(-1, geo.n_heads, geo.d_head).cpu()
-                        zz = z.double().reshape(-1, geo.n_heads, geo.d_head).cpu()
-                        grad_g[layer] += g.sum(dim=0)
-                        grad_zg[layer] += (zz * g).sum(dim=(0, 2))
-                else:
-                    with torch.no_grad():
-                        per_seq = _copy_losses(build, _forward_logits(model, batch, build.device), batch, L)
+                per_seq = _plain_copy_losses(model, batch, L, bos_offset(build.tokens), build.device)
         finally:
             for handle in handles:
                 handle.remove()
-        chunk.copy_losses = per_seq.detach().float().cpu()
-        total += float(per_seq.detach().double().sum())
+        chunk.copy_losses = per_seq.float().cpu()
+        total += float(per_seq.double().sum())
         chunks.append(chunk)
-    means = z_means.means()
-    intact = _Intact(copy_loss=total / n, chunks=chunks, means=means)
-    if screen:
-        intact.zg, intact.g = grad_zg.numpy(), grad_g
-    return intact
-
-
-def attribution_estimate(intact: _Intact, mode: str) -> np.ndarray:
-    """``(n_layers, n_heads)``: ``sum (z_abl - z) . g`` = ``mu_h . sum g - sum z . g`` (mean) or ``-sum z . g`` (zero)."""
-    if mode == "zero":
-        return -intact.zg
-    return (intact.means.double() * intact.g).sum(dim=2).numpy() - intact.zg
+    return _Intact(copy_loss=total / n, chunks=chunks, means=z_means.means())
 
 
 def _tile(obj, rows: int, k: int, memo: dict):
@@ -172,11 +174,50 @@ def _replay(build, chunk: _Chunk, layer: int, k: int, L: int) -> torch.Tensor:
     memo: dict = {}
     args, kwargs = chunk.calls[layer]
     hidden = _tile(_recorded_hidden(args, kwargs), rows, k, memo)
+    last = len(blocks) - 1
     for index in range(layer, len(blocks)):
         args, kwargs = _call_args(*chunk.calls[index], rows, k, memo, hidden)
-        out = blocks[index](*args, **kwargs)
+        # bnb-int8 picks outlier columns over all rows: cutting rows would change the other rows' result
+        cut = index == last and batch_invariant(build)
+        with _rows_only(getattr(blocks[index], "mlp", None) if cut else None, _predicted(build, L)):
+            out = blocks[index](*args, **kwargs)
         hidden = out[0] if isinstance(out, (tuple, list)) else out
     return _tail_copy_losses(build, hidden, chunk.ids.repeat(k, 1), L).reshape(k, rows)
+
+
+def _predicted(build, L: int) -> slice:
+    """Positions whose output the copy loss reads (they predict the second copy's tokens)."""
+    return copy_slices(L, bos_offset(build.tokens))[1]
+
+
+@contextmanager
+def _rows_only(mlp, positions: slice):
+    """Run a position-wise ``mlp`` on ``positions`` only, zeros elsewhere (in the last block only
+    the copy positions reach the unembedding, so the rest of its MLP output is never read)."""
+    if mlp is None:
+        yield
+        return
+
+    length = []
+
+    def pick(module, args, kwargs):
+        hidden = args[0] if args else next(iter(kwargs.values()))
+        length[:] = [hidden.shape[1]]
+        if args:
+            return (hidden[:, positions].contiguous(), *args[1:]), kwargs
+        return args, {**kwargs, next(iter(kwargs)): hidden[:, positions].contiguous()}
+
+    def place(module, args, kwargs, out):
+        full = out.new_zeros(out.shape[0], length[0], *out.shape[2:])
+        full[:, positions] = out
+        return full
+
+    handles = [mlp.register_forward_pre_hook(pick, with_kwargs=True), mlp.register_forward_hook(place, with_kwargs=True)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _call_args(args, kwargs, rows, k, memo, hidden):
@@ -195,28 +236,25 @@ def _tail_copy_losses(build, hidden, ids, L) -> torch.Tensor:
     return losses.reshape(targets.shape).mean(dim=1)
 
 
-def _check_replay(build: LoadedBuild, intact: _Intact, L: int) -> None:
-    """Replaying the last block and the tail must reproduce the intact copy losses, else refuse."""
+def _replay_gap(build: LoadedBuild, intact: _Intact, L: int) -> str | None:
+    """Why replaying the recorded last block and the tail does not reproduce the intact copy losses, or None."""
     chunk = intact.chunks[0]
-    replayed = _replay(build, chunk, build.geometry.n_layers - 1, 1, L)[0].float().cpu()
+    with attention_implementation(build.model):
+        replayed = _replay(build, chunk, build.geometry.n_layers - 1, 1, L)[0].float().cpu()
     tol = 1e-4 if next(build.model.parameters()).dtype == torch.float32 else 2e-2
     gap = float((replayed - chunk.copy_losses).abs().max())
-    if not gap <= tol:
-        raise CircuitsError(
-            f"{build.label}: replaying the recorded decoder blocks does not reproduce the model's copy loss "
-            f"(gap {gap:.2g}); run knockout_scan(..., cached=False)"
-        )
+    if gap <= tol:
+        return None
+    return f"replaying the recorded decoder blocks does not reproduce the model's copy loss (gap {gap:.2g} > {tol:g})"
 
 
 def _groups(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def _progress(total: int, enabled: bool, label: str):
-    from tqdm.auto import tqdm
-
-    # disable=None: off when stderr is not a terminal
-    return tqdm(total=total, unit="head", desc=f"knockout {label}", disable=None if enabled else True, leave=False)
+def replay_cost(n_layers: int, layer: int) -> int:
+    """Blocks a knockout in ``layer`` replays (``n_layers - layer``): the progress bar's cost per head."""
+    return n_layers - layer
 
 
 def _cached_deltas(build, intact: _Intact, pairs, mode, L, n, knockouts_per_pass, bar) -> dict:
@@ -238,7 +276,7 @@ def _cached_deltas(build, intact: _Intact, pairs, mode, L, n, knockouts_per_pass
                 total += per_seq.double().sum(dim=1).cpu()
             for head, value in zip(group, (total / n).tolist()):
                 losses[(layer, head)] = value
-            bar.update(len(group))
+            bar.update(len(group), len(group) * replay_cost(geo.n_layers, layer), head_label(layer, group[-1]))
     return losses
 
 
@@ -266,24 +304,33 @@ def knockout_scan(
     mode: str = "zero",
     heads=None,
     screen_top_k: int | None = None,
+    screen_method: str = "atp*",
     must_include=(),
     batch_size: int = 8,
     progress: bool = True,
+    write=None,
     knockouts_per_pass: int | None = None,
     cached: bool = True,
 ) -> pd.DataFrame:
     """Knockout delta of every head (or of ``heads``) on the held-out repeat sequences of ``settings``.
 
     One row per head of the model: ``head``, ``layer``, ``head_index``, ``knockout_delta``
-    (NaN where no exact knockout ran) and, when screening ran, ``knockout_estimate``.
-    ``screen_top_k``: exact knockouts only on the ``k`` heads with the largest
-    ``|attribution estimate|`` among ``heads`` (default all), plus ``must_include``.
+    (NaN where no exact knockout ran) and, when screening ran, ``knockout_estimate`` (signed)
+    and ``knockout_screen_score`` (what heads are ranked by). ``screen_top_k``: exact knockouts
+    only on the ``k`` top-ranked heads among ``heads`` (default all), plus ``must_include`` (always exact).
+    ``screen_method``: ``"atp*"`` (default, `screen.atp_star`: attribution patching with the
+    QK fix), ``"atp*gd"`` (and GradDrop) or ``"atp"`` (plain attribution patching).
     ``knockouts_per_pass``: knockouts stacked in one replay (default: up to
-    ``ROWS_PER_PASS`` rows; 1 for bnb-int8, see `batch_invariant`). ``cached=False`` runs the plain loop (one full forward per head).
+    ``ROWS_PER_PASS`` rows; 1 for bnb-int8, see `batch_invariant`). ``cached=False`` runs the
+    plain loop (one full forward per head); so does a model whose replay is not exact (one warning).
+    ``progress``: report heads done, layer and ETA (`progress.Progress`); ``write``: where its
+    plain lines go (e.g. the pytest terminal reporter), default a bar on a terminal, else stderr.
     ``df.attrs``: ``copy_loss`` (intact), ``mode``, ``settings`` (dict), ``screened``,
-    ``screen_top_k``, ``exact_heads``.
+    ``screen_top_k``, ``screen_method``, ``exact_heads``, ``cached`` (whether the replay ran).
     """
     _check_mode(mode)
+    if screen_method not in SCREEN_METHODS:
+        raise CircuitsError(f"screen method {screen_method!r} is unknown; use one of: {', '.join(SCREEN_METHODS)}")
     geo = build.geometry
     candidates = parse_heads(heads, geo)
     extra = parse_heads(list(must_include), geo) if must_include else []
@@ -291,10 +338,14 @@ def knockout_scan(
     screen = screen_top_k is not None
     if screen and screen_top_k < 0:
         raise CircuitsError(f"screen_top_k={screen_top_k} must be 0 or more (--circuits-knockout-screen)")
-    intact = None
+    with attention_implementation(build.model):
+        intact = _intact_pass(build, ids, settings.L, batch_size, record=cached)
+    estimate = score = None
     if screen:
+        from .screen import screen_estimate
+
         try:
-            intact = _intact_pass(build, ids, settings.L, batch_size, record=cached, screen=True)
+            estimate, score = screen_estimate(build, ids, settings.L, mode, intact.means, screen_method, batch_size)
         except (RuntimeError, NotImplementedError, TypeError) as error:
             warnings.warn(
                 f"{build.label}: attribution screening needs a backward pass, which failed here "
@@ -303,23 +354,25 @@ def knockout_scan(
                 stacklevel=2,
             )
             screen = False
-    if intact is None:
-        intact = _intact_pass(build, ids, settings.L, batch_size, record=cached, screen=False)
-    estimate = attribution_estimate(intact, mode) if screen else None
-    exact = candidates
     if screen:
-        ranked = sorted(candidates, key=lambda p: (-abs(estimate[p]), p))
+        ranked = sorted(candidates, key=lambda p: (-score[p], p))
         exact = sorted(set(ranked[:screen_top_k]) | set(extra))
     else:
         exact = sorted(set(candidates) | set(extra))
     n = ids.shape[0]
-    with _progress(len(exact), progress, build.label) as bar:
-        if cached:
-            _check_replay(build, intact, settings.L)
-            per_pass = _auto_per_pass(build, knockouts_per_pass, batch_size, n)
-            losses = _cached_deltas(build, intact, exact, mode, settings.L, n, per_pass, bar)
-        else:
-            losses = _naive_losses(build, ids, settings.L, exact, mode, intact.means, batch_size, bar)
+    if cached:
+        why = _replay_gap(build, intact, settings.L)
+        if why is not None:
+            warnings.warn(f"{build.label}: {why}; running the plain loop (one full forward per head) instead", stacklevel=2)
+            cached = False
+    total_cost = sum(replay_cost(geo.n_layers, l) for l, _ in exact) if cached else len(exact)
+    with Progress(len(exact), f"knockout {build.label}", total_cost=total_cost, enabled=progress, write=write) as bar:
+        with attention_implementation(build.model):
+            if cached:
+                per_pass = _auto_per_pass(build, knockouts_per_pass, batch_size, n)
+                losses = _cached_deltas(build, intact, exact, mode, settings.L, n, per_pass, bar)
+            else:
+                losses = _naive_losses(build, ids, settings.L, exact, mode, intact.means, batch_size, bar)
     rows = []
     for layer in range(geo.n_layers):
         for head in range(geo.n_heads):
@@ -328,6 +381,7 @@ def knockout_scan(
             row["knockout_delta"] = math.nan if loss is None else loss - intact.copy_loss
             if screen:
                 row["knockout_estimate"] = float(estimate[layer, head])
+                row["knockout_screen_score"] = float(score[layer, head])
             rows.append(row)
     df = pd.DataFrame(rows)
     df.attrs.update(
@@ -336,25 +390,41 @@ def knockout_scan(
         settings=settings.as_dict(),
         screened=screen,
         screen_top_k=screen_top_k if screen else None,
+        screen_method=screen_method if screen else None,
         exact_heads=[head_label(*p) for p in exact],
+        cached=cached,
     )
     return df
 
 
+def _plain_copy_losses(model, batch: torch.Tensor, L: int, offset: int, device) -> torch.Tensor:
+    """Per-sequence copy loss from one full forward that unembeds only the last ``L`` positions."""
+    ids = batch.to(device)
+    try:
+        logits = model(input_ids=ids, use_cache=False, logits_to_keep=L).logits
+    except TypeError:  # a model without logits_to_keep: unembed every position
+        logits = model(input_ids=ids, use_cache=False).logits[:, -L:]
+    # the last L positions are offset+L .. offset+2L-1; the first L-1 predict the copy's tokens
+    logits = logits[:, : L - 1].float()
+    targets = ids[:, offset + L + 1 :]
+    losses = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    return losses.reshape(targets.shape).mean(dim=1)
+
+
 @torch.no_grad()
 def _naive_losses(build, ids, L, pairs, mode, means, batch_size, bar=None) -> dict:
-    """Copy loss with each head knocked out: one full forward of every sequence per head."""
-    n, losses = ids.shape[0], {}
+    """The honest plain loop: per head, a pre-hook on its output projection and one full forward
+    of every sequence (all in one batch unless ``batch_size`` is smaller), unembedding only the last ``L`` positions."""
+    n, losses, offset = ids.shape[0], {}, bos_offset(build.tokens)
     for layer, head in pairs:
         total = 0.0
         layer_means = means[layer] if mode == "mean" else None
         with ablated(build.model, layer, build.geometry.d_head, [(slice(None), head)], layer_means):
             for batch in _chunks(ids, batch_size):
-                logits = _forward_logits(build.model, batch, build.device)
-                total += float(_copy_losses(build, logits, batch, L).double().sum())
+                total += float(_plain_copy_losses(build.model, batch, L, offset, build.device).double().sum())
         losses[(layer, head)] = total / n
         if bar is not None:
-            bar.update(1)
+            bar.update(1, 1, head_label(layer, head))
     return losses
 
 
@@ -365,12 +435,42 @@ def naive_knockout_deltas(
     _check_mode(mode)
     pairs = parse_heads(heads, build.geometry)
     ids = held_out_ids(build, settings)
-    intact = _intact_pass(build, ids, settings.L, batch_size, record=False, screen=False)
-    losses = _naive_losses(build, ids, settings.L, pairs, mode, intact.means, batch_size)
+    with attention_implementation(build.model):
+        intact = _intact_pass(build, ids, settings.L, batch_size, record=False)
+        losses = _naive_losses(build, ids, settings.L, pairs, mode, intact.means, batch_size)
     return intact.copy_loss, {head_label(*p): v - intact.copy_loss for p, v in losses.items()}
+
+
+def _matrix_params(module) -> int:
+    return sum(p.numel() for p in module.parameters() if p.dim() >= 2)
+
+
+def knockout_flops(build: LoadedBuild, settings: RepeatSettings, heads=None) -> dict[str, float]:
+    """Floating-point operations (multiply-add = 2) counted from the shapes, for ``n`` sequences of ``T`` tokens.
+
+    ``forward``: one forward unembedding the last ``L`` positions, ``n (T sum_j B_j(T) + L 2 d V)``
+    with ``B_j = 2 x (block j's matrix parameters) + 4 n_heads d_head (T+1)/2`` per token (causal
+    attention reads ``(T+1)/2`` keys on average). ``plain``: the plain loop (its intact forward,
+    then one forward per head). ``scan``: the exact cached scan (intact forward, then per head of
+    layer ``l`` blocks ``l..end`` on ``T`` tokens, the last block's MLP on the ``L-1`` copy
+    positions only, the unembedding on those). Norms, softmax and elementwise ops are not counted.
+    """
+    geo, model = build.geometry, build.model
+    n, L = settings.n, settings.L
+    T = 2 * L + bos_offset(build.tokens)
+    blocks = layer_modules(model)
+    attention = 4 * geo.n_heads * geo.d_head * (T + 1) / 2
+    per_token = [2 * _matrix_params(b) + attention for b in blocks]
+    unembed = 2 * model.get_output_embeddings().weight.numel()
+    last_mlp = getattr(blocks[-1], "mlp", None)
+    mlp_cut = 2 * _matrix_params(last_mlp) * (T - (L - 1)) if last_mlp is not None else 0.0
+    forward = n * (T * sum(per_token) + L * unembed)
+    pairs = parse_heads(heads, geo)
+    scan = forward + sum(n * (T * sum(per_token[l:]) - mlp_cut + (L - 1) * unembed) for l, _ in pairs)
+    return {"forward": forward, "plain": forward * (1 + len(pairs)), "scan": scan}
 
 
 def head_means(build: LoadedBuild, settings: RepeatSettings, batch_size: int = 8) -> torch.Tensor:
     """``(n_layers, n_heads, d_head)``: the mean-ablation ``mu_h``, over every position of every held-out sequence."""
     ids = held_out_ids(build, settings)
-    return _intact_pass(build, ids, settings.L, batch_size, record=False, screen=False).means
+    return _intact_pass(build, ids, settings.L, batch_size, record=False).means

@@ -1,0 +1,111 @@
+"""Progress of a long scan that tells the truth: items done, the current stage, a cost-aware ETA.
+
+On a terminal a tqdm bar; elsewhere (CI, stderr not a terminal) one plain line every
+``interval`` seconds, or through ``write`` (e.g. the pytest terminal reporter's
+``write_line``). Items need not cost the same: each carries a ``cost`` (for a knockout in
+layer ``l`` of an ``n_layers`` model, the replay runs ``n_layers - l`` blocks), and
+
+    ETA = elapsed * (cost remaining) / (cost done)
+
+so a scan that starts with the expensive shallow layers does not promise too much.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+
+def format_seconds(seconds: float) -> str:
+    """``"1h02m"``, ``"3m05s"`` or ``"42s"``."""
+    seconds = max(0, int(round(seconds)))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"
+
+
+class Progress:
+    """``total`` items of total cost ``total_cost`` (default: one per item).
+
+    ``update(n, cost, stage)``: ``n`` more items done, costing ``cost`` (default ``n``),
+    now at ``stage`` (e.g. ``"L12"``). ``enabled=False``: silent. ``write``: where plain
+    lines go (default stderr); given, it is used even on a terminal. ``clock``: seconds
+    (``time.monotonic``; tests pass a fake).
+    """
+
+    def __init__(
+        self,
+        total: int,
+        label: str,
+        *,
+        total_cost: float | None = None,
+        unit: str = "head",
+        enabled: bool = True,
+        write: Callable[[str], None] | None = None,
+        interval: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+        terminal: bool | None = None,
+    ):
+        self.total, self.label, self.unit = total, label, unit
+        self.total_cost = float(total if total_cost is None else total_cost)
+        self.done, self.cost_done, self.stage, self.lines = 0, 0.0, "", 0
+        self.enabled, self.interval, self.clock = enabled, interval, clock
+        self.write = write
+        self.start = clock()
+        self.last_line = self.start
+        on_terminal = sys.stderr.isatty() if terminal is None else terminal
+        self.bar = None
+        if enabled and write is None and on_terminal:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, unit=unit, desc=label, leave=False)
+        elif enabled and write is None:
+            self.write = lambda line: print(line, file=sys.stderr, flush=True)
+
+    def eta(self) -> float | None:
+        """Seconds left: elapsed times the cost still to run over the cost run so far (None before any)."""
+        if self.cost_done <= 0:
+            return None
+        return (self.clock() - self.start) * max(self.total_cost - self.cost_done, 0.0) / self.cost_done
+
+    def line(self) -> str:
+        eta = self.eta()
+        stage = f", at {self.stage}" if self.stage else ""
+        left = "ETA ?" if eta is None else f"ETA {format_seconds(eta)}"
+        elapsed = format_seconds(self.clock() - self.start)
+        return f"{self.label}: {self.done}/{self.total} {self.unit}s{stage}, {elapsed} elapsed, {left}"
+
+    def update(self, n: int = 1, cost: float | None = None, stage: str | None = None) -> None:
+        if not self.enabled:
+            return
+        self.done += n
+        self.cost_done += n if cost is None else cost
+        if stage is not None:
+            self.stage = stage
+        if self.bar is not None:
+            eta = self.eta()
+            self.bar.set_postfix_str(f"{self.stage} ETA {format_seconds(eta) if eta is not None else '?'}", refresh=False)
+            self.bar.update(n)
+            return
+        now = self.clock()
+        # a line every ``interval`` seconds, and a closing one only for a scan that printed before
+        if now - self.last_line >= self.interval or (self.done >= self.total and self.lines):
+            self.last_line = now
+            self.lines += 1
+            self.write(self.line())
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

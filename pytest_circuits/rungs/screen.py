@@ -1,0 +1,307 @@
+"""Screening estimates of every head's knockout delta: plain attribution patching (AtP) and AtP*.
+
+For head ``h`` of layer ``l`` knocked out, ``dz_h = z_h^ablated - z_h`` (``-z_h`` zero
+ablation, ``mu_h - z_h`` mean ablation; every position of every held-out sequence) and the
+copy loss ``CL`` (knockout.py).
+
+* AtP (Nanda 2023): ``est_h = sum_{seq,pos} dz_h . dCL/dz_h``, one forward and one backward.
+* AtP* (Kramar et al. 2024) fixes AtP's two failure modes.
+
+  QK fix (attention saturation): AtP's gradient holds the knockout's effect on every later
+  attention pattern as a linearised softmax, which misses a head's attention moving from
+  one saturated key to another (the embedded model's previous-token head: AtP -0.08, exact
+  +7.2). For every later layer ``m > l`` the pattern is recomputed exactly from queries and
+  keys of ``attn_norm_m(r_m + dr_h)`` (``r_m`` the residual stream entering block ``m``,
+  ``dr_h = dz_h W_O[h]`` the knockout's direct change of it), and the linearised direct
+  term is swapped for the exact one:
+
+      est*_h = est_h + sum_{m > l} sum_{heads,seq,t,s} (A'_m - A_m - dA_m^lin) * dCL/dA_m,
+
+  ``dA_m^lin = d/de A_m(attn_norm_m(r_m + e dr_h))`` at ``e = 0`` (autograd). Paths through
+  intermediate layers stay linear, as in AtP.
+
+  GradDrop (cancellation across layers), ``method="atp*gd"``: AtP's term is recomputed with
+  the gradient through block ``j``'s output dropped, for every ``j`` in ``1 .. n_layers-1``,
+  and the head is ranked by ``mean_j |est_h^(-j) + QK correction|`` (a block ``j <= l`` lies
+  on no path from the head: those terms are ``|est*_h|``). Off by default: on SmolLM2-135M
+  it ranked the exact top heads worse than the QK fix alone and costs ``n_layers - 1``
+  backward passes (benchmarks/test_bench_knockout.py, README).
+
+Work: AtP one forward and one backward; the QK fix one attention-module forward, forward
+and backward per (source layer, later layer) on ``n_heads`` stacked copies. The benchmark
+reports each screen's cost in forward-equivalents, timed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..model.families import attention_module, get_module, layer_modules, out_proj_module
+from .ablation import z_differentiable
+from .repeat import bos_offset, copy_slices
+
+ATTN_NAME = "circuits_atp"
+
+
+@dataclass
+class _State:
+    """What the custom attention function does: record (pattern + zero leaf), qkfix (exact term), linear."""
+
+    mode: str = "off"  # "record" | "qkfix" | "linear" | "off"
+    layer_of: dict = field(default_factory=dict)  # id(attention module) -> layer
+    patterns: dict = field(default_factory=dict)  # layer -> A (detached)
+    leaves: dict = field(default_factory=dict)  # layer -> zero leaf added to A
+    grads: dict = field(default_factory=dict)  # layer -> dCL/dA
+    copies: int = 1
+    qk: torch.Tensor | None = None  # (copies,) accumulated exact pattern term of the current source group
+    linear: torch.Tensor | None = None  # (copies,) sum A . dCL/dA of the last "linear" call
+
+
+_STATE = _State()
+
+
+def _causal_scores(module, query, key, attention_mask, scaling):
+    n_rep = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(n_rep, dim=1) if n_rep > 1 else key
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is None:
+        t, s = scores.shape[-2:]
+        causal = torch.ones(t, s, dtype=torch.bool, device=scores.device).tril(s - t)
+        scores = scores.masked_fill(~causal, float("-inf"))
+    elif attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    else:
+        scores = scores + attention_mask
+    return torch.softmax(scores, dim=-1, dtype=torch.float32)
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Eager attention that, per ``_STATE.mode``, freezes its pattern behind a zero leaf or adds up the QK fix."""
+    state = _STATE
+    layer = state.layer_of[id(module)]
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    pattern = _causal_scores(module, query, key, attention_mask, scaling)
+    n_rep = query.shape[1] // value.shape[1]
+    value = value.repeat_interleave(n_rep, dim=1) if n_rep > 1 else value
+    if state.mode in ("qkfix", "linear"):
+        grad = state.grads[layer].repeat(state.copies, 1, 1, 1)
+        if state.mode == "qkfix":  # exact: sum (A' - A) . dCL/dA per stacked copy
+            moved = (pattern - state.patterns[layer].repeat(state.copies, 1, 1, 1)) * grad
+            state.qk += moved.reshape(state.copies, -1).double().sum(dim=1).cpu()
+        else:  # sum A . dCL/dA per copy, differentiated along the knockout's direction by the caller
+            state.linear = (pattern * grad).reshape(state.copies, -1).sum(dim=1)
+        return value.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+    if state.mode == "record":
+        leaf = torch.zeros_like(pattern, requires_grad=True)
+        state.patterns[layer], state.leaves[layer] = pattern.detach(), leaf
+        pattern = pattern + leaf
+    out = torch.matmul(pattern.to(value.dtype), value).transpose(1, 2).contiguous()
+    return out, None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(ATTN_NAME, _attention)
+    AttentionMaskInterface.register(ATTN_NAME, eager_mask)
+
+
+class _Drop(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``gates[j]`` (read at backward time)."""
+
+    @staticmethod
+    def forward(ctx, x, gates, j):
+        ctx.gates, ctx.j = gates, j
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.gates[ctx.j], None, None
+
+
+def _loss(build, ids, L) -> torch.Tensor:
+    """Per-sequence copy loss, unembedding only the copy positions."""
+    predict = copy_slices(L, bos_offset(build.tokens))[1]
+    logits = build.model(input_ids=ids.to(build.device), use_cache=False).logits[:, predict].float()
+    targets = ids[:, predict.start + 1 : predict.stop + 1].to(logits.device)
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    return ce.reshape(targets.shape).mean(dim=1)
+
+
+def _dz(z: torch.Tensor, means: torch.Tensor | None, layer: int, n_heads: int, d_head: int) -> torch.Tensor:
+    """``(rows, T, n_heads, d_head)`` knockout change of every head's z in ``layer``."""
+    z = z.reshape(*z.shape[:-1], n_heads, d_head)
+    if means is None:
+        return -z
+    return means[layer].to(z.dtype) - z
+
+
+def plain_atp(build, ids, L, mode, means, batch_size) -> np.ndarray:
+    """``(n_layers, n_heads)``: ``sum dz_h . dCL/dz_h`` from one forward and one backward per chunk."""
+    geo, n = build.geometry, ids.shape[0]
+    est = torch.zeros(geo.n_layers, geo.n_heads, dtype=torch.float64)
+    for batch in ids.split(batch_size):
+        with torch.enable_grad(), z_differentiable(build.model, geo.n_layers) as leaves:
+            (_loss(build, batch, L).sum() / n).backward()
+        for layer, z, leaf in leaves:
+            dz = _dz(z, means if mode == "mean" else None, layer, geo.n_heads, geo.d_head).double()
+            g = leaf.grad.reshape(dz.shape).double()
+            est[layer] += (dz * g).sum(dim=(0, 1, 3)).cpu()
+    return est.numpy()
+
+
+def _output_change(build, layer: int, dz: torch.Tensor) -> torch.Tensor:
+    """``(n_heads * rows, T, d_model)``: ``dr_h = o_proj(dz_h in head h's columns) - o_proj(0)``, heads stacked."""
+    geo = build.geometry
+    rows, T = dz.shape[:2]
+    placed = dz.new_zeros(geo.n_heads, rows, T, geo.n_heads, geo.d_head)
+    for h in range(geo.n_heads):
+        placed[h, :, :, h] = dz[:, :, h]
+    proj = out_proj_module(build.model, layer)
+    placed = placed.reshape(geo.n_heads * rows, T, geo.n_heads * geo.d_head)
+    return proj(placed) - proj(torch.zeros_like(placed[:1]))
+
+
+def _tile_batch(obj, rows: int, k: int):
+    if torch.is_tensor(obj):
+        return obj.repeat(k, *([1] * (obj.dim() - 1))) if obj.dim() >= 2 and obj.shape[0] == rows else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_tile_batch(o, rows, k) for o in obj)
+    if isinstance(obj, dict):
+        return {key: _tile_batch(v, rows, k) for key, v in obj.items()}
+    return obj
+
+
+def atp_star(build, ids, L, mode, means, batch_size, grad_drop: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """``(estimate, rank_score)``, each ``(n_layers, n_heads)``: the AtP* estimate (AtP + QK fix)
+    and the score heads are ranked by (GradDrop's ``mean_j |.|``, or ``|estimate|``)."""
+    _register()
+    model, geo, n = build.model, build.geometry, ids.shape[0]
+    blocks = layer_modules(model)
+    attn = [attention_module(model, m) for m in range(geo.n_layers)]
+    norms = [get_module(blocks[m], build.family.attn_norm) for m in range(geo.n_layers)]
+    means = means if mode == "mean" else None
+    drops = list(range(1, geo.n_layers)) if grad_drop else []
+    atp_term = torch.zeros(len(drops) + 1, geo.n_layers, geo.n_heads, dtype=torch.float64)
+    qk_term = torch.zeros(geo.n_layers, geo.n_heads, dtype=torch.float64)
+    state = _STATE
+    before = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_NAME)
+    try:
+        for batch in ids.split(batch_size):
+            rows = batch.shape[0]
+            state.layer_of = {id(a): m for m, a in enumerate(attn)}
+            state.patterns, state.leaves, state.grads = {}, {}, {}
+            residual, calls = {}, {}
+            gates = torch.ones(geo.n_layers, dtype=torch.float64)
+
+            def keep_block(module, args, kwargs, _m=None, residual=residual):
+                residual[_m] = (args[0] if args else kwargs["hidden_states"]).detach()
+
+            def keep_attn(module, args, kwargs, _m=None, calls=calls):
+                calls[_m] = (args, {k: v.detach() if torch.is_tensor(v) else v for k, v in kwargs.items()})
+
+            def drop_block(module, args, kwargs, out, _m=None, gates=gates):
+                inp = args[0] if args else kwargs["hidden_states"]
+                hidden = out[0] if isinstance(out, (tuple, list)) else out
+                gated = inp + _Drop.apply(hidden - inp, gates, _m)
+                return (gated, *out[1:]) if isinstance(out, (tuple, list)) else gated
+
+            handles = []
+            for m, block in enumerate(blocks):
+                handles.append(block.register_forward_pre_hook(lambda *a, _m=m: keep_block(*a, _m=_m), with_kwargs=True))
+                handles.append(attn[m].register_forward_pre_hook(lambda *a, _m=m: keep_attn(*a, _m=_m), with_kwargs=True))
+                if grad_drop:
+                    handles.append(block.register_forward_hook(lambda *a, _m=m: drop_block(*a, _m=_m), with_kwargs=True))
+            try:
+                state.mode = "record"
+                with torch.enable_grad(), z_differentiable(model, geo.n_layers) as zleaves:
+                    loss = _loss(build, batch, L).sum() / n
+                    zs = [leaf for _, _, leaf in zleaves]
+                    pattern_leaves = [state.leaves[m] for m in range(geo.n_layers)]
+                    grads = torch.autograd.grad(loss, zs + pattern_leaves, retain_graph=bool(drops), allow_unused=True)
+                    dzs = [_dz(z, means, layer, geo.n_heads, geo.d_head) for layer, z, _ in zleaves]
+                    _add_atp_term(atp_term[0], zleaves, dzs, grads[: len(zs)])
+                    for m in range(geo.n_layers):
+                        g = grads[len(zs) + m]
+                        state.grads[m] = torch.zeros_like(state.patterns[m]) if g is None else g.detach()
+                    for i, j in enumerate(drops, start=1):
+                        gates.fill_(1.0)
+                        gates[j] = 0.0
+                        dropped = torch.autograd.grad(loss, zs, retain_graph=j != drops[-1], allow_unused=True)
+                        _add_atp_term(atp_term[i], zleaves, dzs, dropped)
+                    del loss, grads, pattern_leaves
+            finally:
+                state.mode = "off"
+                for handle in handles:
+                    handle.remove()
+            with torch.no_grad():
+                _qk_fix(build, qk_term, dzs, residual, calls, norms, attn, rows)
+            state.patterns, state.leaves, state.grads = {}, {}, {}
+    finally:
+        state.mode = "off"
+        model.set_attn_implementation(before)
+    estimate = atp_term[0] + qk_term
+    if drops:
+        # dropping a block j <= l says nothing about a head of layer l (j < l: no path through it;
+        # j = l: its own output): those terms are the undropped |estimate|
+        dropped = (atp_term[1:] + qk_term).abs()
+        layer_index = torch.arange(geo.n_layers)[None, :, None]
+        j = torch.tensor(drops)[:, None, None]
+        score = torch.where(j > layer_index, dropped, estimate.abs()[None]).mean(dim=0)
+    else:
+        score = estimate.abs()
+    return estimate.numpy(), score.numpy()
+
+
+def _add_atp_term(out: torch.Tensor, zleaves, dzs, grads) -> None:
+    for (layer, _, _), dz, g in zip(zleaves, dzs, grads):
+        if g is not None:
+            out[layer] += (dz.double() * g.reshape(dz.shape).double()).sum(dim=(0, 1, 3)).cpu()
+
+
+def _qk_fix(build, qk_term, dzs, residual, calls, norms, attn, rows) -> None:
+    """Add ``sum_{m > l} (A'_m - A_m) . dCL/dA_m`` for every head of every layer ``l`` (heads stacked on the batch)."""
+    geo, state = build.geometry, _STATE
+    state.copies = geo.n_heads
+    try:
+        for layer in range(geo.n_layers - 1):
+            dr = _output_change(build, layer, dzs[layer].detach())
+            state.qk = torch.zeros(geo.n_heads, dtype=torch.float64)
+            linear = torch.zeros(geo.n_heads, dtype=torch.float64)
+            for m in range(layer + 1, geo.n_layers):
+                base = residual[m].repeat(geo.n_heads, 1, 1)
+                state.mode = "qkfix"
+                _call(attn[m], calls[m], norms[m](base + dr), rows, geo.n_heads)
+                # the same term linearised (what AtP's gradient already holds): d/de at e = 0
+                state.mode = "linear"
+                e = torch.zeros(geo.n_heads, dtype=dr.dtype, requires_grad=True)
+                with torch.enable_grad():
+                    _call(attn[m], calls[m], norms[m](base + e.repeat_interleave(rows)[:, None, None] * dr), rows, geo.n_heads)
+                    (slope,) = torch.autograd.grad(state.linear.sum(), e)
+                linear += slope.double().cpu()
+            qk_term[layer] += state.qk - linear
+    finally:
+        state.mode, state.copies = "off", 1
+
+
+def _call(module, call, hidden, rows: int, k: int):
+    """Call an attention module as recorded, with ``hidden`` as its input and batch tensors stacked ``k`` times."""
+    args, kwargs = call
+    kwargs = _tile_batch(kwargs, rows, k)
+    if args:
+        return module(hidden, *_tile_batch(tuple(args[1:]), rows, k), **kwargs)
+    return module(**{**kwargs, "hidden_states": hidden})
+
+
+def screen_estimate(build, ids, L, mode, means, method: str, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(estimate, rank_score)`` of every head by ``method``: "atp*", "atp*gd" (with GradDrop) or "atp"."""
+    if method == "atp":
+        est = plain_atp(build, ids, L, mode, means, batch_size)
+        return est, np.abs(est)
+    return atp_star(build, ids, L, mode, means, batch_size, grad_drop=method == "atp*gd")
+
