@@ -119,6 +119,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("knockout-screen", "int", None,
            "rank heads by attribution patching and knock out only the top K exactly (big models)",
            minimum=0, cli=_SCAN_LIKE),
+    Option("knockout-screen-method", "choice", "atp*",
+           "how the screen ranks heads: atp* (attribution patching with the QK fix for saturated attention), "
+           "atp*gd (and GradDrop), atp (plain attribution patching, cheapest)",
+           choices=("atp*", "atp*gd", "atp"), cli=_SCAN_LIKE),
     Option("batch-size", "int", 8, "sequences per forward pass", minimum=1, maximum=1_000_000, cli=_SCAN_LIKE),
     Option("update", "bool", False, "record the baselines of the builds tested; an existing file is rewritten "
            "only when a figure moved by more than 1e-3 relative + 1e-6, or its identity or schema changed"),

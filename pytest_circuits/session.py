@@ -21,7 +21,8 @@ class CircuitsSession:
         self.settings = settings
         self._cache: dict[tuple, Any] = {}
         self.events: list[dict] = []  # baseline events: written, compared, missing, corrupt (for the summary)
-        self.pinned_key_heads: set[str] = set()  # always knocked out exactly (e.g. a baseline file's key heads)
+        self.pinned_key_heads: set[str] = set()
+        self.progress_write = None  # where long scans report progress (the plugin: its terminal reporter)  # always knocked out exactly (e.g. a baseline file's key heads)
 
     def _memo(self, key: tuple, compute) -> Any:
         if key not in self._cache:
@@ -134,8 +135,10 @@ class CircuitsSession:
                 mode=s.knockout_mode,
                 heads=None if chosen is None else list(chosen),
                 screen_top_k=s.knockout_screen,
+                screen_method=s.knockout_screen_method,
                 must_include=self.baseline_key_heads() if s.knockout_screen is not None else (),
                 batch_size=s.batch_size,
+                write=self.progress_write,
             ),
         )
 

@@ -42,6 +42,7 @@ class CircuitsSettings:
     knockout_seed: int = 1  # held out: differs from the probe's seed
     knockout_mode: str = "zero"  # or "mean"
     knockout_screen: int | None = None  # exact knockouts only on the top k of an attribution screen
+    knockout_screen_method: str = "atp*"  # how the screen ranks heads (rungs/screen.py)
     n_rotations: int = 32  # rotation-null draws per head (kappa.N_ROTATIONS, symmetric t test)
     fdr_q: float = 0.05
     batch_size: int = 8
@@ -79,6 +80,7 @@ def build_settings(raw: dict, baselines: Path, front_end: str | None = None, **f
         probe=RepeatSettings(seed=get("probe-seed"), n=get("probe-n"), L=get("probe-length")),
         knockout_mode=get("knockout-mode"),
         knockout_screen=get("knockout-screen"),
+        knockout_screen_method=get("knockout-screen-method"),
         batch_size=get("batch-size"),
     )
     return CircuitsSettings(**{**values, **fixed})

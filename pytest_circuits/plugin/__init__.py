@@ -77,9 +77,18 @@ def pytest_configure(config: pytest.Config) -> None:
     from .collect import Collected, Collector
 
     config.addinivalue_line("markers", "circuits_tolerance(**tolerances): override gate tolerances for one test")
-    config.stash[SESSION_KEY] = CircuitsSession(settings_from_config(config))
+    session = CircuitsSession(settings_from_config(config))
+    session.progress_write = lambda line: _report_progress(config, line)
+    config.stash[SESSION_KEY] = session
     config.stash[COLLECTED_KEY] = Collected()
     config.pluginmanager.register(Collector(config.stash[COLLECTED_KEY]), "circuits-collector")
+
+
+def _report_progress(config: pytest.Config, line: str) -> None:
+    """Long scans report through pytest's terminal reporter, which output capture does not hide."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"circuits: {line}")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

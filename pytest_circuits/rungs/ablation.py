@@ -10,15 +10,13 @@ the same for every family and for quantized projections (bitsandbytes, RTN).
 
 from __future__ import annotations
 
-import re
 from contextlib import contextmanager
 
 import torch
 
 from ..errors import CircuitsError
 from ..model.families import Geometry, head_label, out_proj_module
-
-HEAD_LABEL = re.compile(r"^L(\d+)H(\d+)$")
+from .figures import parse_label
 
 
 def parse_heads(heads, geo: Geometry) -> list[tuple[int, int]]:
@@ -30,10 +28,10 @@ def parse_heads(heads, geo: Geometry) -> list[tuple[int, int]]:
     parsed = set()
     for item in heads:
         if isinstance(item, str):
-            match = HEAD_LABEL.match(item.strip())
-            if match is None:
+            cell = parse_label(item)
+            if cell is None:
                 raise CircuitsError(f"head {item!r} is not a head label; write heads as L<layer>H<head>, e.g. L1H3")
-            layer, head = int(match.group(1)), int(match.group(2))
+            layer, head = cell
         else:
             layer, head = (int(v) for v in item)
         if not (0 <= layer < geo.n_layers and 0 <= head < geo.n_heads):

@@ -51,38 +51,14 @@ import torch
 from ..errors import CircuitsError
 from ..model.families import head_label
 from ..model.weights import ModelWeights, extract_weights
+from . import figures
 
 EIG_REL_TOL = 1e-6  # f = 0 where |l| <= EIG_REL_TOL * max|l|
 P_METHODS = ("t", "normal", "empirical")
 N_ROTATIONS = 32  # default draws per head for p_method "t" (exact t test: any n is calibrated)
 
-COLUMNS = (
-    "head",
-    "layer",
-    "head_index",
-    "kappa",
-    "kappa_trace",
-    "kappa_null_mean",
-    "kappa_null_sd",
-    "kappa_z",
-    "kappa_p",
-    "kappa_q",
-    "copying",
-    "suppression",
-)
-EXTRA_COLUMNS = (
-    "kappa_p_empirical",
-    "kappa_trace_null_mean",
-    "kappa_trace_null_sd",
-    "kappa_trace_z",
-    "kappa_trace_p",
-    "kappa_trace_q",
-    "kappa_trace_p_empirical",
-    "copying_trace",
-    "suppression_trace",
-    "kv_group",
-    "ov_gain",
-)
+COLUMNS = figures.columns("kappa")[:12]  # head .. suppression (rungs/figures.py declares each)
+EXTRA_COLUMNS = figures.columns("kappa")[12:]
 
 
 class SpectrumError(CircuitsError):

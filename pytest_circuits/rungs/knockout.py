@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ import torch
 from ..errors import CircuitsError
 from ..model.builds import LoadedBuild, get_recipe
 from ..model.families import flattens_batch_with_heads, head_label, layer_modules, tail_logits
+from ..options import flag
 from ..progress import Progress
 from .ablation import ZMeans, ablated, parse_heads, z_observed
 from .repeat import RepeatSettings, bos_offset, check_fits, copy_slices, next_token_losses, repeat_losses, repeat_tokens
@@ -61,7 +63,7 @@ class _Intact:
 
 def _check_mode(mode: str) -> None:
     if mode not in MODES:
-        raise CircuitsError(f"knockout mode {mode!r} is unknown; use zero or mean (--circuits-knockout-mode)")
+        raise CircuitsError(f"knockout mode {mode!r} is unknown; use zero or mean ({flag('knockout-mode')})")
 
 
 @contextmanager
@@ -96,7 +98,7 @@ def held_out_ids(build: LoadedBuild, settings: RepeatSettings) -> torch.Tensor:
 
 def _chunks(ids: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
     if batch_size < 1:
-        raise CircuitsError(f"batch size {batch_size} must be at least 1 (--circuits-batch-size)")
+        raise CircuitsError(f"batch size {batch_size} must be at least 1 ({flag('batch-size')})")
     return list(ids.split(batch_size))
 
 
@@ -178,8 +180,12 @@ def _replay(build, chunk: _Chunk, layer: int, k: int, L: int) -> torch.Tensor:
     for index in range(layer, len(blocks)):
         args, kwargs = _call_args(*chunk.calls[index], rows, k, memo, hidden)
         # bnb-int8 picks outlier columns over all rows: cutting rows would change the other rows' result
-        cut = index == last and batch_invariant(build)
-        with _rows_only(getattr(blocks[index], "mlp", None) if cut else None, _predicted(build, L)):
+        cut = index == last and batch_invariant(build) and build.model not in _NOT_POSITIONWISE
+        try:
+            with _rows_only(getattr(blocks[index], "mlp", None) if cut else None, _predicted(build, L)):
+                out = blocks[index](*args, **kwargs)
+        except _NotPositionwise:  # e.g. BLOOM's MLP adds the residual, an MoE returns router logits too
+            _NOT_POSITIONWISE[build.model] = True
             out = blocks[index](*args, **kwargs)
         hidden = out[0] if isinstance(out, (tuple, list)) else out
     return _tail_copy_losses(build, hidden, chunk.ids.repeat(k, 1), L).reshape(k, rows)
@@ -188,6 +194,13 @@ def _replay(build, chunk: _Chunk, layer: int, k: int, L: int) -> torch.Tensor:
 def _predicted(build, L: int) -> slice:
     """Positions whose output the copy loss reads (they predict the second copy's tokens)."""
     return copy_slices(L, bos_offset(build.tokens))[1]
+
+
+class _NotPositionwise(Exception):
+    """The block's MLP is not a plain map of one hidden-state tensor to one: no rows are cut."""
+
+
+_NOT_POSITIONWISE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # models whose MLP is not
 
 
 @contextmanager
@@ -201,6 +214,9 @@ def _rows_only(mlp, positions: slice):
     length = []
 
     def pick(module, args, kwargs):
+        tensors = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a) and a.dim() >= 2]
+        if len(tensors) != 1:
+            raise _NotPositionwise
         hidden = args[0] if args else next(iter(kwargs.values()))
         length[:] = [hidden.shape[1]]
         if args:
@@ -208,6 +224,8 @@ def _rows_only(mlp, positions: slice):
         return args, {**kwargs, next(iter(kwargs)): hidden[:, positions].contiguous()}
 
     def place(module, args, kwargs, out):
+        if not torch.is_tensor(out):
+            raise _NotPositionwise
         full = out.new_zeros(out.shape[0], length[0], *out.shape[2:])
         full[:, positions] = out
         return full
@@ -337,7 +355,7 @@ def knockout_scan(
     ids = held_out_ids(build, settings)
     screen = screen_top_k is not None
     if screen and screen_top_k < 0:
-        raise CircuitsError(f"screen_top_k={screen_top_k} must be 0 or more (--circuits-knockout-screen)")
+        raise CircuitsError(f"screen_top_k={screen_top_k} must be 0 or more ({flag('knockout-screen')})")
     with attention_implementation(build.model):
         intact = _intact_pass(build, ids, settings.L, batch_size, record=cached)
     estimate = score = None
