@@ -97,7 +97,8 @@ class Progress:
         if now - self.last_line >= self.interval or (self.done >= self.total and self.lines):
             self.last_line = now
             self.lines += 1
-            self.write(self.line())
+            if self.write is not None:
+                self.write(self.line())
 
     def close(self) -> None:
         if self.bar is not None:

@@ -7,6 +7,7 @@ the layer it needs when first called.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 from functools import cached_property
 from typing import Any
 
@@ -22,7 +23,8 @@ class CircuitsSession:
         self._cache: dict[tuple, Any] = {}
         self.events: list[dict] = []  # baseline events: written, compared, missing, corrupt (for the summary)
         self.pinned_key_heads: set[str] = set()
-        self.progress_write = None  # where long scans report progress (the plugin: its terminal reporter)  # always knocked out exactly (e.g. a baseline file's key heads)
+        # where long scans report progress (the plugin: its terminal reporter; None: stderr)
+        self.progress_write: Callable[[str], None] | None = None  # always knocked out exactly (e.g. a baseline file's key heads)
 
     def _memo(self, key: tuple, compute) -> Any:
         if key not in self._cache:

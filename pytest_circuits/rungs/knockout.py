@@ -27,12 +27,14 @@ import warnings
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import pandas as pd
 import torch
 
 from ..errors import CircuitsError
 from ..model.builds import LoadedBuild, get_recipe
+from ..model.dense import weight_of
 from ..model.families import flattens_batch_with_heads, head_label, layer_modules, tail_logits
 from ..options import flag
 from ..progress import Progress
@@ -211,7 +213,7 @@ def _rows_only(mlp, positions: slice):
         yield
         return
 
-    length = []
+    length: list[int] = []
 
     def pick(module, args, kwargs):
         tensors = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a) and a.dim() >= 2]
@@ -257,6 +259,7 @@ def _tail_copy_losses(build, hidden, ids, L) -> torch.Tensor:
 def _replay_gap(build: LoadedBuild, intact: _Intact, L: int) -> str | None:
     """Why replaying the recorded last block and the tail does not reproduce the intact copy losses, or None."""
     chunk = intact.chunks[0]
+    assert chunk.copy_losses is not None  # the intact pass records them
     with attention_implementation(build.model):
         replayed = _replay(build, chunk, build.geometry.n_layers - 1, 1, L)[0].float().cpu()
     tol = 1e-4 if next(build.model.parameters()).dtype == torch.float32 else 2e-2
@@ -283,7 +286,7 @@ def _cached_deltas(build, intact: _Intact, pairs, mode, L, n, knockouts_per_pass
         by_layer.setdefault(layer, []).append(head)
     losses = {}
     for layer, heads in sorted(by_layer.items()):
-        means = intact.means[layer] if mode == "mean" else None
+        means = intact.means[layer] if mode == "mean" and intact.means is not None else None
         for group in _groups(heads, knockouts_per_pass):
             total = torch.zeros(len(group), dtype=torch.float64)
             for chunk in intact.chunks:
@@ -354,7 +357,7 @@ def knockout_scan(
     extra = parse_heads(list(must_include), geo) if must_include else []
     ids = held_out_ids(build, settings)
     screen = screen_top_k is not None
-    if screen and screen_top_k < 0:
+    if screen_top_k is not None and screen_top_k < 0:
         raise CircuitsError(f"screen_top_k={screen_top_k} must be 0 or more ({flag('knockout-screen')})")
     with attention_implementation(build.model):
         intact = _intact_pass(build, ids, settings.L, batch_size, record=cached)
@@ -372,7 +375,7 @@ def knockout_scan(
                 stacklevel=2,
             )
             screen = False
-    if screen:
+    if screen and score is not None:
         ranked = sorted(candidates, key=lambda p: (-score[p], p))
         exact = sorted(set(ranked[:screen_top_k]) | set(extra))
     else:
@@ -397,7 +400,7 @@ def knockout_scan(
             row = {"head": head_label(layer, head), "layer": layer, "head_index": head}
             loss = losses.get((layer, head))
             row["knockout_delta"] = math.nan if loss is None else loss - intact.copy_loss
-            if screen:
+            if screen and estimate is not None and score is not None:
                 row["knockout_estimate"] = float(estimate[layer, head])
                 row["knockout_screen_score"] = float(score[layer, head])
             rows.append(row)
@@ -479,7 +482,8 @@ def knockout_flops(build: LoadedBuild, settings: RepeatSettings, heads=None) -> 
     blocks = layer_modules(model)
     attention = 4 * geo.n_heads * geo.d_head * (T + 1) / 2
     per_token = [2 * _matrix_params(b) + attention for b in blocks]
-    unembed = 2 * model.get_output_embeddings().weight.numel()
+    head: Any = model  # transformers' PreTrainedModel; torch types its attributes Tensor | Module
+    unembed = 2 * weight_of(head.get_output_embeddings()).numel()
     last_mlp = getattr(blocks[-1], "mlp", None)
     mlp_cut = 2 * _matrix_params(last_mlp) * (T - (L - 1)) if last_mlp is not None else 0.0
     forward = n * (T * sum(per_token) + L * unembed)

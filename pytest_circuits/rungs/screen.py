@@ -35,6 +35,7 @@ reports each screen's cost in forward-equivalents, timed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -196,27 +197,28 @@ def atp_star(build, ids, L, mode, means, batch_size, grad_drop: bool = False) ->
             rows = batch.shape[0]
             state.layer_of = {id(a): m for m, a in enumerate(attn)}
             state.patterns, state.leaves, state.grads = {}, {}, {}
-            residual, calls = {}, {}
+            residual: dict[int, torch.Tensor] = {}
+            calls: dict[int, tuple] = {}
             gates = torch.ones(geo.n_layers, dtype=torch.float64)
 
-            def keep_block(module, args, kwargs, _m=None, residual=residual):
-                residual[_m] = (args[0] if args else kwargs["hidden_states"]).detach()
+            def keep_block(module, args, kwargs, *, m: int, residual=residual):
+                residual[m] = (args[0] if args else kwargs["hidden_states"]).detach()
 
-            def keep_attn(module, args, kwargs, _m=None, calls=calls):
-                calls[_m] = (args, {k: v.detach() if torch.is_tensor(v) else v for k, v in kwargs.items()})
+            def keep_attn(module, args, kwargs, *, m: int, calls=calls):
+                calls[m] = (args, {k: v.detach() if torch.is_tensor(v) else v for k, v in kwargs.items()})
 
-            def drop_block(module, args, kwargs, out, _m=None, gates=gates):
+            def drop_block(module, args, kwargs, out, *, m: int, gates=gates):
                 inp = args[0] if args else kwargs["hidden_states"]
                 hidden = out[0] if isinstance(out, (tuple, list)) else out
-                gated = inp + _Drop.apply(hidden - inp, gates, _m)
+                gated = inp + _Drop.apply(hidden - inp, gates, m)
                 return (gated, *out[1:]) if isinstance(out, (tuple, list)) else gated
 
             handles = []
             for m, block in enumerate(blocks):
-                handles.append(block.register_forward_pre_hook(lambda *a, _m=m: keep_block(*a, _m=_m), with_kwargs=True))
-                handles.append(attn[m].register_forward_pre_hook(lambda *a, _m=m: keep_attn(*a, _m=_m), with_kwargs=True))
+                handles.append(block.register_forward_pre_hook(partial(keep_block, m=m), with_kwargs=True))
+                handles.append(attn[m].register_forward_pre_hook(partial(keep_attn, m=m), with_kwargs=True))
                 if grad_drop:
-                    handles.append(block.register_forward_hook(lambda *a, _m=m: drop_block(*a, _m=_m), with_kwargs=True))
+                    handles.append(block.register_forward_hook(partial(drop_block, m=m), with_kwargs=True))
             try:
                 state.mode = "record"
                 with torch.enable_grad(), z_differentiable(model, geo.n_layers) as zleaves:
@@ -249,10 +251,10 @@ def atp_star(build, ids, L, mode, means, batch_size, grad_drop: bool = False) ->
     if drops:
         # dropping a block j <= l says nothing about a head of layer l (j < l: no path through it;
         # j = l: its own output): those terms are the undropped |estimate|
-        dropped = (atp_term[1:] + qk_term).abs()
+        dropped_terms = (atp_term[1:] + qk_term).abs()
         layer_index = torch.arange(geo.n_layers)[None, :, None]
-        j = torch.tensor(drops)[:, None, None]
-        score = torch.where(j > layer_index, dropped, estimate.abs()[None]).mean(dim=0)
+        dropped_block = torch.tensor(drops)[:, None, None]
+        score = torch.where(dropped_block > layer_index, dropped_terms, estimate.abs()[None]).mean(dim=0)
     else:
         score = estimate.abs()
     return estimate.numpy(), score.numpy()
@@ -282,6 +284,7 @@ def _qk_fix(build, qk_term, dzs, residual, calls, norms, attn, rows) -> None:
                 e = torch.zeros(geo.n_heads, dtype=dr.dtype, requires_grad=True)
                 with torch.enable_grad():
                     _call(attn[m], calls[m], norms[m](base + e.repeat_interleave(rows)[:, None, None] * dr), rows, geo.n_heads)
+                    assert state.linear is not None  # set by the attention function in "linear" mode
                     (slope,) = torch.autograd.grad(state.linear.sum(), e)
                 linear += slope.double().cpu()
             qk_term[layer] += state.qk - linear
