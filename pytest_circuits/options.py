@@ -21,6 +21,8 @@ from .errors import CircuitsError
 DEFAULT_MODEL = "tiny-induction"
 DEFAULT_BUILDS = ("fp32", "bnb-int8", "bnb-nf4")
 DEFAULT_REFERENCE = "fp32"
+KNOCKOUT_MODES = ("zero", "mean")  # zero or mean ablation of a head's z (rungs/ablation.py)
+SCREEN_METHODS = ("atp*", "atp*gd", "atp")  # how a knockout screen ranks heads (rungs/screen.py)
 
 FRONT_END: ContextVar[str] = ContextVar("circuits_front_end", default="pytest")
 
@@ -114,7 +116,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("probe-n", "int", 8, "number of random-repeat sequences", minimum=1, maximum=1_000_000, cli=_SCAN_LIKE),
     Option("probe-length", "int", 64, "length L of each random segment (sequences are 2L long)",
            minimum=2, maximum=1_000_000, cli=_SCAN_LIKE),
-    Option("knockout-mode", "choice", "zero", "head knockout: zero or mean ablation", choices=("zero", "mean"),
+    Option("knockout-mode", "choice", "zero", "head knockout: zero or mean ablation", choices=KNOCKOUT_MODES,
            cli=_SCAN_LIKE),
     Option("knockout-screen", "int", None,
            "rank heads by attribution patching and knock out only the top K exactly (big models)",
@@ -122,7 +124,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("knockout-screen-method", "choice", "atp*",
            "how the screen ranks heads: atp* (attribution patching with the QK fix for saturated attention), "
            "atp*gd (and GradDrop), atp (plain attribution patching, cheapest)",
-           choices=("atp*", "atp*gd", "atp"), cli=_SCAN_LIKE),
+           choices=SCREEN_METHODS, cli=_SCAN_LIKE),
     Option("batch-size", "int", 8, "sequences per forward pass", minimum=1, maximum=1_000_000, cli=_SCAN_LIKE),
     Option("update", "bool", False, "record the baselines of the builds tested; an existing file is rewritten "
            "only when a figure moved by more than 1e-3 relative + 1e-6, or its identity or schema changed"),

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
+from ..options import KNOCKOUT_MODES
 from ..rungs import figures
 
 SCHEMA_VERSION = 1
@@ -76,7 +77,14 @@ class ProbeInfo(BaseModel):
 
 
 class KnockoutInfo(ProbeInfo):
-    mode: Literal["zero", "mean"]
+    mode: str
+
+    @field_validator("mode")
+    @classmethod
+    def _known_mode(cls, mode: str) -> str:
+        if mode not in KNOCKOUT_MODES:
+            raise ValueError(f"knockout mode {mode!r} is not one of {', '.join(KNOCKOUT_MODES)}")
+        return mode
 
 
 _MODEL_FIGURES = {f.name: (Annotated[float, Field(ge=f.low, le=f.high)], ...) for f in figures.MODEL_FIGURES}

@@ -36,13 +36,12 @@ from ..errors import CircuitsError
 from ..model.builds import LoadedBuild, get_recipe
 from ..model.dense import weight_of
 from ..model.families import flattens_batch_with_heads, head_label, layer_modules, tail_logits
-from ..options import flag
+from ..options import KNOCKOUT_MODES, SCREEN_METHODS, flag
 from ..progress import Progress
 from .ablation import ZMeans, ablated, parse_heads, z_observed
 from .repeat import RepeatSettings, bos_offset, check_fits, copy_slices, next_token_losses, repeat_losses, repeat_tokens
 
-MODES = ("zero", "mean")
-SCREEN_METHODS = ("atp*", "atp*gd", "atp")
+MODES = KNOCKOUT_MODES
 ROWS_PER_PASS = 64  # default cap on sequences x knockouts in one replay
 FAST_ATTENTION = "sdpa"  # knockouts need no attention weights: the fused exact kernel
 
