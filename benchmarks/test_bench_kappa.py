@@ -32,8 +32,18 @@ pytestmark = [pytest.mark.real, pytest.mark.slow, requires_smollm2()]
 
 TARGET_S = 30.0
 NAIVE_HEADS = [(layer, head) for layer in (0, 14, 29) for head in (0, 4, 8)]
-COMPARED = ["kappa", "kappa_trace", "kappa_null_mean", "kappa_null_sd", "kappa_z", "kappa_p",
-            "kappa_trace_null_mean", "kappa_trace_null_sd", "kappa_trace_z", "kappa_trace_p"]
+COMPARED = [
+    "kappa",
+    "kappa_trace",
+    "kappa_null_mean",
+    "kappa_null_sd",
+    "kappa_z",
+    "kappa_p",
+    "kappa_trace_null_mean",
+    "kappa_trace_null_sd",
+    "kappa_trace_z",
+    "kappa_trace_p",
+]
 
 
 @pytest.fixture(scope="module")
@@ -125,21 +135,36 @@ def test_bench_cheap_null_against_256_draws_and_calibration(smollm2):
         cpu_start = time.process_time()
         timed[name] = (ov_spectrum(weights, seed=0, n_workers=1, **kwargs), time.process_time() - cpu_start)
     (cheap, cheap_s), (old, old_s) = timed["cheap"], timed["old"]
-    lines = [f"\nrung 1 with its null, all {len(cheap)} heads, 1 worker: {cheap_s:.1f} CPU-s "
-             f"(32 draws, t) vs {old_s:.1f} CPU-s (256 draws, normal) = {cheap_s / old_s:.2f}"]
+    lines = [
+        f"\nrung 1 with its null, all {len(cheap)} heads, 1 worker: {cheap_s:.1f} CPU-s "
+        f"(32 draws, t) vs {old_s:.1f} CPU-s (256 draws, normal) = {cheap_s / old_s:.2f}"
+    ]
     for metric in ("kappa", "kappa_trace"):
         flag, flag_old = cheap[f"{metric}_q"] <= 0.05, old[f"{metric}_q"] <= 0.05
         ratio = (cheap[f"{metric}_z"] / old[f"{metric}_z"]).abs()
         shift = float((cheap[f"{metric}_z"] - old[f"{metric}_z"]).mean())
-        lines.append(f"{metric}: flagged {int(flag.sum())} vs {int(flag_old.sum())} (differ on {int((flag != flag_old).sum())}); "
-                     f"median |z/z_old - 1| {float((ratio - 1).abs().median()):.3f}; mean z shift {shift:+.3f} (gate: +-1)")
-    shapes = [("gpt2", dict(n_layer=3, n_head=8, n_embd=128)), ("llama", dict(num_hidden_layers=3, num_attention_heads=8,
-              num_key_value_heads=4, hidden_size=128)), ("gpt_neox", dict(num_hidden_layers=3, num_attention_heads=8, hidden_size=128))]
-    pooled = pd.concat([without_attrs(ov_spectrum_of_model(make_tiny_model(f, seed=s, **kw), seed=s))
-                        for f, kw in shapes for s in range(4)], ignore_index=True)
+        lines.append(
+            f"{metric}: flagged {int(flag.sum())} vs {int(flag_old.sum())} (differ on {int((flag != flag_old).sum())}); "
+            f"median |z/z_old - 1| {float((ratio - 1).abs().median()):.3f}; mean z shift {shift:+.3f} (gate: +-1)"
+        )
+    shapes = [
+        ("gpt2", dict(n_layer=3, n_head=8, n_embd=128)),
+        ("llama", dict(num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4, hidden_size=128)),
+        ("gpt_neox", dict(num_hidden_layers=3, num_attention_heads=8, hidden_size=128)),
+    ]
+    pooled = pd.concat(
+        [
+            without_attrs(ov_spectrum_of_model(make_tiny_model(f, seed=s, **kw), seed=s))
+            for f, kw in shapes
+            for s in range(4)
+        ],
+        ignore_index=True,
+    )
     flagged = float((pooled["copying"] | pooled["suppression"]).mean())
     raw = float((pooled["kappa_p"] < 0.05).mean())
-    lines.append(f"calibration, {len(pooled)} heads of 12 random models: flagged {flagged:.3f} (q = 0.05), "
-                 f"uncorrected p < 0.05: {raw:.3f}")
+    lines.append(
+        f"calibration, {len(pooled)} heads of 12 random models: flagged {flagged:.3f} (q = 0.05), "
+        f"uncorrected p < 0.05: {raw:.3f}"
+    )
     print("\n".join(lines))
     assert flagged <= 0.05

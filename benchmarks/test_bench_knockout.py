@@ -94,8 +94,13 @@ def test_exact_scan_against_plain_loop_and_hardware(benchmark, smollm2):
     }
     ratio = TIMES["scan"] / TIMES["plain"]
     benchmark.extra_info.update(
-        ratio_to_plain=ratio, flop_ratio=flops["scan"] / flops["plain"], max_abs_diff=worst, heads=len(HEADS),
-        gflop_scan=flops["scan"] / 1e9, gflop_plain=flops["plain"] / 1e9, gflops=rates,
+        ratio_to_plain=ratio,
+        flop_ratio=flops["scan"] / flops["plain"],
+        max_abs_diff=worst,
+        heads=len(HEADS),
+        gflop_scan=flops["scan"] / 1e9,
+        gflop_plain=flops["plain"] / 1e9,
+        gflops=rates,
         threads=torch.get_num_threads(),
     )
     print(
@@ -130,15 +135,22 @@ def test_screen_recall(benchmark, smollm2, mode):
         return df.set_index("head")["knockout_screen_score"], time.perf_counter() - t0 - forward_s
 
     for method in ("atp", "atp*"):
-        score, seconds = benchmark.pedantic(screen, args=(method,), rounds=1, iterations=1) if method == "atp*" else screen(method)
+        score, seconds = (
+            benchmark.pedantic(screen, args=(method,), rounds=1, iterations=1) if method == "atp*" else screen(method)
+        )
         ranked = list(score.sort_values(ascending=False, kind="stable").index)
         recall = _recall(ranked, top)
-        info[method] = {"recall": recall, "forward_equivalents": seconds / forward_s,
-                        "ranks_of_exact_top5": [ranked.index(h) + 1 for h in top]}
+        info[method] = {
+            "recall": recall,
+            "forward_equivalents": seconds / forward_s,
+            "ranks_of_exact_top5": [ranked.index(h) + 1 for h in top],
+        }
         lines.append(
             f"{method:>4}: recall@5/12/24 {recall[5]:.1f}/{recall[12]:.1f}/{recall[24]:.1f}, ranks of the exact "
             f"top 5 {info[method]['ranks_of_exact_top5']}, cost {seconds / forward_s:.0f} forward-equivalents"
         )
     benchmark.extra_info.update(info)
-    print(f"\nscreens, {mode} ablation (exact top 5 {top}; exact scan {exact_s / forward_s:.0f} forward-equivalents):\n"
-          + "\n".join(lines))
+    print(
+        f"\nscreens, {mode} ablation (exact top 5 {top}; exact scan {exact_s / forward_s:.0f} forward-equivalents):\n"
+        + "\n".join(lines)
+    )

@@ -35,8 +35,13 @@ def _shared_options(p: argparse.ArgumentParser, command: str, defaults_from_base
         default = option.cli_default if option.cli_default is not None else option.default
         hint = " (default: the baseline's)" if defaults_from_baseline and option.name.startswith("probe-") else ""
         shown = f" (default: {default})" if default not in (None, "") and not hint else ""
-        p.add_argument(option.cli_flag, dest=option.dest, default=None, metavar=option.dest.upper(),
-                       help=f"{option.help}{shown}{hint}")
+        p.add_argument(
+            option.cli_flag,
+            dest=option.dest,
+            default=None,
+            metavar=option.dest.upper(),
+            help=f"{option.help}{shown}{hint}",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,8 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--build", required=True, help="build recipe")
     p.add_argument("--baseline", required=True, type=Path, metavar="FILE", help="baseline file to gate against")
-    p.add_argument("--tol", action="append", default=[], metavar="NAME=VALUE",
-                   help="override a tolerance (repeatable), e.g. --tol kappa=0.1")
+    p.add_argument(
+        "--tol",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="override a tolerance (repeatable), e.g. --tol kappa=0.1",
+    )
     _shared_options(p, "gate", defaults_from_baseline=True)
 
     p = sub.add_parser("diff", help="what moved between two scan records, per head")
@@ -72,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file_b", type=Path, metavar="B", help="the later scan record or baseline file")
     p.add_argument("--min-change", type=float, default=0.01, help="hide changes smaller than this (default: 0.01)")
 
-    sub.add_parser("report", help="write the HTML report of baseline files (see circuits report --help)",
-                   add_help=False)
+    sub.add_parser(
+        "report", help="write the HTML report of baseline files (see circuits report --help)", add_help=False
+    )
     return parser
 
 
@@ -107,8 +118,10 @@ def head_table(record: dict) -> str:
 
     gains = ov_gains(record)
     largest = max(gains.values(), default=0.0)
-    heads = [{**h, "ov_gain": gains[h["head"]] / largest if largest > 0 and h["head"] in gains else None}
-             for h in record["heads"]]
+    heads = [
+        {**h, "ov_gain": gains[h["head"]] / largest if largest > 0 and h["head"] in gains else None}
+        for h in record["heads"]
+    ]
     cols = [f for f in table_figures() if any(h.get(f.name) is not None for h in heads)]
     lines = [f"{'head':<8}" + "".join(f"{f.title:>10}" for f in cols) + "  flag"]
     for h in heads:
@@ -159,8 +172,10 @@ def cmd_record(args) -> int:
         record = session.record(recipe, knockout=True)
         written = any(e["event"] == "written" and e["recipe"] == recipe for e in session.events)
         verb = "wrote" if written else "unchanged (no figure moved; --update-all rewrites it)"
-        print(f"{verb} {path}: copy loss {record['copy_loss']:.4f}, copy gain {record['copy_gain']:.4f}, "
-              f"{sum(bool(h.get('copying')) for h in record['heads'])} copying heads")
+        print(
+            f"{verb} {path}: copy loss {record['copy_loss']:.4f}, copy gain {record['copy_gain']:.4f}, "
+            f"{sum(bool(h.get('copying')) for h in record['heads'])} copying heads"
+        )
     return EXIT_OK
 
 
@@ -202,14 +217,18 @@ def cmd_gate(args) -> int:
     baseline = read_baseline(args.baseline)
     session = _session(args, probe=baseline.get("probe"))
     # refuse another geometry or probe before any figure is computed
-    compatibility(baseline, {"model": {"geometry": session.preflight().__dict__},
-                             "probe": session.settings.probe.as_dict()}, f"baseline {args.baseline.name}")
+    compatibility(
+        baseline,
+        {"model": {"geometry": session.preflight().__dict__}, "probe": session.settings.probe.as_dict()},
+        f"baseline {args.baseline.name}",
+    )
     session.pinned_key_heads = set(key_heads(baseline, "knockout_delta", tol.top_k, tol.min_delta))
     candidate = session.record(args.build, knockout=has_figures(baseline, "knockout"))
     label = f"baseline {args.baseline.name}"
     notes = compatibility(baseline, candidate, label)
-    fix = ("if the change is intended, record the baseline again: "
-           + _record_command(args, baseline["build"]["recipe"], args.baseline))
+    fix = "if the change is intended, record the baseline again: " + _record_command(
+        args, baseline["build"]["recipe"], args.baseline
+    )
     results = gate_all(baseline, candidate, tol, args.build, label, fix)
     return EXIT_OK if _print_results(results, notes) else EXIT_BROKEN
 
@@ -219,8 +238,7 @@ def _record_command(args, recipe: str, baseline: Path) -> str:
     from .gate.store import SEPARATOR, SUFFIX
 
     name = baseline.name.removesuffix(SUFFIX).rsplit(SEPARATOR, 1)[0]
-    words = ["circuits", "record", args.model, "--build", recipe, "--baselines", str(baseline.parent),
-             "--name", name]
+    words = ["circuits", "record", args.model, "--build", recipe, "--baselines", str(baseline.parent), "--name", name]
     for option in OPTIONS:
         value = getattr(args, option.dest, None)
         if option.name in ("baselines", "name", "device") or value in (None, False):

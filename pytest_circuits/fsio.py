@@ -29,11 +29,17 @@ def os_error_line(error: OSError, path: str | os.PathLike, action: str) -> str:
     path = Path(path)
     code = error.errno
     if code in (errno.EACCES, errno.EPERM):
-        why, fix = "permission denied", f"make {path.parent if not path.is_dir() else path} writable or choose another folder"
+        why, fix = (
+            "permission denied",
+            f"make {path.parent if not path.is_dir() else path} writable or choose another folder",
+        )
     elif code == errno.EROFS:
         why, fix = "the file system is read-only", "choose a folder on a writable file system"
     elif code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        why, fix = "no space left (disk full, quota or file size limit)", "free space on that device or choose another folder"
+        why, fix = (
+            "no space left (disk full, quota or file size limit)",
+            "free space on that device or choose another folder",
+        )
     elif code == errno.ENOTDIR or code == errno.EEXIST:
         why, fix = "a file is in the way of a folder on that path", "move the file away or choose another folder"
     elif code == errno.EISDIR:
@@ -143,8 +149,9 @@ def make_staging_dir(parent: str | os.PathLike, prefix: str) -> Path:
     """A fresh staging folder in ``parent`` recording its owner (pid, host) for `staging_is_stale`."""
     try:
         staging = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-        (staging / OWNER_FILE).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                                      "started": time.time()}))
+        (staging / OWNER_FILE).write_text(
+            json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()})
+        )
     except OSError as error:
         raise fs_error(error, parent, "create a staging folder in") from None
     return staging

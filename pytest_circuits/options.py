@@ -98,40 +98,97 @@ class Option:
 _SCAN_LIKE = ("scan", "record", "gate")
 
 OPTIONS: tuple[Option, ...] = (
-    Option("model", "str", DEFAULT_MODEL,
-           "model to gate: a save_pretrained folder, a local Hugging Face cache id, a .gguf file, "
-           "or a named model (tiny-induction, smollm2-135m)"),
-    Option("builds", "str", ",".join(DEFAULT_BUILDS),
-           "comma list of build recipes (fp32, bf16, fp16, bnb-int8, bnb-nf4, bnb-fp4, rtn-int8, rtn-int4)"),
+    Option(
+        "model",
+        "str",
+        DEFAULT_MODEL,
+        "model to gate: a save_pretrained folder, a local Hugging Face cache id, a .gguf file, "
+        "or a named model (tiny-induction, smollm2-135m)",
+    ),
+    Option(
+        "builds",
+        "str",
+        ",".join(DEFAULT_BUILDS),
+        "comma list of build recipes (fp32, bf16, fp16, bnb-int8, bnb-nf4, bnb-fp4, rtn-int8, rtn-int4)",
+    ),
     Option("reference", "str", DEFAULT_REFERENCE, "the build every other build is gated against"),
-    Option("name", "str", None,
-           "the model's name in baseline file names (default: the model folder's or file's name)",
-           cli=("scan", "record", "gate")),
-    Option("baselines", "path", None, "baselines folder (default: baselines/ at the rootdir; circuits: ./baselines)",
-           cli=("record",), cli_default=Path("baselines")),
+    Option(
+        "name",
+        "str",
+        None,
+        "the model's name in baseline file names (default: the model folder's or file's name)",
+        cli=("scan", "record", "gate"),
+    ),
+    Option(
+        "baselines",
+        "path",
+        None,
+        "baselines folder (default: baselines/ at the rootdir; circuits: ./baselines)",
+        cli=("record",),
+        cli_default=Path("baselines"),
+    ),
     Option("device", "str", "auto", "auto, cpu, cuda or cuda:N", cli=_SCAN_LIKE),
     Option("report", "path", None, "write an HTML and markdown report to this folder"),
-    Option("probe-seed", "int", 0, "seed of the random-repeat probe tokens", minimum=0, maximum=2**63 - 1,
-           cli=_SCAN_LIKE),
+    Option(
+        "probe-seed", "int", 0, "seed of the random-repeat probe tokens", minimum=0, maximum=2**63 - 1, cli=_SCAN_LIKE
+    ),
     Option("probe-n", "int", 8, "number of random-repeat sequences", minimum=1, maximum=1_000_000, cli=_SCAN_LIKE),
-    Option("probe-length", "int", 64, "length L of each random segment (sequences are 2L long)",
-           minimum=2, maximum=1_000_000, cli=_SCAN_LIKE),
-    Option("knockout-mode", "choice", "zero", "head knockout: zero or mean ablation", choices=KNOCKOUT_MODES,
-           cli=_SCAN_LIKE),
-    Option("knockout-screen", "int", None,
-           "rank heads by attribution patching and knock out only the top K exactly (big models)",
-           minimum=0, cli=_SCAN_LIKE),
-    Option("knockout-screen-method", "choice", "atp*",
-           "how the screen ranks heads: atp* (attribution patching with the QK fix for saturated attention), "
-           "atp*gd (and GradDrop), atp (plain attribution patching, cheapest)",
-           choices=SCREEN_METHODS, cli=_SCAN_LIKE),
+    Option(
+        "probe-length",
+        "int",
+        64,
+        "length L of each random segment (sequences are 2L long)",
+        minimum=2,
+        maximum=1_000_000,
+        cli=_SCAN_LIKE,
+    ),
+    Option(
+        "knockout-mode",
+        "choice",
+        "zero",
+        "head knockout: zero or mean ablation",
+        choices=KNOCKOUT_MODES,
+        cli=_SCAN_LIKE,
+    ),
+    Option(
+        "knockout-screen",
+        "int",
+        None,
+        "rank heads by attribution patching and knock out only the top K exactly (big models)",
+        minimum=0,
+        cli=_SCAN_LIKE,
+    ),
+    Option(
+        "knockout-screen-method",
+        "choice",
+        "atp*",
+        "how the screen ranks heads: atp* (attribution patching with the QK fix for saturated attention), "
+        "atp*gd (and GradDrop), atp (plain attribution patching, cheapest)",
+        choices=SCREEN_METHODS,
+        cli=_SCAN_LIKE,
+    ),
     Option("batch-size", "int", 8, "sequences per forward pass", minimum=1, maximum=1_000_000, cli=_SCAN_LIKE),
-    Option("update", "bool", False, "record the baselines of the builds tested; an existing file is rewritten "
-           "only when a figure moved by more than 1e-3 relative + 1e-6, or its identity or schema changed"),
-    Option("update-all", "bool", False, "record baselines rewriting every file, even where no figure moved",
-           cli=("record",)),
-    Option("trust-remote-code", "bool", False,
-           "allow the model folder's own Python code to run (off unless asked for)", cli=_SCAN_LIKE),
+    Option(
+        "update",
+        "bool",
+        False,
+        "record the baselines of the builds tested; an existing file is rewritten "
+        "only when a figure moved by more than 1e-3 relative + 1e-6, or its identity or schema changed",
+    ),
+    Option(
+        "update-all",
+        "bool",
+        False,
+        "record baselines rewriting every file, even where no figure moved",
+        cli=("record",),
+    ),
+    Option(
+        "trust-remote-code",
+        "bool",
+        False,
+        "allow the model folder's own Python code to run (off unless asked for)",
+        cli=_SCAN_LIKE,
+    ),
 )
 BY_NAME = {option.name: option for option in OPTIONS}
 

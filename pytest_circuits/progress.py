@@ -89,7 +89,9 @@ class Progress:
             self.stage = stage
         if self.bar is not None:
             eta = self.eta()
-            self.bar.set_postfix_str(f"{self.stage} ETA {format_seconds(eta) if eta is not None else '?'}", refresh=False)
+            self.bar.set_postfix_str(
+                f"{self.stage} ETA {format_seconds(eta) if eta is not None else '?'}", refresh=False
+            )
             self.bar.update(n)
             return
         now = self.clock()

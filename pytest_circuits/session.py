@@ -24,7 +24,9 @@ class CircuitsSession:
         self.events: list[dict] = []  # baseline events: written, compared, missing, corrupt (for the summary)
         self.pinned_key_heads: set[str] = set()
         # where long scans report progress (the plugin: its terminal reporter; None: stderr)
-        self.progress_write: Callable[[str], None] | None = None  # always knocked out exactly (e.g. a baseline file's key heads)
+        self.progress_write: Callable[[str], None] | None = (
+            None  # always knocked out exactly (e.g. a baseline file's key heads)
+        )
 
     def _memo(self, key: tuple, compute) -> Any:
         if key not in self._cache:
@@ -66,13 +68,16 @@ class CircuitsSession:
             from .rungs.repeat import check_fits, check_probe_memory, check_vocabulary
 
             try:
-                config = AutoConfig.from_pretrained(self.source.folder, local_files_only=True,
-                                                    trust_remote_code=self.settings.trust_remote_code)
+                config = AutoConfig.from_pretrained(
+                    self.source.folder, local_files_only=True, trust_remote_code=self.settings.trust_remote_code
+                )
             except ValueError as error:
                 from .errors import ModelLoadError, first_line
 
-                raise ModelLoadError(f"model {self.settings.model!r}: {first_line(error)} "
-                                     f"(pass {flag('trust-remote-code')} only if you trust it)") from None
+                raise ModelLoadError(
+                    f"model {self.settings.model!r}: {first_line(error)} "
+                    f"(pass {flag('trust-remote-code')} only if you trust it)"
+                ) from None
             s = self.settings
             tokens = token_info(self.source.folder, config, s.trust_remote_code)
             check_vocabulary(tokens)
@@ -185,8 +190,11 @@ class CircuitsSession:
             words += ["--knockout-mode", s.knockout_mode]
         if s.trust_remote_code:
             words += ["--trust-remote-code"]
-        for name, value, default in (("probe-seed", s.probe.seed, 0), ("probe-n", s.probe.n, 8),
-                                     ("probe-length", s.probe.L, 64)):
+        for name, value, default in (
+            ("probe-seed", s.probe.seed, 0),
+            ("probe-n", s.probe.n, 8),
+            ("probe-length", s.probe.L, 64),
+        ):
             if value != default:
                 words += [f"--{name}", str(value)]
         return shlex.join(words)
@@ -195,8 +203,9 @@ class CircuitsSession:
         """Record ``recipe`` (with knockouts) and write its baseline atomically, once per session."""
 
         def write():
-            path, written = self.store.write(self.model_name, recipe, self.record(recipe, knockout=True),
-                                             force=self.settings.update_all)
+            path, written = self.store.write(
+                self.model_name, recipe, self.record(recipe, knockout=True), force=self.settings.update_all
+            )
             self.events.append({"event": "written" if written else "unchanged", "recipe": recipe, "path": str(path)})
             return path
 

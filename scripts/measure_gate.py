@@ -85,11 +85,15 @@ def main() -> None:
     folder = base.source.folder
     induction = key_heads(reference, "prefix_matching", 1, 0.0)[0]
     previous = key_heads(reference, "previous_token", 1, 0.0)[0]
-    print(f"model {args.model}: top induction head {induction}, top previous-token head {previous}; "
-          f"copy loss {reference['copy_loss']:.4f}, gain {reference['copy_gain']:.4f}")
+    print(
+        f"model {args.model}: top induction head {induction}, top previous-token head {previous}; "
+        f"copy loss {reference['copy_loss']:.4f}, gain {reference['copy_gain']:.4f}"
+    )
     print("copying/suppression heads:", [h["head"] for h in reference["heads"] if h["copying"] or h["suppression"]])
-    print(f"heads with OV gain < {tol.min_ov_gain:g} x the largest (kappa not compared):",
-          sorted(negligible_heads(reference, tol.min_ov_gain)))
+    print(
+        f"heads with OV gain < {tol.min_ov_gain:g} x the largest (kappa not compared):",
+        sorted(negligible_heads(reference, tol.min_ov_gain)),
+    )
 
     def lh(label):
         l, h = label[1:].split("H")
@@ -106,8 +110,18 @@ def main() -> None:
     }
     for i, (name, edit) in enumerate(edits.items()):
         cases.append((name, session_for(str(edited_folder(folder, tmp / f"m{i}", edit)), probe), "fp32"))
-    columns = ("kappa", "kappa_trace", "rank corr", "mean kappa_z", "mean kappa_trace_z", "copy_loss", "copy_gain",
-               "prefix_matching", "previous_token", "knockout_delta")
+    columns = (
+        "kappa",
+        "kappa_trace",
+        "rank corr",
+        "mean kappa_z",
+        "mean kappa_trace_z",
+        "copy_loss",
+        "copy_gain",
+        "prefix_matching",
+        "previous_token",
+        "knockout_delta",
+    )
     print("largest change per compared figure (rank corr: its value; knockout_delta: relative to its size)")
     print(f"{'case':<24}" + "".join(f"{c:>19}" for c in columns) + "  verdict")
     for name, session, recipe in cases:
@@ -115,8 +129,12 @@ def main() -> None:
         stats = statistics(reference, record, tol)
         results = gate_all(reference, record, tol, recipe, "fp32 baseline")
         broken = [r.invariant for r in results if not r.passed]
-        print(f"{name:<24}" + "".join(f"{stats.get(c, np.nan):>+19.4f}" for c in columns)
-              + f"  {'FAIL ' + ','.join(broken) if broken else 'pass'}", flush=True)
+        print(
+            f"{name:<24}"
+            + "".join(f"{stats.get(c, np.nan):>+19.4f}" for c in columns)
+            + f"  {'FAIL ' + ','.join(broken) if broken else 'pass'}",
+            flush=True,
+        )
     print("tolerances:", tol.as_dict())
 
 

@@ -43,6 +43,7 @@ def _set(path: list, value):
         for key in path[:-1]:
             target = target[key]
         target[path[-1]] = value
+
     return mutate
 
 
@@ -75,8 +76,11 @@ def test_bad_baseline_is_one_line_exit_2(recorded, tmp_path, capsys, case, mutat
     mutate(record)
     bad = tmp_path / "m--fp32.json"
     bad.write_text(json.dumps(record))
-    argv = (["gate", str(model), "--build", "fp32", "--baseline", str(bad), "--device", "cpu"] if command == "gate"
-            else ["diff", str(good), str(bad)])
+    argv = (
+        ["gate", str(model), "--build", "fp32", "--baseline", str(bad), "--device", "cpu"]
+        if command == "gate"
+        else ["diff", str(good), str(bad)]
+    )
     code, out, err = run(capsys, argv)
     assert code == 2, out
     line = one_line(err)
@@ -85,11 +89,15 @@ def test_bad_baseline_is_one_line_exit_2(recorded, tmp_path, capsys, case, mutat
     assert good.read_bytes() == before
 
 
-@pytest.mark.parametrize("content, expected", [
-    (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "is not UTF-8 text"),
-    (b"{not json", "is not valid JSON (line 1)"),
-    (b"[1, 2]", "top level is not an object"),
-], ids=["binary", "not json", "a list"])
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "is not UTF-8 text"),
+        (b"{not json", "is not valid JSON (line 1)"),
+        (b"[1, 2]", "top level is not an object"),
+    ],
+    ids=["binary", "not json", "a list"],
+)
 def test_unreadable_baseline_files(recorded, tmp_path, capsys, content, expected):
     model, good = recorded
     bad = tmp_path / "m--fp32.json"
@@ -148,12 +156,39 @@ def test_screened_gate_measures_the_baseline_files_key_heads(tmp_path, capsys):
     """The CLI gate with --knockout-screen knocks out the key heads of the FILE it gates against,
     wherever that file lives: a figure that was not measured never reads as a change."""
     baselines = tmp_path / "elsewhere"
-    assert main(["record", "tiny-induction", "--build", "fp32", "--baselines", str(baselines),
-                 "--probe-n", "4", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "record",
+                "tiny-induction",
+                "--build",
+                "fp32",
+                "--baselines",
+                str(baselines),
+                "--probe-n",
+                "4",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
-    code, out, _ = run(capsys, ["gate", "tiny-induction", "--build", "fp32", "--baseline",
-                                str(baselines / "tiny-induction--fp32.json"), "--knockout-screen", "0",
-                                "--device", "cpu"])
+    code, out, _ = run(
+        capsys,
+        [
+            "gate",
+            "tiny-induction",
+            "--build",
+            "fp32",
+            "--baseline",
+            str(baselines / "tiny-induction--fp32.json"),
+            "--knockout-screen",
+            "0",
+            "--device",
+            "cpu",
+        ],
+    )
     assert code == 0, out
     assert "PASS knockout_deltas" in out and "nan" not in out and "NOT MEASURED" not in out
 
@@ -220,9 +255,23 @@ def test_kill_9_during_record_keeps_the_old_baseline(recorded, tmp_path):
     target.write_bytes(good.read_bytes())
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     for delay in (0.5, 2.0, 4.0, 6.0):
-        proc = subprocess.Popen([sys.executable, "-m", "pytest_circuits.cli", "record", str(model), "--build",
-                                 "fp32", "--baselines", str(folder), *SMALL], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pytest_circuits.cli",
+                "record",
+                str(model),
+                "--build",
+                "fp32",
+                "--baselines",
+                str(folder),
+                *SMALL,
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait()

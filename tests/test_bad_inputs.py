@@ -72,8 +72,18 @@ def set_values(name: str, value: float, count: int):
     return edit
 
 
-def write_tiny_gguf(path: Path, seed: int = 0, vocab: int = 64, d: int = 32, layers: int = 2, heads: int = 4,
-                    kv: int = 2, ff: int = 64, ctx: int = 64, q_type: str | None = None) -> Path:
+def write_tiny_gguf(
+    path: Path,
+    seed: int = 0,
+    vocab: int = 64,
+    d: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    kv: int = 2,
+    ff: int = 64,
+    ctx: int = 64,
+    q_type: str | None = None,
+) -> Path:
     """A tiny llama GGUF file (float32 tensors; ``q_type`` gives ``blk.0.attn_q.weight`` that raw type)."""
     import gguf
 
@@ -294,15 +304,23 @@ def case_probe_n_huge(tmp):
 def case_tokenizer_remote_code(tmp):
     marker = tmp / "imported"
     folder = remote_tokenizer_folder(tmp / "model", marker)
-    return Setup(_scan(folder, tmp), tmp / "cache", check=lambda s: not marker.exists(),
-                 env={"HF_MODULES_CACHE": str(tmp / "modules")})
+    return Setup(
+        _scan(folder, tmp),
+        tmp / "cache",
+        check=lambda s: not marker.exists(),
+        env={"HF_MODULES_CACHE": str(tmp / "modules")},
+    )
 
 
 def case_tokenizer_remote_code_trusted(tmp):
     marker = tmp / "imported"
     folder = remote_tokenizer_folder(tmp / "model", marker)
-    return Setup(_scan(folder, tmp, "--trust-remote-code", json_file=False), tmp / "cache",
-                 check=lambda s: marker.read_text() == "imported", env={"HF_MODULES_CACHE": str(tmp / "modules")})
+    return Setup(
+        _scan(folder, tmp, "--trust-remote-code", json_file=False),
+        tmp / "cache",
+        check=lambda s: marker.read_text() == "imported",
+        env={"HF_MODULES_CACHE": str(tmp / "modules")},
+    )
 
 
 def case_tokenizer_bos_outside(tmp):
@@ -336,8 +354,9 @@ def case_gguf_cache_is_file(tmp):
 
 def case_gguf_cache_unwritable(tmp):
     cache = unwritable_folder(tmp)
-    return Setup(_scan(write_tiny_gguf(tmp / "tiny.gguf"), tmp, json_file=False), cache,
-                 check=lambda s: not s.cache.exists())
+    return Setup(
+        _scan(write_tiny_gguf(tmp / "tiny.gguf"), tmp, json_file=False), cache, check=lambda s: not s.cache.exists()
+    )
 
 
 def case_gguf_cache_entry_truncated(tmp):
@@ -382,36 +401,65 @@ def case_gguf_cache_full(tmp):
     """Writes beyond 40 KB fail (RLIMIT_FSIZE: EFBIG, as a full disk gives ENOSPC) in the cache and in the
     temporary fallback: one line naming both, nothing left behind."""
     cache = tmp / "cache"
-    setup = Setup(_scan(write_tiny_gguf(tmp / "tiny.gguf", seed=7), tmp), cache,  # a key no other row converted
-                  check=lambda s: not staging_folders(cache) and not any((cache / "gguf").iterdir()))
+    setup = Setup(
+        _scan(write_tiny_gguf(tmp / "tiny.gguf", seed=7), tmp),
+        cache,  # a key no other row converted
+        check=lambda s: not staging_folders(cache) and not any((cache / "gguf").iterdir()),
+    )
     setup.notes["fsize"] = 40_000
     return setup
 
 
 CASES = [
-    Case("index-names-pytorch_model.bin", case_pickle_in_index, 2,
-         ("non-safetensors weight file 'pytorch_model.bin'", "model.safetensors.index.json")),
-    Case("config-names-adapter_model.bin", case_config_names_bin, 2, ("non-safetensors weight file 'adapter_model.bin'",)),
-    Case("index-names-file-outside-folder", case_index_outside, 2, ("'../elsewhere.safetensors'", "outside the folder")),
-    Case("pickle-bytes-in-model.safetensors", case_pickle_named_safetensors, 2, ("model.safetensors", "cannot be read")),
+    Case(
+        "index-names-pytorch_model.bin",
+        case_pickle_in_index,
+        2,
+        ("non-safetensors weight file 'pytorch_model.bin'", "model.safetensors.index.json"),
+    ),
+    Case(
+        "config-names-adapter_model.bin", case_config_names_bin, 2, ("non-safetensors weight file 'adapter_model.bin'",)
+    ),
+    Case(
+        "index-names-file-outside-folder", case_index_outside, 2, ("'../elsewhere.safetensors'", "outside the folder")
+    ),
+    Case(
+        "pickle-bytes-in-model.safetensors", case_pickle_named_safetensors, 2, ("model.safetensors", "cannot be read")
+    ),
     Case("pickle-only-folder", case_pickle_only, 2, ("only pickle weights", "pytorch_model.bin")),
     Case("nan-weights", case_nan_weights, 2, ("model.layers.1.self_attn.o_proj.weight holds 12 NaN values",)),
     Case("inf-weights", case_inf_weights, 2, ("model.layers.0.mlp.down_proj.weight holds 3 inf values",)),
-    Case("fp16-cast-overflows", case_fp16_overflow, 2,
-         ("build fp16", "model.layers.0.self_attn.v_proj.weight holds 2 inf values", "bf16")),
+    Case(
+        "fp16-cast-overflows",
+        case_fp16_overflow,
+        2,
+        ("build fp16", "model.layers.0.self_attn.v_proj.weight holds 2 inf values", "bf16"),
+    ),
     Case("vocab-size-1", case_vocab_one, 2, ("1 ordinary token id", "vocab_size 1")),
     Case("probe-n-1e9", case_probe_n_huge, 2, ("--probe-n", "1000000000")),
-    Case("tokenizer-remote-code-refused", case_tokenizer_remote_code, 2,
-         ("tokenizer_config.json has auto_map", "--trust-remote-code")),
+    Case(
+        "tokenizer-remote-code-refused",
+        case_tokenizer_remote_code,
+        2,
+        ("tokenizer_config.json has auto_map", "--trust-remote-code"),
+    ),
     Case("tokenizer-remote-code-trusted", case_tokenizer_remote_code_trusted, 0, ()),
     Case("tokenizer-bos-outside-vocab", case_tokenizer_bos_outside, 2, ("BOS id 200", "vocab_size 128")),
     Case("gguf-unsupported-tensor-type", case_gguf_unsupported_type, 2, ("blk.0.attn_q.weight", "type Q8_K")),
     Case("gguf-truncated-file", case_gguf_truncated_file, 2, ("tiny.gguf", "damaged or truncated")),
     Case("gguf-cache-path-is-a-file", case_gguf_cache_is_file, 0, ("warning", "cache-file", "temporary folder")),
-    Case("gguf-cache-unwritable", case_gguf_cache_unwritable, 0, ("warning", "pytest-circuits-test-cache"
-                                                                  if os.geteuid() == 0 else "locked")),
-    Case("gguf-cache-entry-truncated", case_gguf_cache_entry_truncated, 0,
-         ("warning", "model.safetensors has", "rebuilding")),
+    Case(
+        "gguf-cache-unwritable",
+        case_gguf_cache_unwritable,
+        0,
+        ("warning", "pytest-circuits-test-cache" if os.geteuid() == 0 else "locked"),
+    ),
+    Case(
+        "gguf-cache-entry-truncated",
+        case_gguf_cache_entry_truncated,
+        0,
+        ("warning", "model.safetensors has", "rebuilding"),
+    ),
     Case("gguf-stale-staging-of-dead-owner", case_gguf_stale_staging, 0, ()),
     Case("gguf-cache-full", case_gguf_cache_full, 2, ("tiny.gguf", "temporary folder failed too", "free space")),
 ]
@@ -450,15 +498,24 @@ def run_in_process(setup: Setup, monkeypatch, capsys) -> tuple[int, str, str]:
 
 
 def cli_env(cache: Path, extra: dict | None = None) -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PYTEST_CIRCUITS_CACHE": str(cache),
-            **(extra or {})}
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "HF_HUB_OFFLINE": "1",
+        "PYTEST_CIRCUITS_CACHE": str(cache),
+        **(extra or {}),
+    }
 
 
 def run_subprocess(setup: Setup) -> tuple[int, str, str]:
     limit = setup.notes.get("fsize")
     done = subprocess.run(
-        [sys.executable, "-m", "pytest_circuits.cli", *setup.argv], env=cli_env(setup.cache, setup.env),
-        capture_output=True, text=True, timeout=600, cwd=setup.cache.parent,
+        [sys.executable, "-m", "pytest_circuits.cli", *setup.argv],
+        env=cli_env(setup.cache, setup.env),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=setup.cache.parent,
         preexec_fn=_limit_file_size(limit) if limit else None,
     )
     return done.returncode, done.stdout, done.stderr
@@ -528,8 +585,9 @@ def test_kill_9_during_gguf_conversion_leaves_no_staging(tmp_path):
     gguf_file = write_tiny_gguf(tmp_path / "tiny.gguf")
     cache = tmp_path / "cache"
     argv = ["scan", str(gguf_file), *FAST]
-    child = subprocess.Popen([sys.executable, "-c", SLOW_SAVE, *argv], env=cli_env(cache),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    child = subprocess.Popen(
+        [sys.executable, "-c", SLOW_SAVE, *argv], env=cli_env(cache), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     try:
         deadline = time.monotonic() + 300
         while not any((p / "SAVED").exists() for p in staging_folders(cache)):
@@ -543,8 +601,13 @@ def test_kill_9_during_gguf_conversion_leaves_no_staging(tmp_path):
             child.kill()
     left = staging_folders(cache)
     assert len(left) == 1 and (left[0] / "model.safetensors").stat().st_size > 0  # what the kill left
-    done = subprocess.run([sys.executable, "-m", "pytest_circuits.cli", *argv], env=cli_env(cache),
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest_circuits.cli", *argv],
+        env=cli_env(cache),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stdout + done.stderr
     assert staging_folders(cache) == []

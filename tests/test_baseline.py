@@ -24,20 +24,48 @@ def fake_record(kappa=(0.9, -0.1, 0.05, 0.3), fingerprint="sha256:aa", geometry=
     heads, eigenvalues = [], {}
     for i, k in enumerate(kappa):
         label = f"L{i // 2}H{i % 2}"
-        heads.append({"head": label, "layer": i // 2, "head_index": i % 2, "kappa": k,
-                      "kappa_trace": k / 2, "kappa_null_mean": 0.0, "kappa_null_sd": 0.05, "kappa_z": 10 * k,
-                      "kappa_p": 0.01, "kappa_q": 0.02, "copying": k > 0.5, "suppression": False,
-                      "prefix_matching": 0.01, "previous_token": 0.02, "duplicate_token": 0.0,
-                      "knockout_delta": None})
+        heads.append(
+            {
+                "head": label,
+                "layer": i // 2,
+                "head_index": i % 2,
+                "kappa": k,
+                "kappa_trace": k / 2,
+                "kappa_null_mean": 0.0,
+                "kappa_null_sd": 0.05,
+                "kappa_z": 10 * k,
+                "kappa_p": 0.01,
+                "kappa_q": 0.02,
+                "copying": k > 0.5,
+                "suppression": False,
+                "prefix_matching": 0.01,
+                "previous_token": 0.02,
+                "duplicate_token": 0.0,
+                "knockout_delta": None,
+            }
+        )
         eigenvalues[label] = [[0.123456789, -1e-9], [2.0, 0.0], [k, 0.5], [k, -0.5]]
     return {
         "schema_version": SCHEMA_VERSION,
-        "model": {"name": "m", "spec": "m", "family": "gpt2", "fingerprint": fingerprint,
-                  "geometry": dict(geometry or GEOMETRY)},
-        "build": {"recipe": "fp32", "dtype": "float32", "backend": "torch", "backend_version": "torch 2",
-                  "device": "cpu"},
+        "model": {
+            "name": "m",
+            "spec": "m",
+            "family": "gpt2",
+            "fingerprint": fingerprint,
+            "geometry": dict(geometry or GEOMETRY),
+        },
+        "build": {
+            "recipe": "fp32",
+            "dtype": "float32",
+            "backend": "torch",
+            "backend_version": "torch 2",
+            "device": "cpu",
+        },
         "probe": {"seed": seed, "n": 4, "L": 8},
-        "copy_loss": 1.0 / 3.0, "first_copy_loss": 2.0, "copy_gain": 2.0 - 1.0 / 3.0, "uniform_loss": 2.77,
+        "copy_loss": 1.0 / 3.0,
+        "first_copy_loss": 2.0,
+        "copy_gain": 2.0 - 1.0 / 3.0,
+        "uniform_loss": 2.77,
         "heads": heads,
         "eigenvalues": eigenvalues,
     }
@@ -226,20 +254,40 @@ class FakeProbe:
 
 def test_assemble_record_joins_the_three_rungs_by_head():
     labels = ["L0H0", "L0H1", "L1H0", "L1H1"]
-    spectrum = pd.DataFrame({
-        "head": labels[::-1], "layer": [1, 1, 0, 0], "head_index": [1, 0, 1, 0],  # out of order on purpose
-        **{c: np.arange(4.0)[::-1] for c in ("kappa", "kappa_trace", "kappa_null_mean", "kappa_null_sd",
-                                             "kappa_z", "kappa_p", "kappa_q")},
-        "copying": [False, False, False, True], "suppression": [False] * 4,
-    })
+    spectrum = pd.DataFrame(
+        {
+            "head": labels[::-1],
+            "layer": [1, 1, 0, 0],
+            "head_index": [1, 0, 1, 0],  # out of order on purpose
+            **{
+                c: np.arange(4.0)[::-1]
+                for c in ("kappa", "kappa_trace", "kappa_null_mean", "kappa_null_sd", "kappa_z", "kappa_p", "kappa_q")
+            },
+            "copying": [False, False, False, True],
+            "suppression": [False] * 4,
+        }
+    )
     spectrum.attrs["eigenvalues"] = np.arange(2 * 2 * 4).reshape(2, 2, 4) + 1j
-    probe_heads = pd.DataFrame({"head": labels, "layer": [0, 0, 1, 1], "head_index": [0, 1, 0, 1],
-                                "prefix_matching": [0.0, 0.1, 0.9, 0.2], "previous_token": [0.8, 0, 0, 0],
-                                "duplicate_token": [0.0] * 4})
+    probe_heads = pd.DataFrame(
+        {
+            "head": labels,
+            "layer": [0, 0, 1, 1],
+            "head_index": [0, 1, 0, 1],
+            "prefix_matching": [0.0, 0.1, 0.9, 0.2],
+            "previous_token": [0.8, 0, 0, 0],
+            "duplicate_token": [0.0] * 4,
+        }
+    )
     knockout = pd.DataFrame({"head": labels, "knockout_delta": [0.1, np.nan, 2.0, 0.0]})
     record = assemble_record(
-        model={"name": "m"}, build={"recipe": "fp32"}, probe={"seed": 0}, knockout_info={"seed": 1},
-        spectrum=spectrum, probe_result=FakeProbe(probe_heads), knockout=knockout, rung1={},
+        model={"name": "m"},
+        build={"recipe": "fp32"},
+        probe={"seed": 0},
+        knockout_info={"seed": 1},
+        spectrum=spectrum,
+        probe_result=FakeProbe(probe_heads),
+        knockout=knockout,
+        rung1={},
     )
     assert [h["head"] for h in record["heads"]] == labels
     l1h0 = record["heads"][2]

@@ -14,8 +14,21 @@ from pytest_circuits.cli import main
 from pytest_circuits.testing import make_tiny_model, negate_head_ov, save_tiny_model
 
 SMALL = ["--device", "cpu", "--probe-n", "4", "--probe-length", "16"]
-SCAN_HEAD_KEYS = {"head", "layer", "head_index", "kappa", "kappa_trace", "kappa_z", "kappa_q", "copying",
-                  "suppression", "prefix_matching", "previous_token", "duplicate_token", "knockout_delta"}
+SCAN_HEAD_KEYS = {
+    "head",
+    "layer",
+    "head_index",
+    "kappa",
+    "kappa_trace",
+    "kappa_z",
+    "kappa_q",
+    "copying",
+    "suppression",
+    "prefix_matching",
+    "previous_token",
+    "duplicate_token",
+    "knockout_delta",
+}
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +76,9 @@ def test_scan_without_knockout(model, tmp_path):
 
 def test_record_then_gate_passes(model, recorded, capsys):
     assert sorted(p.name for p in recorded.iterdir()) == ["m--fp32.json", "m--rtn-int8.json"]
-    code = main(["gate", str(model), "--build", "rtn-int8", "--baseline", str(recorded / "m--fp32.json"),
-                 "--device", "cpu"])  # probe settings come from the baseline
+    code = main(
+        ["gate", str(model), "--build", "rtn-int8", "--baseline", str(recorded / "m--fp32.json"), "--device", "cpu"]
+    )  # probe settings come from the baseline
     out = capsys.readouterr().out
     assert code == 0, out
     assert "gate passed" in out and "weights differ" not in out
@@ -77,14 +91,33 @@ def test_gate_fails_on_a_negated_head(recorded, tmp_path, capsys):
     negate_head_ov(model, target["layer"], target["head_index"])
     folder = tmp_path / "m"
     model.save_pretrained(folder, safe_serialization=True)
-    code = main(["gate", str(folder), "--build", "fp32", "--baseline", str(recorded / "m--fp32.json"), "--device", "cpu"])
+    code = main(
+        ["gate", str(folder), "--build", "fp32", "--baseline", str(recorded / "m--fp32.json"), "--device", "cpu"]
+    )
     out = capsys.readouterr().out
     assert code == 1
     assert "FAIL copying_heads" in out and f"{target['head']} " in out and "weights differ" in out
     assert f"circuits record {folder} --build fp32 --baselines {recorded}" in out
     # a loose tolerance lets the same change through
-    assert main(["gate", str(folder), "--build", "fp32", "--baseline", str(recorded / "m--fp32.json"),
-                 "--device", "cpu", "--tol", "kappa=2", "--tol", "rank=-1"]) == 0
+    assert (
+        main(
+            [
+                "gate",
+                str(folder),
+                "--build",
+                "fp32",
+                "--baseline",
+                str(recorded / "m--fp32.json"),
+                "--device",
+                "cpu",
+                "--tol",
+                "kappa=2",
+                "--tol",
+                "rank=-1",
+            ]
+        )
+        == 0
+    )
 
 
 def test_diff_lists_what_moved(recorded, tmp_path, capsys):
@@ -132,7 +165,9 @@ def test_usage_error_exit_2():
 def test_head_table_shows_each_heads_ov_gain_against_the_largest():
     from pytest_circuits.cli import head_table
 
-    heads = [{"head": name, "kappa": 0.5, "ov_gain": gain} for name, gain in (("L0H0", 8.0), ("L0H1", 2.0), ("L1H0", 0.04))]
+    heads = [
+        {"head": name, "kappa": 0.5, "ov_gain": gain} for name, gain in (("L0H0", 8.0), ("L0H1", 2.0), ("L1H0", 0.04))
+    ]
     lines = head_table({"heads": heads}).splitlines()
     assert lines[0].split()[:4] == ["head", "kappa", "ov", "gain"]
     assert [line.split()[2] for line in lines[1:]] == ["1.000", "0.250", "0.005"]

@@ -284,7 +284,8 @@ def test_load_build_runs_the_self_check(tmp_path, monkeypatch):
     folder = save_tiny_model("gpt_neox", tmp_path / "m", seed=1)
     load_build(resolve_model(str(folder)), "fp32", "cpu")  # the right read loads
     wrong = tuple(
-        dataclasses.replace(f, qkv_layout="fused_split") if "gpt_neox" in f.model_types else f for f in families.FAMILIES
+        dataclasses.replace(f, qkv_layout="fused_split") if "gpt_neox" in f.model_types else f
+        for f in families.FAMILIES
     )
     monkeypatch.setattr(families, "FAMILIES", wrong)
     with pytest.raises(DecompositionError, match="'gpt_neox'"):
@@ -326,9 +327,22 @@ def test_unlisted_type_with_a_known_layout_is_recognised():
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     assert "arcee" not in supported_model_types()
-    config = CONFIG_MAPPING["arcee"](**{k: v for k, v in tiny_config("llama").to_dict().items() if k in (
-        "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size",
-        "vocab_size", "max_position_embeddings")})
+    config = CONFIG_MAPPING["arcee"](
+        **{
+            k: v
+            for k, v in tiny_config("llama").to_dict().items()
+            if k
+            in (
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "hidden_size",
+                "intermediate_size",
+                "vocab_size",
+                "max_position_embeddings",
+            )
+        }
+    )
     families._WARNED.discard("arcee")
     with pytest.warns(UserWarning, match="assumed the 'llama' layout"):
         family = family_for_config(config)
@@ -422,8 +436,15 @@ def test_recognised_layout_that_reads_wrong_is_refused():
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     config = CONFIG_MAPPING["nemotron"](
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64, intermediate_size=128,
-        vocab_size=128, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=64,
+        intermediate_size=128,
+        vocab_size=128,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

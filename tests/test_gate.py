@@ -35,17 +35,36 @@ def record(n_layers=2, n_heads=4, seed=0) -> dict:
         for h in range(n_heads):
             name = f"L{l}H{h}"
             kappa = float(rng.uniform(-0.2, 0.2))
-            heads.append({
-                "head": name, "layer": l, "head_index": h, "kappa": kappa, "kappa_trace": kappa,
-                "kappa_z": kappa * 5, "kappa_trace_z": kappa * 5, "copying": False, "suppression": False,
-                "prefix_matching": 0.02, "previous_token": 0.05, "duplicate_token": 0.02,
-                "knockout_delta": 0.01,
-            })
+            heads.append(
+                {
+                    "head": name,
+                    "layer": l,
+                    "head_index": h,
+                    "kappa": kappa,
+                    "kappa_trace": kappa,
+                    "kappa_z": kappa * 5,
+                    "kappa_trace_z": kappa * 5,
+                    "copying": False,
+                    "suppression": False,
+                    "prefix_matching": 0.02,
+                    "previous_token": 0.05,
+                    "duplicate_token": 0.02,
+                    "knockout_delta": 0.01,
+                }
+            )
     by = {r["head"]: r for r in heads}
-    by["L1H2"].update(kappa=0.91, kappa_trace=0.95, kappa_z=8.0, kappa_trace_z=9.0, copying=True,
-                      prefix_matching=0.85, knockout_delta=3.0)
-    by["L1H3"].update(kappa=-0.6, kappa_trace=-0.7, kappa_z=-5.0, kappa_trace_z=-6.0, suppression=True,
-                      knockout_delta=-0.2)
+    by["L1H2"].update(
+        kappa=0.91,
+        kappa_trace=0.95,
+        kappa_z=8.0,
+        kappa_trace_z=9.0,
+        copying=True,
+        prefix_matching=0.85,
+        knockout_delta=3.0,
+    )
+    by["L1H3"].update(
+        kappa=-0.6, kappa_trace=-0.7, kappa_z=-5.0, kappa_trace_z=-6.0, suppression=True, knockout_delta=-0.2
+    )
     by["L0H1"].update(previous_token=0.9, knockout_delta=1.5, kappa_z=3.0)
     return {"copy_loss": 0.4, "first_copy_loss": 6.0, "copy_gain": 5.6, "heads": heads}
 
@@ -223,8 +242,8 @@ def reduced_ov_eigs(model, layer, head):
     d = model.config.n_embd
     dh = d // model.config.n_head
     c_attn = model.transformer.h[layer].attn.c_attn.weight.detach().double()  # (d, 3d), row vectors
-    W_V = c_attn[:, 2 * d + head * dh: 2 * d + (head + 1) * dh]
-    W_O = model.transformer.h[layer].attn.c_proj.weight.detach().double()[head * dh:(head + 1) * dh]
+    W_V = c_attn[:, 2 * d + head * dh : 2 * d + (head + 1) * dh]
+    W_O = model.transformer.h[layer].attn.c_proj.weight.detach().double()[head * dh : (head + 1) * dh]
     W_E = model.transformer.wte.weight.detach().double()
     M = W_O @ W_E.T @ W_E @ W_V
     return np.linalg.eigvals(M.numpy())
@@ -273,7 +292,9 @@ def test_add_weight_noise_has_the_asked_size():
 
 # ---------------------------------------------------------------- the defaults, on the embedded model
 
-needs_embedded = pytest.mark.skipif(not has_embedded_model(), reason="embedded model missing: python scripts/train_tiny_induction.py")
+needs_embedded = pytest.mark.skipif(
+    not has_embedded_model(), reason="embedded model missing: python scripts/train_tiny_induction.py"
+)
 
 
 @pytest.fixture(scope="module")
@@ -317,8 +338,10 @@ def test_benign_changes_pass_the_default_gate(embedded):
             for p in model.parameters():
                 p.copy_(p.to(torch.bfloat16).float())
 
-    for name, record in (("bf16 round trip", edited(bf16_round_trip)),
-                         ("noise 1e-3", edited(lambda m: add_weight_noise(m, 1e-3, seed=0)))):
+    for name, record in (
+        ("bf16 round trip", edited(bf16_round_trip)),
+        ("noise 1e-3", edited(lambda m: add_weight_noise(m, 1e-3, seed=0))),
+    ):
         broken = [r.message for r in gate_all(reference, record, TOL, name, "fp32 baseline") if not r.passed]
         assert not broken, f"{name}: {broken}"
 
@@ -358,13 +381,17 @@ class FakeSession:
         from pytest_circuits.errors import BaselineMissing
 
         if recipe not in self.baselines:
-            raise BaselineMissing(f"baseline {recipe}.json does not exist; record it with: circuits record m --build {recipe}")
+            raise BaselineMissing(
+                f"baseline {recipe}.json does not exist; record it with: circuits record m --build {recipe}"
+            )
         return self.baselines[recipe]
 
 
 def with_model(rec, fingerprint="sha256:aa", n_heads=4):
-    rec["model"] = {"fingerprint": fingerprint, "geometry": {"n_layers": 2, "n_heads": n_heads, "n_kv_heads": n_heads,
-                                                             "d_model": 8, "d_head": 2, "vocab": 16}}
+    rec["model"] = {
+        "fingerprint": fingerprint,
+        "geometry": {"n_layers": 2, "n_heads": n_heads, "n_kv_heads": n_heads, "d_model": 8, "d_head": 2, "vocab": 16},
+    }
     rec["probe"] = {"seed": 0, "n": 4, "L": 8}
     return rec
 
@@ -420,8 +447,13 @@ class FirstCopyLoss(gate.Invariant):
     moved = "first-copy loss of {build} moved against the {against}"
 
     def compare(self, before, after, tol):
-        return gate.Comparison([gate.within("model", "first_copy_loss", before["first_copy_loss"],
-                                            after["first_copy_loss"], tol.copy_loss)])
+        return gate.Comparison(
+            [
+                gate.within(
+                    "model", "first_copy_loss", before["first_copy_loss"], after["first_copy_loss"], tol.copy_loss
+                )
+            ]
+        )
 
 
 @pytest.fixture
@@ -475,8 +507,10 @@ def test_an_undefined_rank_correlation_breaks_the_invariant():
 
 def test_knockouts_of_other_settings_are_not_compared():
     before, after = record(), record()
-    before["knockout"], after["knockout"] = {"mode": "mean", "seed": 1, "n": 4, "L": 8}, {"mode": "zero", "seed": 1,
-                                                                                         "n": 4, "L": 8}
+    before["knockout"], after["knockout"] = (
+        {"mode": "mean", "seed": 1, "n": 4, "L": 8},
+        {"mode": "zero", "seed": 1, "n": 4, "L": 8},
+    )
     result = check("knockout_deltas", before, after, TOL, "b", "fp32 baseline")
     assert result.status == "failed" and "other settings (mode mean vs zero)" in result.message
 
@@ -484,6 +518,7 @@ def test_knockouts_of_other_settings_are_not_compared():
 def test_one_comparison_skipped_and_one_passed_is_a_pass():
     cand = with_model(record())
     own = with_model(_flat())
-    outcome = verdict.gate_build(FakeSession({"fp32": with_model(record()), "bnb-nf4": own}, cand), "bnb-nf4",
-                                 "induction_heads", TOL, {})
+    outcome = verdict.gate_build(
+        FakeSession({"fp32": with_model(record()), "bnb-nf4": own}, cand), "bnb-nf4", "induction_heads", TOL, {}
+    )
     assert [r.status for r in outcome.results] == ["passed", "skipped"] and outcome.passed

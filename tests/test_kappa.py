@@ -41,8 +41,18 @@ from pytest_circuits.rungs.kappa import (
 )
 from pytest_circuits.testing import make_tiny_model, requires_embedded_model, requires_smollm2
 
-NUMERIC = ["kappa", "kappa_trace", "kappa_null_mean", "kappa_null_sd", "kappa_z", "kappa_p",
-           "kappa_trace_null_mean", "kappa_trace_null_sd", "kappa_trace_z", "kappa_trace_p"]
+NUMERIC = [
+    "kappa",
+    "kappa_trace",
+    "kappa_null_mean",
+    "kappa_null_sd",
+    "kappa_z",
+    "kappa_p",
+    "kappa_trace_null_mean",
+    "kappa_trace_null_sd",
+    "kappa_trace_z",
+    "kappa_trace_p",
+]
 
 
 def _write_W_O(model, layer: int, head: int, W_O: torch.Tensor) -> None:
@@ -97,7 +107,7 @@ def test_columns_attrs_and_summary():
     df = ov_spectrum(w, n_rotations=300, seed=4)
     geo = w.geometry
     assert tuple(df.columns[: len(COLUMNS)]) == COLUMNS
-    assert tuple(df.columns[len(COLUMNS):]) == EXTRA_COLUMNS
+    assert tuple(df.columns[len(COLUMNS) :]) == EXTRA_COLUMNS
     assert len(df) == geo.n_layers * geo.n_heads
     assert df["head"].tolist()[:3] == ["L0H0", "L0H1", "L0H2"]
     assert df.attrs["eigenvalues"].shape == (geo.n_layers, geo.n_heads, geo.d_head)
@@ -162,7 +172,7 @@ def test_grouped_query_heads_read_their_group_W_V():
     d_head = w.geometry.d_head
     with torch.no_grad():
         gen = torch.Generator().manual_seed(0)
-        v_proj.weight[d_head: 2 * d_head] = torch.randn(d_head, v_proj.weight.shape[1], generator=gen) * 0.05
+        v_proj.weight[d_head : 2 * d_head] = torch.randn(d_head, v_proj.weight.shape[1], generator=gen) * 0.05
     w2 = extract_weights(model)
     after = ov_spectrum(w2, n_rotations=64)
     changed = ~np.isclose(before["kappa"], after["kappa"], rtol=0, atol=1e-12)
@@ -215,8 +225,15 @@ def test_positive_scale_of_embedding_leaves_kappa():
 
 def test_user_errors_are_one_line():
     w = extract_weights(make_tiny_model("gpt2", seed=0))
-    bad = ({"n_rotations": 1}, {"q": 0.0}, {"q": 1.5}, {"p_method": "bootstrap"}, {"seed": -1},
-           {"null_dtype": torch.float16}, {"n_workers": 0})
+    bad = (
+        {"n_rotations": 1},
+        {"q": 0.0},
+        {"q": 1.5},
+        {"p_method": "bootstrap"},
+        {"seed": -1},
+        {"null_dtype": torch.float16},
+        {"n_workers": 0},
+    )
     for kwargs in bad:
         with pytest.raises(SpectrumError) as info:
             ov_spectrum(w, **kwargs)
@@ -286,9 +303,7 @@ def test_random_model_p_values_are_uniform():
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-@pytest.mark.parametrize(
-    "recipe, kappa_median_tol, trace_tol", [("bnb-int8", 0.02, 0.02), ("bnb-nf4", 0.1, 0.06)]
-)
+@pytest.mark.parametrize("recipe, kappa_median_tol, trace_tol", [("bnb-int8", 0.02, 0.02), ("bnb-nf4", 0.1, 0.06)])
 def test_quantized_build_is_dequantized_first(tiny_folder, family, recipe, kappa_median_tol, trace_tol):
     pytest.importorskip("bitsandbytes")
     source = resolve_model(str(tiny_folder(family)))
@@ -391,7 +406,9 @@ def test_assert_copying_heads_preserved():
     assert_copying_heads_preserved(ref, drifted)  # L0H1 lost its flag but moved only 0.05
     fallen = ref.copy()
     fallen.loc[1, ["kappa", "copying"]] = [-0.88, False]
-    lost = r"1 of 3 copying heads lost[\s\S]*L0H1     kappa \+0\.90 -> -0\.88 \(copying -> not copying, tolerance 0\.10\)"
+    lost = (
+        r"1 of 3 copying heads lost[\s\S]*L0H1     kappa \+0\.90 -> -0\.88 \(copying -> not copying, tolerance 0\.10\)"
+    )
     with pytest.raises(AssertionError, match=lost):
         assert_copying_heads_preserved(ref, fallen, min_spearman=None)
     assert_copying_heads_preserved(ref, fallen, min_survival=0.6, min_spearman=None)
@@ -478,8 +495,11 @@ def test_symmetric_t_z_is_unbiased_for_kappa_over_sigma():
 
 def test_cheap_null_spread_agrees_with_the_256_draw_null():
     """32 draws estimate the same null spread as 256 (the old default), within sampling error."""
-    w = extract_weights(make_tiny_model("llama", seed=5, num_hidden_layers=3, num_attention_heads=8,
-                                        num_key_value_heads=4, hidden_size=128))
+    w = extract_weights(
+        make_tiny_model(
+            "llama", seed=5, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=4, hidden_size=128
+        )
+    )
     cheap = ov_spectrum(w)
     full = ov_spectrum(w, n_rotations=256, p_method="normal", null_dtype=torch.float64)
     assert cheap.attrs["summary"]["n_rotations"] == 32 and cheap.attrs["summary"]["p_method"] == "t"

@@ -189,7 +189,9 @@ def test_inexact_replay_falls_back_to_the_plain_loop(fp32_builds):
     )
     try:
         _, shifted = naive_knockout_deltas(build, HELD_OUT, heads=["L0H1", "L1H2"], batch_size=3)
-        with pytest.warns(UserWarning, match="does not reproduce the model's copy loss .* running the plain loop") as info:
+        with pytest.warns(
+            UserWarning, match="does not reproduce the model's copy loss .* running the plain loop"
+        ) as info:
             df = knockout_scan(build, HELD_OUT, heads=["L0H1", "L1H2"], batch_size=3, progress=False)
     finally:
         handle.remove()
@@ -294,8 +296,9 @@ def test_session_head_knockout(tiny_folders, capsys):
     from pytest_circuits.session import CircuitsSession
     from pytest_circuits.settings import CircuitsSettings
 
-    settings = CircuitsSettings(model=str(tiny_folders["gpt2"]), builds=("fp32",), device="cpu",
-                                probe=RepeatSettings(seed=0, n=3, L=8))
+    settings = CircuitsSettings(
+        model=str(tiny_folders["gpt2"]), builds=("fp32",), device="cpu", probe=RepeatSettings(seed=0, n=3, L=8)
+    )
     df = CircuitsSession(settings).head_knockout("fp32")
     assert df.attrs["settings"]["seed"] == settings.knockout_probe.seed != settings.probe.seed
     assert df["knockout_delta"].notna().all()
@@ -359,11 +362,15 @@ def test_embedded_circuit_is_two_heads(embedded_build):
         model = copy.deepcopy(embedded_build.model)
         with torch.no_grad():
             for layer, head in heads:  # zero the head's columns of W_O: no hooks involved
-                out_proj_module(model, layer).weight[:, head * geometry.d_head:(head + 1) * geometry.d_head] = 0
+                out_proj_module(model, layer).weight[:, head * geometry.d_head : (head + 1) * geometry.d_head] = 0
         return own_copy_loss(model, ids, held_out.L, offset)
 
-    others = [(lay, h) for lay in range(geometry.n_layers) for h in range(geometry.n_heads)
-              if (lay, h) not in {(il, ih), (pl, ph)}]
+    others = [
+        (lay, h)
+        for lay in range(geometry.n_layers)
+        for h in range(geometry.n_heads)
+        if (lay, h) not in {(il, ih), (pl, ph)}
+    ]
     without_induction = loss_without([(il, ih)])
     without_others = loss_without(others)
     assert intact < 0.1 * first_copy, (intact, first_copy)
@@ -381,7 +388,9 @@ def routing_scores_of(build, settings):
     everywhere = torch.arange(offset + 1, offset + 2 * L)
     return {
         "prefix_matching": torch.stack([a[:, :, dest, dest - L + 1].mean(dim=(0, 2)) for a in attentions]).float(),
-        "previous_token": torch.stack([a[:, :, everywhere, everywhere - 1].mean(dim=(0, 2)) for a in attentions]).float(),
+        "previous_token": torch.stack(
+            [a[:, :, everywhere, everywhere - 1].mean(dim=(0, 2)) for a in attentions]
+        ).float(),
     }
 
 

@@ -110,8 +110,11 @@ def test_fingerprint_follows_the_weights(tmp_path):
 
 def test_trust_remote_code_is_off_by_default(tmp_path):
     """A config that needs remote code is refused with the option's name, not executed."""
-    config = {"model_type": "custom_thing", "auto_map": {"AutoConfig": "custom.CustomConfig",
-              "AutoModelForCausalLM": "custom.CustomModel"}, "architectures": ["CustomModel"]}
+    config = {
+        "model_type": "custom_thing",
+        "auto_map": {"AutoConfig": "custom.CustomConfig", "AutoModelForCausalLM": "custom.CustomModel"},
+        "architectures": ["CustomModel"],
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "custom.py").write_text("raise SystemExit('remote code ran')\n")
     (tmp_path / "model.safetensors").write_bytes(b"")
@@ -203,8 +206,10 @@ def _sharded_llama(folder):
     state = load_file(folder / "model.safetensors")
     (folder / "model.safetensors").unlink()
     names = sorted(state)
-    weight_map = {**_shard(folder, state, names[::2], "model-00001-of-00002.safetensors"),
-                  **_shard(folder, state, names[1::2], "model-00002-of-00002.safetensors")}
+    weight_map = {
+        **_shard(folder, state, names[::2], "model-00001-of-00002.safetensors"),
+        **_shard(folder, state, names[1::2], "model-00002-of-00002.safetensors"),
+    }
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return folder
 
@@ -217,8 +222,10 @@ def test_weight_files_are_the_files_transformers_reads(tmp_path):
     from pytest_circuits.model.loading import weight_files
 
     folder = _sharded_llama(tmp_path / "sharded")
-    assert [f.name for f in weight_files(folder)] == ["model-00001-of-00002.safetensors",
-                                                      "model-00002-of-00002.safetensors"]
+    assert [f.name for f in weight_files(folder)] == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
     build = load_build(resolve_model(str(folder)), "fp32", "cpu")
     assert build.geometry.n_layers == 2
 

@@ -18,20 +18,53 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_the_installed_wheel_runs_the_gate_suite(tmp_path):
     wheels, site, empty = tmp_path / "wheels", tmp_path / "site", tmp_path / "project"
     empty.mkdir()
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(wheels), str(ROOT)], check=True, timeout=600)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(ROOT)],
+        check=True,
+        timeout=600,
+    )
     (wheel,) = wheels.glob("pytest_circuits-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for shipped in ("pytest_circuits/probes/test_rung1_weights.py", "pytest_circuits/baselines/tiny-induction--fp32.json",
-                    "pytest_circuits/models/tiny-induction/model.safetensors"):
+    for shipped in (
+        "pytest_circuits/probes/test_rung1_weights.py",
+        "pytest_circuits/baselines/tiny-induction--fp32.json",
+        "pytest_circuits/models/tiny-induction/model.safetensors",
+    ):
         assert shipped in names
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
-                   check=True, timeout=600)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+        check=True,
+        timeout=600,
+    )
     env = {**os.environ, "PYTHONPATH": str(site)}
-    done = subprocess.run([sys.executable, "-m", "pytest", "--pyargs", "pytest_circuits.probes", "-p",
-                           "no:cacheprovider", "--circuits-builds", "fp32", "-q"], cwd=empty, env=env,
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--pyargs",
+            "pytest_circuits.probes",
+            "-p",
+            "no:cacheprovider",
+            "--circuits-builds",
+            "fp32",
+            "-q",
+        ],
+        cwd=empty,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "5 passed" in done.stdout and str(site) in subprocess.run(
-        [sys.executable, "-c", "import pytest_circuits; print(pytest_circuits.__file__)"], cwd=empty, env=env,
-        capture_output=True, text=True).stdout
+    assert (
+        "5 passed" in done.stdout
+        and str(site)
+        in subprocess.run(
+            [sys.executable, "-c", "import pytest_circuits; print(pytest_circuits.__file__)"],
+            cwd=empty,
+            env=env,
+            capture_output=True,
+            text=True,
+        ).stdout
+    )

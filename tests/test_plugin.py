@@ -119,7 +119,10 @@ def test_record_gate_and_sabotage(suite, tmp_path_factory):
     pytester.makeini(ini(sabotaged, baselines))
     result = pytester.runpytest("-p", "no:cacheprovider")
     out = text_of(result)
-    assert "test_copying_heads_survive[fp32] FAILED" in out or "FAILED test_rung1_weights.py::test_copying_heads_survive[fp32]" in out
+    assert (
+        "test_copying_heads_survive[fp32] FAILED" in out
+        or "FAILED test_rung1_weights.py::test_copying_heads_survive[fp32]" in out
+    )
     assert f"{name} " in out and "kappa_trace" in out
     assert "weights differ" in out
     assert f"--circuits-builds fp32 --circuits-baselines {baselines} --circuits-update" in out
@@ -134,30 +137,36 @@ def test_record_gate_and_sabotage(suite, tmp_path_factory):
     pytester.runpytest("-p", "no:cacheprovider", "test_rung1_weights.py").assert_outcomes(passed=2)
 
     # a per-test marker loosens it
-    pytester.makepyfile(test_loose="""
+    pytester.makepyfile(
+        test_loose="""
         import pytest
 
         @pytest.mark.circuits_tolerance(kappa=2.0, rank=-1.0)
         def test_loose(circuits_gate):
             circuits_gate("copying_heads")
-    """)
+    """
+    )
     result = pytester.runpytest("-p", "no:cacheprovider", "test_loose.py")
     result.assert_outcomes(passed=1)
 
 
 def test_ini_tolerance_and_bad_values(suite):
     pytester, intact, baselines = suite
-    pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "test_rung12_repeat.py").assert_outcomes(passed=1, skipped=1)
+    pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "test_rung12_repeat.py").assert_outcomes(
+        passed=1, skipped=1
+    )
     pytester.makeini(ini(intact, baselines) + "circuits_tol_copy_loss = -1\n")
     result = pytester.runpytest("-p", "no:cacheprovider", "test_rung12_repeat.py")
     assert "circuits_tol_*: tolerance copy_loss must be >= 0" in text_of(result)
-    pytester.makepyfile(test_bad_marker="""
+    pytester.makepyfile(
+        test_bad_marker="""
         import pytest
 
         @pytest.mark.circuits_tolerance(kapa=0.1)
         def test_bad(circuits_gate):
             circuits_gate("copy_loss")
-    """)
+    """
+    )
     pytester.makeini(ini(intact, baselines))
     result = pytester.runpytest("-p", "no:cacheprovider", "test_bad_marker.py")
     result.assert_outcomes(errors=1)
@@ -178,7 +187,9 @@ def test_corrupt_and_foreign_baselines_are_one_line(suite, tmp_path_factory):
     # a baseline recorded from a model of another geometry under the same name
     other = save_tiny_model("gpt2", tmp_path_factory.mktemp("other") / "m", seed=0, n_embd=32)
     pytester.makeini(ini(other, baselines))
-    pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "test_rung12_repeat.py").assert_outcomes(passed=1, skipped=1)
+    pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "test_rung12_repeat.py").assert_outcomes(
+        passed=1, skipped=1
+    )
     pytester.makeini(ini(intact, baselines))
     result = pytester.runpytest("-p", "no:cacheprovider", "test_rung12_repeat.py")
     result.assert_outcomes(failed=2)
@@ -189,8 +200,9 @@ def test_report_option_writes_a_report(suite, tmp_path):
     pytest.importorskip("matplotlib")
     pytester, intact, baselines = suite
     report = tmp_path / "report"
-    result = pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", f"--circuits-report={report}",
-                                "test_rung1_weights.py")
+    result = pytester.runpytest(
+        "-p", "no:cacheprovider", "--circuits-update", f"--circuits-report={report}", "test_rung1_weights.py"
+    )
     result.assert_outcomes(passed=2)
     assert report.is_dir() and any(report.iterdir()), text_of(result)
     shutil.rmtree(report)
@@ -210,11 +222,13 @@ def test_an_invariant_registered_in_conftest_runs_through_circuits_gate(suite):
                 return Comparison([within("model", "first_copy_loss", before["first_copy_loss"],
                                           after["first_copy_loss"], tol.copy_loss)])
     """)
-    pytester.makepyfile(test_mine="""
+    pytester.makepyfile(
+        test_mine="""
         def test_first_copy_loss(circuits_gate):
             outcome = circuits_gate("first_copy_loss")
             assert outcome.results[0].compared == 1
-    """)
+    """
+    )
     result = pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "test_mine.py")
     result.assert_outcomes(passed=1)
     result = pytester.runpytest("-p", "no:cacheprovider", "test_mine.py", "--circuits-probe-n", "5")
@@ -246,8 +260,9 @@ def test_the_missing_baseline_hint_is_a_command_that_works(suite):
     hint = re.search(r"record it with: (circuits record .*?) \(or add", text_of(result)).group(1)
     words = shlex.split(hint)
     assert words[:3] == ["circuits", "record", str(intact)] and "--probe-n" in words and "--probe-length" in words
-    done = subprocess.run([sys.executable, "-m", "pytest_circuits.cli", *words[1:]], capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest_circuits.cli", *words[1:]], capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr
     result = pytester.runpytest("-p", "no:cacheprovider", "test_rung12_repeat.py")
     result.assert_outcomes(passed=1, skipped=1)
@@ -260,8 +275,9 @@ def test_xdist_workers_send_plain_data_and_the_report_is_written(suite, tmp_path
     pytest.importorskip("matplotlib")
     pytester, intact, baselines = suite
     report = tmp_path / "report"
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--circuits-update",
-                                           f"--circuits-report={report}", "test_rung12_repeat.py")
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-n", "2", "--circuits-update", f"--circuits-report={report}", "test_rung12_repeat.py"
+    )
     result.assert_outcomes(passed=1, skipped=1)
     assert "INTERNALERROR" not in text_of(result) and (report / "report.html").is_file()
     assert "circuits report: " in text_of(result)

@@ -67,7 +67,9 @@ def loop_losses(logits: torch.Tensor, ids: torch.Tensor, L: int, offset: int) ->
     logp = torch.log_softmax(logits.double(), dim=-1)
 
     def mean_over(ts):
-        return float(np.mean([-logp[b, offset + t - 1, ids[b, offset + t]].item() for b in range(len(ids)) for t in ts]))
+        return float(
+            np.mean([-logp[b, offset + t - 1, ids[b, offset + t]].item() for b in range(len(ids)) for t in ts])
+        )
 
     return mean_over(range(1, L)), mean_over(range(L + 1, 2 * L))
 
@@ -243,9 +245,17 @@ def test_sliding_window_scores_come_from_the_pattern_used(tiny_build):
 
     torch.manual_seed(0)
     config = MistralConfig(
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
-        intermediate_size=128, vocab_size=128, max_position_embeddings=128, sliding_window=4,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=64,
+        intermediate_size=128,
+        vocab_size=128,
+        max_position_embeddings=128,
+        sliding_window=4,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
     )
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     build = dataclasses.replace(tiny_build("llama"), model=model, geometry=geometry_of(model))

@@ -37,7 +37,12 @@ def test_plain_lines_every_interval_and_a_closing_one():
         clock.now += 2.0
         bar.update(1, stage="L0")
     # lines at 6 s (3 heads: 6 >= 5 since start), 12 s (6 heads), 18 s (9 heads), then the closing one
-    assert [line.split(":")[1].split(",")[0].strip() for line in lines] == ["3/10 heads", "6/10 heads", "9/10 heads", "10/10 heads"]
+    assert [line.split(":")[1].split(",")[0].strip() for line in lines] == [
+        "3/10 heads",
+        "6/10 heads",
+        "9/10 heads",
+        "10/10 heads",
+    ]
     assert lines[-1].endswith("ETA 0s")
 
 

@@ -15,8 +15,10 @@ README = (Path(__file__).resolve().parent.parent / "README.md").read_text(encodi
 def test_the_options_table_is_the_one_in_options_py():
     block = re.search(r"<!-- options:.*?-->\n(.*?)\n<!-- /options -->", README, re.S).group(1)
     rows = "\n".join(line for line in block.splitlines() if line.startswith("| `"))
-    assert rows == markdown_table(), "regenerate the README table: python -c 'from pytest_circuits.options " \
-                                     "import markdown_table; print(markdown_table())'"
+    assert rows == markdown_table(), (
+        "regenerate the README table: python -c 'from pytest_circuits.options "
+        "import markdown_table; print(markdown_table())'"
+    )
 
 
 def test_every_invariant_and_tolerance_is_documented():

@@ -37,8 +37,9 @@ def kappa_of(lam: np.ndarray) -> float:
     return float(f.mean())
 
 
-def fake_record(recipe="fp32", n_layers=2, n_heads=4, d_head=8, seed=0, knockouts=True, flip=(),
-                dtype="float32", eigenvalues=True):
+def fake_record(
+    recipe="fp32", n_layers=2, n_heads=4, d_head=8, seed=0, knockouts=True, flip=(), dtype="float32", eigenvalues=True
+):
     """A scan record that follows the contract: a copying induction head, a previous-token head.
 
     Heads in ``flip`` have their OV eigenvalues negated (kappa flips sign, copying -> suppression).
@@ -58,31 +59,57 @@ def fake_record(recipe="fp32", n_layers=2, n_heads=4, d_head=8, seed=0, knockout
             null_sd = 1 / math.sqrt(2 * d_head)
             z = kappa / null_sd
             ko = float(rng.normal(0, 0.02)) + (1.5 if (layer, index) == INDUCTION else 0.0)
-            heads.append({
-                "head": label, "layer": layer, "head_index": index,
-                "kappa": kappa, "kappa_trace": float(lam.real.sum() / np.abs(lam).sum()),
-                "kappa_null_mean": 0.0, "kappa_null_sd": null_sd, "kappa_z": z,
-                "kappa_p": float(math.erfc(abs(z) / math.sqrt(2))),
-                "kappa_q": float(math.erfc(abs(z) / math.sqrt(2))),
-                "copying": bool(z > 3), "suppression": bool(z < -3),
-                "prefix_matching": 0.9 if (layer, index) == INDUCTION else float(rng.uniform(0, 0.1)),
-                "previous_token": 0.85 if (layer, index) == PREVIOUS else float(rng.uniform(0, 0.2)),
-                "duplicate_token": float(rng.uniform(0, 0.1)),
-                "knockout_delta": ko if knockouts else None,
-            })
+            heads.append(
+                {
+                    "head": label,
+                    "layer": layer,
+                    "head_index": index,
+                    "kappa": kappa,
+                    "kappa_trace": float(lam.real.sum() / np.abs(lam).sum()),
+                    "kappa_null_mean": 0.0,
+                    "kappa_null_sd": null_sd,
+                    "kappa_z": z,
+                    "kappa_p": float(math.erfc(abs(z) / math.sqrt(2))),
+                    "kappa_q": float(math.erfc(abs(z) / math.sqrt(2))),
+                    "copying": bool(z > 3),
+                    "suppression": bool(z < -3),
+                    "prefix_matching": 0.9 if (layer, index) == INDUCTION else float(rng.uniform(0, 0.1)),
+                    "previous_token": 0.85 if (layer, index) == PREVIOUS else float(rng.uniform(0, 0.2)),
+                    "duplicate_token": float(rng.uniform(0, 0.1)),
+                    "knockout_delta": ko if knockouts else None,
+                }
+            )
             eig[label] = [[float(x.real), float(x.imag)] for x in lam]
     return {
         "schema_version": 1,
-        "model": {"name": "fake-model", "spec": "fake-model", "family": "gpt2", "fingerprint": "ab" * 32,
-                  "geometry": {"n_layers": n_layers, "n_heads": n_heads, "n_kv_heads": n_heads,
-                               "d_model": n_heads * d_head, "d_head": d_head, "vocab": 512}},
+        "model": {
+            "name": "fake-model",
+            "spec": "fake-model",
+            "family": "gpt2",
+            "fingerprint": "ab" * 32,
+            "geometry": {
+                "n_layers": n_layers,
+                "n_heads": n_heads,
+                "n_kv_heads": n_heads,
+                "d_model": n_heads * d_head,
+                "d_head": d_head,
+                "vocab": 512,
+            },
+        },
         "build": {"recipe": recipe, "dtype": dtype, "backend": "torch", "backend_version": "2.13", "device": "cpu"},
         "versions": {"torch": "2.13", "transformers": "5.24", "bitsandbytes": None, "pytest_circuits": "0.1.0"},
         "probe": {"seed": 0, "n": 8, "L": 64, "bos_id": None, "vocab_size": 512, "n_special": 0},
         "knockout": {"seed": 1, "mode": "zero", "n": 8, "L": 64, "screened": False} if knockouts else None,
-        "rung1": {"n_rotations": 256, "q": 0.05, "folded": True, "analytic_floor": 1 / math.sqrt(2 * d_head),
-                  "null_sd_median": 1 / math.sqrt(2 * d_head)},
-        "copy_loss": 0.4 + 0.01 * seed, "first_copy_loss": 6.1, "copy_gain": 5.7 - 0.01 * seed,
+        "rung1": {
+            "n_rotations": 256,
+            "q": 0.05,
+            "folded": True,
+            "analytic_floor": 1 / math.sqrt(2 * d_head),
+            "null_sd_median": 1 / math.sqrt(2 * d_head),
+        },
+        "copy_loss": 0.4 + 0.01 * seed,
+        "first_copy_loss": 6.1,
+        "copy_gain": 5.7 - 0.01 * seed,
         "uniform_loss": math.log(512),
         "heads": heads,
         "eigenvalues": eig if eigenvalues else {},
@@ -110,9 +137,14 @@ def sabotaged(seed=0):
     candidate = fake_record("bnb-nf4", seed=seed, flip=(INDUCTION,), dtype="nf4")
     before, after = reference["heads"][6]["kappa"], candidate["heads"][6]["kappa"]
     results = [
-        Result("copying_heads", "bnb-nf4", "fp32 baseline", False,
-               f"copying heads lost: L1H2 kappa {before:.3f} -> {after:.3f}",
-               [{"head": "L1H2", "metric": "kappa", "before": before, "after": after, "tolerance": 0.1}]),
+        Result(
+            "copying_heads",
+            "bnb-nf4",
+            "fp32 baseline",
+            False,
+            f"copying heads lost: L1H2 kappa {before:.3f} -> {after:.3f}",
+            [{"head": "L1H2", "metric": "kappa", "before": before, "after": after, "tolerance": 0.1}],
+        ),
         Result("copy_loss", "bnb-nf4", "fp32 baseline", True, "copy loss within tolerance"),
     ]
     return reference, candidate, results
@@ -177,9 +209,16 @@ def test_missing_knockouts_and_eigenvalues_do_not_break_it(tmp_path):
     candidate = fake_record("bf16", seed=3, knockouts=False)
     for h in candidate["heads"]:
         del h["knockout_delta"]  # absent, not just None
-    results = [{"invariant": "knockout_deltas", "build": "bf16", "against": "fp32 baseline", "passed": True,
-                "message": "", "moved": [{"head": "L0H0", "metric": "knockout_delta", "before": None,
-                                          "after": None, "tolerance": None}]}]
+    results = [
+        {
+            "invariant": "knockout_deltas",
+            "build": "bf16",
+            "against": "fp32 baseline",
+            "passed": True,
+            "message": "",
+            "moved": [{"head": "L0H0", "metric": "knockout_delta", "before": None, "after": None, "tolerance": None}],
+        }
+    ]
     page = write_report(tmp_path, [reference, candidate], {"bf16": reference}, results)
     text = page.read_text()
     assert "no head knockouts" in text and "carries no eigenvalues" in text

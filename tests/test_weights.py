@@ -96,7 +96,15 @@ def _relative_error(a, b):
 
 @pytest.mark.parametrize(
     "recipe, max_rel",
-    [("bnb-int8", 0.02), ("rtn-int8", 0.02), ("bnb-nf4", 0.15), ("bnb-fp4", 0.25), ("rtn-int4", 0.25), ("bf16", 0.01), ("fp16", 0.002)],
+    [
+        ("bnb-int8", 0.02),
+        ("rtn-int8", 0.02),
+        ("bnb-nf4", 0.15),
+        ("bnb-fp4", 0.25),
+        ("rtn-int4", 0.25),
+        ("bf16", 0.01),
+        ("fp16", 0.002),
+    ],
 )
 def test_dequantized_weights_near_float32(tiny_folder, recipe, max_rel):
     """Each recipe's weights are within its expected error of float32, and really changed."""

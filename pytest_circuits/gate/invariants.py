@@ -58,8 +58,15 @@ class Row:
     note: str = ""
 
     def as_dict(self) -> dict:
-        return {"head": self.subject, "metric": self.metric, "before": self.before, "after": self.after,
-                "tolerance": self.limit, "broken": self.broken, "note": self.note}
+        return {
+            "head": self.subject,
+            "metric": self.metric,
+            "before": self.before,
+            "after": self.after,
+            "tolerance": self.limit,
+            "broken": self.broken,
+            "note": self.note,
+        }
 
 
 @dataclass
@@ -140,13 +147,22 @@ class InvariantResult:
         return {**asdict(self), "passed": self.passed}
 
 
-def evaluate(invariant: Invariant | str, before: dict, after: dict, tol: Tolerances, build: str, against: str,
-             fix: str | None = None) -> InvariantResult:
+def evaluate(
+    invariant: Invariant | str,
+    before: dict,
+    after: dict,
+    tol: Tolerances,
+    build: str,
+    against: str,
+    fix: str | None = None,
+) -> InvariantResult:
     """Run one invariant; a failure's message is a table of what broke and ends with ``fix``."""
     inv = get(invariant) if isinstance(invariant, str) else invariant
     missing = [need for need in sorted(inv.needs) if not has_figures(before, need)]
     if missing:
-        comparison = Comparison(nothing=f"the {against} holds no {', '.join(missing)} figures; record it again with them")
+        comparison = Comparison(
+            nothing=f"the {against} holds no {', '.join(missing)} figures; record it again with them"
+        )
     else:
         comparison = inv.compare(before, after, tol)
     words = dict(name=inv.name, build=build, against=against)
@@ -173,8 +189,9 @@ def runnable(after: dict, names=None) -> list[str]:
     return [n for n in chosen if all(has_figures(after, need) for need in get(n).needs)]
 
 
-def gate_all(before: dict, after: dict, tol: Tolerances, build: str, against: str, fix: str | None = None,
-             names=None) -> list[InvariantResult]:
+def gate_all(
+    before: dict, after: dict, tol: Tolerances, build: str, against: str, fix: str | None = None, names=None
+) -> list[InvariantResult]:
     """`evaluate` every invariant the candidate has figures for."""
     return [evaluate(n, before, after, tol, build, against, fix) for n in runnable(after, names)]
 
@@ -184,8 +201,9 @@ def verdict(results: list[InvariantResult]) -> tuple[bool, str]:
     broken = [r.invariant for r in results if r.status == "failed"]
     held = [r for r in results if r.passed]
     skipped = [r.invariant for r in results if r.skipped]
-    said = f"{len(held)} of {len(results)} invariants hold" + (f", {len(skipped)} skipped ({', '.join(skipped)})"
-                                                                if skipped else "")
+    said = f"{len(held)} of {len(results)} invariants hold" + (
+        f", {len(skipped)} skipped ({', '.join(skipped)})" if skipped else ""
+    )
     if broken:
         return False, f"gate failed: {', '.join(broken)} ({said})"
     if not held:
@@ -209,8 +227,10 @@ def format_rows(rows: list[Row], max_rows: int = MAX_ROWS) -> str:
     mwidth = max((len(r.metric) for r in rows), default=6)
     for r in rows[:max_rows]:
         note = f" {r.note}" if r.note else ""
-        lines.append(f"  {r.subject:<{width}} {r.metric:<{mwidth}} {_signed(r.before)} -> "
-                     f"{_signed(r.after)} (tolerance {r.limit:.3g}){note}")
+        lines.append(
+            f"  {r.subject:<{width}} {r.metric:<{mwidth}} {_signed(r.before)} -> "
+            f"{_signed(r.after)} (tolerance {r.limit:.3g}){note}"
+        )
     if len(rows) > max_rows:
         lines.append(f"  ... and {len(rows) - max_rows} more")
     return "\n".join(lines)
@@ -298,16 +318,26 @@ class CopyingHeads(Invariant):
         pairs, left_out = compared_pairs(before, after, tol)
         rows = []
         for name, b, a in pairs:
-            for metric in (["kappa", "kappa_trace"] if _role(b) else ["kappa_trace"]):
+            for metric in ["kappa", "kappa_trace"] if _role(b) else ["kappa_trace"]:
                 rows.append(within(name, metric, num(b.get(metric)), num(a.get(metric)), tol.kappa, _role(b)))
         ranked = [(b, a) for _, b, a in pairs if abs(num(b.get("kappa_z"))) >= RANK_MIN_Z]
         if len(ranked) >= 3:
             rho = spearman([num(b.get("kappa")) for b, _ in ranked], [num(a.get("kappa")) for _, a in ranked])
             undefined = " undefined: kappa is constant on one side" if math.isnan(rho) else ""
-            rows.append(Row(f"{len(ranked)} heads", "rank corr", 1.0, rho, tol.rank, not rho >= tol.rank,
-                            f"(Spearman of kappa over heads with |kappa_z| >= {RANK_MIN_Z:g}){undefined}"))
-        return Comparison(rows, left_out=left_out,
-                          nothing=f"no head of the {{against}} is compared{left_out}; check the baseline")
+            rows.append(
+                Row(
+                    f"{len(ranked)} heads",
+                    "rank corr",
+                    1.0,
+                    rho,
+                    tol.rank,
+                    not rho >= tol.rank,
+                    f"(Spearman of kappa over heads with |kappa_z| >= {RANK_MIN_Z:g}){undefined}",
+                )
+            )
+        return Comparison(
+            rows, left_out=left_out, nothing=f"no head of the {{against}} is compared{left_out}; check the baseline"
+        )
 
 
 @register
@@ -332,12 +362,21 @@ class KappaDistribution(Invariant):
             rows.append(row)
             said.append(f"mean d{metric} {shift:+.2f}")
             if row.broken:  # the heads that drive the shift: same sign, largest first
-                drivers = sorted((p for p, d in zip(pairs, dz) if np.sign(d) == np.sign(shift)),
-                                 key=lambda p: -abs(num(p[2].get(metric)) - num(p[1].get(metric))))
-                context += [Row(name, metric, num(b.get(metric)), num(a.get(metric)), tol.shift, True,
-                                "(drives the shift)") for name, b, a in drivers[:5]]
-        return Comparison(rows, context, left_out, ", ".join(said),
-                          nothing=f"no kappa z-scores to compare in the {{against}}{left_out}; check the baseline")
+                drivers = sorted(
+                    (p for p, d in zip(pairs, dz) if np.sign(d) == np.sign(shift)),
+                    key=lambda p: -abs(num(p[2].get(metric)) - num(p[1].get(metric))),
+                )
+                context += [
+                    Row(name, metric, num(b.get(metric)), num(a.get(metric)), tol.shift, True, "(drives the shift)")
+                    for name, b, a in drivers[:5]
+                ]
+        return Comparison(
+            rows,
+            context,
+            left_out,
+            ", ".join(said),
+            nothing=f"no kappa z-scores to compare in the {{against}}{left_out}; check the baseline",
+        )
 
 
 @register
@@ -350,8 +389,10 @@ class CopyLoss(Invariant):
     moved = "copy behaviour of {build} moved against the {against}"
 
     def compare(self, before, after, tol):
-        rows = [within("model", metric, num(before.get(metric)), num(after.get(metric)), limit)
-                for metric, limit in (("copy_loss", tol.copy_loss), ("copy_gain", tol.copy_gain))]
+        rows = [
+            within("model", metric, num(before.get(metric)), num(after.get(metric)), limit)
+            for metric, limit in (("copy_loss", tol.copy_loss), ("copy_gain", tol.copy_gain))
+        ]
         detail = f"copy loss {num(after.get('copy_loss')):.3f}, gain {num(after.get('copy_gain')):.3f}"
         return Comparison(rows, detail=detail)
 
@@ -370,10 +411,16 @@ class InductionHeads(Invariant):
         rows = []
         for metric, role in (("prefix_matching", "induction"), ("previous_token", "previous-token")):
             for name in key_heads(before, metric, tol.top_k, tol.min_score):
-                rows.append(within(name, metric, num(b[name].get(metric)), num(a.get(name, {}).get(metric)),
-                                   tol.prefix, role))
-        return Comparison(rows, nothing_is_skip=True, nothing=(
-            f"the {{against}} has no induction or previous-token head scoring >= {tol.min_score:g}; nothing to check"))
+                rows.append(
+                    within(name, metric, num(b[name].get(metric)), num(a.get(name, {}).get(metric)), tol.prefix, role)
+                )
+        return Comparison(
+            rows,
+            nothing_is_skip=True,
+            nothing=(
+                f"the {{against}} has no induction or previous-token head scoring >= {tol.min_score:g}; nothing to check"
+            ),
+        )
 
 
 @register
@@ -387,18 +434,28 @@ class KnockoutDeltas(Invariant):
     moved = "knockout deltas of {build}'s key heads changed against the {against}"
 
     def compare(self, before, after, tol):
-        settings = [(k, (before.get("knockout") or {}).get(k), (after.get("knockout") or {}).get(k))
-                    for k in ("mode", "seed", "n", "L")]
+        settings = [
+            (k, (before.get("knockout") or {}).get(k), (after.get("knockout") or {}).get(k))
+            for k in ("mode", "seed", "n", "L")
+        ]
         other = [f"{k} {x} vs {y}" for k, x, y in settings if x is not None and y is not None and x != y]
         if other:  # deltas of another ablation or other sequences are other figures, not a change
-            return Comparison(nothing=f"the {{against}} was knocked out with other settings ({', '.join(other)}); "
-                                      "record it again with this run's knockout settings")
+            return Comparison(
+                nothing=f"the {{against}} was knocked out with other settings ({', '.join(other)}); "
+                "record it again with this run's knockout settings"
+            )
         b, a = heads_by_label(before), heads_by_label(after)
         rows = []
         for name in key_heads(before, "knockout_delta", tol.top_k, tol.min_delta):
             x, y = num(b[name].get("knockout_delta")), num(a.get(name, {}).get("knockout_delta"))
-            note = f"({tol.knockout:.0%} of its size)" if not math.isnan(y) else \
-                "NOT MEASURED in this build (screened out): an error, not a change; measure it exactly"
+            note = (
+                f"({tol.knockout:.0%} of its size)"
+                if not math.isnan(y)
+                else "NOT MEASURED in this build (screened out): an error, not a change; measure it exactly"
+            )
             rows.append(within(name, "knockout_delta", x, y, tol.knockout * abs(x), note))
-        return Comparison(rows, nothing_is_skip=True, nothing=(
-            f"the {{against}} has no head with knockout delta >= {tol.min_delta:g} nats; nothing to check"))
+        return Comparison(
+            rows,
+            nothing_is_skip=True,
+            nothing=(f"the {{against}} has no head with knockout delta >= {tol.min_delta:g} nats; nothing to check"),
+        )

@@ -41,8 +41,12 @@ def versions() -> dict:
     except Exception:
         bnb = None
     # plain str: torch's TorchVersion cannot cross pytest-xdist's wire
-    return {"torch": str(torch.__version__), "transformers": str(transformers.__version__),
-            "bitsandbytes": bnb, "pytest_circuits": __version__}
+    return {
+        "torch": str(torch.__version__),
+        "transformers": str(transformers.__version__),
+        "bitsandbytes": bnb,
+        "pytest_circuits": __version__,
+    }
 
 
 def _plain(value):
@@ -94,8 +98,17 @@ def record_eigenvalues(record: dict) -> dict[str, np.ndarray]:
     return out
 
 
-def assemble_record(*, model: dict, build: dict, probe: dict, knockout_info: dict | None, spectrum,
-                    probe_result, knockout=None, rung1: dict) -> dict:
+def assemble_record(
+    *,
+    model: dict,
+    build: dict,
+    probe: dict,
+    knockout_info: dict | None,
+    spectrum,
+    probe_result,
+    knockout=None,
+    rung1: dict,
+) -> dict:
     """The scan record from its parts (pure; see the contract in the module docstring)."""
     model_figures = probe_result.model_figures() if probe_result is not None else {}
     return {
@@ -125,8 +138,6 @@ def _rung1_info(spectrum, settings, folded: bool) -> dict:
         "analytic_floor": _plain(floor),
         "null_sd_median": _plain(null_sd),
     }
-
-
 
 
 def model_info(session, build) -> dict:
@@ -161,8 +172,12 @@ def build_record(session, recipe: str, knockout: bool = True) -> dict:
     return assemble_record(
         model=model_info(session, build),
         build=build.identity.as_dict(),
-        probe={**s.probe.as_dict(), "bos_id": build.tokens.bos_id, "vocab_size": build.tokens.vocab_size,
-               "n_special": len(build.tokens.special_ids)},
+        probe={
+            **s.probe.as_dict(),
+            "bos_id": build.tokens.bos_id,
+            "vocab_size": build.tokens.vocab_size,
+            "n_special": len(build.tokens.special_ids),
+        },
         knockout_info=ko_info,
         spectrum=spectrum,
         probe_result=probe,

@@ -101,7 +101,8 @@ class Record(_Figures):  # type: ignore[misc, valid-type]
     knockout: KnockoutInfo | None = None
     heads: list[HeadRow]  # type: ignore[valid-type]
     eigenvalues: dict[str, list[Annotated[list[float], Field(min_length=2, max_length=2)]]] = Field(
-        default_factory=dict)  # head -> [[re, im], ...]
+        default_factory=dict
+    )  # head -> [[re, im], ...]
 
     @model_validator(mode="after")
     def _heads_match_geometry(self):
@@ -113,18 +114,23 @@ class Record(_Figures):  # type: ignore[misc, valid-type]
                 raise ValueError(f"heads[{i}].head {row.head!r} is not a head label L<layer>H<head>")
             layer, head = cell
             if not (layer < geo.n_layers and head < geo.n_heads):
-                raise ValueError(f"heads[{i}].head {row.head} does not exist in a model of "
-                                 f"{geo.n_layers} layers x {geo.n_heads} heads")
+                raise ValueError(
+                    f"heads[{i}].head {row.head} does not exist in a model of "
+                    f"{geo.n_layers} layers x {geo.n_heads} heads"
+                )
             if (row.layer, row.head_index) != (layer, head):
-                raise ValueError(f"heads[{i}] is labelled {row.head} but has layer {row.layer}, "
-                                 f"head_index {row.head_index}")
+                raise ValueError(
+                    f"heads[{i}] is labelled {row.head} but has layer {row.layer}, head_index {row.head_index}"
+                )
             if row.head in seen:
                 raise ValueError(f"heads[{i}].head {row.head} appears twice")
             seen.add(row.head)
         expected = geo.n_layers * geo.n_heads
         if len(seen) != expected:
-            raise ValueError(f"heads holds {len(seen)} of the geometry's {expected} heads "
-                             f"({geo.n_layers} layers x {geo.n_heads} heads)")
+            raise ValueError(
+                f"heads holds {len(seen)} of the geometry's {expected} heads "
+                f"({geo.n_layers} layers x {geo.n_heads} heads)"
+            )
         for label, pairs in self.eigenvalues.items():
             if label not in seen:
                 raise ValueError(f"eigenvalues.{label} names a head that is not in heads")

@@ -119,8 +119,9 @@ def validate(record, source: str = "baseline") -> dict:
         raise BaselineCorrupt(f"{source} is not a scan record (top level is not an object); {_fix()}")
     version = record.get("schema_version")
     if version != SCHEMA_VERSION:
-        raise BaselineCorrupt(f"{source} has schema version {version!r}, this pytest-circuits reads "
-                              f"{SCHEMA_VERSION}; {_fix()}")
+        raise BaselineCorrupt(
+            f"{source} has schema version {version!r}, this pytest-circuits reads {SCHEMA_VERSION}; {_fix()}"
+        )
     try:
         Record.model_validate(record)
     except ValidationError as error:
@@ -194,13 +195,18 @@ def unchanged(old, new, rel: float = UNCHANGED_REL, atol: float = UNCHANGED_ABS)
     within ``atol + rel * |old|`` of it (re-recording an unchanged build then rewrites nothing)."""
     if isinstance(old, dict) and isinstance(new, dict):
         keys = set(old) | set(new)
-        return all(k in old and k in new and unchanged(old[k], new[k], rel, atol) for k in keys
-                   if k not in VOLATILE_KEYS)
+        return all(
+            k in old and k in new and unchanged(old[k], new[k], rel, atol) for k in keys if k not in VOLATILE_KEYS
+        )
     if isinstance(old, list) and isinstance(new, list):
         return len(old) == len(new) and all(unchanged(a, b, rel, atol) for a, b in zip(old, new))
     numbers = (int, float)
-    if isinstance(old, numbers) and isinstance(new, numbers) and not isinstance(old, bool) \
-            and not isinstance(new, bool):
+    if (
+        isinstance(old, numbers)
+        and isinstance(new, numbers)
+        and not isinstance(old, bool)
+        and not isinstance(new, bool)
+    ):
         return abs(new - old) <= atol + rel * abs(old)
     return old == new
 

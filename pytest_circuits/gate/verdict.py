@@ -22,8 +22,11 @@ class GateOutcome:
     @property
     def passed(self) -> bool:
         """Nothing broke and at least one comparison compared something (others may be skipped)."""
-        return (not self.problems and any(r.passed for r in self.results)
-                and not any(r.status == "failed" for r in self.results))
+        return (
+            not self.problems
+            and any(r.passed for r in self.results)
+            and not any(r.status == "failed" for r in self.results)
+        )
 
     @property
     def skipped(self) -> bool:

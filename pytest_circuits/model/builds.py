@@ -163,9 +163,7 @@ def load_build(
     recipe = get_recipe(recipe_name)
     device = device if isinstance(device, torch.device) else resolve_device(device)
     try:
-        config = AutoConfig.from_pretrained(
-            source.folder, local_files_only=True, trust_remote_code=trust_remote_code
-        )
+        config = AutoConfig.from_pretrained(source.folder, local_files_only=True, trust_remote_code=trust_remote_code)
     except ValueError as error:
         raise CircuitsError(
             f"model {source.spec!r}: {first_line(error)} (pass {flag('trust-remote-code')} only if you trust it)"

@@ -74,8 +74,4 @@ def dense_bias(module: torch.nn.Module) -> torch.Tensor | None:
 
 def is_projection(module: torch.nn.Module) -> bool:
     """True for a layer whose weight `dense_weight` can read."""
-    return (
-        isinstance(module, torch.nn.Linear)
-        or type(module).__name__ == "Conv1D"
-        or bnb_kind(module) is not None
-    )
+    return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D" or bnb_kind(module) is not None

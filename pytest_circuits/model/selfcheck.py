@@ -259,7 +259,9 @@ def measure_decomposition(
             # the norm must be what the attention reads (a post-norm model has its "ln_1" after it) ...
             feeds = _relative(norm_out.double(), x)
             # ... and must scale by the g the fold uses
-            check.norm_errors.append(max(feeds, _norm_error(attn_norm_module(block, fam), fam, lw.norm_scale, norm_in, norm_out)))
+            check.norm_errors.append(
+                max(feeds, _norm_error(attn_norm_module(block, fam), fam, lw.norm_scale, norm_in, norm_out))
+            )
         elif fam.attn_norm is not None:
             raise DecompositionError(
                 f"{check.model_type}: the pre-attention norm of layer {layer} did not run in the self-check forward; "

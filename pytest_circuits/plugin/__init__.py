@@ -31,12 +31,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default = "" if option.default is None else str(option.default)
         shown = f" (default: {default})" if default else ""  # None: the help says what happens
         if option.kind == "bool":
-            group.addoption(option.pytest_flag, dest=option.ini, action="store_true", default=None,
-                            help=f"{option.help} [ini: {option.ini}]")
+            group.addoption(
+                option.pytest_flag,
+                dest=option.ini,
+                action="store_true",
+                default=None,
+                help=f"{option.help} [ini: {option.ini}]",
+            )
             parser.addini(option.ini, option.help, type="bool", default=False)
         else:
-            group.addoption(option.pytest_flag, dest=option.ini, default=None,
-                            help=f"{option.help}{shown} [ini: {option.ini}]")
+            group.addoption(
+                option.pytest_flag, dest=option.ini, default=None, help=f"{option.help}{shown} [ini: {option.ini}]"
+            )
             parser.addini(option.ini, option.help, type="string", default=default)
     for name, value in Tolerances().as_dict().items():
         parser.addini(f"circuits_tol_{name}", f"gate tolerance {name} (default {value})", type="string", default=None)
@@ -53,8 +59,9 @@ def settings_from_config(config: pytest.Config):
         value = config.getoption(option.ini)
         raw[option.name] = config.getini(option.ini) if value is None else value
     try:
-        return build_settings(raw, baselines=Path(config.rootpath) / "baselines", front_end="pytest",
-                              tolerances=_ini_tolerances(config))
+        return build_settings(
+            raw, baselines=Path(config.rootpath) / "baselines", front_end="pytest", tolerances=_ini_tolerances(config)
+        )
     except CircuitsError as error:
         raise pytest.UsageError(str(error)) from None
 
@@ -188,8 +195,9 @@ def circuits_gate(request, circuits_session, circuits_recipe, circuits_tolerance
     from .collect import gate_for_test
 
     def run(invariant: str):
-        outcome = _guard(lambda: gate_for_test(request, circuits_session, circuits_recipe, invariant,
-                                               circuits_tolerances))
+        outcome = _guard(
+            lambda: gate_for_test(request, circuits_session, circuits_recipe, invariant, circuits_tolerances)
+        )
         if outcome.skipped:
             pytest.skip(outcome.message())
         if not outcome.passed:

@@ -68,16 +68,28 @@ def update_command(session, recipe: str, test_path: str) -> str:
     import shlex
 
     s = session.settings
-    words = ["pytest", test_path, flag("model"), s.model, flag("builds"), recipe, flag("baselines"),
-             str(s.baselines), flag("update")]
+    words = [
+        "pytest",
+        test_path,
+        flag("model"),
+        s.model,
+        flag("builds"),
+        recipe,
+        flag("baselines"),
+        str(s.baselines),
+        flag("update"),
+    ]
     if s.name:
         words += [flag("name"), s.name]
     if s.knockout_screen is not None:
         words += [flag("knockout-screen"), str(s.knockout_screen)]
     if s.knockout_mode != "zero":
         words += [flag("knockout-mode"), s.knockout_mode]
-    for name, value, default in (("probe-seed", s.probe.seed, 0), ("probe-n", s.probe.n, 8),
-                                 ("probe-length", s.probe.L, 64)):
+    for name, value, default in (
+        ("probe-seed", s.probe.seed, 0),
+        ("probe-n", s.probe.n, 8),
+        ("probe-length", s.probe.L, 64),
+    ):
         if value != default:
             words += [flag(name), str(value)]
     return shlex.join(words)
@@ -115,8 +127,13 @@ def baseline_lines(session, collected: Collected, verbosity: int = 0) -> list[st
     left out with -q)."""
 
     lines = []
-    for event, verb in (("written", "written"), ("unchanged", "unchanged (not rewritten; --circuits-update-all "
-                        "forces it)"), ("compared", "compared"), ("missing", "missing"), ("corrupt", "unreadable")):
+    for event, verb in (
+        ("written", "written"),
+        ("unchanged", "unchanged (not rewritten; --circuits-update-all forces it)"),
+        ("compared", "compared"),
+        ("missing", "missing"),
+        ("corrupt", "unreadable"),
+    ):
         paths = sorted({e["path"] for e in collected.events if e["event"] == event})
         if paths:
             lines.append(f"baselines {verb}: {', '.join(paths)}")
@@ -167,8 +184,9 @@ def write_report(session, collected: Collected) -> None:
         collected.notes.append(f"--circuits-report: the report module is unavailable ({error})")
         return
     try:
-        collected.report_path = write(session.settings.report, list(collected.records.values()),
-                                      collected.references, collected.results)
+        collected.report_path = write(
+            session.settings.report, list(collected.records.values()), collected.references, collected.results
+        )
     except Exception as error:  # the gate's verdict stands even if drawing fails
         collected.notes.append(f"--circuits-report: writing the report failed: {type(error).__name__}: {error}")
 

@@ -11,5 +11,4 @@ Importing this package does not import matplotlib; drawing does (``pip install m
 from .summary import REPORT_PAGE, SUMMARY_PAGE, summary_lines
 from .writer import report_command, report_from_files, write_report
 
-__all__ = ["REPORT_PAGE", "SUMMARY_PAGE", "report_command", "report_from_files",
-           "summary_lines", "write_report"]
+__all__ = ["REPORT_PAGE", "SUMMARY_PAGE", "report_command", "report_from_files", "summary_lines", "write_report"]

@@ -162,11 +162,16 @@ def largest_changes(record: dict, reference: dict, k: int = 10) -> list[dict]:
         before, after = metric_grid(reference, column), metric_grid(record, column)
         spread = float(np.nanstd(before)) or 1.0
         for layer, index in zip(*np.nonzero(np.isfinite(diff) & (diff != 0))):
-            changes.append({
-                "head": head_label(layer, index), "metric": column,
-                "before": float(before[layer, index]), "after": float(after[layer, index]),
-                "change": float(diff[layer, index]), "score": abs(float(diff[layer, index])) / spread,
-            })
+            changes.append(
+                {
+                    "head": head_label(layer, index),
+                    "metric": column,
+                    "before": float(before[layer, index]),
+                    "after": float(after[layer, index]),
+                    "change": float(diff[layer, index]),
+                    "score": abs(float(diff[layer, index])) / spread,
+                }
+            )
     return sorted(changes, key=lambda c: c["score"], reverse=True)[:k]
 
 

@@ -108,16 +108,24 @@ def moved_eigenvalue_figure(record: dict, reference: dict, heads: list[str], tit
     rows = math.ceil(len(heads) / cols)
     width, height = 2.4 * cols, 2.5 * rows + 0.4
     fig = new_figure(width, height, layout=None)
-    fig.subplots_adjust(left=0.1 / width, right=1 - 0.1 / width, bottom=0.1 / height, top=1 - 0.7 / height,
-                        wspace=0.1, hspace=0.25)
+    fig.subplots_adjust(
+        left=0.1 / width, right=1 - 0.1 / width, bottom=0.1 / height, top=1 - 0.7 / height, wspace=0.1, hspace=0.25
+    )
     theta = np.linspace(0, 2 * math.pi, 181)
     for i, head in enumerate(heads):
         ax = fig.add_subplot(rows, cols, i + 1)
         ax.plot(np.cos(theta), np.sin(theta), color="#888888", lw=0.6)
         ax.axvline(0, color="#cccccc", lw=0.5)
         if head in ref:
-            ax.scatter(ref[head].real, ref[head].imag, s=16, facecolors="none", edgecolors=REFERENCE,
-                       linewidths=0.8, label="reference")
+            ax.scatter(
+                ref[head].real,
+                ref[head].imag,
+                s=16,
+                facecolors="none",
+                edgecolors=REFERENCE,
+                linewidths=0.8,
+                label="reference",
+            )
         if head in eig:
             ax.scatter(eig[head].real, eig[head].imag, s=8, color="#3b4cc0", label="this build")
         ax.set_xlim(-1.1, 1.1)
@@ -147,14 +155,24 @@ def kappa_figure(record: dict, title: str, reference: dict | None = None):
         from matplotlib.collections import PolyCollection
 
         lo, hi, xb = mean[band] - 2 * sd[band], mean[band] + 2 * sd[band], x[band]
-        boxes = list(np.stack([np.c_[xb - 0.42, lo], np.c_[xb + 0.42, lo], np.c_[xb + 0.42, hi],
-                               np.c_[xb - 0.42, hi]], 1))
-        ax.add_collection(PolyCollection(boxes, facecolors="#d9d9d9", edgecolors="none",
-                                         label="null band (mean ± 2 sd)"))
+        boxes = list(
+            np.stack([np.c_[xb - 0.42, lo], np.c_[xb + 0.42, lo], np.c_[xb + 0.42, hi], np.c_[xb - 0.42, hi]], 1)
+        )
+        ax.add_collection(
+            PolyCollection(boxes, facecolors="#d9d9d9", edgecolors="none", label="null band (mean ± 2 sd)")
+        )
     if reference is not None and data.grid_shape(reference) == data.grid_shape(record):
         ref_kappa = {h["head"]: data.number(h.get("kappa")) for h in data.heads_of(reference)}
-        ax.scatter(x, [ref_kappa.get(h["head"], np.nan) for h in heads], s=22, facecolors="none",
-                   edgecolors=REFERENCE, linewidths=0.9, label="reference κ", zorder=3)
+        ax.scatter(
+            x,
+            [ref_kappa.get(h["head"], np.nan) for h in heads],
+            s=22,
+            facecolors="none",
+            edgecolors=REFERENCE,
+            linewidths=0.9,
+            label="reference κ",
+            zorder=3,
+        )
     copying = np.array([h.get("copying") is True for h in heads], dtype=bool)
     suppression = np.array([h.get("suppression") is True for h in heads], dtype=bool)
     plain = ~(copying | suppression)
@@ -162,13 +180,15 @@ def kappa_figure(record: dict, title: str, reference: dict | None = None):
     if copying.any():
         ax.scatter(x[copying], kappa[copying], s=42, marker="^", color=COPYING, label="copying head", zorder=5)
     if suppression.any():
-        ax.scatter(x[suppression], kappa[suppression], s=42, marker="v", color=SUPPRESSION,
-                   label="suppression head", zorder=5)
+        ax.scatter(
+            x[suppression], kappa[suppression], s=42, marker="v", color=SUPPRESSION, label="suppression head", zorder=5
+        )
     flagged = np.flatnonzero(copying | suppression)
     if flagged.size <= _LABEL_MAX_HEADS:
         for i in flagged:
-            ax.annotate(heads[i]["head"], (x[i], kappa[i]), xytext=(4, 0), textcoords="offset points",
-                        fontsize=7, va="center")
+            ax.annotate(
+                heads[i]["head"], (x[i], kappa[i]), xytext=(4, 0), textcoords="offset points", fontsize=7, va="center"
+            )
     ax.axhline(0, color="#777777", lw=0.6)
     _layer_axis(ax, heads)
     ax.set_xlim(-0.8, n - 0.2)
@@ -206,8 +226,9 @@ def heatmap_figure(panels: list[dict], title: str, outline: Collection[tuple[int
     width = len(panels) * max(2.8, 0.25 * n_heads + 1.3)
     height = max(2.8, 0.2 * n_layers + 1.6)
     fig = new_figure(width, height, layout=None)
-    fig.subplots_adjust(left=0.55 / width, right=1 - 0.45 / width, bottom=0.6 / height, top=1 - 0.75 / height,
-                        wspace=0.5)
+    fig.subplots_adjust(
+        left=0.55 / width, right=1 - 0.45 / width, bottom=0.6 / height, top=1 - 0.75 / height, wspace=0.5
+    )
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     for ax, panel in zip(axes, panels):
         _heatmap(fig, ax, panel, outline)
@@ -219,8 +240,17 @@ def _heatmap(fig, ax, panel: dict, outline) -> None:
     grid = panel["grid"]
     ax.set_title(panel["title"], fontsize=9)
     if grid is None or not np.isfinite(grid).any():
-        ax.text(0.5, 0.5, panel.get("note") or "not measured", ha="center", va="center",
-                transform=ax.transAxes, color="#777777", fontsize=9, wrap=True)
+        ax.text(
+            0.5,
+            0.5,
+            panel.get("note") or "not measured",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+            color="#777777",
+            fontsize=9,
+            wrap=True,
+        )
         ax.set_xticks([])
         ax.set_yticks([])
         return
@@ -230,8 +260,9 @@ def _heatmap(fig, ax, panel: dict, outline) -> None:
         # the floor keeps changes far below it pale instead of stretched to full colour
         top = max(float(np.nanmax(np.abs(grid))), panel.get("floor") or 1e-9)
         cmap, vmin, vmax = _cmap("RdBu_r"), -top, top
-    image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto",
-                      interpolation="nearest")
+    image = ax.imshow(
+        np.ma.masked_invalid(grid), cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest"
+    )
     bar = fig.colorbar(image, ax=ax, fraction=0.08, pad=0.04, format="%.2g")
     bar.ax.tick_params(labelsize=7)
     n_layers, n_heads = grid.shape
@@ -245,8 +276,15 @@ def _heatmap(fig, ax, panel: dict, outline) -> None:
         for (layer, head), value in np.ndenumerate(grid):
             if np.isfinite(value):
                 dark = abs(value - (vmin + vmax) / 2) > 0.3 * (vmax - vmin)
-                ax.text(head, layer, f"{value:.2f}".replace("-0.00", "0.00"), ha="center", va="center", fontsize=7,
-                        color="white" if dark else "black")
+                ax.text(
+                    head,
+                    layer,
+                    f"{value:.2f}".replace("-0.00", "0.00"),
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white" if dark else "black",
+                )
     for layer, head in outline:
         if layer < n_layers and head < n_heads:
             ax.add_patch(_box(layer, head))

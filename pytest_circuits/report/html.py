@@ -63,9 +63,11 @@ def _model_line(sections: list[Section]) -> str:
     g = model.get("geometry") or {}
     bits = [str(model.get("family") or "")]
     if g:
-        bits.append(f"{g.get('n_layers')} layers × {g.get('n_heads')} heads "
-                    f"({g.get('n_kv_heads')} kv), d_model {g.get('d_model')}, d_head {g.get('d_head')}, "
-                    f"vocab {g.get('vocab')}")
+        bits.append(
+            f"{g.get('n_layers')} layers × {g.get('n_heads')} heads "
+            f"({g.get('n_kv_heads')} kv), d_model {g.get('d_model')}, d_head {g.get('d_head')}, "
+            f"vocab {g.get('vocab')}"
+        )
     if model.get("fingerprint"):
         bits.append(f"weights {str(model['fingerprint'])[:12]}")
     return " · ".join(b for b in bits if b)
@@ -81,16 +83,21 @@ def _banner(sections: list[Section], extra_results: list[dict]) -> str:
             f"{' against ' + escape(r['against']) if r['against'] else ''}</li>"
             for r in failed
         )
-        return (f'<div class="banner fail"><h2>{len(failed)} of {len(results)} invariants broken</h2>'
-                f"<ul>{items}</ul></div>")
+        return (
+            f'<div class="banner fail"><h2>{len(failed)} of {len(results)} invariants broken</h2><ul>{items}</ul></div>'
+        )
     if results:
         held = sum(r["passed"] for r in results)
         skipped = [f"{r['build']} {r['invariant']}" for r in results if r["status"] == "skipped"]
         note = f"<p>Skipped, nothing to compare: {escape(', '.join(skipped))}</p>" if skipped else ""
-        said = f"All {held} invariants held" if not skipped else f"{held} of {len(results)} invariants held, none broken"
+        said = (
+            f"All {held} invariants held" if not skipped else f"{held} of {len(results)} invariants held, none broken"
+        )
         return f'<div class="banner pass"><h2>{said}</h2>{note}</div>'
-    return ('<div class="banner none"><h2>No gate verdicts</h2>This report shows scan results only'
-            "; differences against a reference are descriptive, not verdicts.</div>")
+    return (
+        '<div class="banner none"><h2>No gate verdicts</h2>This report shows scan results only'
+        "; differences against a reference are descriptive, not verdicts.</div>"
+    )
 
 
 def _section(s: Section) -> str:
@@ -101,9 +108,11 @@ def _section(s: Section) -> str:
     if moved:
         parts += ["<h3>Heads the gate found moved</h3>", _moved_table(moved)]
     if s.changes:
-        parts += [f"<h3>Largest per-head changes against {escape(data.recipe_of(s.reference or {}))}</h3>",
-                  "<p>Ranked by the change divided by the metric's spread across heads in the reference.</p>",
-                  _changes_table(s.changes)]
+        parts += [
+            f"<h3>Largest per-head changes against {escape(data.recipe_of(s.reference or {}))}</h3>",
+            "<p>Ranked by the change divided by the metric's spread across heads in the reference.</p>",
+            _changes_table(s.changes),
+        ]
     parts += [f'<p class="note">{escape(n)}</p>' for n in s.notes]
     parts += [_figure(f) for f in s.figures]
     return "\n".join(parts)
@@ -120,8 +129,7 @@ def _identity(s: Section) -> str:
     copying, suppression = data.flagged_heads(s.record, "copying"), data.flagged_heads(s.record, "suppression")
     rows.append(("copying heads", ", ".join(copying) or "none"))
     rows.append(("suppression heads", ", ".join(suppression) or "none"))
-    body = "".join(f"<tr><th>{escape(k)}</th><td>{escape(str(v if v is not None else '—'))}</td></tr>"
-                   for k, v in rows)
+    body = "".join(f"<tr><th>{escape(k)}</th><td>{escape(str(v if v is not None else '—'))}</td></tr>" for k, v in rows)
     return f"<table>{body}</table>"
 
 
@@ -134,8 +142,9 @@ def _model_figures(s: Section) -> str:
     for name, value in mine.items():
         cells = f"<td>{name.replace('_', ' ')}</td><td class=num>{data.fmt(value)}</td>"
         if ref:
-            cells += (f"<td class=num>{data.fmt(ref[name])}</td>"
-                      f"<td class=num>{data.fmt(value - ref[name], sign=True)}</td>")
+            cells += (
+                f"<td class=num>{data.fmt(ref[name])}</td><td class=num>{data.fmt(value - ref[name], sign=True)}</td>"
+            )
         rows.append(f"<tr>{cells}</tr>")
     return f"<table>{head}{''.join(rows)}</table>"
 
@@ -144,12 +153,21 @@ def _verdicts(results: list[dict]) -> str:
     rows = []
     for r in results:
         status = {"passed": "pass", "skipped": "skip"}.get(r["status"], "FAIL")
-        message = f"<details{'' if r['passed'] else ' open'}><summary>details</summary><pre>" \
-                  f"{escape(r['message'])}</pre></details>" if r["message"] else ""
-        rows.append(f"<tr><td class={status}>{status}</td><td>{escape(r['invariant'])}</td>"
-                    f"<td>{escape(r['build'])}</td><td>{escape(r['against'])}</td><td>{message}</td></tr>")
-    return ("<table><tr><th>result</th><th>invariant</th><th>build</th><th>against</th><th>message</th></tr>"
-            + "".join(rows) + "</table>")
+        message = (
+            f"<details{'' if r['passed'] else ' open'}><summary>details</summary><pre>"
+            f"{escape(r['message'])}</pre></details>"
+            if r["message"]
+            else ""
+        )
+        rows.append(
+            f"<tr><td class={status}>{status}</td><td>{escape(r['invariant'])}</td>"
+            f"<td>{escape(r['build'])}</td><td>{escape(r['against'])}</td><td>{message}</td></tr>"
+        )
+    return (
+        "<table><tr><th>result</th><th>invariant</th><th>build</th><th>against</th><th>message</th></tr>"
+        + "".join(rows)
+        + "</table>"
+    )
 
 
 def _moved_table(moved: list[dict]) -> str:
@@ -159,8 +177,11 @@ def _moved_table(moved: list[dict]) -> str:
         f"<td class=num>{data.fmt(m.get('tolerance'))}</td></tr>"
         for m in moved
     )
-    return ("<table><tr><th>head</th><th>metric</th><th>before</th><th>after</th><th>tolerance</th></tr>"
-            + rows + "</table>")
+    return (
+        "<table><tr><th>head</th><th>metric</th><th>before</th><th>after</th><th>tolerance</th></tr>"
+        + rows
+        + "</table>"
+    )
 
 
 def _changes_table(changes: list[dict]) -> str:
@@ -169,11 +190,16 @@ def _changes_table(changes: list[dict]) -> str:
         f"<td class=num>{data.fmt(c['after'])}</td><td class=num>{data.fmt(c['change'], sign=True)}</td></tr>"
         for c in changes
     )
-    return ("<table><tr><th>head</th><th>metric</th><th>reference</th><th>this build</th><th>change</th></tr>"
-            + rows + "</table>")
+    return (
+        "<table><tr><th>head</th><th>metric</th><th>reference</th><th>this build</th><th>change</th></tr>"
+        + rows
+        + "</table>"
+    )
 
 
 def _figure(f) -> str:
     uri = "data:image/png;base64," + base64.b64encode(f.png).decode("ascii")
-    return (f'<figure><img src="{uri}" alt="{escape(f.title)}">'
-            f"<figcaption><b>{escape(f.title)}.</b> {escape(f.caption)}</figcaption></figure>")
+    return (
+        f'<figure><img src="{uri}" alt="{escape(f.title)}">'
+        f"<figcaption><b>{escape(f.title)}.</b> {escape(f.caption)}</figcaption></figure>"
+    )

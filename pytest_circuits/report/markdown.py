@@ -13,33 +13,49 @@ def summary(sections: list[Section], extra_results: list[dict]) -> str:
     name = next(((s.record.get("model") or {}).get("name") for s in sections), None)
     lines = [f"# Circuits report{': ' + str(name) if name else ''}", ""]
     if failed:
-        lines.append(f"**{len(failed)} of {len(results)} invariants broken:** "
-                     + ", ".join(f"`{r['invariant']}` ({r['build']})" for r in failed))
+        lines.append(
+            f"**{len(failed)} of {len(results)} invariants broken:** "
+            + ", ".join(f"`{r['invariant']}` ({r['build']})" for r in failed)
+        )
     elif results:
         held = sum(r["passed"] for r in results)
-        lines.append(f"All {held} invariants held." if held == len(results) else
-                     f"{held} of {len(results)} invariants held, none broken (the rest skipped: nothing to compare).")
+        lines.append(
+            f"All {held} invariants held."
+            if held == len(results)
+            else f"{held} of {len(results)} invariants held, none broken (the rest skipped: nothing to compare)."
+        )
     else:
         lines.append("No gate verdicts: scan results only.")
     lines.append("")
     if results:
         lines += ["| result | build | invariant | against |", "|---|---|---|---|"]
-        lines += [f"| { {'passed': 'pass', 'skipped': 'skip'}.get(r['status'], '**FAIL**') } | {r['build']} | {r['invariant']} | {r['against']} |"
-                  for r in results]
+        lines += [
+            f"| { {'passed': 'pass', 'skipped': 'skip'}.get(r['status'], '**FAIL**') } | {r['build']} | {r['invariant']} | {r['against']} |"
+            for r in results
+        ]
         lines.append("")
     if sections:
         lines += _builds_table(sections)
     for r in failed:
-        lines += [f"### `{r['invariant']}` broken for {r['build']}"
-                  + (f" against {r['against']}" if r["against"] else ""), ""]
+        lines += [
+            f"### `{r['invariant']}` broken for {r['build']}" + (f" against {r['against']}" if r["against"] else ""),
+            "",
+        ]
         if r["message"]:
             lines += ["```text", r["message"].rstrip(), "```", ""]
     moved = [(s.label, m) for s in sections for m in data.top_moved(s.results, k=8)]
     if moved:
-        lines += ["## Heads that moved most", "",
-                  "| build | head | metric | before | after | tolerance |", "|---|---|---|---|---|---|"]
-        lines += [f"| {label} | {m.get('head')} | {m.get('metric')} | {data.fmt(m.get('before'))} | "
-                  f"{data.fmt(m.get('after'))} | {data.fmt(m.get('tolerance'))} |" for label, m in moved]
+        lines += [
+            "## Heads that moved most",
+            "",
+            "| build | head | metric | before | after | tolerance |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {label} | {m.get('head')} | {m.get('metric')} | {data.fmt(m.get('before'))} | "
+            f"{data.fmt(m.get('after'))} | {data.fmt(m.get('tolerance'))} |"
+            for label, m in moved
+        ]
         lines.append("")
     for s in sections:
         if s.figures or s.notes:
@@ -50,8 +66,11 @@ def summary(sections: list[Section], extra_results: list[dict]) -> str:
 
 
 def _builds_table(sections: list[Section]) -> list[str]:
-    lines = ["| build | dtype | backend | reference | copy loss | Δ copy loss | copy gain | copying heads | "
-             "suppression heads |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| build | dtype | backend | reference | copy loss | Δ copy loss | copy gain | copying heads | "
+        "suppression heads |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for s in sections:
         build = s.record.get("build") or {}
         figures = data.model_figures(s.record)

@@ -77,16 +77,40 @@ def _own_figures(section: Section) -> list[Figure]:
     record, label, slug = section.record, section.label, section.slug
     drawn = []
     if record.get("eigenvalues"):
-        drawn.append(_draw(f"{label}: OV eigenvalues of every head (normalised per head)", EIGEN_CAPTION,
-                           f"{slug}-eigenvalues.png", figures.eigenvalue_figure, record,
-                           f"{label}: OV eigenvalues, normalised per head by max |λ|"))
+        drawn.append(
+            _draw(
+                f"{label}: OV eigenvalues of every head (normalised per head)",
+                EIGEN_CAPTION,
+                f"{slug}-eigenvalues.png",
+                figures.eigenvalue_figure,
+                record,
+                f"{label}: OV eigenvalues, normalised per head by max |λ|",
+            )
+        )
     else:
         section.notes.append("This record carries no eigenvalues: the complex-plane figure is left out.")
     if data.has_metric(record, "kappa"):
-        drawn.append(_draw(f"{label}: κ per head against its null band", KAPPA_CAPTION, f"{slug}-kappa.png",
-                           figures.kappa_figure, record, f"{label}: OV copying score κ per head", section.reference))
-    drawn.append(_draw(f"{label}: per-head maps", HEATMAP_CAPTION, f"{slug}-heads.png", figures.heatmap_figure,
-                       _panels(record), f"{label}: per-head figures"))
+        drawn.append(
+            _draw(
+                f"{label}: κ per head against its null band",
+                KAPPA_CAPTION,
+                f"{slug}-kappa.png",
+                figures.kappa_figure,
+                record,
+                f"{label}: OV copying score κ per head",
+                section.reference,
+            )
+        )
+    drawn.append(
+        _draw(
+            f"{label}: per-head maps",
+            HEATMAP_CAPTION,
+            f"{slug}-heads.png",
+            figures.heatmap_figure,
+            _panels(record),
+            f"{label}: per-head figures",
+        )
+    )
     if not data.has_metric(record, "knockout_delta"):
         section.notes.append("This scan ran no head knockouts: the knockout map is empty.")
     return drawn
@@ -107,19 +131,40 @@ def _comparison_figures(section: Section) -> list[Figure]:
     named = {m.get("head") for r in section.results for m in r["moved"]}
     outline = {cell for cell in map(data.cell_of, named) if cell is not None}
     panels = [
-        {"grid": data.difference_grid(record, reference, column), "title": f"{title}, change", "kind": "diverging",
-         "note": "not measured in both", "floor": DIFF_FLOOR}
+        {
+            "grid": data.difference_grid(record, reference, column),
+            "title": f"{title}, change",
+            "kind": "diverging",
+            "note": "not measured in both",
+            "floor": DIFF_FLOOR,
+        }
         for column, title, _ in data.HEATMAP_METRICS
     ]
-    drawn = [_draw(f"{label}: differences against the reference ({against})", DIFF_CAPTION,
-                   f"{slug}-differences.png", figures.heatmap_figure, panels,
-                   f"{label} minus reference ({against})", outline)]
+    drawn = [
+        _draw(
+            f"{label}: differences against the reference ({against})",
+            DIFF_CAPTION,
+            f"{slug}-differences.png",
+            figures.heatmap_figure,
+            panels,
+            f"{label} minus reference ({against})",
+            outline,
+        )
+    ]
     heads = _most_moved_heads(section)
     if heads and record.get("eigenvalues") and reference.get("eigenvalues"):
-        fig = figures.moved_eigenvalue_figure(record, reference, heads, f"{label}: heads that moved most, against {against}")
+        fig = figures.moved_eigenvalue_figure(
+            record, reference, heads, f"{label}: heads that moved most, against {against}"
+        )
         if fig is not None:
-            drawn.append(Figure(f"{label}: eigenvalues of the heads that moved most", MOVED_CAPTION,
-                                f"{slug}-moved-heads.png", figures.png_bytes(fig)))
+            drawn.append(
+                Figure(
+                    f"{label}: eigenvalues of the heads that moved most",
+                    MOVED_CAPTION,
+                    f"{slug}-moved-heads.png",
+                    figures.png_bytes(fig),
+                )
+            )
     return drawn
 
 
@@ -137,8 +182,12 @@ def _most_moved_heads(section: Section) -> list[str]:
 
 def _panels(record: dict) -> list[dict]:
     return [
-        {"grid": data.metric_grid(record, column), "title": title, "kind": kind,
-         "note": "no knockouts in this scan" if column == "knockout_delta" else "not measured"}
+        {
+            "grid": data.metric_grid(record, column),
+            "title": title,
+            "kind": kind,
+            "note": "no knockouts in this scan" if column == "knockout_delta" else "not measured",
+        }
         for column, title, kind in data.HEATMAP_METRICS
     ]
 

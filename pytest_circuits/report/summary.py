@@ -14,8 +14,9 @@ MOVED_PER_BUILD = 3
 _MESSAGE_WIDTH = 100
 
 
-def summary_lines(results: Iterable[Any] | None, records: Iterable[dict] | None = None,
-                  report_dir: str | Path | None = None) -> list[str]:
+def summary_lines(
+    results: Iterable[Any] | None, records: Iterable[dict] | None = None, report_dir: str | Path | None = None
+) -> list[str]:
     """Per build: pass or fail per invariant and the heads that moved most; then where the report is.
 
     Builds with a record but no gate results get one line with their copy loss.
@@ -28,8 +29,11 @@ def summary_lines(results: Iterable[Any] | None, records: Iterable[dict] | None 
         head = f"circuits {build}" + (f" vs {', '.join(against)}" if against else "")
         skipped = [r["invariant"] for r in build_results if r["status"] == "skipped"]
         held = sum(r["passed"] for r in build_results)
-        verdict = f"FAIL ({len(failed)} of {len(build_results)} invariants broken)" if failed \
+        verdict = (
+            f"FAIL ({len(failed)} of {len(build_results)} invariants broken)"
+            if failed
             else f"pass ({held} {'invariant' if held == 1 else 'invariants'} held)"
+        )
         if skipped:
             verdict += f"; skipped, nothing to compare: {', '.join(skipped)}"
         lines.append(f"{head}: {verdict}")

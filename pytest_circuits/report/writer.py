@@ -17,8 +17,12 @@ from .summary import REPORT_PAGE, SUMMARY_PAGE, summary_lines
 DEFAULT_OUT = "circuits-report"
 
 
-def write_report(out_dir: str | Path, records: Iterable[dict], references: dict[str, dict | None] | None = None,
-                 results: Iterable[Any] | None = None) -> Path:
+def write_report(
+    out_dir: str | Path,
+    records: Iterable[dict],
+    references: dict[str, dict | None] | None = None,
+    results: Iterable[Any] | None = None,
+) -> Path:
     """Write ``report.html``, ``summary.md`` and one PNG per figure into ``out_dir``; return the page's path.
 
     ``records``: one scan record per build. ``references``: recipe -> the scan record the build
@@ -49,8 +53,12 @@ def write_report(out_dir: str | Path, records: Iterable[dict], references: dict[
     return page
 
 
-def report_from_files(out_dir: str | Path, baseline_path: str | Path, against_path: str | Path | None = None,
-                      results: Iterable[Any] | None = None) -> Path:
+def report_from_files(
+    out_dir: str | Path,
+    baseline_path: str | Path,
+    against_path: str | Path | None = None,
+    results: Iterable[Any] | None = None,
+) -> Path:
     """Draw the report again from baseline files alone, without the model.
 
     ``baseline_path`` is the build shown; ``against_path`` (optional) the reference it is drawn
@@ -58,14 +66,16 @@ def report_from_files(out_dir: str | Path, baseline_path: str | Path, against_pa
     """
     record = read_baseline(baseline_path)
     references: dict[str, dict | None] | None = (
-        {data.recipe_of(record): read_baseline(against_path)} if against_path else None)
+        {data.recipe_of(record): read_baseline(against_path)} if against_path else None
+    )
     return write_report(out_dir, [record], references, results)
 
 
 def report_command(argv: Sequence[str] | None = None) -> int:
     """``circuits report BASELINE [--against BASELINE] [--out DIR]``; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="circuits report",
-                                     description="Draw the circuits report again from baseline files, without the model.")
+    parser = argparse.ArgumentParser(
+        prog="circuits report", description="Draw the circuits report again from baseline files, without the model."
+    )
     parser.add_argument("baseline", help="baseline JSON file of the build to show")
     parser.add_argument("--against", help="baseline JSON file of the reference to draw differences against")
     parser.add_argument("--out", "-o", default=DEFAULT_OUT, help=f"report folder (default: {DEFAULT_OUT})")

@@ -96,9 +96,7 @@ def z_observed(model, n_layers: int, observe):
 
         return hook
 
-    handles = [
-        out_proj_module(model, l).register_forward_pre_hook(make(l), with_kwargs=True) for l in range(n_layers)
-    ]
+    handles = [out_proj_module(model, l).register_forward_pre_hook(make(l), with_kwargs=True) for l in range(n_layers)]
     try:
         yield
     finally:
@@ -124,9 +122,7 @@ def z_differentiable(model, n_layers: int):
 
         return hook
 
-    handles = [
-        out_proj_module(model, l).register_forward_pre_hook(make(l), with_kwargs=True) for l in range(n_layers)
-    ]
+    handles = [out_proj_module(model, l).register_forward_pre_hook(make(l), with_kwargs=True) for l in range(n_layers)]
     try:
         yield leaves
     finally:

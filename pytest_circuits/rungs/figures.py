@@ -66,8 +66,16 @@ HEAD_FIGURES: tuple[Figure, ...] = (
     Figure("layer", "index", "int", "", low=0),
     Figure("head_index", "index", "int", "", low=0),
     # rung 1: the kappa frame, in its column order
-    _kappa("kappa", low=-1.0, high=1.0, title="kappa", fmt="{:+.3f}", diff=True,
-           heatmap="κ (OV copying)", heatmap_kind="diverging"),
+    _kappa(
+        "kappa",
+        low=-1.0,
+        high=1.0,
+        title="kappa",
+        fmt="{:+.3f}",
+        diff=True,
+        heatmap="κ (OV copying)",
+        heatmap_kind="diverging",
+    ),
     _kappa("kappa_trace", low=-1.0, high=1.0, title="trace", fmt="{:+.3f}", diff=True),
     _kappa("kappa_null_mean", low=-1.0, high=1.0),
     _kappa("kappa_null_sd", low=0.0),
@@ -92,8 +100,18 @@ HEAD_FIGURES: tuple[Figure, ...] = (
     _routing("previous_token", title="prev", diff=True, heatmap="previous-token", heatmap_kind="score"),
     _routing("duplicate_token", title="dup", diff=True),
     # rung 2: knockouts (None where a screened scan ran no exact knockout)
-    Figure("knockout_delta", "knockout", "float", "2", nullable=True, title="knockout", fmt="{:+.3f}",
-           diff=True, heatmap="knockout Δloss (nats)", heatmap_kind="diverging"),
+    Figure(
+        "knockout_delta",
+        "knockout",
+        "float",
+        "2",
+        nullable=True,
+        title="knockout",
+        fmt="{:+.3f}",
+        diff=True,
+        heatmap="knockout Δloss (nats)",
+        heatmap_kind="diverging",
+    ),
     Figure("knockout_estimate", "knockout", "float", "2", stored="measured", nullable=True),
 )
 

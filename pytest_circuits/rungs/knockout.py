@@ -133,6 +133,7 @@ def _intact_pass(build: LoadedBuild, ids: torch.Tensor, L: int, batch_size: int,
         chunk = _Chunk(batch)
         handles = []
         if record:
+
             def keep(module, args, kwargs, _calls=chunk.calls):
                 _calls.append((_detach(args), _detach(kwargs)))
 
@@ -231,7 +232,10 @@ def _rows_only(mlp, positions: slice):
         full[:, positions] = out
         return full
 
-    handles = [mlp.register_forward_pre_hook(pick, with_kwargs=True), mlp.register_forward_hook(place, with_kwargs=True)]
+    handles = [
+        mlp.register_forward_pre_hook(pick, with_kwargs=True),
+        mlp.register_forward_hook(place, with_kwargs=True),
+    ]
     try:
         yield
     finally:
@@ -251,7 +255,9 @@ def _tail_copy_losses(build, hidden, ids, L) -> torch.Tensor:
     predict = copy_slices(L, bos_offset(build.tokens))[1]
     logits = tail_logits(build.model, hidden[:, predict], build.family).float()
     targets = ids[:, predict.start + 1 : predict.stop + 1].to(logits.device)
-    losses = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    losses = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
+    )
     return losses.reshape(targets.shape).mean(dim=1)
 
 
@@ -383,7 +389,9 @@ def knockout_scan(
     if cached:
         why = _replay_gap(build, intact, settings.L)
         if why is not None:
-            warnings.warn(f"{build.label}: {why}; running the plain loop (one full forward per head) instead", stacklevel=2)
+            warnings.warn(
+                f"{build.label}: {why}; running the plain loop (one full forward per head) instead", stacklevel=2
+            )
             cached = False
     total_cost = sum(replay_cost(geo.n_layers, l) for l, _ in exact) if cached else len(exact)
     with Progress(len(exact), f"knockout {build.label}", total_cost=total_cost, enabled=progress, write=write) as bar:
@@ -427,7 +435,9 @@ def _plain_copy_losses(model, batch: torch.Tensor, L: int, offset: int, device) 
     # the last L positions are offset+L .. offset+2L-1; the first L-1 predict the copy's tokens
     logits = logits[:, : L - 1].float()
     targets = ids[:, offset + L + 1 :]
-    losses = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    losses = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
+    )
     return losses.reshape(targets.shape).mean(dim=1)
 
 

@@ -138,9 +138,7 @@ def heads_frame(means: np.ndarray) -> pd.DataFrame:
     """``(n_layers, 3, heads)`` means -> one row per head ``L{l}H{h}`` with the three scores."""
     n_layers, _, n_heads = means.shape
     layer, head = np.divmod(np.arange(n_layers * n_heads), n_heads)
-    frame = pd.DataFrame(
-        {"head": [head_label(l, h) for l, h in zip(layer, head)], "layer": layer, "head_index": head}
-    )
+    frame = pd.DataFrame({"head": [head_label(l, h) for l, h in zip(layer, head)], "layer": layer, "head_index": head})
     for i, name in enumerate(SCORES):
         frame[name] = means[:, i, :].reshape(-1)
     return frame

@@ -72,8 +72,10 @@ def probe_memory(geometry, n: int, L: int, batch_size: int, knockout: bool = Tru
         return 2 * 4 * rows * H * T * T + 8 * 4 * rows * T * d
 
     b = min(batch_size, n)
-    parts = {"tokens": token_bytes(n, L, V) * (2 if knockout else 1),
-             "probe pass": forward(b) + 4 * b * T * V + 8 * T * V}
+    parts = {
+        "tokens": token_bytes(n, L, V) * (2 if knockout else 1),
+        "probe pass": forward(b) + 4 * b * T * V + 8 * T * V,
+    }
     if knockout:
         replay = min(max(batch_size, KNOCKOUT_REPLAY_ROWS), n * H)
         intact = forward(b) + 12 * b * T * V
@@ -103,8 +105,9 @@ def available_memory(device="cpu") -> int:
         return int(info["MemAvailable"].split()[0]) * 1024
 
 
-def check_probe_memory(geometry, n: int, L: int, batch_size: int, knockout: bool = True,
-                       device="cpu", available: int | None = None) -> int:
+def check_probe_memory(
+    geometry, n: int, L: int, batch_size: int, knockout: bool = True, device="cpu", available: int | None = None
+) -> int:
     """Refuse, before anything is allocated, a probe whose estimated peak (`probe_memory`) exceeds
     the memory available (``available`` bytes, by default `available_memory`); returns the estimate."""
     for name, value, least in (("n", n, 1), ("L", L, 2), ("batch size", batch_size, 1)):

@@ -283,7 +283,13 @@ def _qk_fix(build, qk_term, dzs, residual, calls, norms, attn, rows) -> None:
                 state.mode = "linear"
                 e = torch.zeros(geo.n_heads, dtype=dr.dtype, requires_grad=True)
                 with torch.enable_grad():
-                    _call(attn[m], calls[m], norms[m](base + e.repeat_interleave(rows)[:, None, None] * dr), rows, geo.n_heads)
+                    _call(
+                        attn[m],
+                        calls[m],
+                        norms[m](base + e.repeat_interleave(rows)[:, None, None] * dr),
+                        rows,
+                        geo.n_heads,
+                    )
                     assert state.linear is not None  # set by the attention function in "linear" mode
                     (slope,) = torch.autograd.grad(state.linear.sum(), e)
                 linear += slope.double().cpu()
@@ -307,4 +313,3 @@ def screen_estimate(build, ids, L, mode, means, method: str, batch_size: int) ->
         est = plain_atp(build, ids, L, mode, means, batch_size)
         return est, np.abs(est)
     return atp_star(build, ids, L, mode, means, batch_size, grad_drop=method == "atp*gd")
-
