@@ -241,7 +241,7 @@ def _record_command(args, recipe: str, baseline: Path) -> str:
     words = ["circuits", "record", args.model, "--build", recipe, "--baselines", str(baseline.parent), "--name", name]
     for option in OPTIONS:
         value = getattr(args, option.dest, None)
-        if option.name in ("baselines", "name", "device") or value in (None, False):
+        if "record" not in option.cli or option.name in ("baselines", "name", "device") or value in (None, False):
             continue
         words += [option.cli_flag] if value is True else [option.cli_flag, str(value)]
     return shlex.join(words)

@@ -108,12 +108,21 @@ class CircuitsSession:
 
     def ov_spectrum(self, recipe: str):
         """Rung 1: kappa of every head against the rotation null (DataFrame)."""
+        import torch
+
         from .rungs.kappa import ov_spectrum
 
         s = self.settings
         return self._memo(
             ("ov_spectrum", recipe),
-            lambda: ov_spectrum(self.weights(recipe), n_rotations=s.n_rotations, q=s.fdr_q, seed=0),
+            lambda: ov_spectrum(
+                self.weights(recipe),
+                n_rotations=s.n_rotations,
+                q=s.fdr_q,
+                seed=0,
+                p_method=s.null_p_method,
+                null_dtype=torch.float64,
+            ),
         )
 
     def repeat_probe(self, recipe: str):

@@ -43,7 +43,11 @@ class CircuitsSettings:
     knockout_mode: str = "zero"  # or "mean"
     knockout_screen: int | None = None  # exact knockouts only on the top k of an attribution screen
     knockout_screen_method: str = "atp*"  # how the screen ranks heads (rungs/screen.py)
-    n_rotations: int = 32  # rotation-null draws per head (kappa.N_ROTATIONS, symmetric t test)
+    # The rotation null the shipped baselines were recorded with: 256 draws, float64, normal p.
+    # kappa.ov_spectrum's cheaper 32-draw t null (p_method "t") changes every kappa_z, so
+    # switching the gate to it means re-recording every baseline; until then the gate keeps this.
+    n_rotations: int = 256
+    null_p_method: str = "normal"
     fdr_q: float = 0.05
     batch_size: int = 8
     tolerances: dict = field(default_factory=dict)  # gate tolerance overrides (ini circuits_tol_*)

@@ -120,6 +120,28 @@ def test_gate_fails_on_a_negated_head(recorded, tmp_path, capsys):
     )
 
 
+def test_the_gate_hint_rerecords_the_file_it_gated_against(recorded, tmp_path, capsys):
+    """Pasted, the hint of a failed `circuits gate` rewrites that very baseline file, and the gate passes."""
+    import re
+    import shlex
+
+    baselines = tmp_path / "kept"
+    baselines.mkdir()
+    (baselines / "m--fp32.json").write_bytes((recorded / "m--fp32.json").read_bytes())
+    record = json.loads((recorded / "m--fp32.json").read_text())
+    target = max(record["heads"], key=lambda h: abs(h["kappa_trace"]))
+    model = make_tiny_model("gpt2", seed=0)
+    negate_head_ov(model, target["layer"], target["head_index"])
+    folder = tmp_path / "renamed"  # another folder name: the hint must keep the baseline's own name
+    model.save_pretrained(folder, safe_serialization=True)
+    gate = ["gate", str(folder), "--build", "fp32", "--baseline", str(baselines / "m--fp32.json"), *SMALL]
+    assert main(gate) == 1
+    hint = shlex.split(re.search(r"record the baseline again: (circuits record .*)", capsys.readouterr().out).group(1))
+    assert main(hint[1:]) == 0
+    assert sorted(p.name for p in baselines.iterdir()) == ["m--fp32.json"]
+    assert main(gate) == 0
+
+
 def test_diff_lists_what_moved(recorded, tmp_path, capsys):
     a = json.loads((recorded / "m--fp32.json").read_text())
     b = json.loads((recorded / "m--fp32.json").read_text())
