@@ -227,24 +227,23 @@ def cmd_gate(args) -> int:
     label = f"baseline {args.baseline.name}"
     notes = compatibility(baseline, candidate, label)
     fix = "if the change is intended, record the baseline again: " + _record_command(
-        args, baseline["build"]["recipe"], args.baseline
+        session, baseline["build"]["recipe"], args.baseline
     )
     results = gate_all(baseline, candidate, tol, args.build, label, fix)
     return EXIT_OK if _print_results(results, notes) else EXIT_BROKEN
 
 
-def _record_command(args, recipe: str, baseline: Path) -> str:
+def _record_command(session, recipe: str, baseline: Path) -> str:
     """``circuits record`` that rewrites ``baseline`` itself (its folder, its model name) from this build."""
+    from dataclasses import replace
+
     from .gate.store import SEPARATOR, SUFFIX
+    from .settings import recording_words
 
     name = baseline.name.removesuffix(SUFFIX).rsplit(SEPARATOR, 1)[0]
-    words = ["circuits", "record", args.model, "--build", recipe, "--baselines", str(baseline.parent), "--name", name]
-    for option in OPTIONS:
-        value = getattr(args, option.dest, None)
-        if "record" not in option.cli or option.name in ("baselines", "name", "device") or value in (None, False):
-            continue
-        words += [option.cli_flag] if value is True else [option.cli_flag, str(value)]
-    return shlex.join(words)
+    s = replace(session.settings, name=name)
+    words = ["circuits", "record", s.model, "--build", recipe, "--baselines", str(baseline.parent)]
+    return shlex.join(words + recording_words(s, "cli"))
 
 
 def diff_rows(a: dict, b: dict, min_change: float = 0.01) -> list[tuple]:

@@ -189,24 +189,11 @@ class CircuitsSession:
 
     def record_command(self, recipe: str) -> str:
         """The shell command that (re)records the baseline of ``recipe``, with every setting it was gated with."""
+        from .settings import recording_words
+
         s = self.settings
         words = ["circuits", "record", s.model, "--build", recipe, "--baselines", str(s.baselines)]
-        if s.name:
-            words += ["--name", s.name]
-        if s.knockout_screen is not None:
-            words += ["--knockout-screen", str(s.knockout_screen)]
-        if s.knockout_mode != "zero":
-            words += ["--knockout-mode", s.knockout_mode]
-        if s.trust_remote_code:
-            words += ["--trust-remote-code"]
-        for name, value, default in (
-            ("probe-seed", s.probe.seed, 0),
-            ("probe-n", s.probe.n, 8),
-            ("probe-length", s.probe.L, 64),
-        ):
-            if value != default:
-                words += [f"--{name}", str(value)]
-        return shlex.join(words)
+        return shlex.join(words + recording_words(s, "cli"))
 
     def write_baseline(self, recipe: str):
         """Record ``recipe`` (with knockouts) and write its baseline atomically, once per session."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .options import DEFAULT_BUILDS, DEFAULT_MODEL, DEFAULT_REFERENCE, parse_value
+from .options import BY_NAME, DEFAULT_BUILDS, DEFAULT_MODEL, DEFAULT_REFERENCE, parse_value
 
 
 @dataclass(frozen=True)
@@ -88,3 +88,26 @@ def build_settings(raw: dict, baselines: Path, front_end: str | None = None, **f
         batch_size=get("batch-size"),
     )
     return CircuitsSettings(**{**values, **fixed})
+
+
+def recording_words(s: CircuitsSettings, front_end: str) -> list[str]:
+    """The flags that reproduce how ``s`` records a baseline (the model's name, the probe, the
+    knockouts, remote code), spelled for ``front_end`` ("cli" or "pytest"); defaults are left out."""
+    values = {
+        "name": s.name,
+        "knockout-screen": s.knockout_screen,
+        "knockout-screen-method": s.knockout_screen_method,
+        "knockout-mode": s.knockout_mode,
+        "trust-remote-code": s.trust_remote_code,
+        "probe-seed": s.probe.seed,
+        "probe-n": s.probe.n,
+        "probe-length": s.probe.L,
+    }
+    words: list[str] = []
+    for name, value in values.items():
+        option = BY_NAME[name]
+        if value in (None, False) or value == option.default:
+            continue
+        spelled = option.cli_flag if front_end == "cli" else option.pytest_flag
+        words += [spelled] if value is True else [spelled, str(value)]
+    return words

@@ -67,6 +67,8 @@ def update_command(session, recipe: str, test_path: str) -> str:
     """A complete pytest command that re-records the baseline of ``recipe`` as this run gated it."""
     import shlex
 
+    from ..settings import recording_words
+
     s = session.settings
     words = [
         "pytest",
@@ -79,20 +81,7 @@ def update_command(session, recipe: str, test_path: str) -> str:
         str(s.baselines),
         flag("update"),
     ]
-    if s.name:
-        words += [flag("name"), s.name]
-    if s.knockout_screen is not None:
-        words += [flag("knockout-screen"), str(s.knockout_screen)]
-    if s.knockout_mode != "zero":
-        words += [flag("knockout-mode"), s.knockout_mode]
-    for name, value, default in (
-        ("probe-seed", s.probe.seed, 0),
-        ("probe-n", s.probe.n, 8),
-        ("probe-length", s.probe.L, 64),
-    ):
-        if value != default:
-            words += [flag(name), str(value)]
-    return shlex.join(words)
+    return shlex.join(words + recording_words(s, "pytest"))
 
 
 def gate_for_test(request, session, recipe: str, invariant: str, tol):
