@@ -210,6 +210,7 @@ def cmd_gate(args) -> int:
     from .gate.invariants import gate_all, key_heads
     from .gate.record import has_figures
     from .gate.store import compatibility, read_baseline
+    from .gate.verdict import candidate_record
     from .model.recipes import get_recipe
 
     get_recipe(args.build)
@@ -223,7 +224,7 @@ def cmd_gate(args) -> int:
         f"baseline {args.baseline.name}",
     )
     session.pinned_key_heads = set(key_heads(baseline, "knockout_delta", tol.top_k, tol.min_delta))
-    candidate = session.record(args.build, knockout=has_figures(baseline, "knockout"))
+    candidate = candidate_record(session, args.build, baseline, knockout=has_figures(baseline, "knockout"))
     label = f"baseline {args.baseline.name}"
     notes = compatibility(baseline, candidate, label)
     fix = "if the change is intended, record the baseline again: " + _record_command(

@@ -289,6 +289,20 @@ def compared_pairs(before: dict, after: dict, tol: Tolerances) -> tuple[list, st
     return pairs, f"; {len(negligible)} heads with OV gain < {tol.min_ov_gain:g} x the largest not compared"
 
 
+def kappa_method_mismatch(before: dict, after: dict) -> str:
+    """Why two records' kappa figures cannot be compared ("" when both were measured alike:
+    same unembedding, same rotation null; `rungs.kappa_method.of_record`)."""
+    from ..rungs.kappa_method import of_record
+
+    mb, ma = of_record(before), of_record(after)
+    if mb == ma:
+        return ""
+    return (
+        f"the {{against}} measured kappa with {mb.describe()}, {{build}} with {ma.describe()}: "
+        "kappa figures of two methods are not compared (a live gate measures the build the baseline's way)"
+    )
+
+
 def key_heads(record: dict, metric: str, top_k: int, minimum: float) -> list[str]:
     """The record's heads scoring at least ``minimum`` on ``metric``, best first; the top ``top_k``
     of them when ``top_k`` is positive, every one when it is 0."""
@@ -315,6 +329,8 @@ class CopyingHeads(Invariant):
     moved = "copying heads of {build} moved against the {against}"
 
     def compare(self, before, after, tol):
+        if mismatch := kappa_method_mismatch(before, after):
+            return Comparison(nothing=mismatch)
         pairs, left_out = compared_pairs(before, after, tol)
         rows = []
         for name, b, a in pairs:
@@ -350,6 +366,8 @@ class KappaDistribution(Invariant):
     moved = "kappa distribution of {build} shifted against the null, compared with the {against}"
 
     def compare(self, before, after, tol):
+        if mismatch := kappa_method_mismatch(before, after):
+            return Comparison(nothing=mismatch)
         pairs, left_out = compared_pairs(before, after, tol)
         rows, context, said = [], [], []
         for metric in ("kappa_z", "kappa_trace_z"):
