@@ -457,3 +457,50 @@ def test_recognised_layout_that_reads_wrong_is_refused():
     with pytest.raises(DecompositionError) as error:
         check_decomposition(model)
     assert "'nemotron'" in _one_line(error) and "pre-attention norm" in _one_line(error)
+
+
+# ---------------------------------------------------------------- sliding windows and the probe
+
+WINDOWED = [  # (type, config overrides giving a window of 4, the layers that slide)
+    ("mistral", {"sliding_window": 4}, [0, 1]),
+    ("gemma2", {"sliding_window": 4}, [0]),
+    ("gpt_oss", {"sliding_window": 4}, [0]),
+    ("gpt_neo", {"window_size": 4}, [1]),
+    ("qwen2", {"sliding_window": 4, "use_sliding_window": False}, []),
+]
+
+
+@pytest.mark.parametrize("model_type, overrides, sliding", WINDOWED, ids=[w[0] for w in WINDOWED])
+def test_attention_windows_are_the_masks_the_model_applies(model_type, overrides, sliding):
+    """The windows read from the config are the model's own: on 12 tokens, eager attention puts
+    no weight at distance >= 4 in exactly the layers `attention_windows` names."""
+    model = make_tiny_model(model_type, seed=0, **overrides)
+    assert families.attention_windows(model.config) == dict.fromkeys(sliding, 4)
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        attentions = model(ids, output_attentions=True).attentions
+    distance = torch.arange(12)[:, None] - torch.arange(12)[None, :]
+    for layer, pattern in enumerate(attentions):
+        beyond = pattern[0][:, distance >= 4]
+        assert (beyond.abs().max() == 0) == (layer in sliding), layer
+
+
+def test_probe_longer_than_a_sliding_window_is_one_line(tmp_path):
+    from pytest_circuits.errors import CircuitsError
+    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.settings import CircuitsSettings
+
+    folder = save_tiny_model("gemma2", tmp_path / "gemma2", sliding_window=8)
+
+    def session(L):
+        return CircuitsSession(CircuitsSettings(model=str(folder), device="cpu", probe=RepeatSettings(0, 2, L)))
+
+    with pytest.raises(CircuitsError) as refused:
+        session(5).preflight()
+    assert str(refused.value) == (
+        "probe length L=5 needs 10 positions but layer(s) 0 of this model attend within a sliding window of "
+        "8 positions; use --circuits-probe-length 4 or less, so that every layer sees the whole probe"
+    )
+    fits = session(4)
+    fits.preflight()
+    assert math.isfinite(fits.repeat_probe("fp32").copy_loss)

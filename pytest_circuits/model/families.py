@@ -822,6 +822,34 @@ def tail_logits(model, hidden: torch.Tensor, family: Family | None = None) -> to
     return logits
 
 
+SLIDING_LAYER_TYPES = ("sliding_attention", "local")  # layer_types / attention_layers entries that slide
+
+
+def attention_windows(config) -> dict[int, int]:
+    """``{layer: w}`` for every layer that attends within a sliding window of ``w`` positions
+    (a query sees itself and the ``w - 1`` before it); layers absent attend to the whole prefix.
+
+    Read from the config as transformers builds the masks: ``layer_types`` (``"sliding_attention"``
+    layers get ``sliding_window``), GPT-Neo's ``attention_layers`` (``"local"`` layers get
+    ``window_size``), else ``sliding_window`` on every layer unless ``use_sliding_window`` is False.
+    """
+    n_layers = next(
+        (v for a in ("num_hidden_layers", "n_layer", "num_layers") if isinstance(v := getattr(config, a, None), int)),
+        0,
+    )
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None)
+    if getattr(config, "attention_layers", None) is not None:  # GPT-Neo
+        kinds, window = config.attention_layers, getattr(config, "window_size", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return {}
+    if kinds is not None:
+        return {i: window for i, kind in enumerate(kinds) if kind in SLIDING_LAYER_TYPES}
+    if getattr(config, "use_sliding_window", True) is False:
+        return {}
+    return dict.fromkeys(range(n_layers), window)
+
+
 def flattens_batch_with_heads(model) -> bool:
     """True when the decoder blocks get a tensor with batch and heads flattened together (ALiBi:
     ``(batch * heads, 1, T)``), so that copies of a batch cannot be stacked on its leading axis."""
