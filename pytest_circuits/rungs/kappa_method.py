@@ -3,7 +3,8 @@
 A scan record says how its kappa was measured (its ``rung1`` section: ``unembedding``,
 ``n_rotations``, ``p_method``, ``null_dtype``), and the gate measures a candidate build the way
 its baseline was measured (`of_record`), so kappa, kappa_z and the flags are always compared
-like with like. New records use `KappaMethod()` (the centred unembedding and the 32-draw t
+like with like; two stored records measured in two ways pair only the figures that mean the
+same on both sides (`paired_figures`). New records use `KappaMethod()` (the centred unembedding and the 32-draw t
 null); a record that does not say is an older one: `LEGACY`, the uncentred unembedding and
 the 256-draw float64 normal-p null the first baselines were recorded with.
 
@@ -45,3 +46,27 @@ def of_record(record: dict) -> KappaMethod:
     rung1 = record.get("rung1") if isinstance(record, dict) else None
     rung1 = rung1 if isinstance(rung1, dict) else {}
     return KappaMethod(**{key: rung1.get(key, getattr(LEGACY, key)) for key in KEYS})
+
+
+UNCENTRED_TWINS = {
+    "kappa": "kappa_uncentred",
+    "kappa_trace": "kappa_trace_uncentred",
+}  # figure -> its twin on W_U as stored
+
+
+def paired_figures(figure: str, before: KappaMethod, after: KappaMethod) -> tuple[str, str] | None:
+    """``(figure of before, figure of after)`` that measure the same thing, or None when none do.
+
+    Alike methods pair every figure with itself. kappa and kappa_trace do not depend on the null,
+    only on the unembedding: across unembeddings the uncentred side's ``kappa`` pairs with the
+    centred side's ``kappa_uncentred`` (likewise the trace). The ``*_uncentred`` figures pair with
+    themselves. Everything the null decides (z, p, q, the flags) pairs only between alike methods.
+    """
+    if before == after or figure in UNCENTRED_TWINS.values():
+        return figure, figure
+    if figure not in UNCENTRED_TWINS:
+        return None
+    if before.unembedding == after.unembedding:
+        return figure, figure
+    twin = UNCENTRED_TWINS[figure]
+    return (figure, twin) if before.unembedding == "uncentred" else (twin, figure)
