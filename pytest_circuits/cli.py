@@ -210,6 +210,7 @@ def cmd_gate(args) -> int:
     from .gate.invariants import gate_all, key_heads
     from .gate.record import has_figures
     from .gate.store import compatibility, read_baseline
+    from .gate.verdict import candidate_record
     from .model.recipes import get_recipe
 
     get_recipe(args.build)
@@ -223,7 +224,7 @@ def cmd_gate(args) -> int:
         f"baseline {args.baseline.name}",
     )
     session.pinned_key_heads = set(key_heads(baseline, "knockout_delta", tol.top_k, tol.min_delta))
-    candidate = session.record(args.build, knockout=has_figures(baseline, "knockout"))
+    candidate = candidate_record(session, args.build, baseline, knockout=has_figures(baseline, "knockout"))
     label = f"baseline {args.baseline.name}"
     notes = compatibility(baseline, candidate, label)
     fix = "if the change is intended, record the baseline again: " + _record_command(
@@ -246,10 +247,21 @@ def _record_command(session, recipe: str, baseline: Path) -> str:
     return shlex.join(words + recording_words(s, "cli"))
 
 
+def _rung1_diffed() -> tuple[str, ...]:
+    """The rung-1 figures `circuits diff` shows: the kappa frame's diffed figures and flags."""
+    from .rungs.figures import BY_NAME, diff_figures
+
+    return tuple(m for m in (*diff_figures(), "copying", "suppression") if BY_NAME[m].source == "kappa")
+
+
 def diff_rows(a: dict, b: dict, min_change: float = 0.01) -> list[tuple]:
-    """``(head, metric, before, after, change)`` for every per-head figure that moved at least ``min_change``."""
+    """``(head, metric, before, after, change)`` for every per-head figure that moved at least
+    ``min_change``; rung-1 figures only where both records measured them alike (`kappa_pairs`)."""
+    from .gate.invariants import kappa_pairs
     from .rungs.figures import diff_figures
 
+    rung1 = _rung1_diffed()
+    paired, _ = kappa_pairs(a, b, rung1)
     rows = []
     heads_b = {h["head"]: h for h in b["heads"]}
     for ha in a["heads"]:
@@ -257,19 +269,22 @@ def diff_rows(a: dict, b: dict, min_change: float = 0.01) -> list[tuple]:
         if hb is None:
             continue
         for metric in diff_figures():
-            x, y = ha.get(metric), hb.get(metric)
+            if metric in rung1 and metric not in paired:
+                continue
+            ma, mb = paired.get(metric, (metric, metric))
+            x, y = ha.get(ma), hb.get(mb)
             if x is None or y is None:
                 continue
             if abs(y - x) >= min_change:
                 rows.append((ha["head"], metric, x, y, y - x))
-        for flag in ("copying", "suppression"):
+        for flag in [f for f in ("copying", "suppression") if f in paired]:
             if bool(ha.get(flag)) != bool(hb.get(flag)):
                 rows.append((ha["head"], flag, float(bool(ha.get(flag))), float(bool(hb.get(flag))), None))
     return rows
 
 
 def cmd_diff(args) -> int:
-    from .gate.invariants import gate_all, verdict
+    from .gate.invariants import gate_all, kappa_pairs, verdict
     from .gate.store import compatibility, read_baseline
     from .gate.tolerances import Tolerances
     from .rungs.figures import MODEL_FIGURES
@@ -277,6 +292,9 @@ def cmd_diff(args) -> int:
     a, b = read_baseline(args.file_a), read_baseline(args.file_b)
     for note in compatibility(a, b, f"baseline {args.file_a.name}"):
         print(note)
+    _, mismatch = kappa_pairs(a, b, _rung1_diffed())
+    if mismatch:
+        print("note: " + mismatch.format(against=f"baseline {args.file_a.name}", build=f"{args.file_b.name}"))
     print(f"A {args.file_a}: {a['model']['name']} {a['build']['recipe']}")
     print(f"B {args.file_b}: {b['model']['name']} {b['build']['recipe']}")
     for figure in MODEL_FIGURES:

@@ -106,22 +106,25 @@ class CircuitsSession:
 
         return self._memo(("weights", recipe, fold), lambda: extract_weights(self.build(recipe).model, fold))
 
-    def ov_spectrum(self, recipe: str):
-        """Rung 1: kappa of every head against the rotation null (DataFrame)."""
+    def ov_spectrum(self, recipe: str, method=None):
+        """Rung 1: kappa of every head against the rotation null (DataFrame), measured by
+        ``method`` (a `rungs.kappa_method.KappaMethod`; default: the settings')."""
         import torch
 
         from .rungs.kappa import ov_spectrum
 
         s = self.settings
+        m = s.kappa_method if method is None else method
         return self._memo(
-            ("ov_spectrum", recipe),
+            ("ov_spectrum", recipe, m),
             lambda: ov_spectrum(
                 self.weights(recipe),
-                n_rotations=s.n_rotations,
+                n_rotations=m.n_rotations,
                 q=s.fdr_q,
                 seed=0,
-                p_method=s.null_p_method,
-                null_dtype=torch.float64,
+                p_method=m.p_method,
+                null_dtype=getattr(torch, m.null_dtype),
+                unembedding=m.unembedding,
             ),
         )
 
@@ -160,13 +163,15 @@ class CircuitsSession:
 
     # ------------------------------------------------------------ baselines (gate/record.py, gate/store.py)
 
-    def record(self, recipe: str, knockout: bool = True) -> dict:
-        """The scan record of one build (`gate.record.build_record`), knockouts optional."""
+    def record(self, recipe: str, knockout: bool = True, method=None) -> dict:
+        """The scan record of one build (`gate.record.build_record`), knockouts optional, kappa
+        measured by ``method`` (default: the settings' `KappaMethod`)."""
         from .gate.record import build_record
 
-        if not knockout and ("record", recipe, True) in self._cache:
-            return self._cache[("record", recipe, True)]
-        return self._memo(("record", recipe, knockout), lambda: build_record(self, recipe, knockout))
+        m = self.settings.kappa_method if method is None else method
+        if not knockout and ("record", recipe, True, m) in self._cache:
+            return self._cache[("record", recipe, True, m)]
+        return self._memo(("record", recipe, knockout, m), lambda: build_record(self, recipe, knockout, m))
 
     @cached_property
     def store(self):

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .options import BY_NAME, DEFAULT_BUILDS, DEFAULT_MODEL, DEFAULT_REFERENCE, parse_value
+from .rungs.kappa_method import KappaMethod
 
 
 @dataclass(frozen=True)
@@ -43,11 +44,9 @@ class CircuitsSettings:
     knockout_mode: str = "zero"  # or "mean"
     knockout_screen: int | None = None  # exact knockouts only on the top k of an attribution screen
     knockout_screen_method: str = "atp*"  # how the screen ranks heads (rungs/screen.py)
-    # The rotation null the shipped baselines were recorded with: 256 draws, float64, normal p.
-    # kappa.ov_spectrum's cheaper 32-draw t null (p_method "t") changes every kappa_z, so
-    # switching the gate to it means re-recording every baseline; until then the gate keeps this.
-    n_rotations: int = 256
-    null_p_method: str = "normal"
+    # How new records measure kappa (centred W_U, 32-draw t null); the gate measures a build the
+    # way its baseline was measured (rungs/kappa_method.py, gate/verdict.candidate_record).
+    kappa_method: KappaMethod = field(default_factory=KappaMethod)
     fdr_q: float = 0.05
     batch_size: int = 8
     tolerances: dict = field(default_factory=dict)  # gate tolerance overrides (ini circuits_tol_*)

@@ -457,3 +457,126 @@ def test_recognised_layout_that_reads_wrong_is_refused():
     with pytest.raises(DecompositionError) as error:
         check_decomposition(model)
     assert "'nemotron'" in _one_line(error) and "pre-attention norm" in _one_line(error)
+
+
+# ---------------------------------------------------------------- sliding windows and the probe
+
+WINDOWED = [  # (type, config overrides giving a window of 4, the layers that slide)
+    ("mistral", {"sliding_window": 4}, [0, 1]),
+    ("gemma2", {"sliding_window": 4}, [0]),
+    ("gpt_oss", {"sliding_window": 4}, [0]),
+    ("gpt_neo", {"window_size": 4}, [1]),
+    ("qwen2", {"sliding_window": 4, "use_sliding_window": False}, []),
+]
+
+
+@pytest.mark.parametrize("model_type, overrides, sliding", WINDOWED, ids=[w[0] for w in WINDOWED])
+def test_attention_windows_are_the_masks_the_model_applies(model_type, overrides, sliding):
+    """The windows read from the config are the model's own: on 12 tokens, eager attention puts
+    no weight at distance >= 4 in exactly the layers `attention_windows` names."""
+    model = make_tiny_model(model_type, seed=0, **overrides)
+    assert families.attention_windows(model.config) == dict.fromkeys(sliding, 4)
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        attentions = model(ids, output_attentions=True).attentions
+    distance = torch.arange(12)[:, None] - torch.arange(12)[None, :]
+    for layer, pattern in enumerate(attentions):
+        beyond = pattern[0][:, distance >= 4]
+        assert (beyond.abs().max() == 0) == (layer in sliding), layer
+
+
+def test_probe_longer_than_a_sliding_window_is_one_line(tmp_path):
+    from pytest_circuits.errors import CircuitsError
+    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.settings import CircuitsSettings
+
+    folder = save_tiny_model("gemma2", tmp_path / "gemma2", sliding_window=8)
+
+    def session(L):
+        return CircuitsSession(CircuitsSettings(model=str(folder), device="cpu", probe=RepeatSettings(0, 2, L)))
+
+    with pytest.raises(CircuitsError) as refused:
+        session(5).preflight()
+    assert str(refused.value) == (
+        "probe length L=5 needs 10 positions but layer(s) 0 of this model attend within a sliding window of "
+        "8 positions; use --circuits-probe-length 4 or less, so that every layer sees the whole probe"
+    )
+    fits = session(4)
+    fits.preflight()
+    assert math.isfinite(fits.repeat_probe("fp32").copy_loss)
+
+
+# ---------------------------------------------------------------- the front ends on every type
+
+FRONT_PROBE = {"probe-n": "2", "probe-length": "4"}
+PYTEST_RUN = ("bloom", "gemma2", "gpt_oss", "falcon-new-decoder")
+"""Types that `pytest probes` records and gates in the default suite (ALiBi with a fused per-head
+QKV; sandwich norm, soft caps and sliding window; sinks and MoE; grouped fused QKV); the others
+run with --run-slow (gpt2 runs in tests/test_plugin.py)."""
+PYTEST_TYPES = [t if t in PYTEST_RUN else pytest.param(t, marks=pytest.mark.slow) for t in TYPES]
+
+
+@pytest.fixture(scope="module")
+def saved_type(tmp_path_factory):
+    """``saved_type(type)``: a tiny random model of ``type`` saved to a folder, once per module."""
+    made = {}
+
+    def make(model_type: str):
+        if model_type not in made:
+            folder = tmp_path_factory.mktemp(f"front-{model_type}") / model_type
+            made[model_type] = save_tiny_model(model_type, folder, seed=2, initializer_range=0.2)
+        return made[model_type]
+
+    return make
+
+
+def _scan(folder, json_path) -> dict:
+    """``circuits scan FOLDER --json FILE`` in this process (the CLI's main); the record it wrote."""
+    import json
+
+    from pytest_circuits.cli import main
+
+    words = [w for name, value in FRONT_PROBE.items() for w in (f"--{name}", value)]
+    rc = main(["scan", str(folder), "--device", "cpu", *words, "--json", str(json_path)])
+    assert rc == 0
+    return json.loads(json_path.read_text())
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_circuits_scan_runs_on_every_type(saved_type, model_type, tmp_path, capsys):
+    from pytest_circuits.gate.schema import Record
+
+    folder = saved_type(model_type)
+    record = _scan(folder, tmp_path / "scan.json")
+    printed = capsys.readouterr().out
+    Record.model_validate(record)
+    geo = record["model"]["geometry"]
+    assert len(record["heads"]) == geo["n_layers"] * geo["n_heads"]
+    assert record["rung1"]["unembedding"] == "centred"
+    assert math.isfinite(record["copy_loss"])
+    assert all(math.isfinite(h["kappa"]) and h["knockout_delta"] is not None for h in record["heads"])
+    assert sum(line.startswith("L") and "H" in line.split()[0] for line in printed.splitlines()) == len(record["heads"])
+
+
+@pytest.mark.parametrize("model_type", PYTEST_TYPES)
+def test_pytest_probes_record_then_gate_on_the_type(saved_type, model_type, pytester, tmp_path):
+    """``pytest probes --circuits-model FOLDER --circuits-builds fp32 --circuits-update``, then the
+    same run without ``--circuits-update`` gates against what it wrote: nothing fails."""
+    from pathlib import Path
+
+    folder = saved_type(model_type)
+    _scan(folder, tmp_path / "warm.json")  # imports every module the inner runs use (pytester drops new ones)
+    probes = Path(__file__).resolve().parents[1] / "pytest_circuits" / "probes"
+    for test in sorted(probes.glob("test_*.py")):
+        pytester.makepyfile(**{test.stem: test.read_text()})
+    baselines = tmp_path / "baselines"
+    flags = ["--circuits-model", str(folder), "--circuits-builds", "fp32", "--circuits-baselines", str(baselines)]
+    flags += ["--circuits-device", "cpu"] + [w for n, v in FRONT_PROBE.items() for w in (f"--circuits-{n}", v)]
+    recorded = pytester.runpytest("-p", "no:cacheprovider", *flags, "--circuits-update")
+    written = sorted(p.name for p in baselines.glob("*.json"))
+    assert written == [f"{model_type}--fp32.json"], recorded.outlines[-5:]
+    gated = pytester.runpytest("-p", "no:cacheprovider", *flags, "-rs")
+    for result in (recorded, gated):
+        outcomes = result.parseoutcomes()
+        assert outcomes.get("failed", 0) == 0 and outcomes.get("errors", 0) == 0, result.outlines[-20:]
+        assert outcomes.get("passed", 0) >= 3  # copy loss and both kappa invariants compare on a random model

@@ -374,7 +374,7 @@ class FakeSession:
         self.settings = SimpleNamespace(reference=reference)
         self.baselines, self.candidate = baselines, candidate
 
-    def record(self, recipe, knockout=True):
+    def record(self, recipe, knockout=True, method=None):
         return self.candidate
 
     def load_baseline(self, recipe):

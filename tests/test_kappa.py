@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 
 import numpy as np
 import pandas as pd
@@ -20,6 +21,7 @@ from pytest_circuits.errors import CircuitsError
 from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.families import get_module, layer_modules, out_proj_module
 from pytest_circuits.model.loading import resolve_model
+from pytest_circuits.model.named import SHIPPED_BASELINES
 from pytest_circuits.model.weights import extract_weights
 from pytest_circuits.rungs.kappa import (
     COLUMNS,
@@ -52,6 +54,8 @@ NUMERIC = [
     "kappa_trace_null_sd",
     "kappa_trace_z",
     "kappa_trace_p",
+    "kappa_uncentred",
+    "kappa_trace_uncentred",
 ]
 
 
@@ -206,6 +210,155 @@ def test_haar_rotations_are_orthogonal_and_unbiased():
     assert abs(R.mean(0)).max() < 0.05  # Haar: E[R] = 0 (a sign-unfixed QR is biased towards +diag)
     dets = torch.linalg.det(R)
     assert 0.4 < (dets > 0).double().mean() < 0.6  # both components of O(d)
+
+
+# ---------------------------------------------------------------- the centred unembedding
+
+
+def _kappa_by_hand(model, layer: int, head: int, centre: bool) -> tuple[float, float]:
+    """kappa and kappa_trace of one head from the vocab x vocab map ``W_E W_OV W_U (I - 11^T/V)``,
+    built from the model's modules (Llama layout: RMSNorm, separate projections, untied lm_head)."""
+    block = model.model.layers[layer]
+    attn, cfg = block.self_attn, model.config
+    d_head = cfg.hidden_size // cfg.num_attention_heads
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    g = block.input_layernorm.weight.double()
+    W_V = (attn.v_proj.weight.double().T * g[:, None])[:, (head // group) * d_head : (head // group + 1) * d_head]
+    W_O = attn.o_proj.weight.double().T[head * d_head : (head + 1) * d_head]
+    W_E = model.model.embed_tokens.weight.double()
+    W_U = model.model.norm.weight.double()[:, None] * model.lm_head.weight.double().T
+    V = W_U.shape[1]
+    if centre:
+        W_U = W_U @ (torch.eye(V, dtype=torch.float64) - torch.full((V, V), 1.0 / V, dtype=torch.float64))
+    full = (W_E @ W_V @ W_O @ W_U).detach().numpy()  # what attending token t adds to each logit
+    lam = np.linalg.eigvals(full)
+    lam = lam[np.argsort(-np.abs(lam))][:d_head]  # rank <= d_head: the rest are round-off
+    kappa = np.mean([z.real / abs(z) if abs(z) > 1e-6 * abs(lam[0]) else 0.0 for z in lam])
+    return float(kappa), float(lam.real.sum() / np.abs(lam).sum())
+
+
+def test_centred_kappa_equals_the_vocabulary_map_by_hand():
+    model = make_tiny_model("llama", seed=5)
+    df = ov_spectrum_of_model(model, n_rotations=8).set_index("head")
+    assert df.attrs["summary"]["unembedding"] == "centred"
+    moved = 0.0
+    for layer, head in [(0, 0), (0, 3), (1, 1)]:
+        row = df.loc[f"L{layer}H{head}"]
+        k, t = _kappa_by_hand(model, layer, head, centre=True)
+        assert (row["kappa"], row["kappa_trace"]) == (pytest.approx(k, abs=1e-6), pytest.approx(t, abs=1e-6))
+        k_u, t_u = _kappa_by_hand(model, layer, head, centre=False)
+        assert row["kappa_uncentred"] == pytest.approx(k_u, abs=1e-6)
+        assert row["kappa_trace_uncentred"] == pytest.approx(t_u, abs=1e-6)
+        moved = max(moved, abs(k - k_u), abs(t - t_u))
+    assert moved > 1e-3  # the two read different maps
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_constant_logit_shift_leaves_centred_kappa_alone(family):
+    """``W_U + c 1^T`` (the same vector ``c`` added to every token's column: a logit shift common
+    to every token, per residual direction) changes no softmax, nor the centred kappa."""
+    model = make_tiny_model(family, seed=2)
+    before = ov_spectrum_of_model(model, n_rotations=16)
+    head = model.get_output_embeddings()
+    if head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr():  # tied (GPT-2): untie
+        head.weight = torch.nn.Parameter(head.weight.detach().clone())
+    gen = torch.Generator().manual_seed(0)
+    c = 3.0 * head.weight.std() * torch.randn(head.weight.shape[1], generator=gen)
+    with torch.no_grad():
+        head.weight += c  # lm_head weight is (vocab, d_model): every token's row gets c
+    after = ov_spectrum_of_model(model, n_rotations=16)
+    centred = [c for c in NUMERIC if "uncentred" not in c]
+    np.testing.assert_allclose(after[centred].to_numpy(), before[centred].to_numpy(), rtol=1e-5, atol=1e-5)
+    assert after[["copying", "suppression"]].equals(before[["copying", "suppression"]])
+    assert np.abs(after["kappa_uncentred"] - before["kappa_uncentred"]).max() > 0.05
+
+
+def test_uncentred_unembedding_is_the_stored_one():
+    w = extract_weights(make_tiny_model("llama", seed=0))
+    centred, raw = ov_spectrum(w, n_rotations=16), ov_spectrum(w, n_rotations=16, unembedding="uncentred")
+    assert raw.attrs["summary"]["unembedding"] == "uncentred"
+    np.testing.assert_allclose(raw["kappa"], centred["kappa_uncentred"], atol=1e-12)
+    np.testing.assert_allclose(raw["kappa_trace"], centred["kappa_trace_uncentred"], atol=1e-12)
+    np.testing.assert_allclose(raw["kappa"], raw["kappa_uncentred"], atol=0)
+    with pytest.raises(SpectrumError, match="unknown unembedding 'mean'; use one of: centred, uncentred"):
+        ov_spectrum(w, unembedding="mean")
+
+
+# ---------------------------------------------------------------- the gate measures a build the baseline's way
+
+
+def test_kappa_method_of_a_record():
+    from pytest_circuits.rungs.kappa_method import LEGACY, KappaMethod, of_record
+
+    shipped = json.loads((SHIPPED_BASELINES / "tiny-induction--fp32.json").read_text())
+    assert "unembedding" not in shipped["rung1"]  # recorded before the centred unembedding
+    assert of_record(shipped) == LEGACY == KappaMethod("uncentred", 256, "normal", "float64")
+    assert of_record({"rung1": {**shipped["rung1"], **KappaMethod().as_dict()}}) == KappaMethod()
+    assert of_record({}) == LEGACY
+
+
+@pytest.fixture(scope="module")
+def tiny_induction_session():
+    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.settings import CircuitsSettings
+
+    return CircuitsSession(CircuitsSettings(model="tiny-induction", device="cpu"))
+
+
+@requires_embedded_model()
+def test_gate_measures_the_candidate_as_its_baseline_was_measured(tiny_induction_session):
+    """Against a shipped (older) baseline the candidate is uncentred with the 256-draw normal null,
+    and reproduces the baseline; a new record is centred with the 32-draw t null."""
+    from pytest_circuits.gate.schema import Record
+    from pytest_circuits.gate.verdict import candidate_record
+
+    session = tiny_induction_session
+    baseline = json.loads((SHIPPED_BASELINES / "tiny-induction--fp32.json").read_text())
+    old_way = candidate_record(session, "fp32", baseline, knockout=False)
+    assert {k: old_way["rung1"][k] for k in ("unembedding", "n_rotations", "p_method", "null_dtype")} == {
+        "unembedding": "uncentred",
+        "n_rotations": 256,
+        "p_method": "normal",
+        "null_dtype": "float64",
+    }
+    for b, a in zip(baseline["heads"], old_way["heads"]):
+        assert a["kappa"] == pytest.approx(b["kappa"], abs=2e-5)
+        assert a["kappa_z"] == pytest.approx(b["kappa_z"], rel=1e-4, abs=1e-4)
+        assert a["kappa_uncentred"] == a["kappa"]
+    new = session.record("fp32", knockout=False)
+    Record.model_validate(new)
+    assert (new["rung1"]["unembedding"], new["rung1"]["n_rotations"], new["rung1"]["p_method"]) == ("centred", 32, "t")
+    assert candidate_record(session, "fp32", new, knockout=False) is new  # new against new: centred, one scan
+    kappa_new = np.array([h["kappa"] for h in new["heads"]])
+    kappa_old = np.array([h["kappa"] for h in baseline["heads"]])
+    np.testing.assert_allclose([h["kappa_uncentred"] for h in new["heads"]], kappa_old, atol=2e-5)
+    assert np.abs(kappa_new - kappa_old).max() > 1e-3
+
+
+@requires_embedded_model()
+def test_records_of_two_kappa_methods_pair_only_like_figures(tiny_induction_session):
+    """``circuits diff`` of an older baseline and a new record: kappa and kappa_trace pair with the
+    new record's uncentred twins; what the null decides (z, flags) is not compared, and the
+    invariant that needs it says why (a failure), never reading the method as a change."""
+    from pytest_circuits.cli import diff_rows
+    from pytest_circuits.gate.invariants import evaluate
+    from pytest_circuits.gate.tolerances import Tolerances
+
+    old = json.loads((SHIPPED_BASELINES / "tiny-induction--fp32.json").read_text())
+    new = tiny_induction_session.record("fp32", knockout=False)
+    copying = evaluate("copying_heads", old, new, Tolerances(), "fp32", "fp32 baseline")
+    assert copying.status == "passed" and copying.compared > 3
+    shift = evaluate("kappa_distribution", old, new, Tolerances(), "fp32", "fp32 baseline")
+    assert shift.status == "failed" and shift.compared == 0
+    assert shift.message.startswith(
+        "the fp32 baseline measured kappa with uncentred W_U, 256-draw float64 normal null, "
+        "fp32 with centred W_U, 32-draw float32 t null: kappa_z, kappa_trace_z of two methods are not compared"
+    )
+    assert [r for r in diff_rows(old, new) if r[1].startswith("kappa") or r[1] in ("copying", "suppression")] == []
+    moved = {h["head"] for h, b in zip(new["heads"], old["heads"]) if abs(h["kappa_trace"] - b["kappa_trace"]) > 0.5}
+    assert moved >= {"L1H1", "L1H2", "L1H3"}  # what a naive diff would have called a change
+    for name in ("copying_heads", "kappa_distribution"):
+        assert evaluate(name, new, new, Tolerances(), "fp32", "fp32 baseline").status == "passed"
 
 
 def test_folded_differs_from_raw_on_layernorm_models():

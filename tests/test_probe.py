@@ -237,11 +237,16 @@ def test_too_long_for_the_context_is_refused_in_one_line(tiny_build):
         run_repeat_probe(with_bos(build, 0), RepeatSettings(seed=0, n=1, L=64))
 
 
-def test_sliding_window_scores_come_from_the_pattern_used(tiny_build):
-    """Mistral with a window shorter than L: nothing attends L back, so duplicate-token is exactly 0."""
+def test_sliding_window_scores_come_from_the_pattern_used(tiny_build, monkeypatch):
+    """Mistral with a window shorter than L: nothing attends L back, so duplicate-token is exactly 0.
+
+    The probe refuses such a length (`repeat.check_window`); with the refusal lifted, the scores
+    still come from the masked pattern the model used."""
     from transformers import AutoModelForCausalLM, MistralConfig
 
+    from pytest_circuits.errors import CircuitsError
     from pytest_circuits.model.families import geometry_of
+    from pytest_circuits.rungs import repeat
 
     torch.manual_seed(0)
     config = MistralConfig(
@@ -259,6 +264,9 @@ def test_sliding_window_scores_come_from_the_pattern_used(tiny_build):
     )
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     build = dataclasses.replace(tiny_build("llama"), model=model, geometry=geometry_of(model))
+    with pytest.raises(CircuitsError, match="sliding window of 4 positions"):
+        run_repeat_probe(build, SMALL, batch_size=2)
+    monkeypatch.setattr(repeat, "check_window", lambda *args: None)
     probe = run_repeat_probe(build, SMALL, batch_size=2)
     ids = repeat_tokens(build.tokens, SMALL.n, SMALL.L, SMALL.seed)
     with torch.no_grad():

@@ -65,6 +65,7 @@ def fake_record(
                     "layer": layer,
                     "head_index": index,
                     "kappa": kappa,
+                    "kappa_uncentred": kappa,  # a fake record: one W_U, no vocabulary mean
                     "kappa_trace": float(lam.real.sum() / np.abs(lam).sum()),
                     "kappa_null_mean": 0.0,
                     "kappa_null_sd": null_sd,

@@ -289,6 +289,23 @@ def compared_pairs(before: dict, after: dict, tol: Tolerances) -> tuple[list, st
     return pairs, f"; {len(negligible)} heads with OV gain < {tol.min_ov_gain:g} x the largest not compared"
 
 
+def kappa_pairs(before: dict, after: dict, figures: tuple[str, ...]) -> tuple[dict[str, tuple[str, str]], str]:
+    """``({figure: (figure of before, figure of after)}, why)``: the figures of two records that
+    measure the same thing (`rungs.kappa_method.paired_figures`); ``why`` names the two ways of
+    measuring kappa when some figure has no pair ("" when all do)."""
+    from ..rungs.kappa_method import of_record, paired_figures
+
+    mb, ma = of_record(before), of_record(after)
+    pairs = {f: p for f in figures if (p := paired_figures(f, mb, ma)) is not None}
+    if len(pairs) == len(figures):
+        return pairs, ""
+    return pairs, (
+        f"the {{against}} measured kappa with {mb.describe()}, {{build}} with {ma.describe()}: "
+        f"{', '.join(f for f in figures if f not in pairs)} of two methods are not compared "
+        "(a live gate measures the build the baseline's way)"
+    )
+
+
 def key_heads(record: dict, metric: str, top_k: int, minimum: float) -> list[str]:
     """The record's heads scoring at least ``minimum`` on ``metric``, best first; the top ``top_k``
     of them when ``top_k`` is positive, every one when it is 0."""
@@ -315,14 +332,19 @@ class CopyingHeads(Invariant):
     moved = "copying heads of {build} moved against the {against}"
 
     def compare(self, before, after, tol):
+        same, mismatch = kappa_pairs(before, after, ("kappa", "kappa_trace"))
+        if mismatch:
+            return Comparison(nothing=mismatch)
+        (kb, ka), (tb, ta) = same["kappa"], same["kappa_trace"]  # the uncentred twin across unembeddings
+        note = "" if (kb, ka) == ("kappa", "kappa") else f" ({kb} -> {ka})"
         pairs, left_out = compared_pairs(before, after, tol)
         rows = []
         for name, b, a in pairs:
-            for metric in ["kappa", "kappa_trace"] if _role(b) else ["kappa_trace"]:
-                rows.append(within(name, metric, num(b.get(metric)), num(a.get(metric)), tol.kappa, _role(b)))
+            for metric, x, y in [("kappa", kb, ka), ("kappa_trace", tb, ta)] if _role(b) else [("kappa_trace", tb, ta)]:
+                rows.append(within(name, metric, num(b.get(x)), num(a.get(y)), tol.kappa, _role(b) + note))
         ranked = [(b, a) for _, b, a in pairs if abs(num(b.get("kappa_z"))) >= RANK_MIN_Z]
         if len(ranked) >= 3:
-            rho = spearman([num(b.get("kappa")) for b, _ in ranked], [num(a.get("kappa")) for _, a in ranked])
+            rho = spearman([num(b.get(kb)) for b, _ in ranked], [num(a.get(ka)) for _, a in ranked])
             undefined = " undefined: kappa is constant on one side" if math.isnan(rho) else ""
             rows.append(
                 Row(
@@ -350,6 +372,9 @@ class KappaDistribution(Invariant):
     moved = "kappa distribution of {build} shifted against the null, compared with the {against}"
 
     def compare(self, before, after, tol):
+        _, mismatch = kappa_pairs(before, after, ("kappa_z", "kappa_trace_z"))
+        if mismatch:
+            return Comparison(nothing=mismatch)
         pairs, left_out = compared_pairs(before, after, tol)
         rows, context, said = [], [], []
         for metric in ("kappa_z", "kappa_trace_z"):

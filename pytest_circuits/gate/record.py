@@ -125,14 +125,16 @@ def assemble_record(
     }
 
 
-def _rung1_info(spectrum, settings, folded: bool) -> dict:
+def _rung1_info(spectrum, settings, folded: bool, method) -> dict:
+    """The record's ``rung1`` section: how kappa was measured (`KappaMethod`) and its null's scale."""
     attrs = {**spectrum.attrs, **(spectrum.attrs.get("summary") or {})}
     null_sd = attrs.get("median_null_sd", attrs.get("null_sd_median"))
     if null_sd is None and "kappa_null_sd" in spectrum.columns:
         null_sd = float(np.nanmedian(spectrum["kappa_null_sd"].to_numpy(float)))
     floor = attrs.get("analytic_floor")
     return {
-        "n_rotations": int(attrs.get("n_rotations", settings.n_rotations)),
+        **method.as_dict(),
+        "n_rotations": int(attrs.get("n_rotations", method.n_rotations)),
         "q": float(attrs.get("q", settings.fdr_q)),
         "folded": bool(attrs.get("folded", folded)),
         "analytic_floor": _plain(floor),
@@ -154,11 +156,13 @@ def model_info(session, build) -> dict:
     }
 
 
-def build_record(session, recipe: str, knockout: bool = True) -> dict:
-    """The scan record of one build, computed (and cached) through ``session``."""
+def build_record(session, recipe: str, knockout: bool = True, method=None) -> dict:
+    """The scan record of one build, computed (and cached) through ``session``; kappa measured by
+    ``method`` (a `KappaMethod`, default the settings')."""
     s = session.settings
+    method = s.kappa_method if method is None else method
     build = session.build(recipe)
-    spectrum = session.ov_spectrum(recipe)
+    spectrum = session.ov_spectrum(recipe, method)
     probe = session.repeat_probe(recipe)
     ko_frame, ko_info = None, None
     if knockout:
@@ -182,5 +186,5 @@ def build_record(session, recipe: str, knockout: bool = True) -> dict:
         spectrum=spectrum,
         probe_result=probe,
         knockout=ko_frame,
-        rung1=_rung1_info(spectrum, s, folded=True),
+        rung1=_rung1_info(spectrum, s, folded=True, method=method),
     )

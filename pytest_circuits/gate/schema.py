@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from ..options import KNOCKOUT_MODES
-from ..rungs import figures
+from ..rungs import figures, kappa_method
 
 SCHEMA_VERSION = 1
 
@@ -87,6 +87,18 @@ class KnockoutInfo(ProbeInfo):
         return mode
 
 
+class Rung1Info(BaseModel):
+    """How kappa was measured (`rungs.kappa_method`); a key left out means the older records' way."""
+
+    model_config = _STRICT
+    n_rotations: int = Field(ge=2)
+    q: float = Field(gt=0.0, lt=1.0)
+    folded: bool = True
+    unembedding: Literal[kappa_method.UNEMBEDDINGS] | None = None  # type: ignore[valid-type]
+    p_method: Literal[kappa_method.P_METHODS] | None = None  # type: ignore[valid-type]
+    null_dtype: Literal[kappa_method.NULL_DTYPES] | None = None  # type: ignore[valid-type]
+
+
 _MODEL_FIGURES = {f.name: (Annotated[float, Field(ge=f.low, le=f.high)], ...) for f in figures.MODEL_FIGURES}
 _Figures = create_model("_Figures", __config__=_STRICT, **_MODEL_FIGURES)  # type: ignore[call-overload]
 
@@ -99,6 +111,7 @@ class Record(_Figures):  # type: ignore[misc, valid-type]
     build: BuildInfo
     probe: ProbeInfo
     knockout: KnockoutInfo | None = None
+    rung1: Rung1Info | None = None
     heads: list[HeadRow]  # type: ignore[valid-type]
     eigenvalues: dict[str, list[Annotated[list[float], Field(min_length=2, max_length=2)]]] = Field(
         default_factory=dict

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import BaselineError, BaselineMissing
+from ..rungs import kappa_method
 from . import invariants
 from .store import compatibility
 from .tolerances import Tolerances
@@ -47,27 +48,39 @@ def comparisons(recipe: str, reference: str) -> list[tuple[str, str]]:
     return [(reference, f"{reference} baseline"), (recipe, "own baseline")]
 
 
+def candidate_record(session, recipe: str, baseline: dict, knockout: bool) -> dict:
+    """The record of build ``recipe`` measured the way ``baseline`` was: kappa on the same
+    unembedding, against the same rotation null (`kappa_method.of_record`; a baseline that does
+    not say is an older one: uncentred, 256 float64 draws, normal p). The gate's one rule for
+    comparing like with like, used by the plugin and ``circuits gate``."""
+    return session.record(recipe, knockout=knockout, method=kappa_method.of_record(baseline))
+
+
 def gate_build(session, recipe: str, invariant: str, tol: Tolerances, fixes: dict[str, str]) -> GateOutcome:
     """Gate one invariant of ``recipe`` against the reference baseline and its own (drift).
 
-    ``session`` provides ``record(recipe, knockout)``, ``load_baseline(recipe)`` and
+    ``session`` provides ``record(recipe, knockout, method)``, ``load_baseline(recipe)`` and
     ``settings.reference``. A missing reference baseline is a problem (the gate fails); a
     missing own baseline only skips the drift comparison. ``fixes`` maps
     ``"reference"``/``"own"`` to the line that ends a failure message.
     """
     inv = invariants.get(invariant)
     outcome = GateOutcome()
-    candidate = session.record(recipe, knockout="knockout" in inv.needs)
     for base_recipe, label in comparisons(recipe, session.settings.reference):
         own = label == "own baseline"
         try:
             baseline = session.load_baseline(base_recipe)
-            outcome.notes.extend(n for n in compatibility(baseline, candidate, label) if n not in outcome.notes)
         except BaselineMissing as error:
             if not own:
                 outcome.problems.append(str(error))
             continue
         except BaselineError as error:
+            outcome.problems.append(str(error))
+            continue
+        candidate = candidate_record(session, recipe, baseline, knockout="knockout" in inv.needs)
+        try:
+            outcome.notes.extend(n for n in compatibility(baseline, candidate, label) if n not in outcome.notes)
+        except BaselineError as error:  # another geometry or probe
             outcome.problems.append(str(error))
             continue
         fix = fixes.get("own" if own else "reference")

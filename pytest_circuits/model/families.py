@@ -111,8 +111,8 @@ QUIRKS = {
     "norm_offset": "RMSNorm scales by (1 + w), w stored: the fold uses g = 1 + w",
     "embed_scale": "embedding multiplied by a positive scalar (sqrt(d_model) or a multiplier): kappa unchanged, W_E carries it",
     "embed_norm": "a LayerNorm on the embedding: W_E is read through it row by row (exact, per token)",
-    "sliding_window": "some or all layers attend within a window; the probe's 2L must fit it",
-    "local_attention": "alternate layers attend within a local window",
+    "sliding_window": "some or all layers attend within a window; a probe longer than it is refused in one line",
+    "local_attention": "alternate layers attend within a local window; a probe longer than it is refused",
     "no_score_scaling": "scores not divided by sqrt(d_head): changes A only",
     "attn_softcap": "attention logits soft-capped: changes A only",
     "logit_softcap": "final logits soft-capped (monotone per token); kappa reads the logits before the cap",
@@ -820,6 +820,34 @@ def tail_logits(model, hidden: torch.Tensor, family: Family | None = None) -> to
     if cap:
         logits = torch.tanh(logits / cap) * cap
     return logits
+
+
+SLIDING_LAYER_TYPES = ("sliding_attention", "local")  # layer_types / attention_layers entries that slide
+
+
+def attention_windows(config) -> dict[int, int]:
+    """``{layer: w}`` for every layer that attends within a sliding window of ``w`` positions
+    (a query sees itself and the ``w - 1`` before it); layers absent attend to the whole prefix.
+
+    Read from the config as transformers builds the masks: ``layer_types`` (``"sliding_attention"``
+    layers get ``sliding_window``), GPT-Neo's ``attention_layers`` (``"local"`` layers get
+    ``window_size``), else ``sliding_window`` on every layer unless ``use_sliding_window`` is False.
+    """
+    n_layers = next(
+        (v for a in ("num_hidden_layers", "n_layer", "num_layers") if isinstance(v := getattr(config, a, None), int)),
+        0,
+    )
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None)
+    if getattr(config, "attention_layers", None) is not None:  # GPT-Neo
+        kinds, window = config.attention_layers, getattr(config, "window_size", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return {}
+    if kinds is not None:
+        return {i: window for i, kind in enumerate(kinds) if kind in SLIDING_LAYER_TYPES}
+    if getattr(config, "use_sliding_window", True) is False:
+        return {}
+    return dict.fromkeys(range(n_layers), window)
 
 
 def flattens_batch_with_heads(model) -> bool:

@@ -95,6 +95,19 @@ HEAD_FIGURES: tuple[Figure, ...] = (
     _kappa("suppression_trace", "bool", stored="measured"),
     _kappa("kv_group", "int", stored=""),
     _kappa("ov_gain", stored="measured", low=0.0, title="ov gain"),  # the CLI shows it over the largest
+    # the same scores on the uncentred W_U, for comparison (kappa itself reads the centred one)
+    _kappa(
+        "kappa_uncentred",
+        stored="measured",
+        low=-1.0,
+        high=1.0,
+        title="unc kappa",
+        fmt="{:+.3f}",
+        diff=True,
+        heatmap="κ on the uncentred W_U",
+        heatmap_kind="diverging",
+    ),
+    _kappa("kappa_trace_uncentred", stored="measured", low=-1.0, high=1.0, diff=True),
     # rung 1/2: routing scores of the repeat probe
     _routing("prefix_matching", title="prefix", diff=True, heatmap="prefix-matching", heatmap_kind="score"),
     _routing("previous_token", title="prev", diff=True, heatmap="previous-token", heatmap_kind="score"),

@@ -6,6 +6,10 @@ Definitions (docs/definitions.md, "Rung 1, weights: kappa"):
   nonzero eigenvalues are those of ``W_E W_OV W_U`` (``vocab x vocab``, never formed).
   ``W_U W_E`` (``d_model x d_model``) is formed once per model; ``W_V`` is the head's
   key/value group's (grouped-query attention).
+* ``W_U`` is centred by default: ``W_U - W_U 11^T / vocab`` (each residual direction's mean
+  over the vocabulary removed), because a logit shift common to every token changes no
+  softmax, so that part of ``W_U`` carries nothing a head can copy. The uncentred kappa and
+  kappa_trace are reported beside it (``kappa_uncentred``, ``kappa_trace_uncentred``).
 * ``kappa = (1/d_head) sum_i f(l_i)``, ``f(l) = Re(l)/|l|``, ``f = 0`` where
   ``|l| <= 1e-6 max|l|``; trace-weighted ``kappa_trace = sum_i Re(l_i) / sum_i |l_i|``.
 * rotation null: ``kappa(M_h R)`` for Haar-random orthogonal ``R`` keeps the head's singular
@@ -52,10 +56,11 @@ from ..errors import CircuitsError
 from ..model.families import head_label
 from ..model.weights import ModelWeights, extract_weights
 from . import figures
+from .kappa_method import P_METHODS, UNEMBEDDINGS, KappaMethod
 
 EIG_REL_TOL = 1e-6  # f = 0 where |l| <= EIG_REL_TOL * max|l|
-P_METHODS = ("t", "normal", "empirical")
-N_ROTATIONS = 32  # default draws per head for p_method "t" (exact t test: any n is calibrated)
+DEFAULT = KappaMethod()
+N_ROTATIONS = DEFAULT.n_rotations  # default draws per head for p_method "t" (exact t test: any n is calibrated)
 
 COLUMNS = figures.columns("kappa")[:12]  # head .. suppression (rungs/figures.py declares each)
 EXTRA_COLUMNS = figures.columns("kappa")[12:]
@@ -73,15 +78,32 @@ def analytic_floor(d_head: int) -> float:
 # ---------------------------------------------------------------- reduced OV matrices
 
 
-def shared_unembed_embed(weights: ModelWeights) -> torch.Tensor:
-    """``W_U W_E`` (``d_model x d_model``, float64): formed once, shared by every head."""
-    return weights.W_U.double() @ weights.W_E.double()
+def _check_unembedding(unembedding: str) -> None:
+    if unembedding not in UNEMBEDDINGS:
+        raise SpectrumError(f"unknown unembedding {unembedding!r}; use one of: {', '.join(UNEMBEDDINGS)}")
+
+
+def unembedding_matrix(weights: ModelWeights, unembedding: str = DEFAULT.unembedding) -> torch.Tensor:
+    """``W_U`` (``d_model x vocab``, float64) as kappa reads it: ``"centred"`` (the default) removes
+    each residual direction's mean over the vocabulary, ``W_U - mean_v W_U[:, v]``; ``"uncentred"``
+    is ``W_U`` as stored (folded)."""
+    _check_unembedding(unembedding)
+    W_U = weights.W_U.double()
+    if unembedding == "centred":
+        W_U -= W_U.mean(dim=1, keepdim=True)  # in place: .double() made a copy
+    return W_U
+
+
+def shared_unembed_embed(weights: ModelWeights, unembedding: str = DEFAULT.unembedding) -> torch.Tensor:
+    """``W_U W_E`` (``d_model x d_model``, float64) of the ``unembedding`` chosen: formed once, shared by every head."""
+    return unembedding_matrix(weights, unembedding) @ weights.W_E.double()
 
 
 def reduced_ov_layer(weights: ModelWeights, layer: int, WUE: torch.Tensor | None = None) -> torch.Tensor:
     """``M_h = W_O[h] (W_U W_E) W_V[group(h)]`` for every head of ``layer``: ``(n_heads, d_head, d_head)``.
 
-    ``(W_U W_E) W_V`` is formed once per key/value group, then batched over query heads.
+    ``(W_U W_E) W_V`` is formed once per key/value group, then batched over query heads;
+    ``WUE`` defaults to the centred ``shared_unembed_embed``.
     """
     WUE = shared_unembed_embed(weights) if WUE is None else WUE
     lw = weights.layers[layer]
@@ -90,9 +112,9 @@ def reduced_ov_layer(weights: ModelWeights, layer: int, WUE: torch.Tensor | None
     return lw.W_O.double() @ read
 
 
-def reduced_ov(weights: ModelWeights) -> torch.Tensor:
+def reduced_ov(weights: ModelWeights, unembedding: str = DEFAULT.unembedding) -> torch.Tensor:
     """``M_h`` of every head of the model: ``(n_layers, n_heads, d_head, d_head)``, float64."""
-    WUE = shared_unembed_embed(weights)
+    WUE = shared_unembed_embed(weights, unembedding)
     return torch.stack([reduced_ov_layer(weights, layer, WUE) for layer in range(len(weights.layers))])
 
 
@@ -305,11 +327,19 @@ def spectrum_frame(
     seed: int,
     p_method: str = "t",
     null_dtype: torch.dtype = torch.float64,
+    unembedding: str = DEFAULT.unembedding,
+    uncentred: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> pd.DataFrame:
     """Turn per-head scores and nulls (``(n_layers, n_heads[, ...])`` arrays) into the result frame.
 
+    ``unembedding``: which ``W_U`` the scores read; ``uncentred``: ``(kappa, kappa_trace)`` on the
+    uncentred ``W_U`` (the scores themselves when None, i.e. when they are the uncentred ones).
     Shared by the batched scan and the per-head reference, so both report identically.
     """
+    if uncentred is None:
+        if unembedding != "uncentred":
+            raise SpectrumError("spectrum_frame: a centred frame needs the uncentred scores beside it")
+        uncentred = (kappa, kappa_trace)
     geo = weights.geometry
     n_layers, n_heads = kappa.shape
     n_rotations = null_kappa.shape[-1]
@@ -353,6 +383,8 @@ def spectrum_frame(
             "suppression_trace": sig_t & (kappa_trace.ravel() < 0),
             "kv_group": np.array([geo.kv_group(int(h)) for h in heads]),
             "ov_gain": ov_gain(eigenvalues).ravel(),
+            "kappa_uncentred": np.asarray(uncentred[0]).ravel(),
+            "kappa_trace_uncentred": np.asarray(uncentred[1]).ravel(),
         }
     )
     frame.attrs["eigenvalues"] = eigenvalues
@@ -366,6 +398,7 @@ def spectrum_frame(
         "n_rotations": int(n_rotations),
         "seed": int(seed),
         "folded": bool(weights.folded),
+        "unembedding": unembedding,
         "p_method": p_method,
         "null_dtype": str(null_dtype).removeprefix("torch."),
         "eig_rel_tol": EIG_REL_TOL,
@@ -393,8 +426,13 @@ def ov_spectrum(
     p_method: str = "t",
     n_workers: int | None = None,
     null_dtype: torch.dtype = torch.float32,
+    unembedding: str = DEFAULT.unembedding,
 ) -> pd.DataFrame:
     """kappa and kappa_trace of every head, each against its rotation null, BH across all heads.
+
+    ``unembedding="centred"`` (the default) reads ``W_U`` less its mean over the vocabulary
+    (`unembedding_matrix`); ``kappa_uncentred`` and ``kappa_trace_uncentred`` give the scores
+    on the stored ``W_U`` beside it (one more eigenvalue problem per head, no null).
 
     One row per head (layer-major) with the columns of ``COLUMNS`` then ``EXTRA_COLUMNS``:
     ``kappa_z = (kappa - kappa_null_mean) / kappa_null_sd``; ``kappa_p`` two-sided
@@ -412,7 +450,7 @@ def ov_spectrum(
     * ``"null_kappa"``, ``"null_kappa_trace"``: float64 ``(n_layers, n_heads, n_rotations)``;
     * ``"summary"``: dict with ``analytic_floor`` (``1/sqrt(2 d_head)``), ``median_null_sd``,
       ``median_trace_null_sd``, ``q``, ``n_rotations``, ``seed``, ``folded``, ``p_method``,
-      ``null_dtype``, ``eig_rel_tol``, ``family``, ``d_head``, ``n_heads_total``, ``n_copying``, ``n_suppression``.
+      ``unembedding``, ``null_dtype``, ``eig_rel_tol``, ``family``, ``d_head``, ``n_heads_total``, ``n_copying``, ``n_suppression``.
 
     The head's own eigenvalues are float64; the null's are ``null_dtype``, by default float32
     (about 1.3x faster; their rounding, ~1e-6 in kappa, is far below the null's sampling error).
@@ -427,8 +465,13 @@ def ov_spectrum(
             f"ov_spectrum takes ModelWeights (from extract_weights), got {type(weights).__name__}; "
             "for a model use ov_spectrum_of_model"
         )
-    M = reduced_ov(weights)
+    _check_unembedding(unembedding)
+    M = reduced_ov(weights, unembedding)
     lam, kappa, trace = kappa_scores(M)
+    uncentred = None
+    if unembedding != "uncentred":
+        _, kappa_u, trace_u = kappa_scores(reduced_ov(weights, "uncentred"))
+        uncentred = (kappa_u.numpy(), trace_u.numpy())
     null_k, null_t = null_distributions(M, n_rotations, int(seed), n_workers, null_dtype)
     return spectrum_frame(
         weights,
@@ -441,6 +484,8 @@ def ov_spectrum(
         seed=int(seed),
         p_method=p_method,
         null_dtype=null_dtype,
+        unembedding=unembedding,
+        uncentred=uncentred,
     )
 
 
@@ -462,17 +507,32 @@ def without_attrs(frame: pd.DataFrame) -> pd.DataFrame:
 # ---------------------------------------------------------------- slow per-head reference
 
 
+def unembedding_reference(weights: ModelWeights, unembedding: str = DEFAULT.unembedding) -> np.ndarray:
+    """``W_U`` (float64 numpy) by the definition: centred as ``W_U (I - 11^T / vocab)``, formed explicitly."""
+    _check_unembedding(unembedding)
+    W_U = weights.W_U.double().numpy()
+    if unembedding == "uncentred":
+        return W_U
+    return W_U - (W_U @ np.ones((W_U.shape[1], 1))) @ np.ones((1, W_U.shape[1])) / W_U.shape[1]
+
+
 def reduced_ov_reference(
-    weights: ModelWeights, layer: int, head: int, W_E: np.ndarray | None = None, W_U: np.ndarray | None = None
+    weights: ModelWeights,
+    layer: int,
+    head: int,
+    W_E: np.ndarray | None = None,
+    W_U: np.ndarray | None = None,
+    unembedding: str = DEFAULT.unembedding,
 ) -> np.ndarray:
     """``M_h = (W_O W_U)(W_E W_V)`` of one head, float64, without sharing ``W_U W_E`` (slow).
 
-    ``W_E``/``W_U`` may be passed already in float64, so a loop converts them once.
+    ``W_E``/``W_U`` may be passed already in float64, so a loop converts them once; ``W_U``
+    defaults to `unembedding_reference` of ``unembedding``.
     """
     W_O = weights.layers[layer].W_O[head].double().numpy()
     W_V = weights.W_V_of(layer, head).double().numpy()
     W_E = weights.W_E.double().numpy() if W_E is None else W_E
-    W_U = weights.W_U.double().numpy() if W_U is None else W_U
+    W_U = unembedding_reference(weights, unembedding) if W_U is None else W_U
     return (W_O @ W_U) @ (W_E @ W_V)
 
 
@@ -497,6 +557,7 @@ def ov_spectrum_reference(
     seed: int = 0,
     p_method: str = "t",
     heads: list[tuple[int, int]] | None = None,
+    unembedding: str = DEFAULT.unembedding,
 ) -> pd.DataFrame:
     """The naive scan: per head, ``M_h`` from scratch, ``kappa_reference``, then one rotation at a time.
 
@@ -511,11 +572,14 @@ def ov_spectrum_reference(
     lam = np.zeros((len(chosen), d), dtype=np.complex128)
     kappa, trace = np.zeros(len(chosen)), np.zeros(len(chosen))
     null_k, null_t = np.zeros((len(chosen), n_rotations)), np.zeros((len(chosen), n_rotations))
-    W_E, W_U = weights.W_E.double().numpy(), weights.W_U.double().numpy()
+    W_E = weights.W_E.double().numpy()
+    W_U, W_U_raw = unembedding_reference(weights, unembedding), unembedding_reference(weights, "uncentred")
+    kappa_u, trace_u = np.zeros(len(chosen)), np.zeros(len(chosen))
     for i, (layer, head) in enumerate(chosen):
         M = reduced_ov_reference(weights, layer, head, W_E, W_U)
         lam[i] = np.linalg.eigvals(M)
         kappa[i], trace[i] = kappa_reference(M)
+        kappa_u[i], trace_u[i] = kappa_reference(reduced_ov_reference(weights, layer, head, W_E, W_U_raw))
         rotations = layer_rotations(n_rotations, d, seed, layer).numpy()  # drawn again per head
         for r in range(n_rotations):
             null_k[i, r], null_t[i, r] = kappa_reference(M @ rotations[r])
@@ -529,6 +593,8 @@ def ov_spectrum_reference(
         q=q,
         seed=seed,
         p_method=p_method,
+        unembedding=unembedding,
+        uncentred=(kappa_u[None], trace_u[None]),
     )
     frame["layer"] = [l for l, _ in chosen]
     frame["head_index"] = [h for _, h in chosen]

@@ -150,6 +150,25 @@ def check_fits(config, tokens: TokenInfo, L: int) -> None:
             f"probe length L={L} needs {needed} positions but the model's context is {limit}; "
             f"use {flag('probe-length')} {(limit - bos_offset(tokens)) // 2} or less"
         )
+    check_window(config, needed, L, bos_offset(tokens))
+
+
+def check_window(config, needed: int, L: int, offset: int) -> None:
+    """Refuse a probe longer than a sliding-window layer's span (`families.attention_windows`):
+    its later queries could not see the first copy, so copying there is not measured."""
+    from ..model.families import attention_windows
+
+    windows = attention_windows(config)
+    narrow = sorted(layer for layer, w in windows.items() if w < needed)
+    if not narrow:
+        return
+    window = min(windows[layer] for layer in narrow)
+    shown = ", ".join(map(str, narrow[:6])) + (f" and {len(narrow) - 6} more" if len(narrow) > 6 else "")
+    raise CircuitsError(
+        f"probe length L={L} needs {needed} positions but layer(s) {shown} of this model attend within a "
+        f"sliding window of {window} positions; use {flag('probe-length')} {(window - offset) // 2} or less, "
+        "so that every layer sees the whole probe"
+    )
 
 
 def repeat_tokens(tokens: TokenInfo, n: int, L: int, seed: int) -> torch.Tensor:

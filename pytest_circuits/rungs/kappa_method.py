@@ -1,0 +1,72 @@
+"""How rung 1 measures kappa: which unembedding, which rotation null. Declared once here.
+
+A scan record says how its kappa was measured (its ``rung1`` section: ``unembedding``,
+``n_rotations``, ``p_method``, ``null_dtype``), and the gate measures a candidate build the way
+its baseline was measured (`of_record`), so kappa, kappa_z and the flags are always compared
+like with like; two stored records measured in two ways pair only the figures that mean the
+same on both sides (`paired_figures`). New records use `KappaMethod()` (the centred unembedding and the 32-draw t
+null); a record that does not say is an older one: `LEGACY`, the uncentred unembedding and
+the 256-draw float64 normal-p null the first baselines were recorded with.
+
+Light: no torch, numpy or pandas (settings and the gate import it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+UNEMBEDDINGS = ("centred", "uncentred")  # W_U minus its mean over the vocabulary, or W_U as stored
+P_METHODS = ("t", "normal", "empirical")
+NULL_DTYPES = ("float32", "float64")
+
+
+@dataclass(frozen=True)
+class KappaMethod:
+    """The unembedding kappa reads (docs/definitions.md, "Rung 1") and its rotation null's settings."""
+
+    unembedding: str = "centred"
+    n_rotations: int = 32
+    p_method: str = "t"
+    null_dtype: str = "float32"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        """``centred W_U, 32-draw float32 t null``."""
+        return f"{self.unembedding} W_U, {self.n_rotations}-draw {self.null_dtype} {self.p_method} null"
+
+
+LEGACY = KappaMethod(unembedding="uncentred", n_rotations=256, p_method="normal", null_dtype="float64")
+KEYS = tuple(f.name for f in fields(KappaMethod))
+
+
+def of_record(record: dict) -> KappaMethod:
+    """How ``record``'s kappa was measured: its ``rung1`` keys, `LEGACY` for each key it lacks."""
+    rung1 = record.get("rung1") if isinstance(record, dict) else None
+    rung1 = rung1 if isinstance(rung1, dict) else {}
+    return KappaMethod(**{key: rung1.get(key, getattr(LEGACY, key)) for key in KEYS})
+
+
+UNCENTRED_TWINS = {
+    "kappa": "kappa_uncentred",
+    "kappa_trace": "kappa_trace_uncentred",
+}  # figure -> its twin on W_U as stored
+
+
+def paired_figures(figure: str, before: KappaMethod, after: KappaMethod) -> tuple[str, str] | None:
+    """``(figure of before, figure of after)`` that measure the same thing, or None when none do.
+
+    Alike methods pair every figure with itself. kappa and kappa_trace do not depend on the null,
+    only on the unembedding: across unembeddings the uncentred side's ``kappa`` pairs with the
+    centred side's ``kappa_uncentred`` (likewise the trace). The ``*_uncentred`` figures pair with
+    themselves. Everything the null decides (z, p, q, the flags) pairs only between alike methods.
+    """
+    if before == after or figure in UNCENTRED_TWINS.values():
+        return figure, figure
+    if figure not in UNCENTRED_TWINS:
+        return None
+    if before.unembedding == after.unembedding:
+        return figure, figure
+    twin = UNCENTRED_TWINS[figure]
+    return (figure, twin) if before.unembedding == "uncentred" else (twin, figure)
