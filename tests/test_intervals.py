@@ -268,3 +268,53 @@ def test_rows_print_change_and_interval():
 
     text = format_rows([Row("model", "copy_loss", 2.723, 3.010, 0.25, True, "", (0.21, 0.37))])
     assert "+2.723 -> +3.010: +0.287 [+0.210, +0.370] (tolerance 0.25)" in text
+
+
+# ---------------------------------------------------------------- where the intervals are shown
+
+
+@needs_embedded
+def test_circuits_diff_and_scan_lines_show_the_intervals(embedded_records, tmp_path, capsys):
+    from pytest_circuits.cli import main, model_lines
+
+    reference, negated = embedded_records
+    (tmp_path / "a.json").write_text(dumps(reference))
+    (tmp_path / "b.json").write_text(dumps(negated))
+    assert main(["diff", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    out = capsys.readouterr().out
+    low, high = paired_interval(reference["copy_loss_sequences"], negated["copy_loss_sequences"])
+    change = negated["copy_loss"] - reference["copy_loss"]
+    assert f"({change:+.4f} [{low:+.3f}, {high:+.3f}])" in out
+    old = read_baseline(BASELINES / "tiny-induction--fp32.json")
+    (tmp_path / "old.json").write_text(dumps({**old, "probe": reference["probe"], "knockout": reference["knockout"]}))
+    assert main(["diff", str(tmp_path / "old.json"), str(tmp_path / "b.json")]) == 0
+    assert "[" not in next(line for line in capsys.readouterr().out.splitlines() if "copy_loss " in line)
+    low, high = reference["copy_loss_interval"]
+    assert f"copy_loss {reference['copy_loss']:.4f} [{low:.4f}, {high:.4f}]" in model_lines(reference)[1]
+
+
+@needs_embedded
+def test_report_reads_the_intervals(embedded_records):
+    from pytest_circuits.report import data
+
+    reference, negated = embedded_records
+    paired = paired_interval(reference["copy_loss_sequences"], negated["copy_loss_sequences"])
+    assert data.model_interval(negated, reference, "copy_loss") == f"[{paired[0]:+.3f}, {paired[1]:+.3f}]"
+    own = reference["copy_loss_interval"]
+    assert data.model_interval(reference, None, "copy_loss") == f"[{own[0]:.3f}, {own[1]:.3f}]"
+    old = read_baseline(BASELINES / "tiny-induction--fp32.json")
+    assert "reference recorded without per-sequence figures" in data.model_interval(negated, old, "copy_loss")
+    assert data.model_interval(negated, reference, "uniform_loss") == ""
+
+
+def test_a_failure_lists_the_rows_the_rule_spared():
+    rng = np.random.default_rng(14)
+    base = rng.normal(3.0, 1.0, 8)
+    noise = rng.normal(0.0, 0.6, 8)  # copy loss: beyond 0.25, inside the noise (as above)
+    first = base + 11.0 + noise + 0.5 + rng.normal(0, 0.02, 8)  # copy gain: +0.5 on every sequence
+    result = evaluate("copy_loss", sampled(base, base + 11.0), sampled(base + noise, first), TOL, "b", "a")
+    assert result.status == "failed"
+    by_metric = {m["metric"]: m for m in result.moved}
+    assert by_metric["copy_gain"]["broken"] and not by_metric["copy_loss"]["broken"]
+    assert "within sampling noise" in by_metric["copy_loss"]["note"]
+    assert "copy_loss" in result.message.split("\n", 2)[2]  # the spared row is shown under the broken one

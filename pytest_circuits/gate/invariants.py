@@ -301,10 +301,18 @@ def sampled_within(
     elif tol.outside_interval:
         broken = beyond and excludes_zero(interval)
         if beyond and not broken:
-            said.append(f"beyond {limit:.3g} but within sampling noise (the {LEVEL:.0%} interval holds 0)")
+            said.append(f"beyond {limit:.3g} but {SPARED} (the {LEVEL:.0%} interval holds 0)")
     else:
         broken = beyond
     return Row(subject, metric, x, y, limit, broken, " ".join(said), interval)
+
+
+SPARED = "within sampling noise"  # the note of a row the interval rule kept from breaking
+
+
+def spared(rows: list[Row]) -> list[Row]:
+    """Rows beyond their tolerance that the interval rule kept (shown under a failure as context)."""
+    return [r for r in rows if SPARED in r.note]
 
 
 def interval_detail(rows: list[Row], shown: list[Row] | None = None) -> str:
@@ -316,10 +324,10 @@ def interval_detail(rows: list[Row], shown: list[Row] | None = None) -> str:
         parts.append(
             f"{subject}d{r.metric} {_signed(r.after - r.before)} {format_interval(r.interval) or '(no interval)'}"
         )
-    spared = sum("within sampling noise" in r.note for r in rows)
+    kept = len(spared(rows))
     missing = {r.note[r.note.index("interval not available") :] for r in rows if "interval not available" in r.note}
     said = [", ".join(parts)] if parts else []
-    said += [f"{spared} beyond tolerance but within sampling noise"] if spared else []
+    said += [f"{kept} beyond tolerance but {SPARED}"] if kept else []
     return "; ".join(said + sorted(missing))
 
 
@@ -458,7 +466,7 @@ class CopyLoss(Invariant):
             for metric, limit in (("copy_loss", tol.copy_loss), ("copy_gain", tol.copy_gain))
         ]
         detail = f"copy loss {num(after.get('copy_loss')):.3f}, gain {num(after.get('copy_gain')):.3f}; "
-        return Comparison(rows, detail=detail + interval_detail(rows))
+        return Comparison(rows, spared(rows), detail=detail + interval_detail(rows))
 
 
 @register
@@ -522,7 +530,8 @@ class KnockoutDeltas(Invariant):
             )
         return Comparison(
             rows,
-            detail=interval_detail(rows, [r for r in rows if "within sampling noise" in r.note][:5]),
+            spared(rows),
+            detail=interval_detail(rows, spared(rows)[:5]),
             nothing_is_skip=True,
             nothing=(f"the {{against}} has no head with knockout delta >= {tol.min_delta:g} nats; nothing to check"),
         )
