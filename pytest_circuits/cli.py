@@ -131,14 +131,20 @@ def head_table(record: dict) -> str:
 
 
 def model_lines(record: dict) -> list[str]:
-    from .rungs.figures import MODEL_FIGURES
+    from .rungs.figures import MODEL_FIGURES, interval_key
 
     m, b, p = record["model"], record["build"], record["probe"]
-    said = ", ".join(f"{f.name} {_fmt(record.get(f.name), f.fmt)}" for f in MODEL_FIGURES)
+
+    def figure(f) -> str:
+        interval = record.get(interval_key(f.name))
+        shown = f" [{_fmt(interval[0], f.fmt)}, {_fmt(interval[1], f.fmt)}]" if interval else ""
+        return f"{f.name} {_fmt(record.get(f.name), f.fmt)}{shown}"
+
+    said = ", ".join(figure(f) for f in MODEL_FIGURES)
     return [
         f"model {m['name']} ({m['family']}, {m['geometry']['n_layers']} layers x {m['geometry']['n_heads']} heads), "
         f"build {b['recipe']} ({b['backend_version']}, {b['device']})",
-        f"probe seed {p['seed']} n {p['n']} L {p['L']}: {said} (nats)",
+        f"probe seed {p['seed']} n {p['n']} L {p['L']}: {said} (nats; [95% t interval over the sequences])",
     ]
 
 
@@ -284,10 +290,11 @@ def diff_rows(a: dict, b: dict, min_change: float = 0.01) -> list[tuple]:
 
 
 def cmd_diff(args) -> int:
-    from .gate.invariants import gate_all, kappa_pairs, verdict
+    from .gate.invariants import format_interval, gate_all, kappa_pairs, verdict
+    from .gate.stats import paired_interval
     from .gate.store import compatibility, read_baseline
     from .gate.tolerances import Tolerances
-    from .rungs.figures import MODEL_FIGURES
+    from .rungs.figures import MODEL_FIGURES, sequences_key
 
     a, b = read_baseline(args.file_a), read_baseline(args.file_b)
     for note in compatibility(a, b, f"baseline {args.file_a.name}"):
@@ -300,7 +307,9 @@ def cmd_diff(args) -> int:
     for figure in MODEL_FIGURES:
         x, y = a.get(figure.name), b.get(figure.name)
         if x is not None and y is not None:
-            print(f"  {figure.name:<16} {x:10.4f} -> {y:10.4f}  ({y - x:+.4f})")
+            xs, ys = a.get(sequences_key(figure.name)), b.get(sequences_key(figure.name))
+            paired = format_interval(paired_interval(xs, ys)) if xs is not None and ys is not None else ""
+            print(f"  {figure.name:<16} {x:10.4f} -> {y:10.4f}  ({y - x:+.4f}{' ' + paired if paired else ''})")
     rows = diff_rows(a, b, args.min_change)
     if rows:
         print(f"{'head':<8} {'metric':<16} {'A':>10} {'B':>10} {'change':>10}")

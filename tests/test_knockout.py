@@ -137,7 +137,8 @@ def test_cached_and_batched_scan_equals_naive_loop(fp32_builds, family, mode):
 def test_dataframe_contract(fp32_builds):
     build = fp32_builds["llama"]
     df = knockout_scan(build, HELD_OUT, progress=False)
-    assert list(df.columns) == ["head", "layer", "head_index", "knockout_delta"]
+    assert list(df.columns) == ["head", "layer", "head_index", "knockout_delta", "knockout_delta_sequences"]
+    assert all(len(v) == HELD_OUT.n for v in df["knockout_delta_sequences"])  # averaging: tests/test_intervals.py
     geo = build.geometry
     assert len(df) == geo.n_layers * geo.n_heads
     assert df["head"].tolist() == [f"L{l}H{h}" for l in range(geo.n_layers) for h in range(geo.n_heads)]

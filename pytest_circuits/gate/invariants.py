@@ -37,7 +37,7 @@ import numpy as np
 
 from ..errors import CircuitsError
 from .record import has_figures, record_eigenvalues
-from .stats import spearman
+from .stats import LEVEL, excludes_zero, paired_interval, spearman
 from .tolerances import Tolerances
 
 MAX_ROWS = 20
@@ -56,6 +56,7 @@ class Row:
     limit: float
     broken: bool
     note: str = ""
+    interval: tuple[float, float] | None = None  # 95% paired interval of after - before (sampled figures)
 
     def as_dict(self) -> dict:
         return {
@@ -63,6 +64,8 @@ class Row:
             "metric": self.metric,
             "before": self.before,
             "after": self.after,
+            "change": self.after - self.before,
+            "interval": None if self.interval is None else [self.interval[0], self.interval[1]],
             "tolerance": self.limit,
             "broken": self.broken,
             "note": self.note,
@@ -227,13 +230,19 @@ def format_rows(rows: list[Row], max_rows: int = MAX_ROWS) -> str:
     mwidth = max((len(r.metric) for r in rows), default=6)
     for r in rows[:max_rows]:
         note = f" {r.note}" if r.note else ""
+        change = f": {_signed(r.after - r.before)} {format_interval(r.interval)}" if r.interval is not None else ""
         lines.append(
             f"  {r.subject:<{width}} {r.metric:<{mwidth}} {_signed(r.before)} -> "
-            f"{_signed(r.after)} (tolerance {r.limit:.3g}){note}"
+            f"{_signed(r.after)}{change} (tolerance {r.limit:.3g}){note}"
         )
     if len(rows) > max_rows:
         lines.append(f"  ... and {len(rows) - max_rows} more")
     return "\n".join(lines)
+
+
+def format_interval(interval: tuple[float, float] | None) -> str:
+    """``[+0.21, +0.37]``; "" without one."""
+    return "" if interval is None else f"[{_signed(interval[0])}, {_signed(interval[1])}]"
 
 
 # ---------------------------------------------------------------- shared helpers of the built-in invariants
@@ -257,6 +266,69 @@ def head_pairs(before: dict, after: dict) -> list[tuple[str, dict, dict]]:
 def within(subject: str, metric: str, before: float, after: float, limit: float, note: str = "") -> Row:
     """A row that holds when ``|after - before| <= limit`` (NaN never holds)."""
     return Row(subject, metric, before, after, limit, not abs(after - before) <= limit, note)
+
+
+NO_INTERVAL = (
+    "interval not available ({side} recorded without per-sequence figures; re-record); plain tolerance applies"
+)
+
+
+def sampled_within(
+    subject: str, metric: str, before: dict, after: dict, limit: float, tol: Tolerances, note: str = ""
+) -> Row:
+    """A row of a sampled figure (a mean over the probe's sequences; rungs/figures.py), read from
+    ``before`` / ``after`` (a record, or one of its head rows) with its per-sequence values.
+
+    Its interval is the 95% paired t interval of the change (`stats.paired_interval`). It breaks
+    when ``|after - before| > limit`` and, with ``tol.outside_interval`` (the default), the
+    interval excludes 0; without per-sequence values on both sides the plain tolerance applies
+    and the note says so.
+    """
+    from ..rungs.figures import sequences_key
+
+    x, y = num(before.get(metric)), num(after.get(metric))
+    key = sequences_key(metric)
+    xs, ys = before.get(key), after.get(key)
+    interval = paired_interval(xs, ys) if xs is not None and ys is not None else None
+    beyond = not abs(y - x) <= limit
+    said = [note] if note else []
+    if interval is None:
+        if math.isfinite(y) and (xs is None or ys is None):
+            said.append(NO_INTERVAL.format(side="baseline" if xs is None else "build"))
+        elif math.isfinite(y) and xs is not None and ys is not None:
+            said.append(f"interval not available ({len(xs)} vs {len(ys)} sequences); plain tolerance applies")
+        broken = beyond
+    elif tol.outside_interval:
+        broken = beyond and excludes_zero(interval)
+        if beyond and not broken:
+            said.append(f"beyond {limit:.3g} but {SPARED} (the {LEVEL:.0%} interval holds 0)")
+    else:
+        broken = beyond
+    return Row(subject, metric, x, y, limit, broken, " ".join(said), interval)
+
+
+SPARED = "within sampling noise"  # the note of a row the interval rule kept from breaking
+
+
+def spared(rows: list[Row]) -> list[Row]:
+    """Rows beyond their tolerance that the interval rule kept (shown under a failure as context)."""
+    return [r for r in rows if SPARED in r.note]
+
+
+def interval_detail(rows: list[Row], shown: list[Row] | None = None) -> str:
+    """Pass-line words for sampled rows: the changes of ``shown`` (default all) with their intervals,
+    how many rows the interval rule spared, and why an interval was not available."""
+    parts = []
+    for r in rows if shown is None else shown:
+        subject = "" if r.subject == "model" else f"{r.subject} "
+        parts.append(
+            f"{subject}d{r.metric} {_signed(r.after - r.before)} {format_interval(r.interval) or '(no interval)'}"
+        )
+    kept = len(spared(rows))
+    missing = {r.note[r.note.index("interval not available") :] for r in rows if "interval not available" in r.note}
+    said = [", ".join(parts)] if parts else []
+    said += [f"{kept} beyond tolerance but {SPARED}"] if kept else []
+    return "; ".join(said + sorted(missing))
 
 
 def ov_gains(record: dict) -> dict[str, float]:
@@ -409,17 +481,17 @@ class CopyLoss(Invariant):
     """Copy loss and copy gain (nats) within tolerance, both directions."""
 
     name = "copy_loss"
-    tolerances = ("copy_loss", "copy_gain")
+    tolerances = ("copy_loss", "copy_gain", "outside_interval")
     held = "copy behaviour of {build} within tolerance of the {against}"
     moved = "copy behaviour of {build} moved against the {against}"
 
     def compare(self, before, after, tol):
         rows = [
-            within("model", metric, num(before.get(metric)), num(after.get(metric)), limit)
+            sampled_within("model", metric, before, after, limit, tol)
             for metric, limit in (("copy_loss", tol.copy_loss), ("copy_gain", tol.copy_gain))
         ]
-        detail = f"copy loss {num(after.get('copy_loss')):.3f}, gain {num(after.get('copy_gain')):.3f}"
-        return Comparison(rows, detail=detail)
+        detail = f"copy loss {num(after.get('copy_loss')):.3f}, gain {num(after.get('copy_gain')):.3f}; "
+        return Comparison(rows, spared(rows), detail=detail + interval_detail(rows))
 
 
 @register
@@ -454,7 +526,7 @@ class KnockoutDeltas(Invariant):
 
     name = "knockout_deltas"
     needs = frozenset({"knockout"})
-    tolerances = ("knockout", "top_k", "min_delta")
+    tolerances = ("knockout", "top_k", "min_delta", "outside_interval")
     held = "knockout deltas of {build}'s key heads keep their size against the {against}"
     moved = "knockout deltas of {build}'s key heads changed against the {against}"
 
@@ -478,9 +550,13 @@ class KnockoutDeltas(Invariant):
                 if not math.isnan(y)
                 else "NOT MEASURED in this build (screened out): an error, not a change; measure it exactly"
             )
-            rows.append(within(name, "knockout_delta", x, y, tol.knockout * abs(x), note))
+            rows.append(
+                sampled_within(name, "knockout_delta", b[name], a.get(name, {}), tol.knockout * abs(x), tol, note)
+            )
         return Comparison(
             rows,
+            spared(rows),
+            detail=interval_detail(rows, spared(rows)[:5]),
             nothing_is_skip=True,
             nothing=(f"the {{against}} has no head with knockout delta >= {tol.min_delta:g} nats; nothing to check"),
         )

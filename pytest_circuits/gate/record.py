@@ -14,10 +14,12 @@ import pandas as pd
 from ..model.families import head_label
 from ..rungs import figures
 from .schema import SCHEMA_VERSION
+from .stats import mean_interval
 
 HEAD_COLUMNS = figures.stored_head_figures("always")  # in every head row (None where not measured)
 EXTRA_COLUMNS = figures.stored_head_figures("measured")  # only when the rung produced them
 MODEL_FIGURES = figures.model_figure_names()
+KNOCKOUT_SEQUENCES = figures.sequences_key("knockout_delta")
 NEEDS = {"knockout": "knockout_delta"}  # what an invariant may need -> the head figure that shows it
 
 
@@ -58,7 +60,31 @@ def _plain(value):
     if isinstance(value, (float, np.floating)):
         value = float(value)
         return value if math.isfinite(value) else None
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [_plain(v) for v in value]
     return value
+
+
+def interval_of(sequences) -> list[float] | None:
+    """The 95% t interval ``[low, high]`` of the mean of per-sequence values (`stats.mean_interval`);
+    None when there are none (records without per-sequence figures) or too few."""
+    if sequences is None:
+        return None
+    interval = mean_interval(sequences)
+    return None if interval is None else [float(interval[0]), float(interval[1])]
+
+
+def sampled_model_figures(probe_result) -> dict:
+    """Per-sequence copy loss, first-copy loss and copy gain, each with its interval (`interval_of`)."""
+    keep = getattr(probe_result, "sequence_figures", None)  # a probe result that kept none has no such method
+    sequences = keep() if keep is not None else {}
+    out: dict = {}
+    for name in figures.SAMPLED_MODEL_FIGURES:
+        values = sequences.get(figures.sequences_key(name))
+        if values is not None:
+            out[figures.sequences_key(name)] = _plain(values)
+            out[figures.interval_key(name)] = interval_of(values)
+    return out
 
 
 def head_rows(spectrum, probe_heads=None, knockout=None) -> list[dict]:
@@ -67,8 +93,12 @@ def head_rows(spectrum, probe_heads=None, knockout=None) -> list[dict]:
     if probe_heads is not None:
         frame = frame.merge(probe_heads.drop(columns=["layer", "head_index"], errors="ignore"), on="head", how="left")
     if knockout is not None:
-        cols = [c for c in ("head", "knockout_delta", "knockout_estimate") if c in knockout.columns]
+        cols = [c for c in ("head", "knockout_delta", "knockout_estimate", KNOCKOUT_SEQUENCES) if c in knockout.columns]
         frame = frame.merge(knockout[cols], on="head", how="left")
+        if KNOCKOUT_SEQUENCES in frame.columns:
+            frame[figures.interval_key("knockout_delta")] = [
+                interval_of(v) if isinstance(v, list) else None for v in frame[KNOCKOUT_SEQUENCES]
+            ]
     frame = frame.sort_values(["layer", "head_index"])
     columns = list(HEAD_COLUMNS) + [c for c in EXTRA_COLUMNS if c in frame.columns]
     rows = []
@@ -120,6 +150,7 @@ def assemble_record(
         "knockout": knockout_info,
         "rung1": rung1,
         **{k: _plain(model_figures.get(k)) for k in MODEL_FIGURES},
+        **sampled_model_figures(probe_result),
         "heads": head_rows(spectrum, None if probe_result is None else probe_result.heads, knockout),
         "eigenvalues": eigenvalue_map(spectrum.attrs.get("eigenvalues")),
     }

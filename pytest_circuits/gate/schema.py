@@ -24,11 +24,16 @@ _STRICT = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 _TYPES: dict[str, Any] = {"float": float, "int": int, "bool": bool, "str": str}
 
 
+_INTERVAL = Annotated[list[float], Field(min_length=2, max_length=2)]  # [low, high]
+
+
 def _field(figure: figures.Figure):
-    """``(annotation, default)`` of one stored head figure."""
-    kind: Any = _TYPES[figure.kind]
-    if figure.low is not None or figure.high is not None:
+    """``(annotation, default)`` of one stored head or model figure."""
+    kind: Any = _INTERVAL if figure.kind == "interval" else _TYPES[figure.kind.removesuffix("s")]
+    if figure.kind != "interval" and (figure.low is not None or figure.high is not None):
         kind = Annotated[kind, Field(ge=figure.low, le=figure.high)]
+    if figure.kind == "floats":  # one value per probe sequence, each in the figure's range
+        kind = Annotated[list[kind], Field(min_length=1)]
     if figure.nullable or figure.stored == "measured":
         kind = kind | None
     return kind, (None if figure.stored == "measured" else ...)
@@ -100,6 +105,7 @@ class Rung1Info(BaseModel):
 
 
 _MODEL_FIGURES = {f.name: (Annotated[float, Field(ge=f.low, le=f.high)], ...) for f in figures.MODEL_FIGURES}
+_MODEL_FIGURES.update({f.name: _field(f) for f in figures.SEQUENCE_FIGURES})  # absent in older records
 _Figures = create_model("_Figures", __config__=_STRICT, **_MODEL_FIGURES)  # type: ignore[call-overload]
 
 
@@ -144,12 +150,53 @@ class Record(_Figures):  # type: ignore[misc, valid-type]
                 f"heads holds {len(seen)} of the geometry's {expected} heads "
                 f"({geo.n_layers} layers x {geo.n_heads} heads)"
             )
+        self._sequences_match()
         for label, pairs in self.eigenvalues.items():
             if label not in seen:
                 raise ValueError(f"eigenvalues.{label} names a head that is not in heads")
             if len(pairs) != geo.d_head:
                 raise ValueError(f"eigenvalues.{label} holds {len(pairs)} values, d_head is {geo.d_head}")
         return self
+
+    def _sequences_match(self) -> None:
+        """Per-sequence figures: one per probe (or knockout) sequence, averaging to their figure;
+        intervals ordered ``low <= high``."""
+        for name in figures.SAMPLED_MODEL_FIGURES:
+            _check_sampled(
+                name,
+                getattr(self, name),
+                getattr(self, figures.sequences_key(name)),
+                getattr(self, figures.interval_key(name)),
+                self.probe.n,
+                "probe",
+            )
+        for i, row in enumerate(self.heads):
+            for name in figures.SAMPLED_HEAD_FIGURES:
+                n = self.knockout.n if self.knockout is not None else None
+                _check_sampled(
+                    f"heads[{i}].{name}",
+                    getattr(row, name),
+                    getattr(row, figures.sequences_key(name)),
+                    getattr(row, figures.interval_key(name)),
+                    n,
+                    "knockout",
+                )
+
+
+SAMPLED_MATCH = 1e-5  # per-sequence values, rounded like every figure, average to it within this x (1 + max |value|)
+
+
+def _check_sampled(name: str, value, sequences, interval, n: int | None, probe: str) -> None:
+    if interval is not None and not interval[0] <= interval[1]:
+        raise ValueError(f"{figures.interval_key(name)} {interval} has low above high")
+    if sequences is None:
+        return
+    if n is not None and len(sequences) != n:
+        raise ValueError(f"{figures.sequences_key(name)} holds {len(sequences)} values but the {probe} has n={n}")
+    if value is not None:
+        mean = sum(sequences) / len(sequences)
+        if abs(mean - value) > SAMPLED_MATCH * (1 + max(abs(v) for v in sequences)):
+            raise ValueError(f"{figures.sequences_key(name)} average {mean:.6g}, not {name} {value:.6g}")
 
 
 def problem(error: ValidationError) -> str:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
+
+LEVEL = 0.95  # confidence level of every interval the gate reports
 
 
 def spearman(x, y) -> float:
@@ -13,3 +17,34 @@ def spearman(x, y) -> float:
     if len(x) < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
         return float("nan")
     return float(spearmanr(x, y).statistic)
+
+
+def mean_interval(values, level: float = LEVEL) -> tuple[float, float] | None:
+    """Student t interval of the mean of ``values`` (one per probe sequence):
+    ``mean +- t_{(1+level)/2, n-1} * s / sqrt(n)``, ``s`` the sample sd (ddof 1).
+
+    None with fewer than two values or any non-finite one (no interval can be given).
+    """
+    from scipy.stats import t
+
+    x = np.asarray(values, dtype=float)
+    if x.ndim != 1 or x.size < 2 or not np.isfinite(x).all():
+        return None
+    half = float(t.ppf((1 + level) / 2, x.size - 1)) * float(x.std(ddof=1)) / math.sqrt(x.size)
+    centre = float(x.mean())
+    return centre - half, centre + half
+
+
+def paired_interval(before, after, level: float = LEVEL) -> tuple[float, float] | None:
+    """Interval of the change ``mean(after) - mean(before)`` of two builds on the same sequences:
+    `mean_interval` of the paired differences ``d_i = after_i - before_i``. None when the two
+    do not pair (other lengths) or `mean_interval` gives none."""
+    b, a = np.asarray(before, dtype=float), np.asarray(after, dtype=float)
+    if b.shape != a.shape:
+        return None
+    return mean_interval(a - b, level)
+
+
+def excludes_zero(interval: tuple[float, float] | None) -> bool:
+    """True when ``interval`` lies wholly on one side of 0 (the change is outside sampling noise)."""
+    return interval is not None and (interval[0] > 0 or interval[1] < 0)

@@ -24,6 +24,9 @@ class Tolerances:
     min_score: float = 0.2  # a routing score below this does not make a key head
     min_delta: float = 0.1  # a knockout delta below this (nats) does not make a key head
     min_ov_gain: float = 0.01  # heads with OV gain below this x the largest: kappa not compared
+    # copy_loss and knockout_deltas fail only when a change is both beyond its tolerance and
+    # outside sampling noise: its 95% paired interval over the probe's sequences excludes 0
+    outside_interval: bool = True
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -36,6 +39,9 @@ class Tolerances:
             raise ValueError(f"unknown tolerance(s) {', '.join(unknown)}; known: {', '.join(self.names())}")
         clean: dict[str, Any] = {}
         for name, value in overrides.items():
+            if name in FLAGS:
+                clean[name] = _flag(name, value)
+                continue
             kind = int if name == "top_k" else float
             try:
                 clean[name] = kind(value)
@@ -49,3 +55,17 @@ class Tolerances:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+FLAGS = tuple(f.name for f in fields(Tolerances) if f.type in (bool, "bool"))  # on/off, not numbers
+_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def _flag(name: str, value) -> bool:
+    """A flag tolerance from a bool or ``1/0, true/false, yes/no, on/off``; ValueError otherwise."""
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word not in _WORDS:
+        raise ValueError(f"tolerance {name} must be true or false, got {value!r}")
+    return _WORDS[word]

@@ -180,6 +180,27 @@ def model_figures(record: dict) -> dict[str, float]:
     return {name: number(record.get(name)) for name in MODEL_FIGURES}
 
 
+def model_interval(record: dict, reference: dict | None, name: str) -> str:
+    """The 95% interval of a sampled model figure as text: of its change against ``reference``
+    (paired over the probe's sequences) when there is one, else of the figure itself; why not
+    when a record lacks per-sequence figures; "" for a figure that is not sampled."""
+    from ..gate.invariants import format_interval
+    from ..gate.stats import paired_interval
+
+    if name not in figures.SAMPLED_MODEL_FIGURES:
+        return ""
+    key = figures.sequences_key(name)
+    mine = record.get(key)
+    if reference is None:
+        interval = record.get(figures.interval_key(name))
+        return f"[{fmt(interval[0])}, {fmt(interval[1])}]" if interval else "not available"
+    theirs = reference.get(key)
+    if mine is None or theirs is None:
+        side = "reference" if theirs is None else "build"
+        return f"not available ({side} recorded without per-sequence figures; re-record)"
+    return format_interval(paired_interval(theirs, mine)) or "not available"
+
+
 def fmt(value: Any, digits: int = 3, sign: bool = False) -> str:
     """A short human form of a number (``sign``: always show + or -), bool or missing value."""
     if isinstance(value, bool):

@@ -137,7 +137,9 @@ def _model_figures(s: Section) -> str:
     mine = data.model_figures(s.record)
     ref = data.model_figures(s.reference) if s.reference is not None else None
     head = "<tr><th>model figure (nats)</th><th>this build</th>"
-    head += "<th>reference</th><th>change</th></tr>" if ref else "</tr>"
+    head += (
+        "<th>reference</th><th>change</th><th>95% paired interval</th></tr>" if ref else "<th>95% interval</th></tr>"
+    )
     rows = []
     for name, value in mine.items():
         cells = f"<td>{name.replace('_', ' ')}</td><td class=num>{data.fmt(value)}</td>"
@@ -145,6 +147,7 @@ def _model_figures(s: Section) -> str:
             cells += (
                 f"<td class=num>{data.fmt(ref[name])}</td><td class=num>{data.fmt(value - ref[name], sign=True)}</td>"
             )
+        cells += f"<td>{escape(data.model_interval(s.record, s.reference, name))}</td>"
         rows.append(f"<tr>{cells}</tr>")
     return f"<table>{head}{''.join(rows)}</table>"
 

@@ -77,6 +77,7 @@ def _builds_table(sections: list[Section]) -> list[str]:
         change = "—"
         if s.reference is not None:
             change = data.fmt(figures["copy_loss"] - data.model_figures(s.reference)["copy_loss"], sign=True)
+            change += f" {data.model_interval(s.record, s.reference, 'copy_loss')}"
         copying = data.flagged_heads(s.record, "copying")
         suppression = data.flagged_heads(s.record, "suppression")
         lines.append(

@@ -25,7 +25,7 @@ def parse_label(label) -> tuple[int, int] | None:
 
 
 # where a figure comes from: the per-head frames of the rungs, or the probe's model-level result
-SOURCES = ("index", "kappa", "probe", "knockout", "probe_model")
+SOURCES = ("index", "kappa", "probe", "knockout", "probe_model", "record")  # record: computed by gate/record.py
 # stored: "always" (None when not measured), "measured" (only when its frame has it), "" (never)
 STORED = ("always", "measured", "")
 
@@ -36,7 +36,7 @@ class Figure:
 
     name: str
     source: str  # one of SOURCES
-    kind: str  # "float", "bool", "int", "str"
+    kind: str  # "float", "bool", "int", "str"; "floats" (one per probe sequence), "interval" ([low, high])
     rung: str  # "1", "1/2", "2" or "" (identifiers)
     stored: str = "always"  # one of STORED
     low: float | None = None  # range checked when records are read (inclusive)
@@ -57,6 +57,16 @@ def _kappa(name: str, kind: str = "float", **how: Any) -> Figure:
 def _routing(name: str, **how: Any) -> Figure:
     """A rung-1/2 routing score of the repeat probe: a mean attention weight, in [0, 1]."""
     return Figure(name, "probe", "float", "1/2", low=0.0, high=1.0, **how)
+
+
+def sequences_key(figure: str) -> str:
+    """Record key of a sampled figure's per-sequence values: ``copy_loss_sequences``."""
+    return f"{figure}_sequences"
+
+
+def interval_key(figure: str) -> str:
+    """Record key of a sampled figure's 95% interval ``[low, high]``: ``copy_loss_interval``."""
+    return f"{figure}_interval"
 
 
 _PROB: dict[str, Any] = dict(low=0.0, high=1.0)
@@ -126,6 +136,9 @@ HEAD_FIGURES: tuple[Figure, ...] = (
         heatmap_kind="diverging",
     ),
     Figure("knockout_estimate", "knockout", "float", "2", stored="measured", nullable=True),
+    # per held-out sequence i: copy_loss_i(head knocked out) - copy_loss_i(intact); they average to knockout_delta
+    Figure(sequences_key("knockout_delta"), "knockout", "floats", "2", stored="measured", nullable=True),
+    Figure(interval_key("knockout_delta"), "record", "interval", "2", stored="measured", nullable=True),
 )
 
 MODEL_FIGURES: tuple[Figure, ...] = (
@@ -135,7 +148,25 @@ MODEL_FIGURES: tuple[Figure, ...] = (
     Figure("uniform_loss", "probe_model", "float", "1/2", low=0.0, fmt="{:.4f}"),
 )
 
-BY_NAME = {f.name: f for f in HEAD_FIGURES + MODEL_FIGURES}
+# Sampled figures: means over the probe's n seeded sequences. The record stores each one's
+# per-sequence values (``<figure>_sequences``, averaging to the figure) and its 95% t interval
+# over the sequences (``<figure>_interval``, gate/stats.py); the gate's paired intervals of a
+# change come from the per-sequence values. Records written before these existed lack them.
+SAMPLED_MODEL_FIGURES = ("copy_loss", "first_copy_loss", "copy_gain")
+SAMPLED_HEAD_FIGURES = ("knockout_delta",)
+
+
+_LOW = {f.name: f.low for f in MODEL_FIGURES}  # each sequence's value keeps its mean's range
+SEQUENCE_FIGURES: tuple[Figure, ...] = tuple(
+    entry
+    for name in SAMPLED_MODEL_FIGURES
+    for entry in (
+        Figure(sequences_key(name), "probe_model", "floats", "1/2", "measured", low=_LOW[name], nullable=True),
+        Figure(interval_key(name), "record", "interval", "1/2", "measured", nullable=True),
+    )
+)
+
+BY_NAME = {f.name: f for f in HEAD_FIGURES + MODEL_FIGURES + SEQUENCE_FIGURES}
 
 
 def columns(source: str) -> tuple[str, ...]:

@@ -4,7 +4,9 @@
 held-out repeat sequences (``settings`` carries a seed other than the probe's). Copy loss
 is the mean next-token cross-entropy over positions ``L+1 .. 2L-1`` (shifted by one with
 BOS) and over the ``n`` sequences. Knockout = zero or mean ablation of the head's ``z``
-(`ablation.py`). Mean ablation uses ``mu_h`` = the mean of ``z_h`` over every position
+(`ablation.py`). Per sequence ``i``, ``delta_i(h) = copy_loss_i(h knocked out) -
+copy_loss_i(intact)``; the recorded delta is their mean (a difference of means is the mean of
+the differences), and the ``n`` values are kept for its interval. Mean ablation uses ``mu_h`` = the mean of ``z_h`` over every position
 (BOS included) of every one of the ``n`` held-out sequences, from the intact forward.
 
 Fast and exact: the intact model runs once, with forward pre-hooks recording each decoder
@@ -39,10 +41,12 @@ from ..model.families import flattens_batch_with_heads, head_label, layer_module
 from ..options import KNOCKOUT_MODES, SCREEN_METHODS, flag
 from ..progress import Progress
 from .ablation import ZMeans, ablated, parse_heads, z_observed
+from .figures import sequences_key
 from .repeat import RepeatSettings, bos_offset, check_fits, copy_slices, next_token_losses, repeat_losses, repeat_tokens
 
 MODES = KNOCKOUT_MODES
 ROWS_PER_PASS = 64  # default cap on sequences x knockouts in one replay
+SEQUENCES = sequences_key("knockout_delta")  # the frame's column of per-sequence deltas
 FAST_ATTENTION = "sdpa"  # knockouts need no attention weights: the fused exact kernel
 
 
@@ -60,6 +64,7 @@ class _Intact:
     copy_loss: float
     chunks: list[_Chunk]
     means: torch.Tensor | None  # (n_layers, n_heads, d_head)
+    losses: torch.Tensor | None = None  # (n,) float64 intact copy loss per sequence; copy_loss is their mean
 
 
 def _check_mode(mode: str) -> None:
@@ -128,7 +133,7 @@ def _intact_pass(build: LoadedBuild, ids: torch.Tensor, L: int, batch_size: int,
     model, geo, n = build.model, build.geometry, ids.shape[0]
     blocks = layer_modules(model)
     z_means = ZMeans(geo)
-    chunks, total = [], 0.0
+    chunks, per_sequence = [], []
     for batch in _chunks(ids, batch_size):
         chunk = _Chunk(batch)
         handles = []
@@ -145,9 +150,10 @@ def _intact_pass(build: LoadedBuild, ids: torch.Tensor, L: int, batch_size: int,
             for handle in handles:
                 handle.remove()
         chunk.copy_losses = per_seq.float().cpu()
-        total += float(per_seq.double().sum())
+        per_sequence.append(per_seq.double().cpu())
         chunks.append(chunk)
-    return _Intact(copy_loss=total / n, chunks=chunks, means=z_means.means())
+    losses = torch.cat(per_sequence)
+    return _Intact(copy_loss=float(losses.sum()) / n, chunks=chunks, means=z_means.means(), losses=losses)
 
 
 def _tile(obj, rows: int, k: int, memo: dict):
@@ -283,8 +289,8 @@ def replay_cost(n_layers: int, layer: int) -> int:
     return n_layers - layer
 
 
-def _cached_deltas(build, intact: _Intact, pairs, mode, L, n, knockouts_per_pass, bar) -> dict:
-    """Exact copy loss of every knockout in ``pairs``, replayed from the record, ``k`` at a time."""
+def _cached_deltas(build, intact: _Intact, pairs, mode, L, knockouts_per_pass, bar) -> dict:
+    """Exact per-sequence copy loss ``(n,)`` float64 of every knockout in ``pairs``, replayed from the record, ``k`` at a time."""
     geo = build.geometry
     by_layer: dict[int, list[int]] = {}
     for layer, head in pairs:
@@ -293,15 +299,15 @@ def _cached_deltas(build, intact: _Intact, pairs, mode, L, n, knockouts_per_pass
     for layer, heads in sorted(by_layer.items()):
         means = intact.means[layer] if mode == "mean" and intact.means is not None else None
         for group in _groups(heads, knockouts_per_pass):
-            total = torch.zeros(len(group), dtype=torch.float64)
+            parts = []
             for chunk in intact.chunks:
                 rows = chunk.ids.shape[0]
                 assignments = [(slice(j * rows, (j + 1) * rows), head) for j, head in enumerate(group)]
                 with ablated(build.model, layer, geo.d_head, assignments, means):
-                    per_seq = _replay(build, chunk, layer, len(group), L)
-                total += per_seq.double().sum(dim=1).cpu()
-            for head, value in zip(group, (total / n).tolist()):
-                losses[(layer, head)] = value
+                    parts.append(_replay(build, chunk, layer, len(group), L).double().cpu())
+            per_seq = torch.cat(parts, dim=1)  # (k, n)
+            for j, head in enumerate(group):
+                losses[(layer, head)] = per_seq[j]
             bar.update(len(group), len(group) * replay_cost(geo.n_layers, layer), head_label(layer, group[-1]))
     return losses
 
@@ -341,7 +347,8 @@ def knockout_scan(
     """Knockout delta of every head (or of ``heads``) on the held-out repeat sequences of ``settings``.
 
     One row per head of the model: ``head``, ``layer``, ``head_index``, ``knockout_delta``
-    (NaN where no exact knockout ran) and, when screening ran, ``knockout_estimate`` (signed)
+    (NaN where no exact knockout ran), ``knockout_delta_sequences`` (its ``n`` per-sequence
+    deltas, which average to it; None where no exact knockout ran) and, when screening ran, ``knockout_estimate`` (signed)
     and ``knockout_screen_score`` (what heads are ranked by). ``screen_top_k``: exact knockouts
     only on the ``k`` top-ranked heads among ``heads`` (default all), plus ``must_include`` (always exact).
     ``screen_method``: ``"atp*"`` (default, `screen.atp_star`: attribution patching with the
@@ -398,7 +405,7 @@ def knockout_scan(
         with attention_implementation(build.model):
             if cached:
                 per_pass = _auto_per_pass(build, knockouts_per_pass, batch_size, n)
-                losses = _cached_deltas(build, intact, exact, mode, settings.L, n, per_pass, bar)
+                losses = _cached_deltas(build, intact, exact, mode, settings.L, per_pass, bar)
             else:
                 losses = _naive_losses(build, ids, settings.L, exact, mode, intact.means, batch_size, bar)
     rows = []
@@ -406,7 +413,9 @@ def knockout_scan(
         for head in range(geo.n_heads):
             row = {"head": head_label(layer, head), "layer": layer, "head_index": head}
             loss = losses.get((layer, head))
-            row["knockout_delta"] = math.nan if loss is None else loss - intact.copy_loss
+            per_sequence = None if loss is None else sequence_deltas(loss, intact)
+            row["knockout_delta"] = math.nan if per_sequence is None else mean_delta(per_sequence)
+            row[SEQUENCES] = per_sequence
             if screen and estimate is not None and score is not None:
                 row["knockout_estimate"] = float(estimate[layer, head])
                 row["knockout_screen_score"] = float(score[layer, head])
@@ -423,6 +432,17 @@ def knockout_scan(
         cached=cached,
     )
     return df
+
+
+def sequence_deltas(losses: torch.Tensor, intact: _Intact) -> list[float]:
+    """Per-sequence knockout deltas ``copy_loss_i(knocked out) - copy_loss_i(intact)`` (float64)."""
+    assert intact.losses is not None  # the intact pass keeps them
+    return (losses.double() - intact.losses).tolist()
+
+
+def mean_delta(per_sequence: list[float]) -> float:
+    """The knockout delta: the mean of its per-sequence deltas (so they average back to it)."""
+    return math.fsum(per_sequence) / len(per_sequence)
 
 
 def _plain_copy_losses(model, batch: torch.Tensor, L: int, offset: int, device) -> torch.Tensor:
@@ -445,14 +465,15 @@ def _plain_copy_losses(model, batch: torch.Tensor, L: int, offset: int, device) 
 def _naive_losses(build, ids, L, pairs, mode, means, batch_size, bar=None) -> dict:
     """The honest plain loop: per head, a pre-hook on its output projection and one full forward
     of every sequence (all in one batch unless ``batch_size`` is smaller), unembedding only the last ``L`` positions."""
-    n, losses, offset = ids.shape[0], {}, bos_offset(build.tokens)
+    losses, offset = {}, bos_offset(build.tokens)
     for layer, head in pairs:
-        total = 0.0
         layer_means = means[layer] if mode == "mean" else None
         with ablated(build.model, layer, build.geometry.d_head, [(slice(None), head)], layer_means):
-            for batch in _chunks(ids, batch_size):
-                total += float(_plain_copy_losses(build.model, batch, L, offset, build.device).double().sum())
-        losses[(layer, head)] = total / n
+            parts = [
+                _plain_copy_losses(build.model, batch, L, offset, build.device).double().cpu()
+                for batch in _chunks(ids, batch_size)
+            ]
+        losses[(layer, head)] = torch.cat(parts)
         if bar is not None:
             bar.update(1, 1, head_label(layer, head))
     return losses
@@ -468,7 +489,7 @@ def naive_knockout_deltas(
     with attention_implementation(build.model):
         intact = _intact_pass(build, ids, settings.L, batch_size, record=False)
         losses = _naive_losses(build, ids, settings.L, pairs, mode, intact.means, batch_size)
-    return intact.copy_loss, {head_label(*p): v - intact.copy_loss for p, v in losses.items()}
+    return intact.copy_loss, {head_label(*p): mean_delta(sequence_deltas(v, intact)) for p, v in losses.items()}
 
 
 def _matrix_params(module) -> int:

@@ -28,6 +28,7 @@ from ..errors import CircuitsError
 from ..model.builds import LoadedBuild
 from ..model.families import attention_module, head_label
 from ..options import flag
+from .figures import SAMPLED_MODEL_FIGURES, sequences_key
 from .repeat import RepeatSettings, bos_offset, check_fits, next_token_losses, repeat_losses, repeat_tokens
 
 SCORES = ("prefix_matching", "previous_token", "duplicate_token")
@@ -44,6 +45,8 @@ class RepeatProbe:
     heads: pd.DataFrame  # head, layer, head_index, prefix_matching, previous_token, duplicate_token
     settings: RepeatSettings
     bos_id: int | None
+    copy_losses: np.ndarray | None = None  # (n,) float64 per sequence; their mean is copy_loss
+    first_copy_losses: np.ndarray | None = None  # (n,) float64 per sequence; their mean is first_copy_loss
 
     def model_figures(self) -> dict:
         """The four model-level floats, keyed as in the scan record."""
@@ -53,6 +56,18 @@ class RepeatProbe:
             "copy_gain": self.copy_gain,
             "uniform_loss": self.uniform_loss,
         }
+
+    def sequence_figures(self) -> dict[str, list[float]]:
+        """Per-sequence copy loss, first-copy loss and copy gain (``first_i - copy_i``), keyed
+        ``<figure>_sequences`` as in the scan record; empty when they were not kept."""
+        if self.copy_losses is None or self.first_copy_losses is None:
+            return {}
+        per = {
+            "copy_loss": self.copy_losses,
+            "first_copy_loss": self.first_copy_losses,
+            "copy_gain": self.first_copy_losses - self.copy_losses,
+        }
+        return {sequences_key(name): [float(v) for v in per[name]] for name in SAMPLED_MODEL_FIGURES}
 
 
 def score_diagonals(L: int, offset: int) -> dict[str, tuple[int, slice]]:
@@ -154,7 +169,9 @@ def run_repeat_probe(build: LoadedBuild, settings: RepeatSettings, batch_size: i
     """Copy losses and per-head routing scores of ``build`` on ``settings.n`` seeded repeat sequences.
 
     copy loss = mean CE over ``t in L+1 .. 2L-1``; first-copy loss = mean CE over
-    ``t in 1 .. L-1``; copy gain = their difference; uniform loss = ``ln(vocab)``.
+    ``t in 1 .. L-1``; copy gain = their difference; uniform loss = ``ln(vocab)``. Each is the
+    mean over the ``n`` sequences of its per-sequence value, kept in ``copy_losses`` and
+    ``first_copy_losses`` (the gate's intervals come from them).
     """
     model = build.model
     L, n = settings.L, settings.n
@@ -181,8 +198,8 @@ def run_repeat_probe(build: LoadedBuild, settings: RepeatSettings, batch_size: i
         raise CircuitsError(f"the attention of layers {missing} never ran; is {build.label} a decoder-only LM?")
     counts = torch.tensor(score_counts(L), dtype=torch.float64).view(1, 3, 1) * n
     means = (torch.stack(sums) / counts).numpy()
-    first_copy = float(torch.cat(first_parts).mean())
-    copy_loss = float(torch.cat(copy_parts).mean())
+    first_copies, copies = torch.cat(first_parts).numpy(), torch.cat(copy_parts).numpy()
+    first_copy, copy_loss = float(first_copies.mean()), float(copies.mean())
     return RepeatProbe(
         copy_loss=copy_loss,
         first_copy_loss=first_copy,
@@ -191,4 +208,6 @@ def run_repeat_probe(build: LoadedBuild, settings: RepeatSettings, batch_size: i
         heads=heads_frame(means),
         settings=settings,
         bos_id=build.tokens.bos_id,
+        copy_losses=copies,
+        first_copy_losses=first_copies,
     )
