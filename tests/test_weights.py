@@ -90,6 +90,42 @@ def test_4bit_tolerance_follows_the_dtype_bitsandbytes_computes_in(tiny_folder, 
         assert tolerance_for(build.model, torch.float32) == TOLERANCES[dtype]
 
 
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_cpu_packed_4bit_weight_reads_what_the_matmul_uses(quant_type, nested):
+    """bitsandbytes repacks a 4-bit weight at its first eval forward on AVX512-BF16 CPUs (codes
+    re-laid per 32-row block, absmax in bfloat16). Packed here explicitly, so every CPU runs it:
+    the read equals ``code[q] * bf16(absmax)`` from the unpacked weight (an independent route
+    through ``dequantize_4bit``), and leaves the module untouched."""
+    import copy
+
+    bnb = pytest.importorskip("bitsandbytes")
+    import bitsandbytes.functional as bnbf
+
+    from pytest_circuits.model.dense import dense_weight
+
+    torch.manual_seed(0)
+    layer = bnb.nn.Linear4bit(128, 96, bias=False, quant_type=quant_type, compute_dtype=torch.float32)
+    layer.weight = bnb.nn.Params4bit(
+        torch.randn(96, 128), requires_grad=False, quant_type=quant_type, compress_statistics=nested
+    )
+    layer = layer.to("cpu").eval()
+    state = copy.deepcopy(layer.weight.quant_state)
+    if state.nested:  # double quantization: the absmax values are themselves blockwise-quantized
+        state.absmax = bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset
+        state.nested = False
+    state.absmax = state.absmax.to(torch.bfloat16).float()
+    expected = bnbf.dequantize_4bit(layer.weight.data, state).float()
+
+    packed, packed_state = bnbf._convert_weight_packed_for_cpu(
+        layer.weight.data.clone(), copy.deepcopy(layer.weight.quant_state)
+    )
+    layer.weight.data, layer.weight.quant_state = packed.clone(), packed_state
+    assert packed_state.packing_format_for_cpu
+    torch.testing.assert_close(dense_weight(layer), expected, atol=0, rtol=0)
+    assert torch.equal(layer.weight.data, packed) and layer.weight.quant_state.packing_format_for_cpu
+
+
 def _relative_error(a, b):
     return ((a - b).norm() / b.norm()).item()
 

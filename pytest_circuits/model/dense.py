@@ -2,7 +2,8 @@
 
 Handles ``nn.Linear``, GPT-2's ``Conv1D`` (stored ``(in, out)``), bitsandbytes
 ``Linear8bitLt`` (int8 rows times ``SCB / 127``) and ``Linear4bit``
-(``bitsandbytes.functional.dequantize_4bit``). Analysis always reads these.
+(``bitsandbytes.functional.dequantize_4bit``, or the CPU-packed layout bitsandbytes switches a
+4-bit weight to at its first inference forward on AVX512-BF16 CPUs). Analysis always reads these.
 """
 
 from __future__ import annotations
@@ -60,10 +61,35 @@ def dense_weight(module: torch.nn.Module) -> torch.Tensor:
         quant_state = getattr(weight, "quant_state", None)
         if quant_state is None:
             return weight.detach().float()
+        if getattr(quant_state, "packing_format_for_cpu", False):
+            return dequantize_cpu_packed_4bit(weight.data, quant_state)
         return bnbf.dequantize_4bit(weight.data, quant_state).float()
     if type(module).__name__ == "Conv1D":
         return weight.detach().float().T
     return weight.detach().float()
+
+
+CPU_PACK_BLOCK_N = 32  # rows per block of bitsandbytes' CPU-packed 4-bit layout
+
+
+def dequantize_cpu_packed_4bit(packed: torch.Tensor, quant_state: Any) -> torch.Tensor:
+    """Dense float32 ``(N, K)`` weight of a 4-bit layer in bitsandbytes' CPU-packed layout.
+
+    bitsandbytes >= 0.49 repacks a ``Linear4bit`` weight at its first eval, no-grad forward on
+    an AVX512-BF16 CPU: ``packed`` is ``(N, K/2)`` bytes where, per block of 32 rows and pair of
+    columns, byte ``j`` of the 64 codes ``(row, col)`` holds code ``j`` in its low and code
+    ``j + 32`` in its high nibble; ``quant_state.absmax`` becomes bfloat16 ``(K / blocksize, N)``.
+    Then ``W[n, k] = code[q[n, k]] * absmax[k // blocksize, n]``: exactly what its matmul uses
+    (the bfloat16 absmax included), read without changing the module.
+    """
+    n_rows, half = packed.shape
+    width = 2 * CPU_PACK_BLOCK_N
+    nibbles = packed.reshape(-1, CPU_PACK_BLOCK_N)
+    codes = torch.cat([nibbles & 0xF, nibbles >> 4], dim=-1).reshape(-1, width)
+    codes = codes.reshape(n_rows // CPU_PACK_BLOCK_N, half, CPU_PACK_BLOCK_N, 2).transpose(1, 2)
+    index = codes.reshape(n_rows, 2 * half).long()
+    absmax = quant_state.absmax.float().T.repeat_interleave(quant_state.blocksize, dim=1)  # (N, K)
+    return quant_state.code.float().to(packed.device)[index] * absmax
 
 
 def dense_bias(module: torch.nn.Module) -> torch.Tensor | None:
