@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=VALUE",
         help="override a tolerance (repeatable), e.g. --tol kappa=0.1",
     )
+    p.add_argument(
+        "--across-models",
+        action="store_true",
+        help="gate as a base-model swap (model-level swap_* invariants only) also when the geometry is the "
+        "same; another geometry always is one",
+    )
     _shared_options(p, "gate", defaults_from_baseline=True)
 
     p = sub.add_parser("diff", help="what moved between two scan records, per head")
@@ -147,14 +153,17 @@ def model_lines(record: dict) -> list[str]:
 
 def cmd_scan(args) -> int:
     from .fsio import atomic_write_text
+    from .gate.profile import profile, profile_line
     from .gate.record import build_record
     from .gate.store import dumps
+    from .gate.tolerances import Tolerances
     from .model.recipes import get_recipe
 
     get_recipe(args.build)
     session = _session(args)
     record = build_record(session, args.build, knockout=not args.no_knockout)
     print("\n".join(model_lines(record)))
+    print(profile_line(profile(record, Tolerances().swap_induction_score)))
     print(head_table(record))
     if args.json:
         atomic_write_text(args.json, dumps(record))
@@ -209,27 +218,32 @@ def _print_results(results, notes=()) -> bool:
 def cmd_gate(args) -> int:
     from .gate.invariants import gate_all, key_heads
     from .gate.record import has_figures
-    from .gate.store import compatibility, read_baseline
+    from .gate.store import compatibility, geometry_difference, read_baseline
     from .model.recipes import get_recipe
 
     get_recipe(args.build)
     tol = _tolerances(args.tol)
     baseline = read_baseline(args.baseline)
     session = _session(args, probe=baseline.get("probe"))
-    # refuse another geometry or probe before any figure is computed
-    compatibility(
-        baseline,
-        {"model": {"geometry": session.preflight().__dict__}, "probe": session.settings.probe.as_dict()},
-        f"baseline {args.baseline.name}",
-    )
-    session.pinned_key_heads = set(key_heads(baseline, "knockout_delta", tol.top_k, tol.min_delta))
+    # refuse other probe settings before any figure is computed; another geometry is another base model
+    preflight = {"model": {"geometry": session.preflight().__dict__}, "probe": session.settings.probe.as_dict()}
+    compatibility(baseline, preflight, f"baseline {args.baseline.name}")
+    across = args.across_models or bool(geometry_difference(baseline, preflight))
+    if not across:  # another model's key heads are not this model's heads
+        session.pinned_key_heads = set(key_heads(baseline, "knockout_delta", tol.top_k, tol.min_delta))
     candidate = session.record(args.build, knockout=has_figures(baseline, "knockout"))
     label = f"baseline {args.baseline.name}"
-    notes = compatibility(baseline, candidate, label)
-    fix = "if the change is intended, record the baseline again: " + _record_command(
-        session, baseline["build"]["recipe"], args.baseline
-    )
-    results = gate_all(baseline, candidate, tol, args.build, label, fix)
+    notes = compatibility(baseline, candidate, label, across=across)
+    if across:
+        fix = (
+            f"if the new model may differ this much from {baseline['model']['name']}, loosen the swap_* "
+            "tolerance (--tol NAME=VALUE)"
+        )
+    else:
+        fix = "if the change is intended, record the baseline again: " + _record_command(
+            session, baseline["build"]["recipe"], args.baseline
+        )
+    results = gate_all(baseline, candidate, tol, args.build, label, fix, across=across)
     return EXIT_OK if _print_results(results, notes) else EXIT_BROKEN
 
 
@@ -270,7 +284,7 @@ def diff_rows(a: dict, b: dict, min_change: float = 0.01) -> list[tuple]:
 
 def cmd_diff(args) -> int:
     from .gate.invariants import gate_all, verdict
-    from .gate.store import compatibility, read_baseline
+    from .gate.store import compatibility, geometry_difference, read_baseline
     from .gate.tolerances import Tolerances
     from .rungs.figures import MODEL_FIGURES
 
@@ -283,12 +297,20 @@ def cmd_diff(args) -> int:
         x, y = a.get(figure.name), b.get(figure.name)
         if x is not None and y is not None:
             print(f"  {figure.name:<16} {x:10.4f} -> {y:10.4f}  ({y - x:+.4f})")
-    rows = diff_rows(a, b, args.min_change)
+    if geometry_difference(a, b):  # heads do not correspond across models: the profiles instead
+        from .gate.profile import profile, profile_line
+
+        for side, record in (("A", a), ("B", b)):
+            print(f"{side} {profile_line(profile(record, Tolerances().swap_induction_score))}")
+        rows = []
+        print("per-head figures not compared: A and B are two base models (heads do not correspond)")
+    else:
+        rows = diff_rows(a, b, args.min_change)
     if rows:
         print(f"{'head':<8} {'metric':<16} {'A':>10} {'B':>10} {'change':>10}")
         for head, metric, x, y, change in rows:
             print(f"{head:<8} {metric:<16} {x:>10.4f} {y:>10.4f} {_fmt(change, '{:+.4f}'):>10}")
-    else:
+    elif not geometry_difference(a, b):
         print(f"no per-head figure moved by {args.min_change} or more")
     results = gate_all(a, b, Tolerances(), b["build"]["recipe"], f"baseline {args.file_a.name}")
     _, line = verdict(results)

@@ -60,6 +60,10 @@ def fix_lines(session, recipe: str, test_path: str) -> dict[str, str]:
             f"if the {s.reference} build changed on purpose, record its baseline again: "
             f"{update_command(session, s.reference, test_path)}"
         ),
+        "swap": (
+            f"if {recipe} of the new model may differ this much from the model it replaces, loosen the swap_* "
+            "tolerance (@pytest.mark.circuits_tolerance(...) or circuits_tol_swap_* in [tool.pytest.ini_options])"
+        ),
     }
 
 
