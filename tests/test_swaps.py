@@ -343,3 +343,25 @@ def test_pytest_swap_baseline_option_gates_against_the_replaced_model(pytester, 
     assert "m fp32 moved against tiny-induction (the baseline tiny-induction--fp32.json)" in out
     assert "per-head invariants were not compared" in out  # the note, in the test and the summary
     assert "loosen the swap_* tolerance" in out and "Traceback" not in out
+
+
+def test_circuits_gate_across_models_on_the_same_shape_and_scan_prints_the_profile(tmp_path, capsys):
+    """``--across-models`` gates a same-shape model as a swap (a retrain: heads do not correspond);
+    ``circuits scan`` prints the model-level figures the swap invariants compare."""
+    from pytest_circuits.cli import main
+
+    small = ["--device", "cpu", "--probe-n", "4", "--probe-length", "16"]
+    old = save_tiny_model("gpt2", tmp_path / "old", seed=0)
+    new = save_tiny_model("gpt2", tmp_path / "new", seed=1)
+    assert main(["record", str(old), "--build", "fp32", "--baselines", str(tmp_path / "b"), *small]) == 0
+    capsys.readouterr()
+    baseline = tmp_path / "b" / "old--fp32.json"
+    code = main(["gate", str(new), "--build", "fp32", "--baseline", str(baseline), "--across-models", *small])
+    out = capsys.readouterr().out
+    assert code in (0, 1)
+    assert "per-head invariants were not compared (compared as two base models" in out
+    assert "SKIP copying_heads: per-head invariants are not compared across models (the same geometry" in out
+    assert "swap_copy: new fp32 " in out and "against old (the baseline old--fp32.json)" in out
+    assert "SKIP swap_induction: old (the baseline old--fp32.json) has no induction head" in out
+    assert main(["scan", str(new), "--build", "fp32", "--no-knockout", *small]) == 0
+    assert "across models: copy share " in capsys.readouterr().out

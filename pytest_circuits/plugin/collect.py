@@ -104,13 +104,17 @@ def gate_for_test(request, session, recipe: str, invariant: str, tol):
     props.append(("circuits_problems", list(outcome.problems)))
     if session.settings.report is not None:
         from ..gate.invariants import get
+        from ..gate.store import geometry_difference
 
         knockout = "knockout" in get(invariant).needs
-        props.append(("circuits_record", (recipe, session.record(recipe, knockout=knockout))))
+        record = session.record(recipe, knockout=knockout)
+        props.append(("circuits_record", (recipe, record)))
         try:
             reference = session.load_baseline(session.settings.reference)
         except Exception:
             reference = None
+        if reference is not None and geometry_difference(reference, record):
+            reference = None  # another base model: its heads are not this model's, no per-head differences
         props.append(("circuits_reference", (recipe, reference)))
     return outcome
 
