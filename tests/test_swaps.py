@@ -343,6 +343,11 @@ def test_pytest_swap_baseline_option_gates_against_the_replaced_model(pytester, 
     assert "m fp32 moved against tiny-induction (the baseline tiny-induction--fp32.json)" in out
     assert "per-head invariants were not compared" in out  # the note, in the test and the summary
     assert "loosen the swap_* tolerance" in out and "Traceback" not in out
+    result = pytester.runpytest("-p", "no:cacheprovider", f"--circuits-swap-baseline={tmp_path / 'nope.json'}")
+    result.assert_outcomes(failed=1)
+    out = "\n".join(result.outlines)
+    assert f"--circuits-swap-baseline {tmp_path / 'nope.json'}: no such file; pass the baseline file" in out
+    assert "Traceback" not in out
 
 
 def test_circuits_gate_across_models_on_the_same_shape_and_scan_prints_the_profile(tmp_path, capsys):

@@ -24,6 +24,21 @@ Built in (``REGISTRY``, in gate order):
 - ``knockout_deltas``: the baseline's top-``top_k`` knockout heads (delta at least
   ``min_delta`` nats) keep ``|delta' - delta| <= knockout * |delta|``.
 
+Across base models (another geometry, or asked for: heads do not correspond, so the ones above
+are skipped saying so, never passed; `gate/profile.py` computes the figures; each fails only
+when the new model has less of the mechanism, except where "moves" says either direction):
+
+- ``swap_copy``: copy loss rises by at most ``swap_copy_loss`` nats; copy_gain / first_copy_loss
+  falls by at most ``swap_copy_gain``.
+- ``swap_induction``: at least ``swap_induction_heads`` heads with prefix_matching >=
+  ``swap_induction_score``; the best score falls by at most ``swap_prefix``; their mean depth
+  (fraction of the stack) moves by at most ``swap_depth``.
+- ``swap_kappa``: the shares of copying / suppression heads move by at most ``swap_share``; the
+  1-Wasserstein distance of the kappa_z distributions is at most ``swap_kappa_w1``.
+- ``swap_knockout``: the largest knockout delta falls by at most ``swap_knockout`` x its size;
+  the top-3 share of the knockout effect moves by at most ``swap_concentration`` (both records
+  measured every head).
+
 A user adds one with `register` (see the README, "Your own invariant").
 """
 

@@ -101,7 +101,13 @@ def swap_baseline(session) -> tuple[dict | None, str, str]:
     Unreadable files raise their `BaselineError`."""
     s = session.settings
     if s.swap_baseline is not None:
-        baseline = read_baseline(s.swap_baseline)
+        try:
+            baseline = read_baseline(s.swap_baseline)
+        except BaselineMissing:
+            raise BaselineMissing(
+                f"{flag('swap-baseline')} {s.swap_baseline}: no such file; pass the baseline file of the model "
+                "this one replaces (e.g. baselines/<old model>--fp32.json)"
+            ) from None
         return baseline, f"baseline {s.swap_baseline.name}", ""
     hint = f"pass {flag('swap-baseline')} FILE, the baseline of the model this one replaces"
     try:
