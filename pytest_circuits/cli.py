@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=VALUE",
         help="override a tolerance (repeatable), e.g. --tol kappa=0.1",
     )
+    p.add_argument(
+        "--across-models",
+        action="store_true",
+        help="gate as a base-model swap (model-level swap_* invariants only) also when the geometry is the "
+        "same; another geometry always is one",
+    )
     _shared_options(p, "gate", defaults_from_baseline=True)
 
     p = sub.add_parser("diff", help="what moved between two scan records, per head")
@@ -153,14 +159,17 @@ def model_lines(record: dict) -> list[str]:
 
 def cmd_scan(args) -> int:
     from .fsio import atomic_write_text
+    from .gate.profile import profile, profile_line
     from .gate.record import build_record
     from .gate.store import dumps
+    from .gate.tolerances import Tolerances
     from .model.recipes import get_recipe
 
     get_recipe(args.build)
     session = _session(args)
     record = build_record(session, args.build, knockout=not args.no_knockout)
     print("\n".join(model_lines(record)))
+    print(profile_line(profile(record, Tolerances().swap_induction_score)))
     print(head_table(record))
     if args.json:
         atomic_write_text(args.json, dumps(record))
@@ -215,7 +224,7 @@ def _print_results(results, notes=()) -> bool:
 def cmd_gate(args) -> int:
     from .gate.invariants import gate_all, key_heads
     from .gate.record import has_figures
-    from .gate.store import compatibility, read_baseline
+    from .gate.store import compatibility, geometry_difference, read_baseline
     from .gate.verdict import candidate_record
     from .model.recipes import get_recipe
 
@@ -223,20 +232,25 @@ def cmd_gate(args) -> int:
     tol = _tolerances(args.tol)
     baseline = read_baseline(args.baseline)
     session = _session(args, probe=baseline.get("probe"))
-    # refuse another geometry or probe before any figure is computed
-    compatibility(
-        baseline,
-        {"model": {"geometry": session.preflight().__dict__}, "probe": session.settings.probe.as_dict()},
-        f"baseline {args.baseline.name}",
-    )
-    session.pinned_key_heads = set(key_heads(baseline, "knockout_delta", tol.top_k, tol.min_delta))
+    # refuse other probe settings before any figure is computed; another geometry is another base model
+    preflight = {"model": {"geometry": session.preflight().__dict__}, "probe": session.settings.probe.as_dict()}
+    compatibility(baseline, preflight, f"baseline {args.baseline.name}")
+    across = args.across_models or bool(geometry_difference(baseline, preflight))
+    if not across:  # another model's key heads are not this model's heads
+        session.pinned_key_heads = set(key_heads(baseline, "knockout_delta", tol.top_k, tol.min_delta))
     candidate = candidate_record(session, args.build, baseline, knockout=has_figures(baseline, "knockout"))
     label = f"baseline {args.baseline.name}"
-    notes = compatibility(baseline, candidate, label)
-    fix = "if the change is intended, record the baseline again: " + _record_command(
-        session, baseline["build"]["recipe"], args.baseline
-    )
-    results = gate_all(baseline, candidate, tol, args.build, label, fix)
+    notes = compatibility(baseline, candidate, label, across=across)
+    if across:
+        fix = (
+            f"if the new model may differ this much from {baseline['model']['name']}, loosen the swap_* "
+            "tolerance (--tol NAME=VALUE)"
+        )
+    else:
+        fix = "if the change is intended, record the baseline again: " + _record_command(
+            session, baseline["build"]["recipe"], args.baseline
+        )
+    results = gate_all(baseline, candidate, tol, args.build, label, fix, across=across)
     return EXIT_OK if _print_results(results, notes) else EXIT_BROKEN
 
 
@@ -292,7 +306,7 @@ def diff_rows(a: dict, b: dict, min_change: float = 0.01) -> list[tuple]:
 def cmd_diff(args) -> int:
     from .gate.invariants import format_interval, gate_all, kappa_pairs, verdict
     from .gate.stats import paired_interval
-    from .gate.store import compatibility, read_baseline
+    from .gate.store import compatibility, geometry_difference, read_baseline
     from .gate.tolerances import Tolerances
     from .rungs.figures import MODEL_FIGURES, sequences_key
 
@@ -304,18 +318,28 @@ def cmd_diff(args) -> int:
         print("note: " + mismatch.format(against=f"baseline {args.file_a.name}", build=f"{args.file_b.name}"))
     print(f"A {args.file_a}: {a['model']['name']} {a['build']['recipe']}")
     print(f"B {args.file_b}: {b['model']['name']} {b['build']['recipe']}")
+    across = bool(geometry_difference(a, b))
     for figure in MODEL_FIGURES:
         x, y = a.get(figure.name), b.get(figure.name)
         if x is not None and y is not None:
             xs, ys = a.get(sequences_key(figure.name)), b.get(sequences_key(figure.name))
-            paired = format_interval(paired_interval(xs, ys)) if xs is not None and ys is not None else ""
+            same_tokens = xs is not None and ys is not None and not across  # two vocabularies: no pairs
+            paired = format_interval(paired_interval(xs, ys)) if same_tokens else ""
             print(f"  {figure.name:<16} {x:10.4f} -> {y:10.4f}  ({y - x:+.4f}{' ' + paired if paired else ''})")
-    rows = diff_rows(a, b, args.min_change)
+    if across:  # heads do not correspond across models: the profiles instead
+        from .gate.profile import profile, profile_line
+
+        for side, record in (("A", a), ("B", b)):
+            print(f"{side} {profile_line(profile(record, Tolerances().swap_induction_score))}")
+        rows = []
+        print("per-head figures not compared: A and B are two base models (heads do not correspond)")
+    else:
+        rows = diff_rows(a, b, args.min_change)
     if rows:
         print(f"{'head':<8} {'metric':<16} {'A':>10} {'B':>10} {'change':>10}")
         for head, metric, x, y, change in rows:
             print(f"{head:<8} {metric:<16} {x:>10.4f} {y:>10.4f} {_fmt(change, '{:+.4f}'):>10}")
-    else:
+    elif not across:
         print(f"no per-head figure moved by {args.min_change} or more")
     results = gate_all(a, b, Tolerances(), b["build"]["recipe"], f"baseline {args.file_a.name}")
     _, line = verdict(results)

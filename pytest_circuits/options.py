@@ -127,6 +127,13 @@ OPTIONS: tuple[Option, ...] = (
         cli=("record",),
         cli_default=Path("baselines"),
     ),
+    Option(
+        "swap-baseline",
+        "path",
+        None,
+        "a base-model swap: the baseline file of the model this one replaces (e.g. baselines/smollm2-135m--fp32.json); "
+        "every build is also gated against it on the model-level swap invariants (circuits gate: --baseline FILE)",
+    ),
     Option("device", "str", "auto", "auto, cpu, cuda or cuda:N", cli=_SCAN_LIKE),
     Option("report", "path", None, "write an HTML and markdown report to this folder"),
     Option(

@@ -251,14 +251,18 @@ class CircuitsSession:
         screened scan always knocks out exactly."""
         from .errors import BaselineError
         from .gate.invariants import key_heads
+        from .gate.store import geometry_difference
 
         heads: set[str] = set(self.pinned_key_heads)
         tol = self.tolerances
+        geometry = {"model": {"geometry": self.preflight().__dict__}}
         for recipe in dict.fromkeys((self.settings.reference, *self.settings.builds)):
             try:
                 record = self.store.read(self.model_name, recipe)
             except BaselineError:
                 continue  # missing or corrupt: the gate reports it
+            if geometry_difference(record, geometry):
+                continue  # another base model's heads: compared across models, never by label
             heads.update(key_heads(record, "knockout_delta", tol.top_k, tol.min_delta))
         return sorted(heads)
 

@@ -38,6 +38,7 @@ class CircuitsSettings:
     update_all: bool = False  # record baselines, rewriting every file
     device: str = "auto"
     report: Path | None = None
+    swap_baseline: Path | None = None  # a base-model swap: the replaced model's baseline file
     trust_remote_code: bool = False
     probe: RepeatSettings = field(default_factory=RepeatSettings)
     knockout_seed: int = 1  # held out: differs from the probe's seed
@@ -79,6 +80,7 @@ def build_settings(raw: dict, baselines: Path, front_end: str | None = None, **f
         update_all=get("update-all"),
         device=get("device"),
         report=get("report"),
+        swap_baseline=get("swap-baseline"),
         trust_remote_code=get("trust-remote-code"),
         probe=RepeatSettings(seed=get("probe-seed"), n=get("probe-n"), L=get("probe-length")),
         knockout_mode=get("knockout-mode"),

@@ -8,7 +8,7 @@ concurrent pytest-xdist workers) only ever see a whole old or a whole new file.
 
 `BaselineStore` is the one way the plugin, the CLI and the report find, read, validate,
 write and list baselines. Its errors are typed (`BaselineMissing`, `BaselineCorrupt`,
-`ForeignBaseline`), each one line naming the file and the fix.
+`ForeignBaseline`: other probe settings), each one line naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -151,19 +151,31 @@ def read_baseline(path: str | Path) -> dict:
     return validate(record, f"baseline {path}")
 
 
-def compatibility(baseline: dict, record: dict, source: str = "baseline") -> list[str]:
-    """Notes on comparing ``record`` with ``baseline``; another geometry or probe is refused.
+def geometry_difference(baseline: dict, record: dict) -> str:
+    """``"n_layers 30 vs 2, n_heads 9 vs 4, ..."``: where the two records' geometries differ ("" when
+    they do not, or when either record states none)."""
+    geo_b = (baseline.get("model") or {}).get("geometry") or {}
+    geo_r = (record.get("model") or {}).get("geometry") or {}
+    if not geo_b or not geo_r:
+        return ""
+    return ", ".join(f"{k} {geo_b.get(k)} vs {geo_r.get(k)}" for k in GEOMETRY_KEYS if geo_b.get(k) != geo_r.get(k))
 
-    Same geometry but another weight fingerprint (a new checkpoint of the same shape) is
-    compared, with a note saying the weights differ.
+
+def _described(record: dict, fallback: str) -> str:
+    """``smollm2-135m (30 layers x 9 heads, vocab 49152)``."""
+    model = record.get("model") or {}
+    geo = model.get("geometry") or {}
+    return f"{model.get('name') or fallback} ({geo.get('n_layers')} layers x {geo.get('n_heads')} heads, vocab {geo.get('vocab')})"
+
+
+def compatibility(baseline: dict, record: dict, source: str = "baseline", across: bool = False) -> list[str]:
+    """Notes on comparing ``record`` with ``baseline``; other probe settings are refused.
+
+    Another geometry (or ``across``) is another base model: compared on the model-level
+    cross-model invariants only, with a note saying that per-head invariants were not. Same
+    geometry but another weight fingerprint (a new checkpoint of the same shape) is compared,
+    with a note saying the weights differ.
     """
-    geo_b, geo_r = baseline["model"]["geometry"], record["model"]["geometry"]
-    diff = [f"{k} {geo_b.get(k)} vs {geo_r.get(k)}" for k in GEOMETRY_KEYS if geo_b.get(k) != geo_r.get(k)]
-    if diff:
-        raise ForeignBaseline(
-            f"{source} is of another model geometry ({', '.join(diff)}); record a baseline for this model "
-            f"with {_fix().removeprefix('record it again with ')}"
-        )
     pb, pr = baseline.get("probe") or {}, record.get("probe") or {}
     pdiff = [f"{k}={pb.get(k)} vs {pr.get(k)}" for k in ("seed", "n", "L") if pb.get(k) != pr.get(k)]
     if pdiff:
@@ -172,6 +184,14 @@ def compatibility(baseline: dict, record: dict, source: str = "baseline") -> lis
             f"{flag('probe-seed')} {pb.get('seed')} {flag('probe-n')} {pb.get('n')} "
             f"{flag('probe-length')} {pb.get('L')} or record it again"
         )
+    diff = geometry_difference(baseline, record)
+    if diff or across:
+        why = f"geometry {diff}" if diff else "compared as two base models"
+        return [
+            f"note: across models: {_described(record, 'this model')} against {_described(baseline, 'the baseline')} "
+            f"from {source}; per-head invariants were not compared ({why}; heads do not correspond across "
+            "models), only the model-level swap invariants"
+        ]
     notes = []
     fb, fr = baseline["model"].get("fingerprint"), record["model"].get("fingerprint")
     if fb and fr and fb != fr:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+INTEGER = ("top_k", "swap_induction_heads")  # counts; every other tolerance is a float
+
 
 @dataclass(frozen=True)
 class Tolerances:
@@ -27,6 +29,17 @@ class Tolerances:
     # copy_loss and knockout_deltas fail only when a change is both beyond its tolerance and
     # outside sampling noise: its 95% paired interval over the probe's sequences excludes 0
     outside_interval: bool = True
+    # across base models (gate/profile.py; docs/definitions.md, "Across base models")
+    swap_copy_loss: float = 0.5  # how far copy loss may rise, nats
+    swap_copy_gain: float = 0.1  # how far copy_gain / first_copy_loss may fall
+    swap_induction_score: float = 0.3  # prefix_matching that makes an induction head
+    swap_induction_heads: int = 1  # induction heads the new model needs (at most the old model's count)
+    swap_prefix: float = 0.15  # how far the best prefix_matching may fall
+    swap_depth: float = 0.35  # how far the induction heads' mean depth (fraction of the stack) may move
+    swap_share: float = 0.25  # how far the shares of copying / suppression heads may move
+    swap_kappa_w1: float = 5.0  # 1-Wasserstein distance of the kappa_z distributions, null sds
+    swap_knockout: float = 0.5  # how far the largest knockout delta may fall, x its size
+    swap_concentration: float = 0.3  # how far the top-3 share of the knockout effect may move
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -42,7 +55,7 @@ class Tolerances:
             if name in FLAGS:
                 clean[name] = _flag(name, value)
                 continue
-            kind = int if name == "top_k" else float
+            kind = int if name in INTEGER else float
             try:
                 clean[name] = kind(value)
             except (TypeError, ValueError):

@@ -1,14 +1,16 @@
 """Gate one build against its baselines: the reference build's (the precision-swap gate) and
-its own (drift). Used by the pytest plugin; the CLI gates one file with `invariants.gate_all`."""
+its own (drift), or, for the cross-model invariants, the baseline of the model it replaces (a
+base-model swap). Used by the pytest plugin; the CLI gates one file with `invariants.gate_all`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from ..errors import BaselineError, BaselineMissing
+from ..options import flag
 from ..rungs import kappa_method
 from . import invariants
-from .store import compatibility
+from .store import compatibility, geometry_difference, read_baseline
 from .tolerances import Tolerances
 
 
@@ -19,6 +21,7 @@ class GateOutcome:
     results: list[invariants.InvariantResult] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # missing / refused / corrupt baselines
     notes: list[str] = field(default_factory=list)  # e.g. "the weights differ"
+    absent: str = ""  # why there was nothing to gate (no base-model swap): a skip, not a result
 
     @property
     def passed(self) -> bool:
@@ -32,13 +35,27 @@ class GateOutcome:
     @property
     def skipped(self) -> bool:
         """Nothing broke and every comparison was skipped (the baseline model lacks the mechanism)."""
-        return not self.problems and bool(self.results) and all(r.skipped for r in self.results)
+        if self.problems:
+            return False
+        return all(r.skipped for r in self.results) if self.results else bool(self.absent)
+
+    @classmethod
+    def merged(cls, outcomes) -> GateOutcome:
+        """One outcome of several invariants' (results in order; notes and problems once each)."""
+        out = cls()
+        for o in outcomes:
+            out.results += o.results
+            out.problems += [p for p in o.problems if p not in out.problems]
+            out.notes += [n for n in o.notes if n not in out.notes]
+            out.absent = out.absent or o.absent
+        return out
 
     def message(self) -> str:
         shown = [r.message for r in self.results if r.status == "failed"]
         if self.skipped or not (shown or self.problems):
-            shown = [r.message for r in self.results]
-        return "\n".join(list(self.notes) + list(self.problems) + shown)
+            shown = list(dict.fromkeys(r.message for r in self.results))
+        absent = [self.absent] if self.absent and not self.results else []
+        return "\n".join(list(self.notes) + list(self.problems) + shown + absent)
 
 
 def comparisons(recipe: str, reference: str) -> list[tuple[str, str]]:
@@ -65,6 +82,8 @@ def gate_build(session, recipe: str, invariant: str, tol: Tolerances, fixes: dic
     ``"reference"``/``"own"`` to the line that ends a failure message.
     """
     inv = invariants.get(invariant)
+    if inv.across_models:
+        return gate_swap(session, recipe, inv, tol, fixes)
     outcome = GateOutcome()
     for base_recipe, label in comparisons(recipe, session.settings.reference):
         own = label == "own baseline"
@@ -85,4 +104,54 @@ def gate_build(session, recipe: str, invariant: str, tol: Tolerances, fixes: dic
             continue
         fix = fixes.get("own" if own else "reference")
         outcome.results.append(invariants.evaluate(inv, baseline, candidate, tol, recipe, label, fix))
+    return outcome
+
+
+def swap_baseline(session) -> tuple[dict | None, str, str]:
+    """``(baseline, label, why_none)``: the baseline of the model this one replaces, the
+    `--circuits-swap-baseline` file, else the reference baseline when it is of another geometry
+    (the model was swapped under the same name); ``None`` and the reason when there is none.
+    Unreadable files raise their `BaselineError`."""
+    s = session.settings
+    if s.swap_baseline is not None:
+        try:
+            baseline = read_baseline(s.swap_baseline)
+        except BaselineMissing:
+            raise BaselineMissing(
+                f"{flag('swap-baseline')} {s.swap_baseline}: no such file; pass the baseline file of the model "
+                "this one replaces (e.g. baselines/<old model>--fp32.json)"
+            ) from None
+        return baseline, f"baseline {s.swap_baseline.name}", ""
+    hint = f"pass {flag('swap-baseline')} FILE, the baseline of the model this one replaces"
+    try:
+        reference = session.load_baseline(s.reference)
+    except BaselineMissing:
+        return None, "", f"no base-model swap to gate: no {s.reference} baseline, and no {flag('swap-baseline')}"
+    candidate_geometry = {"model": {"geometry": session.preflight().__dict__}}
+    if geometry_difference(reference, candidate_geometry):
+        return reference, f"{s.reference} baseline", ""
+    return None, "", f"no base-model swap to gate: the {s.reference} baseline is of this model's geometry; {hint}"
+
+
+def gate_swap(session, recipe: str, inv, tol: Tolerances, fixes: dict[str, str]) -> GateOutcome:
+    """Gate a cross-model invariant of ``recipe`` against the baseline of the replaced model
+    (`swap_baseline`); skipped, saying why, when there is none."""
+    outcome = GateOutcome()
+    try:
+        baseline, label, why_none = swap_baseline(session)
+    except BaselineError as error:
+        outcome.problems.append(str(error))
+        return outcome
+    if baseline is None:
+        outcome.absent = why_none
+        return outcome
+    candidate = candidate_record(session, recipe, baseline, knockout="knockout" in inv.needs)
+    try:
+        outcome.notes.extend(compatibility(baseline, candidate, label, across=True))
+    except BaselineError as error:
+        outcome.problems.append(str(error))
+        return outcome
+    outcome.results.append(
+        invariants.evaluate(inv, baseline, candidate, tol, recipe, label, fixes.get("swap"), across=True)
+    )
     return outcome

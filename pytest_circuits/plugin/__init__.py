@@ -186,22 +186,28 @@ def circuits_tolerances(request, circuits_session) -> Tolerances:
 
 @pytest.fixture
 def circuits_gate(request, circuits_session, circuits_recipe, circuits_tolerances):
-    """``circuits_gate(invariant)``: gate this build against the reference and its own baseline.
+    """``circuits_gate(invariant, ...)``: gate this build against the reference and its own
+    baseline (a cross-model invariant: against the baseline of the model it replaces).
 
     Fails the test with a table of the heads and numbers that moved, skips it (with the
-    reason) when the baseline model has none of the mechanism; every result also goes to
-    the terminal summary and the ``--circuits-report``.
+    reason) when the baseline model has none of the mechanism or the pairing does not compare
+    it (per-head invariants across models); several invariants are gated together, one verdict.
+    Every result also goes to the terminal summary and the ``--circuits-report``.
     """
+    from ..gate.verdict import GateOutcome
     from .collect import gate_for_test
 
-    def run(invariant: str):
-        outcome = _guard(
-            lambda: gate_for_test(request, circuits_session, circuits_recipe, invariant, circuits_tolerances)
+    def run(*invariants: str):
+        outcome = GateOutcome.merged(
+            _guard(
+                lambda name=name: gate_for_test(request, circuits_session, circuits_recipe, name, circuits_tolerances)
+            )
+            for name in invariants
         )
         if outcome.skipped:
             pytest.skip(outcome.message())
         if not outcome.passed:
-            pytest.fail(outcome.message() or f"{invariant}: nothing was compared", pytrace=False)
+            pytest.fail(outcome.message() or f"{', '.join(invariants)}: nothing was compared", pytrace=False)
         return outcome
 
     return run

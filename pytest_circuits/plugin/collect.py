@@ -60,6 +60,10 @@ def fix_lines(session, recipe: str, test_path: str) -> dict[str, str]:
             f"if the {s.reference} build changed on purpose, record its baseline again: "
             f"{update_command(session, s.reference, test_path)}"
         ),
+        "swap": (
+            f"if {recipe} of the new model may differ this much from the model it replaces, loosen the swap_* "
+            "tolerance (@pytest.mark.circuits_tolerance(...) or circuits_tol_swap_* in [tool.pytest.ini_options])"
+        ),
     }
 
 
@@ -100,6 +104,7 @@ def gate_for_test(request, session, recipe: str, invariant: str, tol):
     props.append(("circuits_problems", list(outcome.problems)))
     if session.settings.report is not None:
         from ..gate.invariants import get
+        from ..gate.store import geometry_difference
         from ..gate.verdict import candidate_record
 
         knockout = "knockout" in get(invariant).needs
@@ -113,6 +118,8 @@ def gate_for_test(request, session, recipe: str, invariant: str, tol):
         else:
             record = candidate_record(session, recipe, reference, knockout)
         props.append(("circuits_record", (recipe, record)))
+        if reference is not None and geometry_difference(reference, record):
+            reference = None  # another base model: its heads are not this model's, no per-head differences
         props.append(("circuits_reference", (recipe, reference)))
     return outcome
 

@@ -10,8 +10,10 @@ of your own suite with one line in a test module::
 from .test_rung1_weights import test_copying_heads_survive, test_kappa_distribution_not_shifted
 from .test_rung2_knockout import test_knockout_deltas_keep_size
 from .test_rung12_repeat import test_copy_loss_within_tolerance, test_induction_heads_survive
+from .test_swap import test_base_model_swap
 
 __all__ = [
+    "test_base_model_swap",
     "test_copy_loss_within_tolerance",
     "test_copying_heads_survive",
     "test_induction_heads_survive",
