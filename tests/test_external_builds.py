@@ -209,6 +209,14 @@ def test_q8_file_passes_the_gate_against_fp32(q8_session, q8_file):
     assert q8["copy_loss"] != fp32["copy_loss"]  # the file's weights are really not the float ones
 
 
+def test_report_shows_the_file_of_an_external_build(q8_session, q8_file, tmp_path):
+    pytest.importorskip("matplotlib", reason="the report draws with matplotlib")
+    from pytest_circuits.report import write_report
+
+    page = write_report(tmp_path, [q8_session.record("q8", knockout=False)]).read_text()
+    assert hashlib.sha256(q8_file.read_bytes()).hexdigest() in page and str(q8_file) in page and "Q8_0" in page
+
+
 def test_shipped_baselines_still_validate():
     from pytest_circuits.gate.store import BaselineStore
     from pytest_circuits.model.named import SHIPPED_BASELINES
@@ -232,6 +240,9 @@ def test_record_then_gate_against_an_external_reference(q8_session, q8_file, tmp
     assert f"wrote {written}" in capsys.readouterr().out
     stored = json.loads(written.read_text())["build"]
     assert stored["sha256"] == hashlib.sha256(q8_file.read_bytes()).hexdigest() and stored["tensor_types"]["Q8_0"] == 15
+    assert main(["gate", "tiny-induction", "--build", f"q8={q8_file}", "--baseline", str(written)]) == 0
+    out = capsys.readouterr().out
+    assert f"candidate external build q8 = {q8_file} (gguf" in out and f"baseline external build q8 = {q8_file}" in out
     session = CircuitsSession(settings(f"fp32,q8={q8_file}", reference="q8", baselines=tmp_path, device="cpu"))
     session._cache.update({k: v for k, v in q8_session._cache.items() if k[0] in ("build", "weights")})
     outcome = gate_build(session, "fp32", "copying_heads", Tolerances(), FIXES)
@@ -279,3 +290,48 @@ def test_smollm2_q8_file_passes_the_gate_against_fp32(env):
         outcome = gate_build(session, "q8", invariant, Tolerances(), FIXES)
         assert outcome.passed, outcome.message()
     assert session.record("q8", knockout=False)["build"]["tensor_types"] == file_types(q8)
+
+
+# ---------------------------------------------------------------- pre-quantized checkpoints (slow)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe, fmt", [("bnb-int8", "bnb-8bit-serialized"), ("bnb-nf4", "bnb-4bit-nf4-serialized")])
+def test_bnb_serialized_checkpoint_is_the_recipe_build(tmp_path, recipe, fmt):
+    """A bitsandbytes checkpoint saved with save_pretrained loads on CPU as an external build and
+    gives the figures of the recipe build it was saved from (same codes, same scales)."""
+    from pytest_circuits.rungs.probe import run_repeat_probe
+    from pytest_circuits.session import CircuitsSession
+
+    session = CircuitsSession(settings(recipe, device="cpu"))
+    session.build(recipe).model.save_pretrained(tmp_path / "saved", safe_serialization=True)
+    external = CircuitsSession(settings(f"{recipe},saved={tmp_path / 'saved'}", device="cpu"))
+    build = external.build("saved")
+    assert build.identity.format == fmt and build.llm_int8 == (recipe == "bnb-int8")
+    assert "U8" in build.identity.tensor_types  # the codes are stored quantized, not as floats
+    ours = run_repeat_probe(build, session.settings.probe).model_figures()
+    theirs = session.repeat_probe(recipe).model_figures()
+    for name in ("copy_loss", "first_copy_loss"):
+        assert ours[name] == pytest.approx(theirs[name], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_torchao_int8_checkpoint_loads_when_torchao_is_installed(tmp_path):
+    """torchao's int8 weight-only checkpoint loads on CPU; its Int8Tensor weights are read dequantized."""
+    pytest.importorskip("torchao", reason="torchao is not installed (an optional checkpoint format)")
+    import torch
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    from pytest_circuits.model.loading import resolve_model
+    from pytest_circuits.session import CircuitsSession
+
+    config = TorchAoConfig(quant_type=Int8WeightOnlyConfig())
+    folder = resolve_model("tiny-induction").folder
+    net = AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, dtype=torch.float32)
+    net.save_pretrained(tmp_path / "ao", safe_serialization=True)
+    session = CircuitsSession(settings(f"fp32,ao={tmp_path / 'ao'}", device="cpu"))
+    build = session.build("ao")
+    assert build.identity.format == "torchao" and "I8" in build.identity.tensor_types
+    fp32, ao = session.repeat_probe("fp32").model_figures(), session.repeat_probe("ao").model_figures()
+    assert ao["copy_loss"] != fp32["copy_loss"] and abs(ao["copy_loss"] - fp32["copy_loss"]) < 0.05

@@ -70,6 +70,8 @@ def checkpoint_format(quant: dict | None) -> str:
         if quant.get("load_in_8bit"):
             return "bnb-8bit-serialized"
         return f"bnb-4bit-{quant.get('bnb_4bit_quant_type', 'fp4')}-serialized"
+    if method == "compressed-tensors" and quant.get("format"):
+        return f"compressed-tensors-{quant['format']}"
     return method
 
 

@@ -106,10 +106,10 @@ def parse_build_spec(text: str) -> BuildSpec:
     return BuildSpec(name, path)
 
 
-def parse_build_specs(text: str | list[str]) -> list[BuildSpec]:
+def parse_build_specs(text: str | list[str] | list[BuildSpec]) -> list[BuildSpec]:
     """``"fp32, q8=model-Q8_0.gguf"`` -> checked `BuildSpec` s; a repeated recipe is dropped, a
     NAME used twice for different builds is refused."""
-    items = text.split(",") if isinstance(text, str) else list(text)
+    items: list = text.split(",") if isinstance(text, str) else list(text)
     specs: dict[str, BuildSpec] = {}
     for item in items:
         if not str(item).strip():
