@@ -118,6 +118,7 @@ def requantize_gguf(src: str | Path, dst: str | Path, tensor_type: str, blocks: 
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
+        os.chmod(staging, 0o644)  # mkstemp made it private; the file is an ordinary artifact
         os.replace(staging, dst)
     finally:
         if os.path.exists(staging):

@@ -76,11 +76,6 @@ class BuildSpec:
     def external(self) -> bool:
         return self.path is not None
 
-    @property
-    def recipe(self) -> Recipe:
-        """The recipe of a recipe build; an external build is loaded as float32 (``fp32``)."""
-        return RECIPES["fp32"] if self.external else get_recipe(self.name)
-
     def __str__(self) -> str:
         return self.name if self.path is None else f"{self.name}={self.path}"
 
