@@ -54,19 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("scan", help="print every head's figures of one build (and write them as JSON)")
     p.add_argument("model", help=MODEL_HELP)
-    p.add_argument("--build", default="fp32", help="build recipe (default: fp32)")
+    p.add_argument("--build", default="fp32", help="build recipe or NAME=PATH external build (default: fp32)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the scan record here (atomically)")
     p.add_argument("--no-knockout", action="store_true", help="skip the head knockouts (rung 2)")
     _shared_options(p, "scan")
 
     p = sub.add_parser("record", help="write the baselines of builds (atomically)")
     p.add_argument("model", help=MODEL_HELP)
-    p.add_argument("--build", required=True, help="build recipe(s), comma-separated")
+    p.add_argument("--build", required=True, help="build recipes or NAME=PATH external builds, comma-separated")
     _shared_options(p, "record")
 
     p = sub.add_parser("gate", help="gate one build against a baseline file (exit 1 if an invariant broke)")
     p.add_argument("model", help=MODEL_HELP)
-    p.add_argument("--build", required=True, help="build recipe")
+    p.add_argument("--build", required=True, help="build recipe or NAME=PATH external build")
     p.add_argument("--baseline", required=True, type=Path, metavar="FILE", help="baseline file to gate against")
     p.add_argument(
         "--tol",
@@ -107,7 +107,16 @@ def _session(args, probe: dict | None = None):
         if raw[name] is None and probe:
             raw[name] = probe.get(key)
     raw["model"] = args.model
+    raw["builds"] = args.build  # recipes and NAME=PATH external builds (model/recipes.py)
     return CircuitsSession(build_settings(raw, baselines=Path("baselines"), front_end="cli"))
+
+
+def _one_build(session, command: str) -> str:
+    """The one build ``scan`` and ``gate`` take (a recipe or NAME=PATH)."""
+    builds = session.settings.builds
+    if len(builds) != 1:
+        raise CircuitsError(f"--build: {command} takes one build, got {', '.join(builds)}; run it once per build")
+    return builds[0]
 
 
 def _fmt(value, spec: str) -> str:
@@ -137,6 +146,7 @@ def head_table(record: dict) -> str:
 
 
 def model_lines(record: dict) -> list[str]:
+    from .model.recipes import describe_identity
     from .rungs.figures import MODEL_FIGURES, interval_key
 
     m, b, p = record["model"], record["build"], record["probe"]
@@ -150,6 +160,7 @@ def model_lines(record: dict) -> list[str]:
     return [
         f"model {m['name']} ({m['family']}, {m['geometry']['n_layers']} layers x {m['geometry']['n_heads']} heads), "
         f"build {b['recipe']} ({b['backend_version']}, {b['device']})",
+        *[f"external build {line}" for line in [describe_identity(b)] if line],
         f"probe seed {p['seed']} n {p['n']} L {p['L']}: {said} (nats; [95% t interval over the sequences])",
     ]
 
@@ -163,11 +174,10 @@ def cmd_scan(args) -> int:
     from .gate.record import build_record
     from .gate.store import dumps
     from .gate.tolerances import Tolerances
-    from .model.recipes import get_recipe
 
-    get_recipe(args.build)
     session = _session(args)
-    record = build_record(session, args.build, knockout=not args.no_knockout)
+    build = _one_build(session, "scan")
+    record = build_record(session, build, knockout=not args.no_knockout)
     print("\n".join(model_lines(record)))
     print(profile_line(profile(record, Tolerances().swap_induction_score)))
     print(head_table(record))
@@ -178,11 +188,8 @@ def cmd_scan(args) -> int:
 
 
 def cmd_record(args) -> int:
-    from .model.recipes import parse_builds
-
-    recipes = parse_builds(args.build)
     session = _session(args)
-    for recipe in recipes:
+    for recipe in session.settings.builds:
         path = session.write_baseline(recipe)
         record = session.record(recipe, knockout=True)
         written = any(e["event"] == "written" and e["recipe"] == recipe for e in session.events)
@@ -226,21 +233,26 @@ def cmd_gate(args) -> int:
     from .gate.record import has_figures
     from .gate.store import compatibility, geometry_difference, read_baseline
     from .gate.verdict import candidate_record
-    from .model.recipes import get_recipe
+    from .model.recipes import describe_identity
 
-    get_recipe(args.build)
     tol = _tolerances(args.tol)
     baseline = read_baseline(args.baseline)
     session = _session(args, probe=baseline.get("probe"))
+    build = _one_build(session, "gate")
     # refuse other probe settings before any figure is computed; another geometry is another base model
     preflight = {"model": {"geometry": session.preflight().__dict__}, "probe": session.settings.probe.as_dict()}
     compatibility(baseline, preflight, f"baseline {args.baseline.name}")
     across = args.across_models or bool(geometry_difference(baseline, preflight))
     if not across:  # another model's key heads are not this model's heads
         session.pinned_key_heads = set(key_heads(baseline, "knockout_delta", tol.top_k, tol.min_delta))
-    candidate = candidate_record(session, args.build, baseline, knockout=has_figures(baseline, "knockout"))
+    candidate = candidate_record(session, build, baseline, knockout=has_figures(baseline, "knockout"))
     label = f"baseline {args.baseline.name}"
-    notes = compatibility(baseline, candidate, label, across=across)
+    notes = [
+        f"{who} external build {line}"
+        for who, record in (("candidate", candidate), ("baseline", baseline))
+        if (line := describe_identity(record["build"]))
+    ]
+    notes += compatibility(baseline, candidate, label, across=across)
     if across:
         fix = (
             f"if the new model may differ this much from {baseline['model']['name']}, loosen the swap_* "
@@ -248,10 +260,15 @@ def cmd_gate(args) -> int:
         )
     else:
         fix = "if the change is intended, record the baseline again: " + _record_command(
-            session, baseline["build"]["recipe"], args.baseline
+            session, _build_word(baseline["build"]), args.baseline
         )
-    results = gate_all(baseline, candidate, tol, args.build, label, fix, across=across)
+    results = gate_all(baseline, candidate, tol, build, label, fix, across=across)
     return EXIT_OK if _print_results(results, notes) else EXIT_BROKEN
+
+
+def _build_word(build: dict) -> str:
+    """How ``--build`` names a record's build: its recipe, or NAME=PATH for an external build."""
+    return f"{build['recipe']}={build['source']}" if build.get("source") else str(build["recipe"])
 
 
 def _record_command(session, recipe: str, baseline: Path) -> str:

@@ -109,9 +109,15 @@ OPTIONS: tuple[Option, ...] = (
         "builds",
         "str",
         ",".join(DEFAULT_BUILDS),
-        "comma list of build recipes (fp32, bf16, fp16, bnb-int8, bnb-nf4, bnb-fp4, rtn-int8, rtn-int4)",
+        "comma list of build recipes (fp32, bf16, fp16, bnb-int8, bnb-nf4, bnb-fp4, rtn-int8, rtn-int4) "
+        "and NAME=PATH external builds (a .gguf file or checkpoint folder, e.g. q8=dist/model-Q8_0.gguf)",
     ),
-    Option("reference", "str", DEFAULT_REFERENCE, "the build every other build is gated against"),
+    Option(
+        "reference",
+        "str",
+        DEFAULT_REFERENCE,
+        "the build every other build is gated against (a recipe, NAME=PATH, or the NAME of an external build)",
+    ),
     Option(
         "name",
         "str",

@@ -79,6 +79,10 @@ class CircuitsSession:
                     f"(pass {flag('trust-remote-code')} only if you trust it)"
                 ) from None
             s = self.settings
+            for spec in s.external:  # a NAME=PATH whose PATH is nowhere: one line now, not per test
+                from .model.external import check_external_path
+
+                check_external_path(spec)
             tokens = token_info(self.source.folder, config, s.trust_remote_code)
             check_vocabulary(tokens)
             check_fits(config, tokens, s.probe.L)
@@ -89,16 +93,40 @@ class CircuitsSession:
         return self._memo(("preflight",), check)
 
     def build(self, recipe: str):
-        """The loaded build ``recipe`` (`model.builds.LoadedBuild`) of the session's model."""
+        """The loaded build ``recipe`` (`model.builds.LoadedBuild`) of the session's model: a recipe,
+        or the NAME of an external build (``NAME=PATH``, `model.external.load_external_build`)."""
         from .model.builds import load_build
-        from .model.recipes import get_recipe
 
-        get_recipe(recipe)
+        spec = self.settings.spec(recipe)
         self.preflight()
-        return self._memo(
-            ("build", recipe),
-            lambda: load_build(self.source, recipe, self.device, self.settings.trust_remote_code),
-        )
+
+        def load():
+            if spec.external:
+                from .model.external import load_external_build
+
+                return load_external_build(self.source, spec, self.device, self.settings.trust_remote_code)
+            return load_build(self.source, recipe, self.device, self.settings.trust_remote_code)
+
+        return self._memo(("build", recipe), load)
+
+    def identity_lines(self, recipe: str) -> list[str]:
+        """``"external build q8 = dist/model-Q8_0.gguf (gguf, sha256 ..., tensors Q8_0 x12, F32 x5)"``
+        for ``recipe`` and the reference, where they are external builds (gate messages, summary)."""
+        from .errors import CircuitsError
+        from .model.recipes import describe_identity
+
+        lines = []
+        for name in dict.fromkeys((recipe, self.settings.reference)):
+            if not self.settings.spec(name).external:
+                continue
+            try:
+                identity = self.build(name).identity.as_dict() if name == recipe else self.load_baseline(name)["build"]
+            except CircuitsError:
+                continue  # the gate reports a missing or unreadable reference itself
+            line = describe_identity(identity)
+            if line:
+                lines.append(f"{'reference ' if name != recipe else ''}external build {line}")
+        return lines
 
     def weights(self, recipe: str, fold: bool = True):
         """Per-head weights of a build (float32, dequantized, folded by default)."""
@@ -197,7 +225,7 @@ class CircuitsSession:
         from .settings import recording_words
 
         s = self.settings
-        words = ["circuits", "record", s.model, "--build", recipe, "--baselines", str(s.baselines)]
+        words = ["circuits", "record", s.model, "--build", str(s.spec(recipe)), "--baselines", str(s.baselines)]
         return shlex.join(words + recording_words(s, "cli"))
 
     def write_baseline(self, recipe: str):

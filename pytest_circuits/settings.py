@@ -30,8 +30,9 @@ class CircuitsSettings:
 
     model: str = DEFAULT_MODEL
     name: str | None = None  # the model's name in baseline file names (None: from the source)
-    builds: tuple[str, ...] = DEFAULT_BUILDS
+    builds: tuple[str, ...] = DEFAULT_BUILDS  # build names: recipes, or the NAME of a NAME=PATH build
     reference: str = DEFAULT_REFERENCE
+    external: tuple = ()  # the `recipes.BuildSpec` of every NAME=PATH build above (builds and reference)
     baselines: Path = Path("baselines")
     baselines_given: bool = True  # False: the default folder, which falls back to a named model's shipped one
     update: bool = False  # record baselines (rewriting a file only when a figure moved)
@@ -52,6 +53,15 @@ class CircuitsSettings:
     batch_size: int = 8
     tolerances: dict = field(default_factory=dict)  # gate tolerance overrides (ini circuits_tol_*)
 
+    def spec(self, name: str):
+        """The `recipes.BuildSpec` of build ``name``: its NAME=PATH, else the recipe (checked)."""
+        from .model.recipes import BuildSpec, get_recipe
+
+        for spec in self.external:
+            if spec.name == name:
+                return spec
+        return BuildSpec(get_recipe(name).name)
+
     @property
     def knockout_probe(self) -> RepeatSettings:
         """The held-out repeat sequences knockouts are measured on."""
@@ -64,16 +74,20 @@ def build_settings(raw: dict, baselines: Path, front_end: str | None = None, **f
 
     ``baselines``: the folder when no option names one. ``fixed``: settings given directly.
     """
-    from .model.recipes import parse_builds
+    from .model.recipes import parse_build_specs, reference_spec
 
     def get(name):
         return parse_value(name, raw.get(name), front_end)
 
+    specs = parse_build_specs(get("builds"))
+    reference = reference_spec(get("reference"), specs)
+
     values = dict(
         model=get("model"),
         name=get("name"),
-        builds=tuple(parse_builds(get("builds"))),
-        reference=parse_builds(get("reference"))[0],
+        builds=tuple(spec.name for spec in specs),
+        reference=reference.name,
+        external=tuple({s.name: s for s in (*specs, reference) if s.external}.values()),
         baselines=get("baselines") or baselines,
         baselines_given=get("baselines") is not None,
         update=get("update") or get("update-all"),

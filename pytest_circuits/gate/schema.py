@@ -72,6 +72,11 @@ class BuildInfo(BaseModel):
     backend: str
     backend_version: str
     device: str
+    # external builds (NAME=PATH) only; older baselines have none of them (model/recipes.EXTERNAL_KEYS)
+    source: str | None = None  # the path typed
+    format: str | None = None  # "gguf", "safetensors", "bnb-8bit-serialized", ...
+    sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+    tensor_types: dict[str, Annotated[int, Field(ge=1)]] | None = None  # stored type -> tensor count
 
 
 class ProbeInfo(BaseModel):

@@ -18,23 +18,30 @@ from ..options import flag
 from .dense import is_projection, weight_of
 from .families import Family, Geometry, family_for_config, geometry_of, modules_at
 from .loading import ModelSource, check_finite_weights, nonfinite_line, nonfinite_of, quiet_transformers
-from .recipes import RECIPES, Recipe, get_recipe, parse_builds  # noqa: F401  (re-exported)
+from .recipes import EXTERNAL_KEYS, RECIPES, BuildSpec, Recipe, get_recipe, parse_builds  # noqa: F401  (re-exported)
 from .selfcheck import check_decomposition
 from .vocab import TokenInfo, token_info
 
 
 @dataclass(frozen=True)
 class BuildIdentity:
-    """What travels with every figure: recipe, dtype, backend and its version, device."""
+    """What travels with every figure: recipe (an external build: its NAME), dtype, backend and
+    its version, device; an external build adds the file it came from, its format, sha256 and
+    how many tensors of each stored type it holds (`external.external_identity`)."""
 
     recipe: str
     dtype: str
     backend: str
     backend_version: str
     device: str
+    source: str | None = None  # external builds only (recipes.EXTERNAL_KEYS)
+    format: str | None = None
+    sha256: str | None = None
+    tensor_types: dict[str, int] | None = None
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The identity as stored; a recipe build's keeps the five keys older baselines hold."""
+        return {k: v for k, v in asdict(self).items() if v is not None or k not in EXTERNAL_KEYS}
 
 
 @dataclass
@@ -47,6 +54,7 @@ class LoadedBuild:
     family: Family
     geometry: Geometry
     tokens: TokenInfo
+    llm_int8: bool = False  # bitsandbytes LLM.int8(): outlier columns picked per batch
 
     @property
     def recipe(self) -> str:
@@ -150,62 +158,45 @@ def check_cast_finite(model, what: str) -> None:
         raise RecipeError(nonfinite_line(f"{what} (after the cast)", name, n_nan, n_inf, len(bad) - 1, fix))
 
 
-def load_build(
-    source: ModelSource,
-    recipe_name: str = "fp32",
-    device: str | torch.device = "cpu",
-    trust_remote_code: bool = False,
-) -> LoadedBuild:
-    """Load one build of ``source`` on ``device``, eager attention, in eval mode, offline."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def read_config(folder, trust_remote_code: bool = False, what: str | None = None):
+    """The transformers config of a weights folder; an unknown architecture is one line."""
+    from transformers import AutoConfig
 
-    quiet_transformers()
-    recipe = get_recipe(recipe_name)
-    device = device if isinstance(device, torch.device) else resolve_device(device)
     try:
-        config = AutoConfig.from_pretrained(source.folder, local_files_only=True, trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
     except ValueError as error:
         raise CircuitsError(
-            f"model {source.spec!r}: {first_line(error)} (pass {flag('trust-remote-code')} only if you trust it)"
+            f"model {what or str(folder)!r}: {first_line(error)} (pass {flag('trust-remote-code')} only if you trust it)"
         ) from None
-    family = family_for_config(config)
-    tokens = token_info(source.folder, config, trust_remote_code)
-    check_finite_weights(source)  # NaN/inf in the float checkpoint: one line naming the tensor, before any figure
-    kwargs = dict(
-        local_files_only=True,
-        trust_remote_code=trust_remote_code,
-        attn_implementation="eager",
-        use_safetensors=True,
+
+
+def from_pretrained(folder, what: str, device, trust_remote_code: bool = False, **kwargs) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_pretrained``: offline, safetensors, eager attention; one line on failure."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = (
+        dict(
+            local_files_only=True,
+            trust_remote_code=trust_remote_code,
+            attn_implementation="eager",
+            use_safetensors=True,
+        )
+        | kwargs
     )
-    if recipe.backend == "bitsandbytes":
-        kwargs.update(quantization_config=_bnb_config(recipe), dtype=torch_dtype(recipe), device_map={"": str(device)})
-    else:
-        kwargs.update(dtype=torch.float32)
     try:
         # typed as the Module it is: transformers' functools.wraps on .to hides the bound self from mypy
-        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(source.folder, **kwargs)
+        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     except CircuitsError:
         raise
     except Exception as error:
-        raise RecipeError(
-            f"build {recipe.name} of {source.name} failed to load on {device}: {first_line(error)}"
-        ) from None
-    if recipe.backend == "rtn":
-        if recipe.bits is None:
-            raise RecipeError(f"build {recipe.name}: an rtn recipe needs its bits (e.g. 8 or 4); set Recipe.bits")
-        apply_rtn_(model, family, recipe.bits)
-    if recipe.backend != "bitsandbytes":
-        model = model.to(device=device, dtype=torch_dtype(recipe))
-        check_cast_finite(model, f"build {recipe.name} of {source.name}")
+        raise RecipeError(f"build {what} failed to load on {device}: {first_line(error)}") from None
+    return model
+
+
+def finish_build(model, source: ModelSource, identity: BuildIdentity, family: Family, tokens: TokenInfo, **extra):
+    """Eval mode, no gradients, the `LoadedBuild`, checked by `check_decomposition`."""
     model.eval()
     model.requires_grad_(False)
-    identity = BuildIdentity(
-        recipe=recipe.name,
-        dtype=recipe.dtype,
-        backend=recipe.backend,
-        backend_version=_backend_version(recipe),
-        device=str(device),
-    )
     build = LoadedBuild(
         model=model,
         source=source,
@@ -213,6 +204,44 @@ def load_build(
         family=family,
         geometry=geometry_of(model),
         tokens=tokens,
+        **extra,
     )
     check_decomposition(build)  # refuses a build whose per-head read does not reproduce its attention
     return build
+
+
+def load_build(
+    source: ModelSource,
+    recipe_name: str = "fp32",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+) -> LoadedBuild:
+    """Load one build of ``source`` on ``device``, eager attention, in eval mode, offline."""
+    quiet_transformers()
+    recipe = get_recipe(recipe_name)
+    device = device if isinstance(device, torch.device) else resolve_device(device)
+    config = read_config(source.folder, trust_remote_code, source.spec)
+    family = family_for_config(config)
+    tokens = token_info(source.folder, config, trust_remote_code)
+    check_finite_weights(source)  # NaN/inf in the float checkpoint: one line naming the tensor, before any figure
+    if recipe.backend == "bitsandbytes":
+        kwargs = dict(quantization_config=_bnb_config(recipe), dtype=torch_dtype(recipe), device_map={"": str(device)})
+    else:
+        kwargs = dict(dtype=torch.float32)
+    model = from_pretrained(source.folder, f"{recipe.name} of {source.name}", device, trust_remote_code, **kwargs)
+    if recipe.backend == "rtn":
+        if recipe.bits is None:
+            raise RecipeError(f"build {recipe.name}: an rtn recipe needs its bits (e.g. 8 or 4); set Recipe.bits")
+        apply_rtn_(model, family, recipe.bits)
+    if recipe.backend != "bitsandbytes":
+        model = model.to(device=device, dtype=torch_dtype(recipe))
+        check_cast_finite(model, f"build {recipe.name} of {source.name}")
+    identity = BuildIdentity(
+        recipe=recipe.name,
+        dtype=recipe.dtype,
+        backend=recipe.backend,
+        backend_version=_backend_version(recipe),
+        device=str(device),
+    )
+    llm_int8 = recipe.backend == "bitsandbytes" and recipe.bits == 8
+    return finish_build(model, source, identity, family, tokens, llm_int8=llm_int8)

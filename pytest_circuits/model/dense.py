@@ -64,6 +64,8 @@ def dense_weight(module: torch.nn.Module) -> torch.Tensor:
         if getattr(quant_state, "packing_format_for_cpu", False):
             return dequantize_cpu_packed_4bit(weight.data, quant_state)
         return bnbf.dequantize_4bit(weight.data, quant_state).float()
+    if type(weight) is not torch.Tensor and type(weight) is not torch.nn.Parameter and hasattr(weight, "dequantize"):
+        weight = weight.dequantize()  # a quantized tensor subclass (torchao's Int8Tensor, ...)
     if type(module).__name__ == "Conv1D":
         return weight.detach().float().T
     return weight.detach().float()

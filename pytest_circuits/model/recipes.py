@@ -4,11 +4,15 @@
 ``BitsAndBytesConfig``; ``rtn-int8``/``rtn-int4`` simulate symmetric per-output-channel
 round-to-nearest of every attention and MLP weight (`builds.rtn_quantize_`).
 
+A build typed on the command line is a `BuildSpec`: a recipe name, or ``NAME=PATH`` for an
+external build (a GGUF file or checkpoint someone else produced), parsed once here.
+
 Light: the table names dtypes as strings, so option parsing needs no torch.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ..errors import RecipeError
@@ -46,18 +50,105 @@ def get_recipe(name: str) -> Recipe:
     recipe = RECIPES.get(name.strip())
     if recipe is None:
         known = "; ".join(f"{r.name} ({r.summary})" for r in RECIPES.values())
-        raise RecipeError(f"unknown build recipe {name!r}; known recipes: {known}")
+        raise RecipeError(
+            f"unknown build recipe {name!r}; known recipes: {known}; or an external build NAME=PATH (a .gguf file or folder)"
+        )
     return recipe
 
 
-def parse_builds(text: str | list[str]) -> list[str]:
-    """``"fp32, bnb-int8"`` -> ``["fp32", "bnb-int8"]``, each checked, duplicates dropped."""
-    items = text.split(",") if isinstance(text, str) else list(text)
-    names: list[str] = []
+BUILD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+]*(?:-[A-Za-z0-9._+]+)*")
+"""An external build's NAME: it becomes a test id and a baseline file name, so letters, digits,
+``.``, ``_``, ``+`` and single ``-`` (``--`` separates the model from the build in file names)."""
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    """One build as typed: a recipe name (``bnb-nf4``) or an external build ``NAME=PATH``.
+
+    ``name`` is the test id and the baseline file name; ``path`` (external builds only) is
+    anything ``--circuits-model`` accepts: a .gguf file, a save_pretrained folder, a cache id.
+    """
+
+    name: str
+    path: str | None = None
+
+    @property
+    def external(self) -> bool:
+        return self.path is not None
+
+    def __str__(self) -> str:
+        return self.name if self.path is None else f"{self.name}={self.path}"
+
+
+def parse_build_spec(text: str) -> BuildSpec:
+    """``"bnb-nf4"`` or ``"q8=dist/model-Q8_0.gguf"`` -> a checked `BuildSpec` (one-line errors)."""
+    text = text.strip()
+    name, sep, path = text.partition("=")
+    name, path = name.strip(), path.strip()
+    if not sep:
+        return BuildSpec(get_recipe(name).name)
+    if not path:
+        raise RecipeError(f"external build {text!r} names no path; write NAME=PATH, e.g. q8=dist/model-Q8_0.gguf")
+    if name in RECIPES:
+        raise RecipeError(
+            f"external build {text!r}: {name!r} is a recipe name; call the file something else, e.g. {name}-file={path}"
+        )
+    if not BUILD_NAME.fullmatch(name):
+        raise RecipeError(
+            f"external build {text!r}: the name {name!r} must be file-name safe (letters, digits, '.', '_', '+', "
+            "single '-'; starting with a letter or digit), e.g. q8=dist/model-Q8_0.gguf"
+        )
+    return BuildSpec(name, path)
+
+
+def parse_build_specs(text: str | list[str] | list[BuildSpec]) -> list[BuildSpec]:
+    """``"fp32, q8=model-Q8_0.gguf"`` -> checked `BuildSpec` s; a repeated recipe is dropped, a
+    NAME used twice for different builds is refused."""
+    items: list = text.split(",") if isinstance(text, str) else list(text)
+    specs: dict[str, BuildSpec] = {}
     for item in items:
-        item = item.strip()
-        if item and get_recipe(item).name not in names:
-            names.append(item)
-    if not names:
+        if not str(item).strip():
+            continue
+        spec = item if isinstance(item, BuildSpec) else parse_build_spec(str(item))
+        known = specs.get(spec.name)
+        if known is not None and known != spec:
+            raise RecipeError(
+                f"build name {spec.name!r} is given twice ({known} and {spec}); give each build its own name"
+            )
+        specs[spec.name] = spec
+    if not specs:
         raise RecipeError("no build recipe given; pass e.g. --circuits-builds fp32,bnb-int8")
-    return names
+    return list(specs.values())
+
+
+def parse_builds(text: str | list[str]) -> list[str]:
+    """``"fp32, bnb-int8, q8=model-Q8_0.gguf"`` -> the build names ``["fp32", "bnb-int8", "q8"]``."""
+    return [spec.name for spec in parse_build_specs(text)]
+
+
+def reference_spec(text: str, builds: list[BuildSpec]) -> BuildSpec:
+    """The reference build: a recipe, ``NAME=PATH``, or the NAME of an external build in ``builds``."""
+    text = text.strip()
+    named = {spec.name: spec for spec in builds if spec.external}
+    if "=" not in text and text in named:
+        return named[text]
+    spec = parse_build_spec(text)
+    parse_build_specs([*builds, spec])  # the same NAME for another file: one line
+    return spec
+
+
+EXTERNAL_KEYS = ("source", "format", "sha256", "tensor_types")
+"""What the build identity of an external build adds (gate/schema.py `BuildInfo` types them)."""
+
+
+def describe_identity(build: dict) -> str | None:
+    """``"q8 = model-Q8_0.gguf (gguf, sha256 1a2b3c4d5e6f, tensors Q8_0 x12, F32 x5)"`` for an
+    external build's identity (a record's ``build``), None for a recipe build."""
+    if not build.get("format"):
+        return None
+    types = build.get("tensor_types") or {}
+    counts = ", ".join(f"{kind} x{n}" for kind, n in sorted(types.items(), key=lambda kv: (-kv[1], kv[0])))
+    digest = str(build.get("sha256") or "?").removeprefix("sha256:")[:12]
+    return (
+        f"{build.get('recipe')} = {build.get('source')} ({build['format']}, sha256 {digest}, tensors {counts or '?'})"
+    )

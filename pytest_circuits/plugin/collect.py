@@ -80,7 +80,7 @@ def update_command(session, recipe: str, test_path: str) -> str:
         flag("model"),
         s.model,
         flag("builds"),
-        recipe,
+        str(s.spec(recipe)),  # an external build as NAME=PATH
         flag("baselines"),
         str(s.baselines),
         flag("update"),
@@ -97,6 +97,7 @@ def gate_for_test(request, session, recipe: str, invariant: str, tol):
     from ..gate.verdict import gate_build
 
     outcome = gate_build(session, recipe, invariant, tol, fix_lines(session, recipe, str(test_path)))
+    outcome.notes[:0] = session.identity_lines(recipe)  # an external build: which file was gated
     props = request.node.user_properties
     props.append(("circuits_results", [r.as_dict() for r in outcome.results]))
     props.append(("circuits_events", list(session.events)))

@@ -35,7 +35,7 @@ import pandas as pd
 import torch
 
 from ..errors import CircuitsError
-from ..model.builds import LoadedBuild, get_recipe
+from ..model.builds import LoadedBuild
 from ..model.dense import weight_of
 from ..model.families import flattens_batch_with_heads, head_label, layer_modules, tail_logits
 from ..options import KNOCKOUT_MODES, SCREEN_METHODS, flag
@@ -315,8 +315,7 @@ def _cached_deltas(build, intact: _Intact, pairs, mode, L, knockouts_per_pass, b
 def batch_invariant(build: LoadedBuild) -> bool:
     """False for bitsandbytes LLM.int8(): its outlier columns are picked over the whole batch,
     so stacking knockouts would let one knockout's activations change another's result."""
-    recipe = get_recipe(build.recipe)
-    return not (recipe.backend == "bitsandbytes" and recipe.bits == 8)
+    return not build.llm_int8
 
 
 def _auto_per_pass(build, knockouts_per_pass, batch_size, n) -> int:
