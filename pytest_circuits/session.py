@@ -9,6 +9,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Callable
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 from .options import flag
@@ -23,6 +24,11 @@ class CircuitsSession:
         self._cache: dict[tuple, Any] = {}
         self.events: list[dict] = []  # baseline events: written, compared, missing, corrupt (for the summary)
         self.pinned_key_heads: set[str] = set()
+        self.loads: list[dict] = []  # {"recipe", "worker"}: each build this process loaded
+        self.worker: str | None = None  # the pytest-xdist worker id (gw0, ...), None in a plain run
+        # the folder every process of one run shares (pytest-xdist): file locks, written-once markers,
+        # knockout shards; None: one process, nothing to share
+        self.shared_dir: Path | None = None
         # where long scans report progress (the plugin: its terminal reporter; None: stderr)
         self.progress_write: Callable[[str], None] | None = (
             None  # always knocked out exactly (e.g. a baseline file's key heads)
@@ -95,10 +101,13 @@ class CircuitsSession:
 
         get_recipe(recipe)
         self.preflight()
-        return self._memo(
-            ("build", recipe),
-            lambda: load_build(self.source, recipe, self.device, self.settings.trust_remote_code),
-        )
+
+        def load():
+            build = load_build(self.source, recipe, self.device, self.settings.trust_remote_code)
+            self.loads.append({"recipe": recipe, "worker": self.worker})
+            return build
+
+        return self._memo(("build", recipe), load)
 
     def weights(self, recipe: str, fold: bool = True):
         """Per-head weights of a build (float32, dequantized, folded by default)."""
@@ -196,7 +205,12 @@ class CircuitsSession:
         return shlex.join(words + recording_words(s, "cli"))
 
     def write_baseline(self, recipe: str):
-        """Record ``recipe`` (with knockouts) and write its baseline atomically, once per session."""
+        """Record ``recipe`` (with knockouts) and write its baseline atomically, once per run.
+
+        Under pytest-xdist the write runs under a file lock in the run's shared folder and leaves a
+        marker: the first worker that needs the file records and writes it, every other one waits
+        for the lock, finds the marker and reads the file (no second load, no second writer).
+        """
 
         def write():
             path, written = self.store.write(
@@ -205,7 +219,21 @@ class CircuitsSession:
             self.events.append({"event": "written" if written else "unchanged", "recipe": recipe, "path": str(path)})
             return path
 
-        return self._memo(("written", recipe), write)
+        def write_once():
+            if self.shared_dir is None:
+                return write()
+            from filelock import FileLock
+
+            stem = self.baseline_path(recipe).name  # one file, one lock
+            marker = self.shared_dir / f"{stem}.written"
+            with FileLock(str(self.shared_dir / f"{stem}.lock")):
+                if marker.exists():
+                    return Path(marker.read_text())
+                path = write()
+                marker.write_text(str(path))
+                return path
+
+        return self._memo(("written", recipe), write_once)
 
     def load_baseline(self, recipe: str) -> dict:
         """The baseline record of ``recipe``: written first under ``update``; a typed BaselineError

@@ -16,6 +16,7 @@ import pytest
 from ..errors import CircuitsError
 from ..gate.tolerances import Tolerances
 from ..options import OPTIONS
+from .workers import pytest_cmdline_main, pytest_collection_modifyitems  # noqa: F401  (hooks: -n means loadgroup)
 
 if TYPE_CHECKING:
     from ..session import CircuitsSession
@@ -89,6 +90,19 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[SESSION_KEY] = session
     config.stash[COLLECTED_KEY] = Collected()
     config.pluginmanager.register(Collector(config.stash[COLLECTED_KEY]), "circuits-collector")
+    from . import workers
+
+    workers.configure(config, session)
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(
+            workers.XdistHooks(config, session, config.stash[COLLECTED_KEY]), "circuits-xdist"
+        )
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from . import workers
+
+    workers.unconfigure(config)
 
 
 def _report_progress(config: pytest.Config, line: str) -> None:
@@ -99,10 +113,15 @@ def _report_progress(config: pytest.Config, line: str) -> None:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Run every test that asks for a per-build fixture once per build."""
+    """Run every test that asks for a per-build fixture once per build, each build's tests in one
+    xdist group (``circuits-<recipe>``: under ``-n N`` one worker loads the build), the reference first."""
     if "circuits_recipe" in metafunc.fixturenames and "circuits_recipe" not in _direct_params(metafunc):
-        builds = metafunc.config.stash[SESSION_KEY].settings.builds
-        metafunc.parametrize("circuits_recipe", builds, ids=list(builds), scope="session")
+        from .workers import group_mark
+
+        settings = metafunc.config.stash[SESSION_KEY].settings
+        builds = sorted(settings.builds, key=lambda recipe: recipe != settings.reference)  # stable: reference first
+        params = [pytest.param(recipe, id=recipe, marks=group_mark(recipe)) for recipe in builds]
+        metafunc.parametrize("circuits_recipe", params, scope="session")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -208,7 +227,7 @@ def circuits_gate(request, circuits_session, circuits_recipe, circuits_tolerance
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
-    if COLLECTED_KEY in config.stash and config.stash[COLLECTED_KEY].used:
+    if COLLECTED_KEY in config.stash and (config.stash[COLLECTED_KEY].used or config.stash[COLLECTED_KEY].loads):
         from .collect import terminal_summary
 
         terminal_summary(terminalreporter, config.stash[SESSION_KEY], config.stash[COLLECTED_KEY])
@@ -216,8 +235,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 
 def pytest_sessionfinish(session, exitstatus) -> None:
     config = session.config
-    if COLLECTED_KEY not in config.stash or hasattr(config, "workerinput"):  # the controller writes the report
+    if COLLECTED_KEY not in config.stash:
         return
+    if hasattr(config, "workerinput"):  # the controller writes the report
+        from .workers import finish_worker
+
+        finish_worker(config, config.stash[SESSION_KEY])
+        return
+    if not config.stash[COLLECTED_KEY].loads:  # a plain run: this process loaded the builds
+        config.stash[COLLECTED_KEY].loads.extend(config.stash[SESSION_KEY].loads)
     if config.stash[COLLECTED_KEY].used:
         from .collect import write_report
 
