@@ -29,6 +29,8 @@ class CircuitsSession:
         # the folder every process of one run shares (pytest-xdist): file locks, written-once markers,
         # knockout shards; None: one process, nothing to share
         self.shared_dir: Path | None = None
+        self.workers = 1  # processes of this run (pytest-xdist's worker count)
+        self._loading_for: str | None = None  # why a build is being loaded (a knockout shard), for the load count
         # where long scans report progress (the plugin: its terminal reporter; None: stderr)
         self.progress_write: Callable[[str], None] | None = (
             None  # always knocked out exactly (e.g. a baseline file's key heads)
@@ -104,7 +106,7 @@ class CircuitsSession:
 
         def load():
             build = load_build(self.source, recipe, self.device, self.settings.trust_remote_code)
-            self.loads.append({"recipe": recipe, "worker": self.worker})
+            self.loads.append({"recipe": recipe, "worker": self.worker, "for": self._loading_for})
             return build
 
         return self._memo(("build", recipe), load)
@@ -147,25 +149,96 @@ class CircuitsSession:
         """Rung 2: knockout delta of every head (or of ``heads``) on held-out repeat sequences (DataFrame).
 
         With a screen, the key heads of this build's baselines are always knocked out exactly.
+        With shards (`shards`), the scan of every head is the merge of its layer shards.
         """
+        chosen = None if heads is None else tuple(sorted(heads))
+        if chosen is None and self.shards > 1:
+            from .rungs.knockout import merge_knockout_shards
+
+            return self._memo(
+                ("head_knockout", recipe, None),
+                lambda: merge_knockout_shards([self.knockout_shard(recipe, i) for i in range(self.shards)]),
+            )
+        return self._memo(("head_knockout", recipe, chosen), lambda: self._knockout_scan(recipe, chosen, None))
+
+    def _knockout_scan(self, recipe: str, heads, layers):
         from .rungs.knockout import knockout_scan
 
         s = self.settings
-        chosen = None if heads is None else tuple(sorted(heads))
-        return self._memo(
-            ("head_knockout", recipe, chosen),
-            lambda: knockout_scan(
-                self.build(recipe),
-                s.knockout_probe,
-                mode=s.knockout_mode,
-                heads=None if chosen is None else list(chosen),
-                screen_top_k=s.knockout_screen,
-                screen_method=s.knockout_screen_method,
-                must_include=self.baseline_key_heads() if s.knockout_screen is not None else (),
-                batch_size=s.batch_size,
-                write=self.progress_write,
-            ),
+        return knockout_scan(
+            self.build(recipe),
+            s.knockout_probe,
+            mode=s.knockout_mode,
+            heads=None if heads is None else list(heads),
+            screen_top_k=s.knockout_screen,
+            screen_method=s.knockout_screen_method,
+            must_include=self.baseline_key_heads() if s.knockout_screen is not None else (),
+            batch_size=s.batch_size,
+            write=self.progress_write,
+            layers=layers,
         )
+
+    AUTO_SHARD_HEADS = 1024  # under xdist, models with this many heads or more shard their scan over the workers
+
+    @cached_property
+    def shards(self) -> int:
+        """Layer shards of a full knockout scan: ``--circuits-knockout-shards``, else the worker count
+        under pytest-xdist for a model of `AUTO_SHARD_HEADS` heads or more, else one."""
+        if self.settings.knockout_shards is not None:
+            return self.settings.knockout_shards
+        if self.workers <= 1:
+            return 1
+        try:
+            geometry = self.preflight()
+        except Exception:  # the model cannot be gated: its tests say why
+            return 1
+        return self.workers if geometry.n_layers * geometry.n_heads >= self.AUTO_SHARD_HEADS else 1
+
+    def shard_layers(self) -> list[list[int]]:
+        """The layers of each shard (`rungs.knockout.layer_shards`), from the model's config alone."""
+        from .rungs.knockout import layer_shards
+
+        return layer_shards(self.preflight().n_layers, self.shards)
+
+    def knockout_shard(self, recipe: str, index: int):
+        """Shard ``index`` of the knockout scan of ``recipe`` (its intact pass and its layers' knockouts).
+
+        Under pytest-xdist a shard is measured once per run: under a file lock in the shared run
+        folder, the first process that needs it measures it and writes it there as JSON (exact
+        floats), every other one reads it.
+        """
+        layers = self.shard_layers()[index]
+
+        def measure():
+            before, self._loading_for = self._loading_for, f"knockout shard {index + 1}/{self.shards}"
+            try:
+                return self._knockout_scan(recipe, None, layers)
+            finally:
+                self._loading_for = before
+
+        def once():
+            if self.shared_dir is None:
+                return measure()
+            import json
+
+            import pandas as pd
+            from filelock import FileLock
+
+            from .fsio import atomic_write_text
+
+            stem = f"{self.baseline_path(recipe).stem}.knockout-{index + 1}-of-{self.shards}"
+            path = self.shared_dir / f"{stem}.json"
+            with FileLock(str(self.shared_dir / f"{stem}.lock")):
+                if path.exists():
+                    saved = json.loads(path.read_text())
+                    frame = pd.DataFrame(saved["rows"])
+                    frame.attrs.update(saved["attrs"])
+                    return frame
+                frame = measure()
+                atomic_write_text(path, json.dumps({"rows": frame.to_dict("records"), "attrs": frame.attrs}))
+                return frame
+
+        return self._memo(("knockout_shard", recipe, index), once)
 
     # ------------------------------------------------------------ baselines (gate/record.py, gate/store.py)
 

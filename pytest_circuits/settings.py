@@ -36,6 +36,7 @@ class CircuitsSettings:
     update: bool = False  # record baselines (rewriting a file only when a figure moved)
     update_all: bool = False  # record baselines, rewriting every file
     device: str = "auto"
+    device_map: str = "none"  # accelerate's device_map strategy for a model over several GPUs
     report: Path | None = None
     trust_remote_code: bool = False
     probe: RepeatSettings = field(default_factory=RepeatSettings)
@@ -43,6 +44,7 @@ class CircuitsSettings:
     knockout_mode: str = "zero"  # or "mean"
     knockout_screen: int | None = None  # exact knockouts only on the top k of an attribution screen
     knockout_screen_method: str = "atp*"  # how the screen ranks heads (rungs/screen.py)
+    knockout_shards: int | None = None  # layer shards of the knockout scan (None: automatic)
     # The rotation null the shipped baselines were recorded with: 256 draws, float64, normal p.
     # kappa.ov_spectrum's cheaper 32-draw t null (p_method "t") changes every kappa_z, so
     # switching the gate to it means re-recording every baseline; until then the gate keeps this.
@@ -79,12 +81,14 @@ def build_settings(raw: dict, baselines: Path, front_end: str | None = None, **f
         update=get("update") or get("update-all"),
         update_all=get("update-all"),
         device=get("device"),
+        device_map=get("device-map"),
         report=get("report"),
         trust_remote_code=get("trust-remote-code"),
         probe=RepeatSettings(seed=get("probe-seed"), n=get("probe-n"), L=get("probe-length")),
         knockout_mode=get("knockout-mode"),
         knockout_screen=get("knockout-screen"),
         knockout_screen_method=get("knockout-screen-method"),
+        knockout_shards=get("knockout-shards"),
         batch_size=get("batch-size"),
     )
     return CircuitsSettings(**{**values, **fixed})

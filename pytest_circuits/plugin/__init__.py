@@ -16,7 +16,7 @@ import pytest
 from ..errors import CircuitsError
 from ..gate.tolerances import Tolerances
 from ..options import OPTIONS
-from .workers import pytest_cmdline_main, pytest_collection_modifyitems  # noqa: F401  (hooks: -n means loadgroup)
+from .workers import pytest_cmdline_main  # noqa: F401  (a hook: -n N means --dist loadgroup)
 
 if TYPE_CHECKING:
     from ..session import CircuitsSession
@@ -122,6 +122,35 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         builds = sorted(settings.builds, key=lambda recipe: recipe != settings.reference)  # stable: reference first
         params = [pytest.param(recipe, id=recipe, marks=group_mark(recipe)) for recipe in builds]
         metafunc.parametrize("circuits_recipe", params, scope="session")
+    if "circuits_knockout_shard" in metafunc.fixturenames:
+        from .workers import group_mark
+
+        session = metafunc.config.stash[SESSION_KEY]
+        count = session.shards
+        shards = [
+            pytest.param((recipe, i), id=f"{recipe}-shard{i + 1}of{count}", marks=group_mark(recipe, i))
+            for recipe in session.settings.builds
+            for i in range(count if count > 1 else 0)
+        ]
+        metafunc.parametrize("circuits_knockout_shard", shards, scope="session", indirect=True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Knockout shard tests exist only when the scan is sharded (else they are deselected, not
+    skipped); on an xdist worker the build groups are carried into the nodeids (`workers.carry_groups`)."""
+    from .workers import carry_groups
+
+    unsharded = [
+        item
+        for item in items
+        if "circuits_knockout_shard" in getattr(item, "fixturenames", ())
+        and not isinstance(getattr(getattr(item, "callspec", None), "params", {}).get("circuits_knockout_shard"), tuple)
+    ]  # an empty parameter set leaves pytest's NOTSET placeholder
+    if unsharded:
+        items[:] = [item for item in items if item not in unsharded]
+        config.hook.pytest_deselected(items=unsharded)
+    carry_groups(config, items)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -188,6 +217,14 @@ def repeat_probe(circuits_session, circuits_recipe):
 def head_knockout(circuits_session, circuits_recipe):
     """Rung 2 DataFrame of this build: knockout delta of every head on held-out sequences."""
     return _guard(lambda: circuits_session.head_knockout(circuits_recipe))
+
+
+@pytest.fixture(scope="session")
+def circuits_knockout_shard(request, circuits_session):
+    """One knockout shard's DataFrame (`CircuitsSession.knockout_shard`), parametrized over
+    ``(recipe, index)`` when the scan is sharded; ``attrs["layers"]`` holds its layers."""
+    recipe, index = request.param
+    return _guard(lambda: circuits_session.knockout_shard(recipe, index))
 
 
 @pytest.fixture

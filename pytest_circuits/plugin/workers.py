@@ -43,8 +43,10 @@ def group_name(recipe: str) -> str:
     return f"{GROUP_PREFIX}{recipe}"
 
 
-def group_mark(recipe: str) -> pytest.MarkDecorator:
-    return pytest.mark.xdist_group(group_name(recipe))
+def group_mark(recipe: str, shard: int = 0) -> pytest.MarkDecorator:
+    """A build's group; knockout shard ``i > 0`` of it gets its own (another worker may take it),
+    shard 0 stays with the build (its worker has the build loaded)."""
+    return pytest.mark.xdist_group(group_name(recipe) + (f"-shard{shard}" if shard else ""))
 
 
 def worker_id(config: pytest.Config | None = None) -> str | None:
@@ -80,6 +82,7 @@ def configure(config: pytest.Config, session) -> None:
         shared = config.workerinput.get(SHARED_KEY)
         session.shared_dir = Path(shared) if shared else None
         session.worker = worker_id(config)
+        session.workers = int(config.workerinput.get("workercount", 1))
     elif distributing(config):
         session.shared_dir = Path(tempfile.mkdtemp(prefix="circuits-run-"))
         config.stash[_OWNED_KEY] = session.shared_dir
@@ -112,8 +115,7 @@ class XdistHooks:
         self.collected.loads.extend(output.get(LOADS_KEY, []))
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def carry_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
     """On a loadgroup worker: make the ``@group`` suffix xdist wrote into ``item._nodeid`` the
     nodeid pytest reports (pytest 9 reads ``item._id``; see the module docstring)."""
     if not (hasattr(config, "workerinput") and getattr(config.option, "loadgroup", False)):
@@ -134,15 +136,20 @@ def finish_worker(config: pytest.Config, session) -> None:
 def load_lines(loads: list[dict], dist: str | None) -> list[str]:
     """``builds loaded: fp32 once (gw0), ...``; a build loaded more than once is named with why."""
     by_recipe: dict[str, list[str]] = {}
+    for_shards: dict[str, int] = {}
     for load in loads:
         by_recipe.setdefault(load["recipe"], []).append(load.get("worker") or "main")
+        if load.get("for"):
+            for_shards[load["recipe"]] = for_shards.get(load["recipe"], 0) + 1
     if not by_recipe:
         return []
     parts, twice = [], []
     for recipe, where in by_recipe.items():
         count = "once" if len(where) == 1 else f"{len(where)} times"
-        parts.append(f"{recipe} {count} ({', '.join(sorted(where))})")
-        if len(where) > 1:
+        sharded = for_shards.get(recipe, 0)
+        why = f"; {sharded} for knockout shards" if sharded and len(where) > 1 else ""
+        parts.append(f"{recipe} {count} ({', '.join(sorted(where))}{why})")
+        if len(where) - sharded > 1:
             twice.append(recipe)
     lines = [f"builds loaded: {', '.join(parts)}"]
     if twice and dist not in (None, "no", *GROUPED_DISTS):

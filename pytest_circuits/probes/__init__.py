@@ -8,7 +8,7 @@ of your own suite with one line in a test module::
 """
 
 from .test_rung1_weights import test_copying_heads_survive, test_kappa_distribution_not_shifted
-from .test_rung2_knockout import test_knockout_deltas_keep_size
+from .test_rung2_knockout import test_knockout_deltas_keep_size, test_knockout_shard
 from .test_rung12_repeat import test_copy_loss_within_tolerance, test_induction_heads_survive
 
 __all__ = [
@@ -17,4 +17,5 @@ __all__ = [
     "test_induction_heads_survive",
     "test_kappa_distribution_not_shifted",
     "test_knockout_deltas_keep_size",
+    "test_knockout_shard",
 ]
