@@ -476,7 +476,9 @@ def layer_shards(n_layers: int, shards: int) -> list[list[int]]:
         raise CircuitsError(f"knockout shards {shards} must be at least 1 ({flag('knockout-shards')})")
     shards = min(shards, n_layers)
     costs = [replay_cost(n_layers, layer) for layer in range(n_layers)]
-    total, runs, current, done = sum(costs), [], [], 0.0
+    total, done = sum(costs), 0.0
+    runs: list[list[int]] = []
+    current: list[int] = []
     for layer, cost in enumerate(costs):
         target = total * (len(runs) + 1) / shards  # where the current run should end
         still_to_open = shards - len(runs) - 1
