@@ -57,7 +57,7 @@ class CircuitsSession:
     def device(self):
         from .model.builds import resolve_device
 
-        return resolve_device(self.settings.device)
+        return resolve_device(self.settings.device, self.worker)
 
     def preflight(self):
         """Check the model and the probe settings before any figure is computed; the `Geometry`.
@@ -105,7 +105,8 @@ class CircuitsSession:
         self.preflight()
 
         def load():
-            build = load_build(self.source, recipe, self.device, self.settings.trust_remote_code)
+            s = self.settings
+            build = load_build(self.source, recipe, self.device, s.trust_remote_code, device_map=s.device_map)
             self.loads.append({"recipe": recipe, "worker": self.worker, "for": self._loading_for})
             return build
 
