@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -257,7 +258,8 @@ def load_build(
         check_cast_finite(model, f"build {recipe.name} of {source.name}")
     if spread:  # token ids go where the embedding is; each block's own device is in hf_device_map
         check_not_offloaded(model, f"build {recipe.name} of {source.name}")
-        device = model.get_input_embeddings().weight.device
+        causal_lm: Any = model  # transformers' PreTrainedModel; torch types its attributes Tensor | Module
+        device = causal_lm.get_input_embeddings().weight.device
     model.eval()
     model.requires_grad_(False)
     identity = BuildIdentity(
