@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from pytest_circuits.errors import CircuitsError, RecipeError
 from pytest_circuits.model.builds import auto_device, check_device_map, check_not_offloaded, resolve_device
 from pytest_circuits.session import CircuitsSession
 from pytest_circuits.settings import CircuitsSettings, RepeatSettings, build_settings
-from pytest_circuits.testing import requires_embedded_model
+from pytest_circuits.testing import requires_embedded_model, requires_smollm2
 
 NO_GPU = "needs a CUDA device; none here"
 SMALL = RepeatSettings(0, 2, 16)
@@ -201,3 +202,35 @@ def test_a_model_spread_over_two_gpus_replays_on_each_blocks_device():
     a = knockout_scan(one, SMALL, progress=False)["knockout_delta"]
     b = knockout_scan(spread, SMALL, progress=False)["knockout_delta"]
     assert (a - b).abs().max() < 1e-4
+
+
+GPU_CHECK = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+
+
+def _gpu_check_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", GPU_CHECK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_without_a_gpu_is_one_line_and_exit_3(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _gpu_check_module().main([]) == 3
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "no CUDA device here" in err and "nothing was checked" in err
+
+
+@cuda
+@needs_gpu
+@pytest.mark.slow
+@pytest.mark.real
+@requires_smollm2()
+def test_gpu_check_runs_on_a_gpu(capsys):
+    """The whole check (under five minutes on a GPU): every recipe against its CPU baseline."""
+    code = _gpu_check_module().main([])
+    out = capsys.readouterr().out
+    assert "exact scan, 270 heads" in out and "plain loop, 270 heads" in out
+    assert code == 0, out
