@@ -23,6 +23,7 @@ DEFAULT_BUILDS = ("fp32", "bnb-int8", "bnb-nf4")
 DEFAULT_REFERENCE = "fp32"
 KNOCKOUT_MODES = ("zero", "mean")  # zero or mean ablation of a head's z (rungs/ablation.py)
 SCREEN_METHODS = ("atp*", "atp*gd", "atp")  # how a knockout screen ranks heads (rungs/screen.py)
+DEVICE_MAPS = ("none", "auto", "balanced", "balanced_low_0", "sequential")  # accelerate's device_map strategies
 
 FRONT_END: ContextVar[str] = ContextVar("circuits_front_end", default="pytest")
 
@@ -140,7 +141,22 @@ OPTIONS: tuple[Option, ...] = (
         "a base-model swap: the baseline file of the model this one replaces (e.g. baselines/smollm2-135m--fp32.json); "
         "every build is also gated against it on the model-level swap invariants (circuits gate: --baseline FILE)",
     ),
-    Option("device", "str", "auto", "auto, cpu, cuda or cuda:N", cli=_SCAN_LIKE),
+    Option(
+        "device",
+        "str",
+        "auto",
+        "auto, cpu, cuda or cuda:N; auto: pytest-xdist worker i gets cuda:(i mod the GPU count), else the CPU",
+        cli=_SCAN_LIKE,
+    ),
+    Option(
+        "device-map",
+        "choice",
+        "none",
+        "spread a model too big for one GPU over the visible GPUs with accelerate's device_map "
+        "(auto, balanced, balanced_low_0, sequential); none: the whole model on --circuits-device",
+        choices=DEVICE_MAPS,
+        cli=_SCAN_LIKE,
+    ),
     Option("report", "path", None, "write an HTML and markdown report to this folder"),
     Option(
         "probe-seed", "int", 0, "seed of the random-repeat probe tokens", minimum=0, maximum=2**63 - 1, cli=_SCAN_LIKE
@@ -179,6 +195,16 @@ OPTIONS: tuple[Option, ...] = (
         "atp*gd (and GradDrop), atp (plain attribution patching, cheapest)",
         choices=SCREEN_METHODS,
         cli=_SCAN_LIKE,
+    ),
+    Option(
+        "knockout-shards",
+        "int",
+        None,
+        "split the knockout scan's layers into K shards of equal replay cost, each its own test "
+        "(spread over pytest-xdist workers), merged into the unsharded record; default: one, or under "
+        "xdist the worker count for models of 1024 heads or more",
+        minimum=1,
+        maximum=4096,
     ),
     Option("batch-size", "int", 8, "sequences per forward pass", minimum=1, maximum=1_000_000, cli=_SCAN_LIKE),
     Option(

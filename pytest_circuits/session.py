@@ -9,6 +9,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Callable
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 from .options import flag
@@ -23,6 +24,13 @@ class CircuitsSession:
         self._cache: dict[tuple, Any] = {}
         self.events: list[dict] = []  # baseline events: written, compared, missing, corrupt (for the summary)
         self.pinned_key_heads: set[str] = set()
+        self.loads: list[dict] = []  # {"recipe", "worker"}: each build this process loaded
+        self.worker: str | None = None  # the pytest-xdist worker id (gw0, ...), None in a plain run
+        # the folder every process of one run shares (pytest-xdist): file locks, written-once markers,
+        # knockout shards; None: one process, nothing to share
+        self.shared_dir: Path | None = None
+        self.workers = 1  # processes of this run (pytest-xdist's worker count)
+        self._loading_for: str | None = None  # why a build is being loaded (a knockout shard), for the load count
         # where long scans report progress (the plugin: its terminal reporter; None: stderr)
         self.progress_write: Callable[[str], None] | None = (
             None  # always knocked out exactly (e.g. a baseline file's key heads)
@@ -49,7 +57,7 @@ class CircuitsSession:
     def device(self):
         from .model.builds import resolve_device
 
-        return resolve_device(self.settings.device)
+        return resolve_device(self.settings.device, self.worker)
 
     def preflight(self):
         """Check the model and the probe settings before any figure is computed; the `Geometry`.
@@ -104,8 +112,12 @@ class CircuitsSession:
             if spec.external:
                 from .model.external import load_external_build
 
-                return load_external_build(self.source, spec, self.device, self.settings.trust_remote_code)
-            return load_build(self.source, recipe, self.device, self.settings.trust_remote_code)
+                build = load_external_build(self.source, spec, self.device, self.settings.trust_remote_code)
+            else:
+                s = self.settings
+                build = load_build(self.source, recipe, self.device, s.trust_remote_code, device_map=s.device_map)
+            self.loads.append({"recipe": recipe, "worker": self.worker, "for": self._loading_for})
+            return build
 
         return self._memo(("build", recipe), load)
 
@@ -169,25 +181,96 @@ class CircuitsSession:
         """Rung 2: knockout delta of every head (or of ``heads``) on held-out repeat sequences (DataFrame).
 
         With a screen, the key heads of this build's baselines are always knocked out exactly.
+        With shards (`shards`), the scan of every head is the merge of its layer shards.
         """
+        chosen = None if heads is None else tuple(sorted(heads))
+        if chosen is None and self.shards > 1:
+            from .rungs.knockout import merge_knockout_shards
+
+            return self._memo(
+                ("head_knockout", recipe, None),
+                lambda: merge_knockout_shards([self.knockout_shard(recipe, i) for i in range(self.shards)]),
+            )
+        return self._memo(("head_knockout", recipe, chosen), lambda: self._knockout_scan(recipe, chosen, None))
+
+    def _knockout_scan(self, recipe: str, heads, layers):
         from .rungs.knockout import knockout_scan
 
         s = self.settings
-        chosen = None if heads is None else tuple(sorted(heads))
-        return self._memo(
-            ("head_knockout", recipe, chosen),
-            lambda: knockout_scan(
-                self.build(recipe),
-                s.knockout_probe,
-                mode=s.knockout_mode,
-                heads=None if chosen is None else list(chosen),
-                screen_top_k=s.knockout_screen,
-                screen_method=s.knockout_screen_method,
-                must_include=self.baseline_key_heads() if s.knockout_screen is not None else (),
-                batch_size=s.batch_size,
-                write=self.progress_write,
-            ),
+        return knockout_scan(
+            self.build(recipe),
+            s.knockout_probe,
+            mode=s.knockout_mode,
+            heads=None if heads is None else list(heads),
+            screen_top_k=s.knockout_screen,
+            screen_method=s.knockout_screen_method,
+            must_include=self.baseline_key_heads() if s.knockout_screen is not None else (),
+            batch_size=s.batch_size,
+            write=self.progress_write,
+            layers=layers,
         )
+
+    AUTO_SHARD_HEADS = 1024  # under xdist, models with this many heads or more shard their scan over the workers
+
+    @cached_property
+    def shards(self) -> int:
+        """Layer shards of a full knockout scan: ``--circuits-knockout-shards``, else the worker count
+        under pytest-xdist for a model of `AUTO_SHARD_HEADS` heads or more, else one."""
+        if self.settings.knockout_shards is not None:
+            return self.settings.knockout_shards
+        if self.workers <= 1:
+            return 1
+        try:
+            geometry = self.preflight()
+        except Exception:  # the model cannot be gated: its tests say why
+            return 1
+        return self.workers if geometry.n_layers * geometry.n_heads >= self.AUTO_SHARD_HEADS else 1
+
+    def shard_layers(self) -> list[list[int]]:
+        """The layers of each shard (`rungs.knockout.layer_shards`), from the model's config alone."""
+        from .rungs.knockout import layer_shards
+
+        return layer_shards(self.preflight().n_layers, self.shards)
+
+    def knockout_shard(self, recipe: str, index: int):
+        """Shard ``index`` of the knockout scan of ``recipe`` (its intact pass and its layers' knockouts).
+
+        Under pytest-xdist a shard is measured once per run: under a file lock in the shared run
+        folder, the first process that needs it measures it and writes it there as JSON (exact
+        floats), every other one reads it.
+        """
+        layers = self.shard_layers()[index]
+
+        def measure():
+            before, self._loading_for = self._loading_for, f"knockout shard {index + 1}/{self.shards}"
+            try:
+                return self._knockout_scan(recipe, None, layers)
+            finally:
+                self._loading_for = before
+
+        def once():
+            if self.shared_dir is None:
+                return measure()
+            import json
+
+            import pandas as pd
+            from filelock import FileLock
+
+            from .fsio import atomic_write_text
+
+            stem = f"{self.baseline_path(recipe).stem}.knockout-{index + 1}-of-{self.shards}"
+            path = self.shared_dir / f"{stem}.json"
+            with FileLock(str(self.shared_dir / f"{stem}.lock")):
+                if path.exists():
+                    saved = json.loads(path.read_text())
+                    frame = pd.DataFrame(saved["rows"])
+                    frame.attrs.update(saved["attrs"])
+                    return frame
+                frame = measure()
+                atomic_write_text(path, json.dumps({"rows": frame.to_dict("records"), "attrs": frame.attrs}))
+                return frame
+
+        return self._memo(("knockout_shard", recipe, index), once)
 
     # ------------------------------------------------------------ baselines (gate/record.py, gate/store.py)
 
@@ -229,7 +312,12 @@ class CircuitsSession:
         return shlex.join(words + recording_words(s, "cli"))
 
     def write_baseline(self, recipe: str):
-        """Record ``recipe`` (with knockouts) and write its baseline atomically, once per session."""
+        """Record ``recipe`` (with knockouts) and write its baseline atomically, once per run.
+
+        Under pytest-xdist the write runs under a file lock in the run's shared folder and leaves a
+        marker: the first worker that needs the file records and writes it, every other one waits
+        for the lock, finds the marker and reads the file (no second load, no second writer).
+        """
 
         def write():
             path, written = self.store.write(
@@ -238,7 +326,21 @@ class CircuitsSession:
             self.events.append({"event": "written" if written else "unchanged", "recipe": recipe, "path": str(path)})
             return path
 
-        return self._memo(("written", recipe), write)
+        def write_once():
+            if self.shared_dir is None:
+                return write()
+            from filelock import FileLock
+
+            stem = self.baseline_path(recipe).name  # one file, one lock
+            marker = self.shared_dir / f"{stem}.written"
+            with FileLock(str(self.shared_dir / f"{stem}.lock")):
+                if marker.exists():
+                    return Path(marker.read_text())
+                path = write()
+                marker.write_text(str(path))
+                return path
+
+        return self._memo(("written", recipe), write_once)
 
     def load_baseline(self, recipe: str) -> dict:
         """The baseline record of ``recipe``: written first under ``update``; a typed BaselineError

@@ -38,6 +38,7 @@ class CircuitsSettings:
     update: bool = False  # record baselines (rewriting a file only when a figure moved)
     update_all: bool = False  # record baselines, rewriting every file
     device: str = "auto"
+    device_map: str = "none"  # accelerate's device_map strategy for a model over several GPUs
     report: Path | None = None
     swap_baseline: Path | None = None  # a base-model swap: the replaced model's baseline file
     trust_remote_code: bool = False
@@ -49,6 +50,7 @@ class CircuitsSettings:
     # How new records measure kappa (centred W_U, 32-draw t null); the gate measures a build the
     # way its baseline was measured (rungs/kappa_method.py, gate/verdict.candidate_record).
     kappa_method: KappaMethod = field(default_factory=KappaMethod)
+    knockout_shards: int | None = None  # layer shards of the knockout scan (None: automatic)
     fdr_q: float = 0.05
     batch_size: int = 8
     tolerances: dict = field(default_factory=dict)  # gate tolerance overrides (ini circuits_tol_*)
@@ -93,6 +95,7 @@ def build_settings(raw: dict, baselines: Path, front_end: str | None = None, **f
         update=get("update") or get("update-all"),
         update_all=get("update-all"),
         device=get("device"),
+        device_map=get("device-map"),
         report=get("report"),
         swap_baseline=get("swap-baseline"),
         trust_remote_code=get("trust-remote-code"),
@@ -100,6 +103,7 @@ def build_settings(raw: dict, baselines: Path, front_end: str | None = None, **f
         knockout_mode=get("knockout-mode"),
         knockout_screen=get("knockout-screen"),
         knockout_screen_method=get("knockout-screen-method"),
+        knockout_shards=get("knockout-shards"),
         batch_size=get("batch-size"),
     )
     return CircuitsSettings(**{**values, **fixed})

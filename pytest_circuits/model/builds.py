@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -75,11 +76,27 @@ def torch_dtype(recipe: Recipe) -> torch.dtype:
     return getattr(torch, recipe.dtype)
 
 
-def resolve_device(spec: str = "auto") -> torch.device:
-    """``auto`` -> the first CUDA device if there is one, else the CPU; ``cuda``/``cuda:N`` checked."""
+def auto_device(cuda_count: int, worker: str | None = None) -> str:
+    """``auto``: pytest-xdist worker ``gw<i>`` gets ``cuda:(i mod cuda_count)``, one process
+    ``cuda:0``, and with no GPU everything runs on ``cpu``. ``cuda_count`` is
+    ``torch.cuda.device_count()``, which counts only the devices ``CUDA_VISIBLE_DEVICES`` shows."""
+    if cuda_count < 1:
+        return "cpu"
+    index = 0
+    if worker and worker.startswith("gw") and worker[2:].isdigit():
+        index = int(worker[2:]) % cuda_count
+    return f"cuda:{index}"
+
+
+def resolve_device(spec: str = "auto", worker: str | None = None) -> torch.device:
+    """``auto`` -> `auto_device` (``worker``: the xdist worker id, default ``$PYTEST_XDIST_WORKER``);
+    ``cuda``/``cuda:N`` checked against the devices present."""
     spec = (spec or "auto").strip()
     if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        import os
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return torch.device(auto_device(count, worker or os.environ.get("PYTEST_XDIST_WORKER")))
     try:
         device = torch.device(spec)
     except RuntimeError:
@@ -158,6 +175,36 @@ def check_cast_finite(model, what: str) -> None:
         raise RecipeError(nonfinite_line(f"{what} (after the cast)", name, n_nan, n_inf, len(bad) - 1, fix))
 
 
+DEVICE_MAP_NONE = "none"
+
+
+def check_device_map(device_map: str, device: torch.device) -> None:
+    """A ``device_map`` strategy spreads the model over the visible GPUs (or, with none, places it on
+    the CPU); it cannot be combined with a device named by hand."""
+    from ..options import DEVICE_MAPS
+
+    if device_map not in DEVICE_MAPS:
+        raise CircuitsError(f"device map {device_map!r} is unknown; use one of: {', '.join(DEVICE_MAPS)}")
+    if device_map != DEVICE_MAP_NONE and device.type == "cuda" and device.index not in (None, 0):
+        raise CircuitsError(
+            f"{flag('device-map')} {device_map} places the model over every visible GPU itself; "
+            f"drop {flag('device')} {device} (or choose the GPUs with CUDA_VISIBLE_DEVICES)"
+        )
+
+
+def check_not_offloaded(model, what: str) -> None:
+    """Refuse a placement that offloads weights to the CPU or disk next to GPUs: accelerate keeps
+    them on the meta device then, and rung 1 reads every weight."""
+    placed = {str(v) for v in (getattr(model, "hf_device_map", None) or {}).values()}
+    gpus = {v for v in placed if v not in ("cpu", "disk")}
+    offloaded = sorted(placed - gpus) if gpus else []
+    if offloaded:
+        raise RecipeError(
+            f"{what} does not fit the visible GPUs: accelerate offloaded part of it to {' and '.join(offloaded)}; "
+            "make more GPUs visible (CUDA_VISIBLE_DEVICES) or gate a 4-bit recipe"
+        )
+
+
 def read_config(folder, trust_remote_code: bool = False, what: str | None = None):
     """The transformers config of a weights folder; an unknown architecture is one line."""
     from transformers import AutoConfig
@@ -215,17 +262,29 @@ def load_build(
     recipe_name: str = "fp32",
     device: str | torch.device = "cpu",
     trust_remote_code: bool = False,
+    device_map: str = DEVICE_MAP_NONE,
 ) -> LoadedBuild:
-    """Load one build of ``source`` on ``device``, eager attention, in eval mode, offline."""
+    """Load one build of ``source`` on ``device``, eager attention, in eval mode, offline.
+
+    ``device_map`` (``auto``, ``balanced``, ...): accelerate places the blocks over the visible
+    GPUs (a model too big for one), loading each weight at the recipe's dtype onto its device;
+    token ids go to the input embedding's device, and every rung follows each block's device.
+    """
     quiet_transformers()
     recipe = get_recipe(recipe_name)
     device = device if isinstance(device, torch.device) else resolve_device(device)
+    check_device_map(device_map, device)
+    spread = device_map != DEVICE_MAP_NONE
     config = read_config(source.folder, trust_remote_code, source.spec)
     family = family_for_config(config)
     tokens = token_info(source.folder, config, trust_remote_code)
     check_finite_weights(source)  # NaN/inf in the float checkpoint: one line naming the tensor, before any figure
+    kwargs: dict[str, Any]
     if recipe.backend == "bitsandbytes":
-        kwargs = dict(quantization_config=_bnb_config(recipe), dtype=torch_dtype(recipe), device_map={"": str(device)})
+        placement = device_map if spread else {"": str(device)}
+        kwargs = dict(quantization_config=_bnb_config(recipe), dtype=torch_dtype(recipe), device_map=placement)
+    elif spread:  # each weight loads at the recipe's dtype straight onto its GPU (rtn rounds there)
+        kwargs = dict(dtype=torch_dtype(recipe), device_map=device_map)
     else:
         kwargs = dict(dtype=torch.float32)
     model = from_pretrained(source.folder, f"{recipe.name} of {source.name}", device, trust_remote_code, **kwargs)
@@ -234,8 +293,13 @@ def load_build(
             raise RecipeError(f"build {recipe.name}: an rtn recipe needs its bits (e.g. 8 or 4); set Recipe.bits")
         apply_rtn_(model, family, recipe.bits)
     if recipe.backend != "bitsandbytes":
-        model = model.to(device=device, dtype=torch_dtype(recipe))
+        if not spread:
+            model = model.to(device=device, dtype=torch_dtype(recipe))
         check_cast_finite(model, f"build {recipe.name} of {source.name}")
+    if spread:  # token ids go where the embedding is; each block's own device is in hf_device_map
+        check_not_offloaded(model, f"build {recipe.name} of {source.name}")
+        causal_lm: Any = model  # transformers' PreTrainedModel; torch types its attributes Tensor | Module
+        device = causal_lm.get_input_embeddings().weight.device
     identity = BuildIdentity(
         recipe=recipe.name,
         dtype=recipe.dtype,

@@ -16,6 +16,7 @@ import pytest
 from ..errors import CircuitsError
 from ..gate.tolerances import Tolerances
 from ..options import OPTIONS
+from .workers import pytest_cmdline_main  # noqa: F401  (a hook: -n N means --dist loadgroup)
 
 if TYPE_CHECKING:
     from ..session import CircuitsSession
@@ -89,6 +90,19 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[SESSION_KEY] = session
     config.stash[COLLECTED_KEY] = Collected()
     config.pluginmanager.register(Collector(config.stash[COLLECTED_KEY]), "circuits-collector")
+    from . import workers
+
+    workers.configure(config, session)
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(
+            workers.XdistHooks(config, session, config.stash[COLLECTED_KEY]), "circuits-xdist"
+        )
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from . import workers
+
+    workers.unconfigure(config)
 
 
 def _report_progress(config: pytest.Config, line: str) -> None:
@@ -99,10 +113,44 @@ def _report_progress(config: pytest.Config, line: str) -> None:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Run every test that asks for a per-build fixture once per build."""
+    """Run every test that asks for a per-build fixture once per build, each build's tests in one
+    xdist group (``circuits-<recipe>``: under ``-n N`` one worker loads the build), the reference first."""
     if "circuits_recipe" in metafunc.fixturenames and "circuits_recipe" not in _direct_params(metafunc):
-        builds = metafunc.config.stash[SESSION_KEY].settings.builds
-        metafunc.parametrize("circuits_recipe", builds, ids=list(builds), scope="session")
+        from .workers import group_mark
+
+        settings = metafunc.config.stash[SESSION_KEY].settings
+        builds = sorted(settings.builds, key=lambda recipe: recipe != settings.reference)  # stable: reference first
+        params = [pytest.param(recipe, id=recipe, marks=group_mark(recipe)) for recipe in builds]
+        metafunc.parametrize("circuits_recipe", params, scope="session")
+    if "circuits_knockout_shard" in metafunc.fixturenames:
+        from .workers import group_mark
+
+        session = metafunc.config.stash[SESSION_KEY]
+        count = session.shards
+        shards = [
+            pytest.param((recipe, i), id=f"{recipe}-shard{i + 1}of{count}", marks=group_mark(recipe, i))
+            for recipe in session.settings.builds
+            for i in range(count if count > 1 else 0)
+        ]
+        metafunc.parametrize("circuits_knockout_shard", shards, scope="session", indirect=True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Knockout shard tests exist only when the scan is sharded (else they are deselected, not
+    skipped); on an xdist worker the build groups are carried into the nodeids (`workers.carry_groups`)."""
+    from .workers import carry_groups
+
+    unsharded = [
+        item
+        for item in items
+        if "circuits_knockout_shard" in getattr(item, "fixturenames", ())
+        and not isinstance(getattr(getattr(item, "callspec", None), "params", {}).get("circuits_knockout_shard"), tuple)
+    ]  # an empty parameter set leaves pytest's NOTSET placeholder
+    if unsharded:
+        items[:] = [item for item in items if item not in unsharded]
+        config.hook.pytest_deselected(items=unsharded)
+    carry_groups(config, items)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -171,6 +219,14 @@ def head_knockout(circuits_session, circuits_recipe):
     return _guard(lambda: circuits_session.head_knockout(circuits_recipe))
 
 
+@pytest.fixture(scope="session")
+def circuits_knockout_shard(request, circuits_session):
+    """One knockout shard's DataFrame (`CircuitsSession.knockout_shard`), parametrized over
+    ``(recipe, index)`` when the scan is sharded; ``attrs["layers"]`` holds its layers."""
+    recipe, index = request.param
+    return _guard(lambda: circuits_session.knockout_shard(recipe, index))
+
+
 @pytest.fixture
 def circuits_tolerances(request, circuits_session) -> Tolerances:
     """Gate tolerances of this test: defaults < ini ``circuits_tol_*`` < ``@pytest.mark.circuits_tolerance``."""
@@ -214,7 +270,7 @@ def circuits_gate(request, circuits_session, circuits_recipe, circuits_tolerance
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
-    if COLLECTED_KEY in config.stash and config.stash[COLLECTED_KEY].used:
+    if COLLECTED_KEY in config.stash and (config.stash[COLLECTED_KEY].used or config.stash[COLLECTED_KEY].loads):
         from .collect import terminal_summary
 
         terminal_summary(terminalreporter, config.stash[SESSION_KEY], config.stash[COLLECTED_KEY])
@@ -222,8 +278,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 
 def pytest_sessionfinish(session, exitstatus) -> None:
     config = session.config
-    if COLLECTED_KEY not in config.stash or hasattr(config, "workerinput"):  # the controller writes the report
+    if COLLECTED_KEY not in config.stash:
         return
+    if hasattr(config, "workerinput"):  # the controller writes the report
+        from .workers import finish_worker
+
+        finish_worker(config, config.stash[SESSION_KEY])
+        return
+    if not config.stash[COLLECTED_KEY].loads:  # a plain run: this process loaded the builds
+        config.stash[COLLECTED_KEY].loads.extend(config.stash[SESSION_KEY].loads)
     if config.stash[COLLECTED_KEY].used:
         from .collect import write_report
 

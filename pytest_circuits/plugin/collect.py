@@ -24,6 +24,8 @@ class Collected:
     references: dict = field(default_factory=dict)  # recipe -> reference baseline record or None
     report_path: Path | None = None
     used: bool = False
+    loads: list[dict] = field(default_factory=list)  # {"recipe", "worker"}: every build load of the run
+    dist: str | None = None  # pytest-xdist's --dist on the controller
 
     def add(self, user_properties) -> None:
         from ..gate.record import has_figures
@@ -96,6 +98,8 @@ def gate_for_test(request, session, recipe: str, invariant: str, tol):
         test_path = request.node.path
     from ..gate.verdict import gate_build
 
+    if session.settings.update:  # record own baseline first: the reference's owner takes its lock before anyone waits
+        session.write_baseline(recipe)
     outcome = gate_build(session, recipe, invariant, tol, fix_lines(session, recipe, str(test_path)))
     outcome.notes[:0] = session.identity_lines(recipe)  # an external build: which file was gated
     props = request.node.user_properties
@@ -171,9 +175,14 @@ def result_lines(collected: Collected) -> list[str]:
 
 def terminal_summary(terminalreporter, session, collected: Collected) -> None:
     """The ``circuits`` section of the terminal summary."""
+    from .workers import load_lines
+
     terminalreporter.section("circuits")
     verbosity = terminalreporter.config.get_verbosity()
-    for line in collected.notes + baseline_lines(session, collected, verbosity) + result_lines(collected):
+    lines = (
+        collected.notes + load_lines(collected.loads, collected.dist) + baseline_lines(session, collected, verbosity)
+    )
+    for line in lines + (result_lines(collected) if collected.used else []):
         terminalreporter.write_line(line)
 
 

@@ -8,7 +8,7 @@ of your own suite with one line in a test module::
 """
 
 from .test_rung1_weights import test_copying_heads_survive, test_kappa_distribution_not_shifted
-from .test_rung2_knockout import test_knockout_deltas_keep_size
+from .test_rung2_knockout import test_knockout_deltas_keep_size, test_knockout_shard
 from .test_rung12_repeat import test_copy_loss_within_tolerance, test_induction_heads_survive
 from .test_swap import test_base_model_swap
 
@@ -19,4 +19,5 @@ __all__ = [
     "test_induction_heads_survive",
     "test_kappa_distribution_not_shifted",
     "test_knockout_deltas_keep_size",
+    "test_knockout_shard",
 ]

@@ -180,6 +180,7 @@ def _recorded_hidden(args, kwargs) -> torch.Tensor:
 def _replay(build, chunk: _Chunk, layer: int, k: int, L: int) -> torch.Tensor:
     """Copy loss per sequence of ``k`` stacked copies of ``chunk``, run from block ``layer`` on: ``(k, s)``."""
     blocks = layer_modules(build.model)
+    devices = block_devices(build.model)
     rows = chunk.ids.shape[0]
     memo: dict = {}
     args, kwargs = chunk.calls[layer]
@@ -187,6 +188,8 @@ def _replay(build, chunk: _Chunk, layer: int, k: int, L: int) -> torch.Tensor:
     last = len(blocks) - 1
     for index in range(layer, len(blocks)):
         args, kwargs = _call_args(*chunk.calls[index], rows, k, memo, hidden)
+        if devices is not None:  # a model spread over devices: the recorded call moves with its block
+            args, kwargs = _moved(args, devices[index]), _moved(kwargs, devices[index])
         # bnb-int8 picks outlier columns over all rows: cutting rows would change the other rows' result
         cut = index == last and batch_invariant(build) and build.model not in _NOT_POSITIONWISE
         try:
@@ -197,6 +200,32 @@ def _replay(build, chunk: _Chunk, layer: int, k: int, L: int) -> torch.Tensor:
             out = blocks[index](*args, **kwargs)
         hidden = out[0] if isinstance(out, (tuple, list)) else out
     return _tail_copy_losses(build, hidden, chunk.ids.repeat(k, 1), L).reshape(k, rows)
+
+
+def block_devices(model) -> list[torch.device] | None:
+    """Each decoder block's execution device when accelerate spread the model (``hf_device_map``
+    over more than one device), else None (every block on the model's one device)."""
+    device_map = getattr(model, "hf_device_map", None)
+    if not device_map or len(set(map(str, device_map.values()))) <= 1:
+        return None
+    devices = []
+    for block in layer_modules(model):
+        found = getattr(getattr(block, "_hf_hook", None), "execution_device", None)
+        if found is None:
+            found = next(block.parameters()).device
+        devices.append(torch.device("cuda", found) if isinstance(found, int) else torch.device(found))
+    return devices
+
+
+def _moved(obj, device: torch.device):
+    """``obj`` (tensors, in tuples, lists and dicts) on ``device``."""
+    if torch.is_tensor(obj):
+        return obj if obj.device == device else obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_moved(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {key: _moved(v, device) for key, v in obj.items()}
+    return obj
 
 
 def _predicted(build, L: int) -> slice:
@@ -342,6 +371,7 @@ def knockout_scan(
     write=None,
     knockouts_per_pass: int | None = None,
     cached: bool = True,
+    layers=None,
 ) -> pd.DataFrame:
     """Knockout delta of every head (or of ``heads``) on the held-out repeat sequences of ``settings``.
 
@@ -357,8 +387,12 @@ def knockout_scan(
     plain loop (one full forward per head); so does a model whose replay is not exact (one warning).
     ``progress``: report heads done, layer and ETA (`progress.Progress`); ``write``: where its
     plain lines go (e.g. the pytest terminal reporter), default a bar on a terminal, else stderr.
+    ``layers``: one shard (`layer_shards`): exact knockouts only of the chosen heads in these
+    layers (the intact pass and the screen still see the whole model); `merge_knockout_shards`
+    joins the shards into the unsharded scan.
     ``df.attrs``: ``copy_loss`` (intact), ``mode``, ``settings`` (dict), ``screened``,
-    ``screen_top_k``, ``screen_method``, ``exact_heads``, ``cached`` (whether the replay ran).
+    ``screen_top_k``, ``screen_method``, ``exact_heads``, ``cached`` (whether the replay ran),
+    ``layers`` (the shard's layers, None for the whole model).
     """
     _check_mode(mode)
     if screen_method not in SCREEN_METHODS:
@@ -391,6 +425,11 @@ def knockout_scan(
         exact = sorted(set(ranked[:screen_top_k]) | set(extra))
     else:
         exact = sorted(set(candidates) | set(extra))
+    shard = None if layers is None else sorted({int(l) for l in layers})
+    if shard is not None:
+        if not shard or shard[0] < 0 or shard[-1] >= geo.n_layers:
+            raise CircuitsError(f"knockout shard layers {shard} must lie in 0..{geo.n_layers - 1}")
+        exact = [pair for pair in exact if pair[0] in shard]
     n = ids.shape[0]
     if cached:
         why = _replay_gap(build, intact, settings.L)
@@ -429,6 +468,7 @@ def knockout_scan(
         screen_method=screen_method if screen else None,
         exact_heads=[head_label(*p) for p in exact],
         cached=cached,
+        layers=shard,
     )
     return df
 
@@ -442,6 +482,75 @@ def sequence_deltas(losses: torch.Tensor, intact: _Intact) -> list[float]:
 def mean_delta(per_sequence: list[float]) -> float:
     """The knockout delta: the mean of its per-sequence deltas (so they average back to it)."""
     return math.fsum(per_sequence) / len(per_sequence)
+
+
+def layer_shards(n_layers: int, shards: int) -> list[list[int]]:
+    """Layers ``0..n_layers-1`` in ``shards`` contiguous runs of about equal replay cost.
+
+    A knockout in layer ``l`` replays ``n_layers - l`` blocks (`replay_cost`), so early layers
+    cost more: a cut falls where the cumulative cost passes ``j/shards`` of the total. More
+    shards than layers gives one layer per shard.
+    """
+    if shards < 1:
+        raise CircuitsError(f"knockout shards {shards} must be at least 1 ({flag('knockout-shards')})")
+    shards = min(shards, n_layers)
+    costs = [replay_cost(n_layers, layer) for layer in range(n_layers)]
+    total, done = sum(costs), 0.0
+    runs: list[list[int]] = []
+    current: list[int] = []
+    for layer, cost in enumerate(costs):
+        target = total * (len(runs) + 1) / shards  # where the current run should end
+        still_to_open = shards - len(runs) - 1
+        closer_without = target - done < done + cost - target
+        if current and still_to_open > 0 and (n_layers - layer == still_to_open or closer_without):
+            runs.append(current)
+            current = []
+        current.append(layer)
+        done += cost
+    runs.append(current)
+    return runs
+
+
+def merge_knockout_shards(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    """One scan from its shards (each `knockout_scan(..., layers=...)` of one build and settings):
+    each head's ``knockout_delta`` from the shard that owns its layer; the rest (screen columns,
+    intact copy loss) is the same in every shard and is checked to be."""
+    if not frames:
+        raise CircuitsError("no knockout shards to merge")
+    first = frames[0]
+    owner: dict[int, int] = {}
+    for index, frame in enumerate(frames):
+        if frame.attrs.get("layers") is None:
+            raise CircuitsError("a knockout shard without its layers cannot be merged")
+        for layer in frame.attrs["layers"]:
+            if layer in owner:
+                raise CircuitsError(f"knockout shards {owner[layer]} and {index} both hold layer {layer}")
+            owner[layer] = index
+        same = ("copy_loss", "mode", "settings", "screened", "screen_top_k", "screen_method")
+        if any(frame.attrs.get(key) != first.attrs.get(key) for key in same):
+            raise CircuitsError(f"knockout shard {index} was measured with other settings than shard 0")
+    merged = first.copy()
+    deltas = [
+        frames[owner[layer]].loc[i, "knockout_delta"] if layer in owner else math.nan
+        for i, layer in enumerate(first["layer"])
+    ]
+    merged["knockout_delta"] = deltas
+    exact = sorted({label for frame in frames for label in frame.attrs["exact_heads"]}, key=_label_order)
+    merged.attrs = {
+        **first.attrs,
+        "exact_heads": exact,
+        "cached": all(frame.attrs.get("cached") for frame in frames),
+        "layers": None,
+    }
+    return merged
+
+
+def _label_order(label: str) -> tuple[int, int]:
+    from .figures import parse_label
+
+    cell = parse_label(label)
+    assert cell is not None  # labels come from head_label
+    return cell
 
 
 def _plain_copy_losses(model, batch: torch.Tensor, L: int, offset: int, device) -> torch.Tensor:

@@ -1,0 +1,142 @@
+"""The GPU check anyone can run: SmolLM2-135M on a CUDA device, in under five minutes there.
+
+1. Every recipe (fp32, bf16, fp16, bnb-int8, bnb-nf4, bnb-fp4, rtn-int8, rtn-int4) loaded on the
+   GPU and scanned as its shipped baseline was recorded (the baseline file's probe and knockout
+   settings, a screen of 12), then gated against that baseline, recorded on the CPU: every
+   invariant within the default tolerances (`gate.invariants.gate_all`).
+2. The full exact knockout scan (all 270 heads, n 4, L 32, zero ablation) against the plain loop
+   (one full forward per head), both on the GPU: wall times and the largest delta difference.
+3. Peak GPU memory of each row (``torch.cuda.max_memory_allocated``).
+
+Printed as one table. Run: ``python scripts/gpu_check.py`` (``--device cuda:1``, ``--recipes fp32,bnb-nf4``).
+
+Exit codes: 0 every recipe held against its CPU baseline and the scan equals the plain loop;
+1 something moved beyond tolerance (the table says what); 2 a usage or input error (one line on
+stderr: SmolLM2 not installed, an unknown recipe); 3 no CUDA device here: nothing was checked
+(one line on stderr).
+
+Rung 1 (kappa and its 256-draw rotation null) runs on the CPU from the dequantized weights, as
+on a CPU-only machine; the script lets torch use every core for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+NO_GPU_EXIT = 3
+HELD_OUT = {"seed": 1, "n": 4, "L": 32}  # the benchmarks' full-scan setting (README, Speed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda:0", help="the CUDA device (default cuda:0)")
+    parser.add_argument("--recipes", default=None, help="comma list of recipes (default: every recipe)")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print(
+            "gpu_check: no CUDA device here (torch.cuda.is_available() is False); nothing was checked", file=sys.stderr
+        )
+        return NO_GPU_EXIT
+    torch.set_num_threads(os.cpu_count() or 1)
+
+    from pytest_circuits.errors import CircuitsError
+
+    try:
+        return run(args, torch)
+    except CircuitsError as error:
+        print(f"gpu_check: {error}", file=sys.stderr)
+        return 2
+
+
+def _peak_reset(torch, device) -> None:
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_mb(torch, device) -> float:
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) / 2**20
+
+
+def run(args, torch) -> int:
+    from pytest_circuits.errors import CircuitsError
+    from pytest_circuits.gate.invariants import gate_all
+    from pytest_circuits.gate.store import BaselineStore
+    from pytest_circuits.model.named import SHIPPED_BASELINES
+    from pytest_circuits.model.recipes import RECIPES, parse_builds
+    from pytest_circuits.rungs.knockout import knockout_scan, naive_knockout_deltas
+    from pytest_circuits.rungs.repeat import RepeatSettings
+    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.settings import CircuitsSettings
+
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        raise CircuitsError(f"--device {args.device}: the GPU check runs on a CUDA device (cuda or cuda:N)")
+    recipes = parse_builds(args.recipes) if args.recipes else [r.name for r in RECIPES]
+    store = BaselineStore(SHIPPED_BASELINES)
+    rows, failed = [], False
+    for recipe in recipes:
+        baseline = store.read("smollm2-135m", recipe)
+        probe, knockout = baseline["probe"], baseline["knockout"] or {}
+        settings = CircuitsSettings(
+            model="smollm2-135m",
+            baselines=SHIPPED_BASELINES,  # a screened scan always measures the key heads of these files
+            device=str(device),
+            probe=RepeatSettings(probe["seed"], probe["n"], probe["L"]),
+            knockout_mode=knockout.get("mode", "zero"),
+            knockout_screen=knockout.get("screened"),
+        )
+        session = CircuitsSession(settings)
+        _peak_reset(torch, device)
+        start = time.perf_counter()
+        record = session.record(recipe)
+        seconds = time.perf_counter() - start
+        results = gate_all(baseline, record, session.tolerances, recipe, "CPU baseline")
+        broken = [r.invariant for r in results if r.status == "failed"]
+        held = [r for r in results if r.passed]
+        ok = bool(held) and not broken
+        failed |= not ok
+        verdict = "pass" if ok else ("FAIL " + ", ".join(broken) if broken else "FAIL nothing compared")
+        rows.append((recipe, f"{seconds:.1f}", f"{_peak_mb(torch, device):.0f}", f"{record['copy_loss']:.3f}", verdict))
+        del session
+        torch.cuda.empty_cache()
+
+    session = CircuitsSession(CircuitsSettings(model="smollm2-135m", device=str(device)))
+    build = session.build("fp32")
+    held_out = RepeatSettings(**HELD_OUT)
+    _peak_reset(torch, device)
+    start = time.perf_counter()
+    scan = knockout_scan(build, held_out, progress=False)
+    scan_s, scan_mb = time.perf_counter() - start, _peak_mb(torch, device)
+    _peak_reset(torch, device)
+    start = time.perf_counter()
+    _, plain = naive_knockout_deltas(build, held_out)
+    plain_s, plain_mb = time.perf_counter() - start, _peak_mb(torch, device)
+    gap = max(abs(float(d) - plain[h]) for h, d in zip(scan["head"], scan["knockout_delta"]))
+    equal = gap <= 1e-4
+    failed |= not equal
+    heads = len(scan)
+    rows.append(
+        (f"exact scan, {heads} heads", f"{scan_s:.1f}", f"{scan_mb:.0f}", "", f"{scan_s / plain_s:.2f}x the plain loop")
+    )
+    rows.append((f"plain loop, {heads} heads", f"{plain_s:.1f}", f"{plain_mb:.0f}", "", f"max |delta diff| {gap:.1e}"))
+
+    name = torch.cuda.get_device_name(device)
+    print(f"gpu_check: SmolLM2-135M on {device} ({name}), torch {torch.__version__}")
+    header = ("what", "seconds", "peak MiB", "copy loss", "against the CPU baseline")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in rows:
+        print("| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
