@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from html import escape
 
 from . import data
-from .sections import Section
+from .sections import FOLD_MAX_HEADS, Figure, Section
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1250px;
@@ -22,15 +23,23 @@ table { border-collapse: collapse; margin: 0.6em 0; font-size: 0.92em; }
 th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; }
 th { background: #f6f6f6; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .FAIL { color: #b2182b; font-weight: bold; } .pass { color: #1a7837; }
-pre { background: #f8f8f8; padding: 0.6em; overflow-x: auto; font-size: 0.85em; }
+pre { background: #f8f8f8; padding: 0.6em; font-size: 0.85em; white-space: pre-wrap; overflow-wrap: anywhere; }
+td:not(:last-child), th { white-space: nowrap; } details > summary { cursor: pointer; color: #333; }
+details.fold { margin: 1em 0; padding: 0.4em 0.8em; background: #f6f6f6; border-radius: 4px; }
 figure { margin: 1.2em 0; } figure img { max-width: 100%; border: 1px solid #eee; }
 figcaption { color: #444; font-size: 0.9em; max-width: 60em; }
 .note { color: #8a5a00; }
 """
 
 
-def page(sections: list[Section], extra_results: list[dict]) -> str:
-    """The whole report; ``extra_results`` are verdicts for builds without a record."""
+def page(
+    sections: list[Section],
+    extra_results: list[dict],
+    overview: Sequence[Figure] = (),
+    overview_notes: Sequence[str] = (),
+) -> str:
+    """The whole report; ``extra_results`` are verdicts for builds without a record; ``overview``:
+    the figures of every build at once (loss per position, attention), after the verdict banner."""
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -42,7 +51,12 @@ def page(sections: list[Section], extra_results: list[dict]) -> str:
     ]
     if len(sections) > 1:
         links = " · ".join(f'<a href="#{s.slug}">{escape(s.label)}</a>' for s in sections)
-        parts.append(f"<p>Builds: {links}</p>")
+        order = " (broken first)" if any(s.failed for s in sections) else ""
+        parts.append(f"<p>Builds{order}: {links}</p>")
+    if overview or overview_notes:
+        parts.append('<h2 id="overview">Copying at a glance</h2>')
+        parts += [f'<p class="note">{escape(n)}</p>' for n in overview_notes]
+        parts += [_figure(f) for f in overview]
     parts += [_section(s) for s in sections]
     if extra_results:
         parts += ["<h2>Verdicts for builds without a scan record</h2>", _verdicts(extra_results)]
@@ -127,10 +141,18 @@ def _identity(s: Section) -> str:
     if s.reference is not None:
         rows.append(("reference", data.recipe_of(s.reference)))
     copying, suppression = data.flagged_heads(s.record, "copying"), data.flagged_heads(s.record, "suppression")
-    rows.append(("copying heads", ", ".join(copying) or "none"))
-    rows.append(("suppression heads", ", ".join(suppression) or "none"))
     body = "".join(f"<tr><th>{escape(k)}</th><td>{escape(str(v if v is not None else '—'))}</td></tr>" for k, v in rows)
+    for name, heads in (("copying heads", copying), ("suppression heads", suppression)):
+        body += f"<tr><th>{name}</th><td>{_head_list(heads)}</td></tr>"
     return f"<table>{body}</table>"
+
+
+def _head_list(heads: list[str]) -> str:
+    """The heads, comma-separated; a long list folds away behind its count and first few."""
+    if len(heads) <= FOLD_MAX_HEADS:
+        return escape(", ".join(heads) or "none")
+    first = ", ".join(heads[:6])
+    return f"<details><summary>{len(heads)} heads ({escape(first)}, …)</summary>{escape(', '.join(heads))}</details>"
 
 
 def _model_figures(s: Section) -> str:
@@ -197,9 +219,12 @@ def _changes_table(changes: list[dict]) -> str:
     )
 
 
-def _figure(f) -> str:
+def _figure(f: Figure) -> str:
     uri = "data:image/png;base64," + base64.b64encode(f.png).decode("ascii")
-    return (
+    shown = (
         f'<figure><img src="{uri}" alt="{escape(f.title)}">'
         f"<figcaption><b>{escape(f.title)}.</b> {escape(f.caption)}</figcaption></figure>"
     )
+    if f.folded:  # e.g. the reference against itself: all-zero maps, one line until opened
+        return f'<details class="fold"><summary>{escape(f.folded)} (show the maps)</summary>{shown}</details>'
+    return shown
