@@ -22,6 +22,7 @@ class Collected:
     problems: list[str] = field(default_factory=list)
     records: dict = field(default_factory=dict)  # recipe -> scan record (only with --circuits-report)
     references: dict = field(default_factory=dict)  # recipe -> reference baseline record or None
+    attention: dict = field(default_factory=dict)  # recipe -> one head's attention map (report/live.py)
     report_path: Path | None = None
     used: bool = False
 
@@ -47,6 +48,9 @@ class Collected:
             elif key == "circuits_reference":
                 recipe, record = value
                 self.references[recipe] = record
+            elif key == "circuits_attention":
+                recipe, attention = value
+                self.attention[recipe] = attention
 
 
 def fix_lines(session, recipe: str, test_path: str) -> dict[str, str]:
@@ -108,7 +112,26 @@ def gate_for_test(request, session, recipe: str, invariant: str, tol):
         except Exception:
             reference = None
         props.append(("circuits_reference", (recipe, reference)))
+        props.append(("circuits_attention", (recipe, attention_for_report(session, recipe, reference))))
     return outcome
+
+
+def attention_for_report(session, recipe: str, reference: dict | None) -> dict | None:
+    """The report's attention map: the reference's strongest induction head (the same head in every
+    build), on probe sequence 0 of this build; a dict with ``note`` instead when it cannot be drawn."""
+    from ..report.live import head_attention, strongest_induction_head
+
+    record = session.record(recipe, knockout=False)
+    label = strongest_induction_head(reference or {}) or strongest_induction_head(record)
+    if label is None:
+        return {"note": "no head has a prefix-matching score: no attention map"}
+    try:
+        return session._memo(
+            ("report_attention", recipe, label),
+            lambda: head_attention(session.build(recipe), session.settings.probe, label),
+        )
+    except Exception as error:  # the gate's verdict stands without the picture
+        return {"note": f"the attention map of {label} could not be computed: {type(error).__name__}: {error}"}
 
 
 def baseline_lines(session, collected: Collected, verbosity: int = 0) -> list[str]:
@@ -174,7 +197,11 @@ def write_report(session, collected: Collected) -> None:
         return
     try:
         collected.report_path = write(
-            session.settings.report, list(collected.records.values()), collected.references, collected.results
+            session.settings.report,
+            list(collected.records.values()),
+            collected.references,
+            collected.results,
+            attention=collected.attention,
         )
     except Exception as error:  # the gate's verdict stands even if drawing fails
         collected.notes.append(f"--circuits-report: writing the report failed: {type(error).__name__}: {error}")
