@@ -195,6 +195,9 @@ def test_html_is_self_contained_and_names_the_broken_invariant(tmp_path):
     assert not re.search(r"!\[[^\]]*\]\(", summary) and "data:image" not in summary and "<img" not in summary
     assert all(f"`{p.name}`" in summary for p in pngs)
     assert f"report folder `{tmp_path.name}/`" in summary and "artifact" in summary
+    # what broke is listed open; what held folds away
+    assert summary.index("| **FAIL** | bnb-nf4 | copying_heads |") < summary.index("<details><summary>1 held</summary>")
+    assert summary.index("<details><summary>1 held</summary>") < summary.index("| pass | bnb-nf4 | copy_loss |")
 
 
 def test_figures_render_without_a_display_or_pyplot(tmp_path):
@@ -646,3 +649,30 @@ def test_the_plugins_report_has_both_pictures(tmp_path):
     assert f"Attention of {strongest} on probe sequence 0" in page and "No attention map" not in page
     assert "Loss at each position" in page
     assert {"attention.png", "position-loss.png"} <= {p.name for p in report.glob("*.png")}
+
+
+def test_loss_curves_are_the_builds_then_each_reference_baseline_once(tmp_path):
+    from pytest_circuits.report import figures, sections
+
+    reference, candidate, _ = sabotaged()
+    older = fake_record("bf16", seed=2)  # recorded before position_loss was stored
+    for i, record in enumerate((reference, candidate)):
+        record["position_loss"] = list(np.linspace(6.2, 0.1 + i, 2 * 64 - 1))
+    stored = {**reference, "position_loss": list(np.full(2 * 64 - 1, 3.0))}
+    built = [
+        sections.Section(data.recipe_of(r), data.slug(data.recipe_of(r)), r, ref, [])
+        for r, ref in ((candidate, stored), (older, stored), (reference, None))
+    ]
+    curves = sections.loss_curves(built)
+    assert [label for label, _ in curves] == ["bnb-nf4", "fp32", "fp32 baseline"]
+    fig = figures.position_loss_figure(curves, "t")
+    lines = {line.get_label(): line for line in fig.axes[0].lines}
+    np.testing.assert_allclose(lines["fp32 baseline"].get_ydata(), stored["position_loss"])
+    np.testing.assert_allclose(lines["bnb-nf4"].get_ydata(), candidate["position_loss"])
+    assert lines["uniform ln V = 6.24"].get_ydata()[0] == pytest.approx(math.log(512))
+    _, notes = sections.overview_figures(built, {})
+    assert any("bf16" in n and "position_loss" in n for n in notes)
+    # an unmeasured knockout in the gate's rows reads "not measured" on the page, never as a number
+    moved = [{"head": "L1H2", "metric": "knockout_delta", "before": 1.5, "after": None, "tolerance": 0.75}]
+    page = write_report(tmp_path, [candidate], results=[Result("knockout_deltas", "bnb-nf4", "", False, "", moved)])
+    assert "<td class=num>1.500</td><td class=num>not measured</td>" in page.read_text()

@@ -195,7 +195,7 @@ def _verdicts(results: list[dict]) -> str:
 def _moved_table(moved: list[dict]) -> str:
     rows = "".join(
         f"<tr><td>{escape(str(m.get('head')))}</td><td>{escape(str(m.get('metric')))}</td>"
-        f"<td class=num>{data.fmt(m.get('before'))}</td><td class=num>{data.fmt(m.get('after'))}</td>"
+        f"<td class=num>{_measured(m.get('before'))}</td><td class=num>{_measured(m.get('after'))}</td>"
         f"<td class=num>{data.fmt(m.get('tolerance'))}</td></tr>"
         for m in moved
     )
@@ -204,6 +204,11 @@ def _moved_table(moved: list[dict]) -> str:
         + rows
         + "</table>"
     )
+
+
+def _measured(value) -> str:
+    """A gate row's number, or "not measured" (a screened scan's missing knockout is no change)."""
+    return "not measured" if data.number(value) != data.number(value) else data.fmt(value)
 
 
 def _changes_table(changes: list[dict]) -> str:

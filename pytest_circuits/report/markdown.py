@@ -41,13 +41,13 @@ def summary(
     else:
         lines.append("No gate verdicts: scan results only.")
     lines.append("")
-    if results:
-        lines += ["| result | build | invariant | against |", "|---|---|---|---|"]
-        lines += [
-            f"| { {'passed': 'pass', 'skipped': 'skip'}.get(r['status'], '**FAIL**') } | {r['build']} | {r['invariant']} | {r['against']} |"
-            for r in results
-        ]
-        lines.append("")
+    if failed:
+        lines += _verdict_table(failed) + [""]
+    held = [r for r in results if not r["failed"]]
+    if held:  # what held folds away (GitHub renders <details> in step summaries)
+        skipped = sum(r["status"] == "skipped" for r in held)
+        said = f"{len(held) - skipped} held" + (f", {skipped} skipped" if skipped else "")
+        lines += [f"<details><summary>{said}</summary>", "", *_verdict_table(held), "", "</details>", ""]
     if sections:
         lines += _builds_table(sections)
     for r in failed:
@@ -73,6 +73,13 @@ def summary(
         lines.append("")
     lines += _figure_lines(sections, overview, overview_notes, folder)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _verdict_table(results: list[dict]) -> list[str]:
+    words = {"passed": "pass", "skipped": "skip"}
+    return ["| result | build | invariant | against |", "|---|---|---|---|"] + [
+        f"| {words.get(r['status'], '**FAIL**')} | {r['build']} | {r['invariant']} | {r['against']} |" for r in results
+    ]
 
 
 def _builds_table(sections: list[Section]) -> list[str]:

@@ -221,19 +221,26 @@ def kappa_flagged(section: Section) -> list[dict]:
     return list(chosen.values())[:MAX_MOVED_PANELS]
 
 
+def loss_curves(sections: list[Section]) -> list[tuple[str, dict]]:
+    """``(label, record)`` of every build with a ``position_loss``, then each reference baseline's
+    stored curve once (labelled ``"<recipe> baseline"``)."""
+    curves = [(s.label, s.record) for s in sections if s.record.get("position_loss")]
+    shown = {s.label for s in sections}
+    for s in sections:
+        ref = s.reference
+        name = f"{data.recipe_of(ref)} baseline" if ref else ""
+        if ref and ref.get("position_loss") and name not in shown:
+            shown.add(name)
+            curves.append((name, ref))
+    return curves
+
+
 def overview_figures(sections: list[Section], attention: dict[str, dict | None]) -> tuple[list[Figure], list[str]]:
     """The two pictures at the top: loss per probe position (all builds on one axis) and one
     induction head's attention per build; plus the notes on what could not be drawn."""
     notes: list[str] = []
     drawn: list[Figure] = []
-    with_curve = [(s.label, s.record) for s in sections if s.record.get("position_loss")]
-    shown = {s.label for s in sections}
-    for s in sections:  # the stored curve of each reference baseline that has one, once
-        ref = s.reference
-        name = f"{data.recipe_of(ref)} baseline" if ref else ""
-        if ref and ref.get("position_loss") and name not in shown:
-            shown.add(name)
-            with_curve.append((name, ref))
+    with_curve = loss_curves(sections)
     without = [s.label for s in sections if not s.record.get("position_loss")]
     if without:
         notes.append(
