@@ -676,3 +676,36 @@ def test_loss_curves_are_the_builds_then_each_reference_baseline_once(tmp_path):
     moved = [{"head": "L1H2", "metric": "knockout_delta", "before": 1.5, "after": None, "tolerance": 0.75}]
     page = write_report(tmp_path, [candidate], results=[Result("knockout_deltas", "bnb-nf4", "", False, "", moved)])
     assert "<td class=num>1.500</td><td class=num>not measured</td>" in page.read_text()
+
+
+def test_a_build_that_could_not_be_gated_leads_the_report(tmp_path):
+    """A build whose scan failed (or whose baseline is missing) is what broke: named first, never
+    left out while the page says every invariant held."""
+    from types import SimpleNamespace
+
+    from pytest_circuits.plugin.collect import gate_for_test
+    from pytest_circuits.settings import CircuitsSettings
+
+    class Unloadable:
+        settings = CircuitsSettings(model="tiny-induction", report=None)
+
+        def record(self, recipe, knockout=True):
+            raise CircuitsError(f"{recipe}: the per-head weight read does not reproduce layer 0")
+
+    node = SimpleNamespace(path=tmp_path / "test_gate.py", user_properties=[])
+    request = SimpleNamespace(node=node, config=SimpleNamespace(rootpath=tmp_path))
+    with pytest.raises(CircuitsError):
+        gate_for_test(request, Unloadable(), "bnb-nf4", "copy_loss", Tolerances())
+    ((key, rows),) = node.user_properties
+    assert key == "circuits_results" and json.loads(json.dumps(rows)) == rows  # plain data (xdist)
+    held = Result("copy_loss", "fp32", "fp32 baseline", True, "copy loss within tolerance")
+    page = write_report(tmp_path, [fake_record("fp32")], results=[held, *rows]).read_text()
+    top = page[: page.index('<h2 id="fp32">')]
+    assert "1 of 2 invariants broken or not gated" in top and "All " not in top
+    assert "<b>bnb-nf4</b>: <b>copy_loss</b> could not be gated: bnb-nf4: the per-head weight read" in top
+    assert "<h2>Builds without a scan record</h2>" in top and "<td class=ERROR>ERROR</td>" in top
+    lines = summary_lines([held, *rows])
+    assert lines[0] == "circuits bnb-nf4: FAIL (1 of 1 invariants broken)"
+    assert lines[1].startswith("  ERROR copy_loss: bnb-nf4: the per-head weight read")
+    summary = (tmp_path / SUMMARY_PAGE).read_text()
+    assert "| **ERROR** | bnb-nf4 | copy_loss |" in summary and "could not be gated for bnb-nf4" in summary

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from ..errors import CircuitsError
 from ..options import flag
 
 
@@ -96,9 +97,14 @@ def gate_for_test(request, session, recipe: str, invariant: str, tol):
         test_path = request.node.path
     from ..gate.verdict import gate_build
 
-    outcome = gate_build(session, recipe, invariant, tol, fix_lines(session, recipe, str(test_path)))
     props = request.node.user_properties
-    props.append(("circuits_results", [r.as_dict() for r in outcome.results]))
+    try:
+        outcome = gate_build(session, recipe, invariant, tol, fix_lines(session, recipe, str(test_path)))
+    except CircuitsError as error:  # the build could not be gated: the report names it among what broke
+        props.append(("circuits_results", [error_row(recipe, invariant, str(error))]))
+        raise
+    rows = [r.as_dict() for r in outcome.results] + [error_row(recipe, invariant, p) for p in outcome.problems]
+    props.append(("circuits_results", rows))
     props.append(("circuits_events", list(session.events)))
     props.append(("circuits_notes", [f"{recipe}: {n}" for n in outcome.notes]))
     props.append(("circuits_problems", list(outcome.problems)))
@@ -132,6 +138,20 @@ def attention_for_report(session, recipe: str, reference: dict | None) -> dict |
         )
     except Exception as error:  # the gate's verdict stands without the picture
         return {"note": f"the attention map of {label} could not be computed: {type(error).__name__}: {error}"}
+
+
+def error_row(recipe: str, invariant: str, problem: str) -> dict:
+    """A result row (plain data) for an invariant that could not be gated: ``status`` "error"."""
+    return {
+        "invariant": invariant,
+        "build": recipe,
+        "against": "",
+        "status": "error",
+        "passed": False,
+        "message": problem,
+        "compared": 0,
+        "moved": [],
+    }
 
 
 def baseline_lines(session, collected: Collected, verbosity: int = 0) -> list[str]:
@@ -172,7 +192,7 @@ def result_lines(collected: Collected) -> list[str]:
         return list(summary_lines(collected.results, report_dir=collected.report_path))
     except ImportError:
         pass
-    failed = [r for r in collected.results if r["status"] == "failed"]
+    failed = [r for r in collected.results if r["status"] in ("failed", "error")]
     lines = [f"gate: {len(collected.results) - len(failed)} of {len(collected.results)} invariant checks passed"]
     lines += [f"  FAILED {r['build']} {r['invariant']} against the {r['against']}" for r in failed]
     return lines

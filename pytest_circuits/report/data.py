@@ -128,7 +128,8 @@ def result_dict(result: Any) -> dict:
         "against": str(raw.get("against") or ""),
         "passed": bool(raw.get("passed")),
         "status": str(raw.get("status") or ("passed" if raw.get("passed") else "failed")),
-        "failed": str(raw.get("status") or ("passed" if raw.get("passed") else "failed")) == "failed",
+        # "error": the plugin could not gate it (a missing baseline, a build that failed to load)
+        "failed": str(raw.get("status") or ("passed" if raw.get("passed") else "failed")) in ("failed", "error"),
         "message": str(raw.get("message") or ""),
         "moved": [dict(m) for m in raw.get("moved") or []],
     }

@@ -22,7 +22,7 @@ h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ddd; padding-bottom:
 table { border-collapse: collapse; margin: 0.6em 0; font-size: 0.92em; }
 th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; }
 th { background: #f6f6f6; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
-.FAIL { color: #b2182b; font-weight: bold; } .pass { color: #1a7837; }
+.FAIL, .ERROR { color: #b2182b; font-weight: bold; } .pass { color: #1a7837; }
 pre { background: #f8f8f8; padding: 0.6em; font-size: 0.85em; white-space: pre-wrap; overflow-wrap: anywhere; }
 td:not(:last-child), th { white-space: nowrap; } details > summary { cursor: pointer; color: #333; }
 details.fold { margin: 1em 0; padding: 0.4em 0.8em; background: #f6f6f6; border-radius: 4px; }
@@ -57,9 +57,9 @@ def page(
         parts.append('<h2 id="overview">Copying at a glance</h2>')
         parts += [f'<p class="note">{escape(n)}</p>' for n in overview_notes]
         parts += [_figure(f) for f in overview]
-    parts += [_section(s) for s in sections]
-    if extra_results:
-        parts += ["<h2>Verdicts for builds without a scan record</h2>", _verdicts(extra_results)]
+    unrecorded = ["<h2>Builds without a scan record</h2>", _verdicts(extra_results)] if extra_results else []
+    broke = any(r["failed"] for r in extra_results)  # a build that could not even be scanned broke first
+    parts += (unrecorded if broke else []) + [_section(s) for s in sections] + ([] if broke else unrecorded)
     parts.append("</body></html>")
     return "\n".join(parts)
 
@@ -93,12 +93,18 @@ def _banner(sections: list[Section], extra_results: list[dict]) -> str:
     failed = [r for r in results if r["failed"]]
     if failed:
         items = "".join(
-            f"<li><b>{escape(r['build'])}</b>: <b>{escape(r['invariant'])}</b> broken"
-            f"{' against ' + escape(r['against']) if r['against'] else ''}</li>"
+            f"<li><b>{escape(r['build'])}</b>: <b>{escape(r['invariant'])}</b> "
+            + (
+                f"could not be gated: {escape(_first(r['message']))}"
+                if r["status"] == "error"
+                else f"broken{' against ' + escape(r['against']) if r['against'] else ''}"
+            )
+            + "</li>"
             for r in failed
         )
+        said = "broken or not gated" if any(r["status"] == "error" for r in failed) else "broken"
         return (
-            f'<div class="banner fail"><h2>{len(failed)} of {len(results)} invariants broken</h2><ul>{items}</ul></div>'
+            f'<div class="banner fail"><h2>{len(failed)} of {len(results)} invariants {said}</h2><ul>{items}</ul></div>'
         )
     if results:
         held = sum(r["passed"] for r in results)
@@ -112,6 +118,11 @@ def _banner(sections: list[Section], extra_results: list[dict]) -> str:
         '<div class="banner none"><h2>No gate verdicts</h2>This report shows scan results only'
         "; differences against a reference are descriptive, not verdicts.</div>"
     )
+
+
+def _first(message: str, width: int = 160) -> str:
+    line = next((l.strip() for l in message.splitlines() if l.strip()), "")
+    return line if len(line) <= width else line[: width - 1] + "…"
 
 
 def _section(s: Section) -> str:
@@ -174,7 +185,7 @@ def _model_figures(s: Section) -> str:
 def _verdicts(results: list[dict]) -> str:
     rows = []
     for r in results:
-        status = {"passed": "pass", "skipped": "skip"}.get(r["status"], "FAIL")
+        status = {"passed": "pass", "skipped": "skip", "error": "ERROR"}.get(r["status"], "FAIL")
         message = (
             f"<details{'' if r['passed'] else ' open'}><summary>details</summary><pre>"
             f"{escape(r['message'])}</pre></details>"

@@ -28,7 +28,9 @@ def summary(
     lines = [f"# Circuits report{': ' + str(name) if name else ''}", ""]
     if failed:
         lines.append(
-            f"**{len(failed)} of {len(results)} invariants broken:** "
+            f"**{len(failed)} of {len(results)} invariants "
+            + ("broken or not gated" if any(r["status"] == "error" for r in failed) else "broken")
+            + ":** "
             + ", ".join(f"`{r['invariant']}` ({r['build']})" for r in failed)
         )
     elif results:
@@ -52,7 +54,10 @@ def summary(
         lines += _builds_table(sections)
     for r in failed:
         lines += [
-            f"### `{r['invariant']}` broken for {r['build']}" + (f" against {r['against']}" if r["against"] else ""),
+            f"### `{r['invariant']}` "
+            + ("could not be gated" if r["status"] == "error" else "broken")
+            + f" for {r['build']}"
+            + (f" against {r['against']}" if r["against"] else ""),
             "",
         ]
         if r["message"]:
@@ -76,7 +81,7 @@ def summary(
 
 
 def _verdict_table(results: list[dict]) -> list[str]:
-    words = {"passed": "pass", "skipped": "skip"}
+    words = {"passed": "pass", "skipped": "skip", "error": "**ERROR**"}
     return ["| result | build | invariant | against |", "|---|---|---|---|"] + [
         f"| {words.get(r['status'], '**FAIL**')} | {r['build']} | {r['invariant']} | {r['against']} |" for r in results
     ]

@@ -41,7 +41,8 @@ def summary_lines(
             verdict += f"; skipped, nothing to compare: {', '.join(skipped)}"
         lines.append(f"{head}: {verdict}")
         for r in failed:
-            lines.append(f"  FAIL {r['invariant']}" + (f": {_first_line(r['message'])}" if r["message"] else ""))
+            word = "ERROR" if r["status"] == "error" else "FAIL"
+            lines.append(f"  {word} {r['invariant']}" + (f": {_first_line(r['message'])}" if r["message"] else ""))
         passed = [r for r in build_results if r["passed"]]
         for against_name in dict.fromkeys(r["against"] for r in passed):
             names = [r["invariant"] for r in passed if r["against"] == against_name]
