@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 from pytest_circuits.errors import BaselineError, CircuitsError
+from pytest_circuits.gate.invariants import gate_all
+from pytest_circuits.gate.tolerances import Tolerances
 from pytest_circuits.report import (
     REPORT_PAGE,
     SUMMARY_PAGE,
@@ -25,6 +27,7 @@ from pytest_circuits.report import (
     summary_lines,
     write_report,
 )
+from pytest_circuits.testing import has_embedded_model
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 INDUCTION, PREVIOUS = (1, 2), (0, 1)
@@ -158,6 +161,13 @@ def external_links(page: str) -> list[str]:
     return [t for t in targets if not (t.startswith("data:") or t.startswith("#"))]
 
 
+def verdict_rows(page: str) -> list[tuple[str, str, str]]:
+    """``(status, invariant, against)`` of every row of the page's verdict tables, in order."""
+    words = {"pass": "passed", "FAIL": "failed", "skip": "skipped"}
+    rows = re.findall(r"<tr><td class=(\w+)>\w+</td><td>([^<]+)</td><td>[^<]+</td><td>([^<]*)</td>", page)
+    return [(words[status], invariant, against) for status, invariant, against in rows]
+
+
 def test_html_is_self_contained_and_names_the_broken_invariant(tmp_path):
     reference, candidate, results = sabotaged()
     page = write_report(tmp_path, [reference, candidate], {"bnb-nf4": reference}, results)
@@ -182,7 +192,13 @@ def test_html_is_self_contained_and_names_the_broken_invariant(tmp_path):
     assert "bnb-nf4-moved-heads.png" in {p.name for p in pngs}
     summary = (tmp_path / SUMMARY_PAGE).read_text()
     assert "`copying_heads` (bnb-nf4)" in summary and "| **FAIL** | bnb-nf4 | copying_heads |" in summary
-    assert all(f"]({p.name})" in summary for p in pngs)
+    # a CI step summary shows neither relative images nor data: URIs: each PNG is named, and where it is
+    assert not re.search(r"!\[[^\]]*\]\(", summary) and "data:image" not in summary and "<img" not in summary
+    assert all(f"`{p.name}`" in summary for p in pngs)
+    assert f"report folder `{tmp_path.name}/`" in summary and "artifact" in summary
+    # what broke is listed open; what held folds away
+    assert summary.index("| **FAIL** | bnb-nf4 | copying_heads |") < summary.index("<details><summary>1 held</summary>")
+    assert summary.index("<details><summary>1 held</summary>") < summary.index("| pass | bnb-nf4 | copy_loss |")
 
 
 def test_figures_render_without_a_display_or_pyplot(tmp_path):
@@ -313,10 +329,17 @@ def test_report_command_draws_again_from_baseline_files(tmp_path, capsys):
     cand_file.write_text(json.dumps(candidate))
     out = tmp_path / "again"
     assert report_command([str(cand_file), "--against", str(ref_file), "--out", str(out)]) == 0
-    assert capsys.readouterr().out.strip().endswith(str(out / REPORT_PAGE))
+    printed = capsys.readouterr().out
+    assert f"circuits report: {out / REPORT_PAGE}" in printed
     text = (out / REPORT_PAGE).read_text()
-    assert "No gate verdicts" in text and "differences against the reference (fp32)" in text
-    assert "<td>L1H2</td><td>kappa</td>" in text  # the flipped head leads the descriptive changes
+    assert "differences against the reference (fp32)" in text
+    assert "<td>L1H2</td><td>kappa</td>" in text  # the flipped head leads the per-head changes
+    # gated, not "scanned, not gated": the same verdicts as the one gate flow
+    expected = gate_all(reference, candidate, Tolerances(), "bnb-nf4", "baseline fp32.json")
+    assert "not gated" not in printed and "No gate verdicts" not in text
+    assert verdict_rows(text) == [(r.status, r.invariant, r.against) for r in expected]
+    assert "circuits bnb-nf4 vs baseline fp32.json: FAIL" in printed
+    assert "no attention map" in text.lower()  # from files there is no model to run: said, not left blank
     # a broken file is one line naming it, through the function and the command
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
@@ -348,3 +371,342 @@ def test_smollm2_sized_records_render(tmp_path):
     assert page.stat().st_size > 0
     assert data.metric_grid(candidate, "kappa").shape == (30, 9)
     assert all(p.read_bytes()[:8] == PNG_MAGIC for p in tmp_path.glob("*.png"))
+
+
+# ---------------------------------------------------------------- what broke first, what did not move folded
+
+
+def section_order(page: str) -> list[str]:
+    return re.findall(r'<h2 id="([^"]+)">Build ', page)
+
+
+def test_failing_builds_come_first_and_the_reference_against_itself_folds(tmp_path):
+    reference, candidate, results = sabotaged()
+    # the reference gated against its own baseline: the same figures, up to the baselines' 6-digit rounding
+    from pytest_circuits.gate.store import round_sig
+
+    own = round_sig(reference)
+    results = [*results, Result("copy_loss", "fp32", "fp32 baseline", True, "copy loss within tolerance")]
+    page = write_report(tmp_path, [reference, candidate], {"fp32": own, "bnb-nf4": reference}, results)
+    text = page.read_text()
+    assert section_order(text) == ["bnb-nf4", "fp32"]  # given fp32 first; the broken build leads
+    assert "Builds (broken first)" in text
+    summary = (tmp_path / SUMMARY_PAGE).read_text()
+    assert summary.index("| bnb-nf4 | nf4 |") < summary.index("| fp32 | float32 |")
+    lines = summary_lines([results[-1], *results[:2]], report_dir=tmp_path)
+    assert lines[0].startswith("circuits bnb-nf4 vs fp32 baseline: FAIL")
+    # fp32 against itself: its all-zero difference maps fold behind one line, nothing listed as changed
+    fp32 = text[text.index('<h2 id="fp32">') :]
+    folded = re.findall(r'<details class="fold"><summary>([^<]+)</summary>(.*?)</details>', text, flags=re.S)
+    assert len(folded) == 1
+    note, hidden = folded[0]
+    assert "fp32" in note and "all zero" in note and "fp32: differences against the reference (fp32)" in hidden
+    assert 'class="fold"' in fp32 and "Largest per-head changes" not in fp32
+    # the sabotaged build's maps stay open, its changes listed
+    nf4 = text[text.index('<h2 id="bnb-nf4">') : text.index('<h2 id="fp32">')]
+    assert 'class="fold"' not in nf4 and "Largest per-head changes" in nf4
+    assert "(the difference maps are all zero" not in summary and "all zero" in summary
+
+
+def test_eigenvalue_close_ups_show_the_flagged_figure_of_heads_flagged_on_kappa():
+    from pytest_circuits.report import figures, sections
+
+    reference, candidate, _ = sabotaged()
+    trace_before, trace_after = reference["heads"][6]["kappa_trace"], candidate["heads"][6]["kappa_trace"]
+    moved = [
+        {"head": "L1H2", "metric": "kappa_trace", "before": trace_before, "after": trace_after, "tolerance": 0.15},
+        {"head": "L0H1", "metric": "prefix_matching", "before": 0.9, "after": 0.2, "tolerance": 0.1},  # not kappa
+        {"head": "L0H3", "metric": "kappa_z", "before": 1.729, "after": 1.729, "tolerance": 1.0},  # did not move
+    ]
+    results = [data.result_dict(Result("copying_heads", "bnb-nf4", "fp32 baseline", False, "moved", moved))]
+    section = sections.Section("bnb-nf4", "bnb-nf4", candidate, reference, results)
+    flagged = sections.kappa_flagged(section)
+    assert [(m["head"], m["metric"]) for m in flagged] == [("L1H2", "kappa_trace")]
+    fig = figures.moved_eigenvalue_figure(candidate, reference, flagged, "t")
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == [f"L1H2  κ_trace {data.fmt(trace_before, 2)} → {data.fmt(trace_after, 2)}"]
+    # a head flagged on two κ figures: the one that moved furthest, the other under it
+    kappa_row = {"head": "L1H2", "metric": "kappa", "before": 0.9, "after": 0.85, "tolerance": 0.15}
+    section.results = [
+        data.result_dict(Result("copying_heads", "bnb-nf4", "fp32 baseline", False, "", [*moved, kappa_row]))
+    ]
+    (both,) = sections.kappa_flagged(section)
+    assert both["metric"] == "kappa_trace" and [m["metric"] for m in both["also"]] == ["kappa"]
+    fig = figures.moved_eigenvalue_figure(candidate, reference, [both], "t")
+    assert fig.axes[0].get_title().endswith("\nκ 0.90 → 0.85")
+    other = {"head": "L0H0", "metric": "kappa", "before": 0.5, "after": -0.5, "tolerance": 0.15, "also": []}
+    fig = figures.moved_eigenvalue_figure(candidate, reference, [both, other], "t")
+    assert [ax.get_title().split()[0] for ax in fig.axes] == ["L1H2", "L0H0"]
+    # the boxes of the difference maps follow the figure each names
+    assert sections._outline(section, "kappa") == {(1, 2)}
+    assert sections._outline(section, "prefix_matching") == {(0, 1)}
+    assert sections._outline(section, "knockout_delta") == set()
+    # no kappa row: no close-up at all
+    section.results = [data.result_dict(Result("induction_heads", "bnb-nf4", "fp32 baseline", False, "", moved[1:2]))]
+    assert sections.kappa_flagged(section) == []
+
+
+def test_unmeasured_knockouts_are_hatched_with_a_legend_never_zero(tmp_path):
+    from matplotlib.collections import PatchCollection
+
+    from pytest_circuits.report import figures, sections
+
+    screened = fake_record("fp32", seed=1)
+    kept = {"L1H2", "L0H1"}  # a screened scan measured these exactly; the rest have no knockout
+    for h in screened["heads"]:
+        if h["head"] not in kept:
+            h["knockout_delta"] = None
+    screened["knockout"]["screened"] = 2
+    fig = figures.heatmap_figure(sections._panels(screened), "t")
+    knockout_ax = [a for a in fig.axes if a.images][-1]
+    assert knockout_ax.get_title() == "knockout Δloss (nats)"
+    shown = knockout_ax.images[0].get_array()
+    assert shown.mask.sum() == 6 and not shown.mask[1, 2] and not shown.mask[0, 1]  # masked, not 0
+    (hatched,) = [c for c in knockout_ax.collections if isinstance(c, PatchCollection)]
+    corners = {tuple(np.round(p.vertices.min(axis=0) + 0.5).astype(int)) for p in hatched.get_paths()}
+    assert corners == {(h["head_index"], h["layer"]) for h in screened["heads"] if h["head"] not in kept}
+    assert all(hatch == "////" for hatch in [hatched.get_hatch()])
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == ["not measured (screened out: no exact knockout)"]
+    # fully measured maps carry no legend and no hatching
+    full = figures.heatmap_figure(sections._panels(fake_record("fp32")), "t")
+    assert full.legends == [] and not any(isinstance(c, PatchCollection) for a in full.axes for c in a.collections)
+    page = write_report(tmp_path, [screened]).read_text()
+    assert "Hatched grey cells were not measured" in page
+
+
+def test_long_head_lists_fold_and_failure_text_wraps(tmp_path):
+    many = fake_record("fp32", n_layers=4, n_heads=8, d_head=4)
+    for h in many["heads"][:20]:
+        h["copying"] = True
+    failing = Result("copy_loss", "fp32", "fp32 baseline", False, "x" * 400 + "\n" + "a very long line " * 40)
+    page = write_report(tmp_path, [many], results=[failing]).read_text()
+    names = ", ".join(h["head"] for h in many["heads"][:20])
+    assert f"<details><summary>20 heads (L0H0, L0H1, L0H2, L0H3, L0H4, L0H5, …)</summary>{names}</details>" in page
+    few = write_report(tmp_path / "few", [fake_record("fp32")]).read_text()
+    assert "<details><summary>" not in few and "<th>copying heads</th><td>L1H2</td>" in few
+    # long lines in <pre> wrap instead of overflowing the page
+    style = re.search(r"pre \{([^}]*)\}", page)[1]
+    assert "white-space: pre-wrap" in style and "overflow-wrap: anywhere" in style and "overflow-x" not in style
+    assert "<pre>" + "x" * 400 in page
+
+
+# ---------------------------------------------------------------- circuits report --against: the gate's verdicts
+
+
+@pytest.mark.skipif(not has_embedded_model(), reason="embedded model missing: python scripts/train_tiny_induction.py")
+def test_report_against_shows_the_verdicts_of_circuits_gate_and_diff(tmp_path, capsys):
+    from pytest_circuits import cli
+    from pytest_circuits.model.named import SHIPPED_BASELINES
+
+    build, reference = (
+        SHIPPED_BASELINES / "tiny-induction--rtn-int4.json",
+        SHIPPED_BASELINES / "tiny-induction--fp32.json",
+    )
+    assert cli.main(["report", str(build), "--against", str(reference), "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert cli.main(["diff", str(reference), str(build)]) == 0
+    diffed = capsys.readouterr().out
+    verdict_line = next(l for l in diffed.splitlines() if l.startswith("with default tolerances"))
+    assert verdict_line.split(": ", 1)[1] in printed  # the same verdict line as circuits diff
+    page = (tmp_path / REPORT_PAGE).read_text()
+    rows = verdict_rows(page)
+    assert rows and all(status == "passed" for status, _, _ in rows) and "not gated" not in printed
+    # and the same verdicts as the one gate flow on the two files
+    expected = gate_all(json.loads(reference.read_text()), json.loads(build.read_text()), Tolerances(), "rtn-int4", "")
+    assert [(status, invariant) for status, invariant, _ in rows] == [(r.status, r.invariant) for r in expected]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not has_embedded_model(), reason="embedded model missing: python scripts/train_tiny_induction.py")
+def test_report_against_matches_circuits_gate_on_the_model(tmp_path, capsys):
+    """``circuits gate`` scans the build live (about 15 s); its verdict per invariant is the report's."""
+    from pytest_circuits import cli
+    from pytest_circuits.model.named import SHIPPED_BASELINES
+
+    build, reference = (
+        SHIPPED_BASELINES / "tiny-induction--rtn-int4.json",
+        SHIPPED_BASELINES / "tiny-induction--fp32.json",
+    )
+    assert cli.main(["report", str(build), "--against", str(reference), "--out", str(tmp_path)]) == 0
+    rows = verdict_rows((tmp_path / REPORT_PAGE).read_text())
+    capsys.readouterr()
+    assert cli.main(["gate", "tiny-induction", "--build", "rtn-int4", "--baseline", str(reference)]) == 0
+    gated = capsys.readouterr().out
+    words = {word: status for status, word in cli.STATUS_WORDS.items()}
+    live = {inv: words[word] for word, inv in re.findall(r"^(PASS|FAIL|SKIP) (\w+): ", gated, flags=re.M)}
+    assert live and live == {invariant: status for status, invariant, _ in rows}
+
+
+# ---------------------------------------------------------------- the two pictures: loss per position, attention
+
+
+@pytest.fixture(scope="module")
+def embedded_fp32():
+    """tiny-induction's fp32 build scanned on a small probe (no knockouts), with its session."""
+    if not has_embedded_model():
+        pytest.skip("embedded model missing: python scripts/train_tiny_induction.py")
+    from pytest_circuits.rungs.repeat import RepeatSettings
+    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.settings import CircuitsSettings
+
+    session = CircuitsSession(CircuitsSettings(model="tiny-induction", device="cpu", probe=RepeatSettings(3, 4, 24)))
+    return session, session.record("fp32", knockout=False)
+
+
+def test_position_loss_is_the_models_own_per_position_loss(embedded_fp32):
+    """The stored and plotted curve equals CE_t recomputed from the model's logits (float64 log-softmax)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pytest_circuits.gate.store import validate
+    from pytest_circuits.report import figures
+    from pytest_circuits.rungs.repeat import repeat_tokens
+
+    session, record = embedded_fp32
+    L, o = 24, (0 if session.build("fp32").tokens.bos_id is None else 1)
+    model = AutoModelForCausalLM.from_pretrained(
+        session.source.folder, dtype=torch.float32, attn_implementation="eager"
+    )
+    ids = repeat_tokens(session.build("fp32").tokens, 4, L, 3)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits.double(), dim=-1)
+    t = np.arange(1, 2 * L)  # CE_t: predicting position o+t from the logits at o+t-1
+    ce = -logp[:, o + t - 1, :].gather(-1, ids[:, o + t].unsqueeze(-1)).squeeze(-1).numpy()
+    expected = ce.mean(axis=0)
+    assert len(record["position_loss"]) == 2 * L - 1
+    np.testing.assert_allclose(record["position_loss"], expected, rtol=1e-4, atol=1e-5)
+    # it is the curve the model figures average: copy loss over t = L+1..2L-1, first copy over 1..L-1
+    assert np.mean(expected[L:]) == pytest.approx(record["copy_loss"], rel=1e-4)
+    assert np.mean(expected[: L - 1]) == pytest.approx(record["first_copy_loss"], rel=1e-4)
+    # the signature of copying: first copy near ln V, second copy far below it
+    assert abs(np.mean(expected[: L - 1]) - record["uniform_loss"]) < 1.0 and np.mean(expected[L:]) < 1.0
+    fig = figures.position_loss_figure([("fp32", record)], "t")
+    (curve,) = [line for line in fig.axes[0].lines if line.get_label() == "fp32"]
+    np.testing.assert_allclose(curve.get_xdata(), t)
+    np.testing.assert_allclose(curve.get_ydata(), expected, rtol=1e-4, atol=1e-5)
+    # optional in the schema: a record with it validates, one of the wrong length is one line, older ones lack it
+    validate(record, "scan")
+    broken = {**record, "position_loss": record["position_loss"][:-1]}
+    with pytest.raises(BaselineError, match=f"position_loss holds {2 * L - 2} values") as error:
+        validate(broken, "scan")
+    assert "\n" not in str(error.value)
+    validate({k: v for k, v in record.items() if k != "position_loss"}, "scan")
+
+
+def test_attention_map_is_the_heads_own_pattern_with_the_induction_stripe(embedded_fp32, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pytest_circuits.plugin.collect import attention_for_report
+    from pytest_circuits.report import figures
+    from pytest_circuits.rungs.repeat import repeat_tokens
+
+    session, record = embedded_fp32
+    attention = attention_for_report(session, "fp32", None)
+    head = attention["head"]
+    scores = {h["head"]: h["prefix_matching"] for h in record["heads"]}
+    assert scores[head] == max(scores.values())  # the strongest induction head
+    layer, index = data.cell_of(head)
+    model = AutoModelForCausalLM.from_pretrained(
+        session.source.folder, dtype=torch.float32, attn_implementation="eager"
+    )
+    ids = repeat_tokens(session.build("fp32").tokens, 1, 24, 3)
+    with torch.no_grad():
+        expected = model(input_ids=ids, output_attentions=True).attentions[layer][0, index].numpy()
+    pattern = np.asarray(attention["pattern"])
+    np.testing.assert_allclose(pattern, expected, atol=1e-4)
+    assert attention["tokens"] == ids[0].tolist()
+    # the induction stripe: from each second-copy token to the token after its first occurrence
+    L, o = 24, attention["offset"]
+    stripe = [pattern[o + t, o + t - L + 1] for t in range(L, 2 * L)]
+    assert np.mean(stripe) > 0.5
+    fig = figures.attention_figure([("fp32", attention, record)], "t")
+    np.testing.assert_allclose(fig.axes[0].images[0].get_array(), pattern)
+    assert head in fig.axes[0].get_title()
+    # it reaches the page through the plugin's path; without it the page says why
+    page = write_report(tmp_path, [record], attention={"fp32": attention}).read_text()
+    assert "Attention of " + head in page and "No attention map" not in page
+    assert (tmp_path / "attention.png").read_bytes()[:8] == PNG_MAGIC
+    assert (tmp_path / "position-loss.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not has_embedded_model(), reason="embedded model missing: python scripts/train_tiny_induction.py")
+def test_the_plugins_report_has_both_pictures(tmp_path):
+    """``pytest --circuits-report`` (about 30 s): the plugin has the builds, so the page carries the
+    attention map of the reference baseline's strongest induction head."""
+    from pytest_circuits.model.named import SHIPPED_BASELINES
+
+    shipped = json.loads((SHIPPED_BASELINES / "tiny-induction--fp32.json").read_text())
+    strongest = max(shipped["heads"], key=lambda h: h["prefix_matching"])["head"]
+    pytest.importorskip("matplotlib")
+    report = tmp_path / "report"
+    command = [sys.executable, "-m", "pytest", "--pyargs", "pytest_circuits.probes", "-q", "-p", "no:cacheprovider"]
+    command += ["--circuits-builds", "fp32", "--circuits-report", str(report), "-k", "copy_loss"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    page = (report / REPORT_PAGE).read_text()
+    assert f"Attention of {strongest} on probe sequence 0" in page and "No attention map" not in page
+    assert "Loss at each position" in page
+    assert {"attention.png", "position-loss.png"} <= {p.name for p in report.glob("*.png")}
+
+
+def test_loss_curves_are_the_builds_then_each_reference_baseline_once(tmp_path):
+    from pytest_circuits.report import figures, sections
+
+    reference, candidate, _ = sabotaged()
+    older = fake_record("bf16", seed=2)  # recorded before position_loss was stored
+    for i, record in enumerate((reference, candidate)):
+        record["position_loss"] = list(np.linspace(6.2, 0.1 + i, 2 * 64 - 1))
+    stored = {**reference, "position_loss": list(np.full(2 * 64 - 1, 3.0))}
+    built = [
+        sections.Section(data.recipe_of(r), data.slug(data.recipe_of(r)), r, ref, [])
+        for r, ref in ((candidate, stored), (older, stored), (reference, None))
+    ]
+    curves = sections.loss_curves(built)
+    assert [label for label, _ in curves] == ["bnb-nf4", "fp32", "fp32 baseline"]
+    fig = figures.position_loss_figure(curves, "t")
+    lines = {line.get_label(): line for line in fig.axes[0].lines}
+    np.testing.assert_allclose(lines["fp32 baseline"].get_ydata(), stored["position_loss"])
+    np.testing.assert_allclose(lines["bnb-nf4"].get_ydata(), candidate["position_loss"])
+    assert lines["uniform ln V = 6.24"].get_ydata()[0] == pytest.approx(math.log(512))
+    _, notes = sections.overview_figures(built, {})
+    assert any("bf16" in n and "position_loss" in n for n in notes)
+    # an unmeasured knockout in the gate's rows reads "not measured" on the page, never as a number
+    moved = [{"head": "L1H2", "metric": "knockout_delta", "before": 1.5, "after": None, "tolerance": 0.75}]
+    page = write_report(tmp_path, [candidate], results=[Result("knockout_deltas", "bnb-nf4", "", False, "", moved)])
+    assert "<td class=num>1.500</td><td class=num>not measured</td>" in page.read_text()
+
+
+def test_a_build_that_could_not_be_gated_leads_the_report(tmp_path):
+    """A build whose scan failed (or whose baseline is missing) is what broke: named first, never
+    left out while the page says every invariant held."""
+    from types import SimpleNamespace
+
+    from pytest_circuits.plugin.collect import gate_for_test
+    from pytest_circuits.settings import CircuitsSettings
+
+    class Unloadable:
+        settings = CircuitsSettings(model="tiny-induction", report=None)
+
+        def record(self, recipe, knockout=True):
+            raise CircuitsError(f"{recipe}: the per-head weight read does not reproduce layer 0")
+
+    node = SimpleNamespace(path=tmp_path / "test_gate.py", user_properties=[])
+    request = SimpleNamespace(node=node, config=SimpleNamespace(rootpath=tmp_path))
+    with pytest.raises(CircuitsError):
+        gate_for_test(request, Unloadable(), "bnb-nf4", "copy_loss", Tolerances())
+    ((key, rows),) = node.user_properties
+    assert key == "circuits_results" and json.loads(json.dumps(rows)) == rows  # plain data (xdist)
+    held = Result("copy_loss", "fp32", "fp32 baseline", True, "copy loss within tolerance")
+    page = write_report(tmp_path, [fake_record("fp32")], results=[held, *rows]).read_text()
+    top = page[: page.index('<h2 id="fp32">')]
+    assert "1 of 2 invariants broken or not gated" in top and "All " not in top
+    assert "<b>bnb-nf4</b>: <b>copy_loss</b> could not be gated: bnb-nf4: the per-head weight read" in top
+    assert "<h2>Builds without a scan record</h2>" in top and "<td class=ERROR>ERROR</td>" in top
+    lines = summary_lines([held, *rows])
+    assert lines[0] == "circuits bnb-nf4: FAIL (1 of 1 invariants broken)"
+    assert lines[1].startswith("  ERROR copy_loss: bnb-nf4: the per-head weight read")
+    summary = (tmp_path / SUMMARY_PAGE).read_text()
+    assert "| **ERROR** | bnb-nf4 | copy_loss |" in summary and "could not be gated for bnb-nf4" in summary

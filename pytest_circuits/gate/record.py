@@ -20,6 +20,7 @@ HEAD_COLUMNS = figures.stored_head_figures("always")  # in every head row (None 
 EXTRA_COLUMNS = figures.stored_head_figures("measured")  # only when the rung produced them
 MODEL_FIGURES = figures.model_figure_names()
 KNOCKOUT_SEQUENCES = figures.sequences_key("knockout_delta")
+SERIES_FIGURES = figures.series_figure_names()  # optional per-position series (``position_loss``)
 NEEDS = {"knockout": "knockout_delta"}  # what an invariant may need -> the head figure that shows it
 
 
@@ -151,9 +152,20 @@ def assemble_record(
         "rung1": rung1,
         **{k: _plain(model_figures.get(k)) for k in MODEL_FIGURES},
         **sampled_model_figures(probe_result),
+        **_series(probe_result),
         "heads": head_rows(spectrum, None if probe_result is None else probe_result.heads, knockout),
         "eigenvalues": eigenvalue_map(spectrum.attrs.get("eigenvalues")),
     }
+
+
+def _series(probe_result) -> dict:
+    """The per-position series the probe measured (absent keys, not empty lists, when it has none)."""
+    out = {}
+    for name in SERIES_FIGURES:
+        values = getattr(probe_result, name, None) if probe_result is not None else None
+        if values:
+            out[name] = [_plain(v) for v in values]
+    return out
 
 
 def _rung1_info(spectrum, settings, folded: bool, method) -> dict:

@@ -111,7 +111,9 @@ class Rung1Info(BaseModel):
 
 _MODEL_FIGURES = {f.name: (Annotated[float, Field(ge=f.low, le=f.high)], ...) for f in figures.MODEL_FIGURES}
 _MODEL_FIGURES.update({f.name: _field(f) for f in figures.SEQUENCE_FIGURES})  # absent in older records
-_Figures = create_model("_Figures", __config__=_STRICT, **_MODEL_FIGURES)  # type: ignore[call-overload]
+# optional per-position series (older baselines lack them): floats in range, 2L-1 of them
+_SERIES = {f.name: (list[Annotated[float, Field(ge=f.low, le=f.high)]] | None, None) for f in figures.SERIES_FIGURES}
+_Figures = create_model("_Figures", __config__=_STRICT, **_MODEL_FIGURES, **_SERIES)  # type: ignore[call-overload]
 
 
 class Record(_Figures):  # type: ignore[misc, valid-type]
@@ -156,6 +158,10 @@ class Record(_Figures):  # type: ignore[misc, valid-type]
                 f"({geo.n_layers} layers x {geo.n_heads} heads)"
             )
         self._sequences_match()
+        for name in _SERIES:
+            series = getattr(self, name)
+            if series is not None and len(series) != 2 * self.probe.L - 1:
+                raise ValueError(f"{name} holds {len(series)} values, the probe's 2L-1 is {2 * self.probe.L - 1}")
         for label, pairs in self.eigenvalues.items():
             if label not in seen:
                 raise ValueError(f"eigenvalues.{label} names a head that is not in heads")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from ..errors import CircuitsError
 from ..options import flag
 
 
@@ -22,6 +23,7 @@ class Collected:
     problems: list[str] = field(default_factory=list)
     records: dict = field(default_factory=dict)  # recipe -> scan record (only with --circuits-report)
     references: dict = field(default_factory=dict)  # recipe -> reference baseline record or None
+    attention: dict = field(default_factory=dict)  # recipe -> one head's attention map (report/live.py)
     report_path: Path | None = None
     used: bool = False
     loads: list[dict] = field(default_factory=list)  # {"recipe", "worker"}: every build load of the run
@@ -49,6 +51,9 @@ class Collected:
             elif key == "circuits_reference":
                 recipe, record = value
                 self.references[recipe] = record
+            elif key == "circuits_attention":
+                recipe, attention = value
+                self.attention[recipe] = attention
 
 
 def fix_lines(session, recipe: str, test_path: str) -> dict[str, str]:
@@ -100,10 +105,15 @@ def gate_for_test(request, session, recipe: str, invariant: str, tol):
 
     if session.settings.update:  # record own baseline first: the reference's owner takes its lock before anyone waits
         session.write_baseline(recipe)
-    outcome = gate_build(session, recipe, invariant, tol, fix_lines(session, recipe, str(test_path)))
-    outcome.notes[:0] = session.identity_lines(recipe)  # an external build: which file was gated
     props = request.node.user_properties
-    props.append(("circuits_results", [r.as_dict() for r in outcome.results]))
+    try:
+        outcome = gate_build(session, recipe, invariant, tol, fix_lines(session, recipe, str(test_path)))
+    except CircuitsError as error:  # the build could not be gated: the report names it among what broke
+        props.append(("circuits_results", [error_row(recipe, invariant, str(error))]))
+        raise
+    outcome.notes[:0] = session.identity_lines(recipe)  # an external build: which file was gated
+    rows = [r.as_dict() for r in outcome.results] + [error_row(recipe, invariant, p) for p in outcome.problems]
+    props.append(("circuits_results", rows))
     props.append(("circuits_events", list(session.events)))
     props.append(("circuits_notes", [f"{recipe}: {n}" for n in outcome.notes]))
     props.append(("circuits_problems", list(outcome.problems)))
@@ -126,7 +136,40 @@ def gate_for_test(request, session, recipe: str, invariant: str, tol):
         if reference is not None and geometry_difference(reference, record):
             reference = None  # another base model: its heads are not this model's, no per-head differences
         props.append(("circuits_reference", (recipe, reference)))
+        props.append(("circuits_attention", (recipe, attention_for_report(session, recipe, reference))))
     return outcome
+
+
+def attention_for_report(session, recipe: str, reference: dict | None) -> dict | None:
+    """The report's attention map: the reference's strongest induction head (the same head in every
+    build), on probe sequence 0 of this build; a dict with ``note`` instead when it cannot be drawn."""
+    from ..report.live import head_attention, strongest_induction_head
+
+    record = session.record(recipe, knockout=False)
+    label = strongest_induction_head(reference or {}) or strongest_induction_head(record)
+    if label is None:
+        return {"note": "no head has a prefix-matching score: no attention map"}
+    try:
+        return session._memo(
+            ("report_attention", recipe, label),
+            lambda: head_attention(session.build(recipe), session.settings.probe, label),
+        )
+    except Exception as error:  # the gate's verdict stands without the picture
+        return {"note": f"the attention map of {label} could not be computed: {type(error).__name__}: {error}"}
+
+
+def error_row(recipe: str, invariant: str, problem: str) -> dict:
+    """A result row (plain data) for an invariant that could not be gated: ``status`` "error"."""
+    return {
+        "invariant": invariant,
+        "build": recipe,
+        "against": "",
+        "status": "error",
+        "passed": False,
+        "message": problem,
+        "compared": 0,
+        "moved": [],
+    }
 
 
 def baseline_lines(session, collected: Collected, verbosity: int = 0) -> list[str]:
@@ -167,7 +210,7 @@ def result_lines(collected: Collected) -> list[str]:
         return list(summary_lines(collected.results, report_dir=collected.report_path))
     except ImportError:
         pass
-    failed = [r for r in collected.results if r["status"] == "failed"]
+    failed = [r for r in collected.results if r["status"] in ("failed", "error")]
     lines = [f"gate: {len(collected.results) - len(failed)} of {len(collected.results)} invariant checks passed"]
     lines += [f"  FAILED {r['build']} {r['invariant']} against the {r['against']}" for r in failed]
     return lines
@@ -197,7 +240,11 @@ def write_report(session, collected: Collected) -> None:
         return
     try:
         collected.report_path = write(
-            session.settings.report, list(collected.records.values()), collected.references, collected.results
+            session.settings.report,
+            list(collected.records.values()),
+            collected.references,
+            collected.results,
+            attention=collected.attention,
         )
     except Exception as error:  # the gate's verdict stands even if drawing fails
         collected.notes.append(f"--circuits-report: writing the report failed: {type(error).__name__}: {error}")

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..gate.record import record_eigenvalues
+from ..gate.store import UNCHANGED_ABS, UNCHANGED_REL
 from ..model.families import head_label
 from ..rungs import figures
 
@@ -82,6 +83,17 @@ def difference_grid(record: dict, reference: dict, column: str) -> np.ndarray | 
     return metric_grid(record, column) - metric_grid(reference, column)
 
 
+def changed_cells(record: dict, reference: dict, column: str) -> np.ndarray:
+    """Boolean layer x head mask: measured in both and moved by more than a baseline re-record
+    does (``|after - before| > UNCHANGED_ABS + UNCHANGED_REL |before|``: 6-digit rounding is no change)."""
+    diff = difference_grid(record, reference, column)
+    if diff is None:
+        return np.zeros(grid_shape(record), dtype=bool)
+    before = metric_grid(reference, column)
+    with np.errstate(invalid="ignore"):
+        return np.isfinite(diff) & (np.abs(diff) > UNCHANGED_ABS + UNCHANGED_REL * np.abs(before))
+
+
 def flagged_heads(record: dict, flag: str) -> list[str]:
     """Labels of the heads whose boolean ``flag`` (``copying``, ``suppression``) is set."""
     return [str(h.get("head")) for h in heads_of(record) if h.get(flag) is True]
@@ -116,7 +128,8 @@ def result_dict(result: Any) -> dict:
         "against": str(raw.get("against") or ""),
         "passed": bool(raw.get("passed")),
         "status": str(raw.get("status") or ("passed" if raw.get("passed") else "failed")),
-        "failed": str(raw.get("status") or ("passed" if raw.get("passed") else "failed")) == "failed",
+        # "error": the plugin could not gate it (a missing baseline, a build that failed to load)
+        "failed": str(raw.get("status") or ("passed" if raw.get("passed") else "failed")) in ("failed", "error"),
         "message": str(raw.get("message") or ""),
         "moved": [dict(m) for m in raw.get("moved") or []],
     }
@@ -140,6 +153,14 @@ def moved_size(entry: dict) -> float:
     return change / tolerance if math.isfinite(tolerance) and tolerance > 0 else change
 
 
+def moved(entry: dict) -> bool:
+    """True when a gate row's after differs from its before by more than a re-record's rounding."""
+    before, after = number(entry.get("before")), number(entry.get("after"))
+    if not (math.isfinite(before) and math.isfinite(after)):
+        return entry.get("before") != entry.get("after")
+    return abs(after - before) > UNCHANGED_ABS + UNCHANGED_REL * abs(before)
+
+
 def top_moved(results: Iterable[dict], k: int = 5) -> list[dict]:
     """The ``k`` moved-head entries of ``results`` that went furthest (see `moved_size`)."""
     entries = [m for r in results for m in r.get("moved") or []]
@@ -151,7 +172,7 @@ def largest_changes(record: dict, reference: dict, k: int = 10) -> list[dict]:
 
     Ranked by |after - before| divided by the metric's spread in the reference
     (its standard deviation across heads), so metrics on different scales compare;
-    heads that did not change at all are left out.
+    heads that did not change (`changed_cells`) are left out.
     Descriptive only: the verdicts come from the gate's InvariantResults.
     """
     changes: list[dict[str, Any]] = []
@@ -161,7 +182,7 @@ def largest_changes(record: dict, reference: dict, k: int = 10) -> list[dict]:
             continue
         before, after = metric_grid(reference, column), metric_grid(record, column)
         spread = float(np.nanstd(before)) or 1.0
-        for layer, index in zip(*np.nonzero(np.isfinite(diff) & (diff != 0))):
+        for layer, index in zip(*np.nonzero(changed_cells(record, reference, column))):
             changes.append(
                 {
                     "head": head_label(layer, index),

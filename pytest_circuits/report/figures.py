@@ -10,7 +10,7 @@ import importlib
 import io
 import math
 from collections.abc import Collection
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -18,6 +18,8 @@ from ..errors import CircuitsError
 from . import data
 
 COPYING, SUPPRESSION, REFERENCE = "#1a9850", "#d73027", "#9e9e9e"
+UNMEASURED: dict[str, Any] = dict(facecolor="#eeeeee", edgecolor="#9a9a9a", hatch="////", linewidth=0)  # never as 0
+BUILD_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 _ANNOTATE_MAX_CELLS = 64  # write the value in each cell only on small models
 _LABEL_MAX_HEADS = 12  # name the copying/suppression heads in the kappa plot when this few
 
@@ -96,20 +98,25 @@ def eigenvalue_figure(record: dict, title: str):
     return fig
 
 
-def moved_eigenvalue_figure(record: dict, reference: dict, heads: list[str], title: str):
-    """Small multiples: the reference's eigenvalues (grey rings) and the build's (dots) for a few heads."""
+METRIC_SYMBOLS = {"kappa": "κ", "kappa_trace": "κ_trace", "kappa_z": "κ z", "kappa_trace_z": "κ_trace z"}
+
+
+def moved_eigenvalue_figure(record: dict, reference: dict, flagged: list[dict], title: str):
+    """Small multiples: the reference's eigenvalues (grey rings) and the build's (dots) for the
+    heads the gate flagged; each title gives the flagged figure (``metric``, and the first of
+    ``also``) before -> after."""
     eig, ref = data.normalised_eigenvalues(record), data.normalised_eigenvalues(reference)
-    heads = [h for h in heads if h in eig or h in ref]
-    if not heads:
+    flagged = [m for m in flagged if m.get("head") in eig or m.get("head") in ref]
+    if not flagged:
         return None
-    kappa = {h["head"]: data.number(h.get("kappa")) for h in data.heads_of(record)}
-    kappa_ref = {h["head"]: data.number(h.get("kappa")) for h in data.heads_of(reference)}
+    heads = [str(m["head"]) for m in flagged]
     cols = min(4, len(heads))
     rows = math.ceil(len(heads) / cols)
-    width, height = 2.4 * cols, 2.5 * rows + 0.4
+    width, height = max(2.6 * cols, 5.6), 2.8 * rows + 0.5  # wide enough for the title over one panel
+    side = (width - 2.6 * cols) / 2 + 0.1
     fig = new_figure(width, height, layout=None)
     fig.subplots_adjust(
-        left=0.1 / width, right=1 - 0.1 / width, bottom=0.1 / height, top=1 - 0.7 / height, wspace=0.1, hspace=0.25
+        left=side / width, right=1 - side / width, bottom=0.1 / height, top=1 - 0.9 / height, wspace=0.1, hspace=0.45
     )
     theta = np.linspace(0, 2 * math.pi, 181)
     for i, head in enumerate(heads):
@@ -133,7 +140,13 @@ def moved_eigenvalue_figure(record: dict, reference: dict, heads: list[str], tit
         ax.set_aspect("equal")
         ax.set_xticks([])
         ax.set_yticks([])
-        ax.set_title(f"{head}  κ {data.fmt(kappa_ref.get(head), 2)} → {data.fmt(kappa.get(head), 2)}", fontsize=9)
+        named = [flagged[i], *flagged[i].get("also", [])][:2]
+        said = [
+            f"{METRIC_SYMBOLS.get(str(m.get('metric')), str(m.get('metric')))} "
+            f"{data.fmt(m.get('before'), 2)} → {data.fmt(m.get('after'), 2)}"
+            for m in named
+        ]
+        ax.set_title(f"{head}  " + "\n".join(said), fontsize=9)
         if i == 0:
             ax.legend(fontsize=7, loc="lower left", frameon=False)
     fig.suptitle(title, fontsize=10)
@@ -219,24 +232,38 @@ def heatmap_figure(panels: list[dict], title: str, outline: Collection[tuple[int
     Each panel: ``grid`` (layers x heads, NaN = not measured, None = not available),
     ``title``, ``kind`` ("diverging": centred on 0, "score": fixed [0, 1]), optional ``note``
     and ``floor`` (least half-range of a diverging colour scale).
-    ``outline`` boxes the (layer, head) cells named by the gate.
+    ``outline`` boxes the (layer, head) cells named by the gate (a panel's own ``outline`` wins).
     """
     shapes = [p["grid"].shape for p in panels if p["grid"] is not None]
     n_layers, n_heads = shapes[0] if shapes else (1, 1)
     width = len(panels) * max(2.8, 0.25 * n_heads + 1.3)
     height = max(2.8, 0.2 * n_layers + 1.6)
+    gapped = any(p["grid"] is not None and np.isfinite(p["grid"]).any() and np.isnan(p["grid"]).any() for p in panels)
+    height += 0.3 if gapped else 0.0  # room for the legend of the hatched cells
     fig = new_figure(width, height, layout=None)
     fig.subplots_adjust(
-        left=0.55 / width, right=1 - 0.45 / width, bottom=0.6 / height, top=1 - 0.75 / height, wspace=0.5
+        left=0.55 / width,
+        right=1 - 0.45 / width,
+        bottom=(0.9 if gapped else 0.6) / height,
+        top=1 - 0.75 / height,
+        wspace=0.5,
     )
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    missing = []
     for ax, panel in zip(axes, panels):
-        _heatmap(fig, ax, panel, outline)
+        if _heatmap(fig, ax, panel, outline):
+            missing.append(panel.get("missing") or "not measured")
+    if missing:  # hatched cells: their legend, one entry per kind of gap
+        from matplotlib.patches import Patch
+
+        handles = [Patch(**UNMEASURED, label=label) for label in dict.fromkeys(missing)]
+        fig.legend(handles=handles, loc="lower right", fontsize=7, frameon=False, ncols=len(handles))
     fig.suptitle(title, fontsize=10)
     return fig
 
 
-def _heatmap(fig, ax, panel: dict, outline) -> None:
+def _heatmap(fig, ax, panel: dict, outline) -> bool:
+    """Draw one panel; True when some (not all) of its cells were not measured (drawn hatched)."""
     grid = panel["grid"]
     ax.set_title(panel["title"], fontsize=9)
     if grid is None or not np.isfinite(grid).any():
@@ -253,7 +280,7 @@ def _heatmap(fig, ax, panel: dict, outline) -> None:
         )
         ax.set_xticks([])
         ax.set_yticks([])
-        return
+        return False
     if panel["kind"] == "score":
         cmap, vmin, vmax = _cmap("viridis"), 0.0, 1.0
     else:
@@ -285,12 +312,88 @@ def _heatmap(fig, ax, panel: dict, outline) -> None:
                     fontsize=7,
                     color="white" if dark else "black",
                 )
-    for layer, head in outline:
+    gaps = np.argwhere(~np.isfinite(grid))
+    if gaps.size:
+        from matplotlib.collections import PatchCollection
+        from matplotlib.patches import Rectangle
+
+        cells = [Rectangle((head - 0.5, layer - 0.5), 1, 1) for layer, head in gaps]
+        ax.add_collection(PatchCollection(cells, match_original=False, **UNMEASURED))
+    for layer, head in panel.get("outline", outline):
         if layer < n_layers and head < n_heads:
             ax.add_patch(_box(layer, head))
+    return bool(gaps.size)
 
 
 def _box(layer: int, head: int):
     from matplotlib.patches import Rectangle
 
     return Rectangle((head - 0.5, layer - 0.5), 1, 1, fill=False, edgecolor="black", lw=1.6)
+
+
+def position_loss_figure(curves: list[tuple[str, dict]], title: str):
+    """``position_loss`` (mean CE_t, t = 1 .. 2L-1) of each ``(label, record)`` on one axis, with
+    the uniform loss ln V (dashed) and the start of the second copy (t = L, dotted); labels
+    ending in " baseline" are stored reference curves, drawn grey."""
+    fig = new_figure(9.0, 3.8)
+    ax = fig.add_subplot()
+    lengths = set()
+    for i, (label, record) in enumerate(curves):
+        loss = np.array([data.number(x) for x in record.get("position_loss") or []])
+        t = np.arange(1, loss.size + 1)
+        lengths.add(int((record.get("probe") or {}).get("L") or (loss.size + 1) // 2))
+        if label.endswith(" baseline"):  # a reference's stored curve: grey, under the builds
+            ax.plot(t, loss, ":", color=REFERENCE, lw=1.6, label=label, zorder=1)
+        else:
+            style = "-" if i < len(BUILD_COLOURS) else "--"
+            ax.plot(t, loss, style, color=BUILD_COLOURS[i % len(BUILD_COLOURS)], lw=1.3, label=label, zorder=2)
+    uniform = sorted({round(u, 6) for u in (data.number(r.get("uniform_loss")) for _, r in curves) if math.isfinite(u)})
+    for u in uniform:
+        ax.axhline(u, color="#555555", lw=0.9, ls="--", label=f"uniform ln V = {u:.2f}")
+    for L in sorted(lengths):
+        ax.axvline(L, color="#888888", lw=0.8, ls=":")
+        ax.annotate(
+            f"second copy starts (t = L = {L})",
+            (L, 0.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(-3, 4),
+            ha="right",
+            textcoords="offset points",
+            fontsize=7,
+            color="#555555",
+        )
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("position t in the probe (first copy: t < L; second copy: t ≥ L)")
+    ax.set_ylabel("mean next-token loss (nats)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False)
+    return fig
+
+
+def attention_figure(maps: list[tuple[str, dict, dict]], title: str):
+    """One panel per ``(label, attention, record)``: ``attention["pattern"]`` A[dst, src] of one head
+    on one probe sequence, on [0, 1], with the copy boundary marked; its prefix-matching in the title."""
+    cols = min(4, len(maps))
+    rows = math.ceil(len(maps) / cols)
+    width, height = 3.3 * cols + 0.9, 3.3 * rows + 0.6
+    fig = new_figure(width, height)
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    image = None
+    for ax, (label, attention, record) in zip(axes, maps):
+        pattern = np.asarray(attention["pattern"], dtype=float)
+        image = ax.imshow(pattern, cmap="magma_r", vmin=0.0, vmax=1.0, interpolation="nearest")
+        boundary = int(attention.get("offset", 0)) + int(attention.get("L", pattern.shape[0] // 2)) - 0.5
+        ax.axhline(boundary, color="#2b8cbe", lw=0.6, ls=":")
+        ax.axvline(boundary, color="#2b8cbe", lw=0.6, ls=":")
+        score = {h["head"]: h.get("prefix_matching") for h in data.heads_of(record)}.get(attention["head"])
+        ax.set_title(f"{label}: {attention['head']}, prefix-matching {data.fmt(score, 2)}", fontsize=9)
+        ax.set_xlabel("source position", fontsize=8)
+        ax.set_ylabel("destination position", fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in axes[len(maps) :]:
+        ax.set_axis_off()
+    if image is not None:
+        bar = fig.colorbar(image, ax=list(axes[: len(maps)]), shrink=0.8)
+        bar.set_label("attention weight", fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    return fig

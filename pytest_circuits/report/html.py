@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from html import escape
 
 from . import data
-from .sections import Section
+from .sections import FOLD_MAX_HEADS, Figure, Section
 
 STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1250px;
@@ -21,16 +22,24 @@ h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ddd; padding-bottom:
 table { border-collapse: collapse; margin: 0.6em 0; font-size: 0.92em; }
 th, td { border: 1px solid #ddd; padding: 0.25em 0.6em; text-align: left; }
 th { background: #f6f6f6; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
-.FAIL { color: #b2182b; font-weight: bold; } .pass { color: #1a7837; }
-pre { background: #f8f8f8; padding: 0.6em; overflow-x: auto; font-size: 0.85em; }
+.FAIL, .ERROR { color: #b2182b; font-weight: bold; } .pass { color: #1a7837; }
+pre { background: #f8f8f8; padding: 0.6em; font-size: 0.85em; white-space: pre-wrap; overflow-wrap: anywhere; }
+td:not(:last-child), th { white-space: nowrap; } details > summary { cursor: pointer; color: #333; }
+details.fold { margin: 1em 0; padding: 0.4em 0.8em; background: #f6f6f6; border-radius: 4px; }
 figure { margin: 1.2em 0; } figure img { max-width: 100%; border: 1px solid #eee; }
 figcaption { color: #444; font-size: 0.9em; max-width: 60em; }
 .note { color: #8a5a00; }
 """
 
 
-def page(sections: list[Section], extra_results: list[dict]) -> str:
-    """The whole report; ``extra_results`` are verdicts for builds without a record."""
+def page(
+    sections: list[Section],
+    extra_results: list[dict],
+    overview: Sequence[Figure] = (),
+    overview_notes: Sequence[str] = (),
+) -> str:
+    """The whole report; ``extra_results`` are verdicts for builds without a record; ``overview``:
+    the figures of every build at once (loss per position, attention), after the verdict banner."""
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -42,10 +51,15 @@ def page(sections: list[Section], extra_results: list[dict]) -> str:
     ]
     if len(sections) > 1:
         links = " · ".join(f'<a href="#{s.slug}">{escape(s.label)}</a>' for s in sections)
-        parts.append(f"<p>Builds: {links}</p>")
-    parts += [_section(s) for s in sections]
-    if extra_results:
-        parts += ["<h2>Verdicts for builds without a scan record</h2>", _verdicts(extra_results)]
+        order = " (broken first)" if any(s.failed for s in sections) else ""
+        parts.append(f"<p>Builds{order}: {links}</p>")
+    if overview or overview_notes:
+        parts.append('<h2 id="overview">Copying at a glance</h2>')
+        parts += [f'<p class="note">{escape(n)}</p>' for n in overview_notes]
+        parts += [_figure(f) for f in overview]
+    unrecorded = ["<h2>Builds without a scan record</h2>", _verdicts(extra_results)] if extra_results else []
+    broke = any(r["failed"] for r in extra_results)  # a build that could not even be scanned broke first
+    parts += (unrecorded if broke else []) + [_section(s) for s in sections] + ([] if broke else unrecorded)
     parts.append("</body></html>")
     return "\n".join(parts)
 
@@ -79,12 +93,18 @@ def _banner(sections: list[Section], extra_results: list[dict]) -> str:
     failed = [r for r in results if r["failed"]]
     if failed:
         items = "".join(
-            f"<li><b>{escape(r['build'])}</b>: <b>{escape(r['invariant'])}</b> broken"
-            f"{' against ' + escape(r['against']) if r['against'] else ''}</li>"
+            f"<li><b>{escape(r['build'])}</b>: <b>{escape(r['invariant'])}</b> "
+            + (
+                f"could not be gated: {escape(_first(r['message']))}"
+                if r["status"] == "error"
+                else f"broken{' against ' + escape(r['against']) if r['against'] else ''}"
+            )
+            + "</li>"
             for r in failed
         )
+        said = "broken or not gated" if any(r["status"] == "error" for r in failed) else "broken"
         return (
-            f'<div class="banner fail"><h2>{len(failed)} of {len(results)} invariants broken</h2><ul>{items}</ul></div>'
+            f'<div class="banner fail"><h2>{len(failed)} of {len(results)} invariants {said}</h2><ul>{items}</ul></div>'
         )
     if results:
         held = sum(r["passed"] for r in results)
@@ -98,6 +118,11 @@ def _banner(sections: list[Section], extra_results: list[dict]) -> str:
         '<div class="banner none"><h2>No gate verdicts</h2>This report shows scan results only'
         "; differences against a reference are descriptive, not verdicts.</div>"
     )
+
+
+def _first(message: str, width: int = 160) -> str:
+    line = next((l.strip() for l in message.splitlines() if l.strip()), "")
+    return line if len(line) <= width else line[: width - 1] + "…"
 
 
 def _section(s: Section) -> str:
@@ -128,10 +153,18 @@ def _identity(s: Section) -> str:
     if s.reference is not None:
         rows.append(("reference", data.recipe_of(s.reference)))
     copying, suppression = data.flagged_heads(s.record, "copying"), data.flagged_heads(s.record, "suppression")
-    rows.append(("copying heads", ", ".join(copying) or "none"))
-    rows.append(("suppression heads", ", ".join(suppression) or "none"))
     body = "".join(f"<tr><th>{escape(k)}</th><td>{escape(str(v if v is not None else '—'))}</td></tr>" for k, v in rows)
+    for name, heads in (("copying heads", copying), ("suppression heads", suppression)):
+        body += f"<tr><th>{name}</th><td>{_head_list(heads)}</td></tr>"
     return f"<table>{body}</table>"
+
+
+def _head_list(heads: list[str]) -> str:
+    """The heads, comma-separated; a long list folds away behind its count and first few."""
+    if len(heads) <= FOLD_MAX_HEADS:
+        return escape(", ".join(heads) or "none")
+    first = ", ".join(heads[:6])
+    return f"<details><summary>{len(heads)} heads ({escape(first)}, …)</summary>{escape(', '.join(heads))}</details>"
 
 
 def _model_figures(s: Section) -> str:
@@ -156,7 +189,7 @@ def _model_figures(s: Section) -> str:
 def _verdicts(results: list[dict]) -> str:
     rows = []
     for r in results:
-        status = {"passed": "pass", "skipped": "skip"}.get(r["status"], "FAIL")
+        status = {"passed": "pass", "skipped": "skip", "error": "ERROR"}.get(r["status"], "FAIL")
         message = (
             f"<details{'' if r['passed'] else ' open'}><summary>details</summary><pre>"
             f"{escape(r['message'])}</pre></details>"
@@ -177,7 +210,7 @@ def _verdicts(results: list[dict]) -> str:
 def _moved_table(moved: list[dict]) -> str:
     rows = "".join(
         f"<tr><td>{escape(str(m.get('head')))}</td><td>{escape(str(m.get('metric')))}</td>"
-        f"<td class=num>{data.fmt(m.get('before'))}</td><td class=num>{data.fmt(m.get('after'))}</td>"
+        f"<td class=num>{_measured(m.get('before'))}</td><td class=num>{_measured(m.get('after'))}</td>"
         f"<td class=num>{data.fmt(m.get('tolerance'))}</td></tr>"
         for m in moved
     )
@@ -186,6 +219,11 @@ def _moved_table(moved: list[dict]) -> str:
         + rows
         + "</table>"
     )
+
+
+def _measured(value) -> str:
+    """A gate row's number, or "not measured" (a screened scan's missing knockout is no change)."""
+    return "not measured" if data.number(value) != data.number(value) else data.fmt(value)
 
 
 def _changes_table(changes: list[dict]) -> str:
@@ -201,9 +239,12 @@ def _changes_table(changes: list[dict]) -> str:
     )
 
 
-def _figure(f) -> str:
+def _figure(f: Figure) -> str:
     uri = "data:image/png;base64," + base64.b64encode(f.png).decode("ascii")
-    return (
+    shown = (
         f'<figure><img src="{uri}" alt="{escape(f.title)}">'
         f"<figcaption><b>{escape(f.title)}.</b> {escape(f.caption)}</figcaption></figure>"
     )
+    if f.folded:  # e.g. the reference against itself: all-zero maps, one line until opened
+        return f'<details class="fold"><summary>{escape(f.folded)} (show the maps)</summary>{shown}</details>'
+    return shown

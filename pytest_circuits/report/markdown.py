@@ -1,20 +1,36 @@
-"""``summary.md``: the verdicts as markdown for CI step summaries, linking the PNGs beside it."""
+"""``summary.md``: the verdicts as markdown for CI step summaries; the PNGs are named, not linked.
+
+A GitHub step summary shows neither images by relative path (the job's disk is not served)
+nor ``data:`` URIs (stripped), and holds at most 1 MiB: so the summary names each PNG file
+and says where it is (the report folder, to upload as an artifact) instead of embedding it.
+``report.html`` in the same folder embeds every figure.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from . import data
-from .sections import Section
+from .sections import Figure, Section
 
 
-def summary(sections: list[Section], extra_results: list[dict]) -> str:
-    """The markdown summary of the same verdicts and figures as the HTML page."""
+def summary(
+    sections: list[Section],
+    extra_results: list[dict],
+    overview: Sequence[Figure] = (),
+    overview_notes: Sequence[str] = (),
+    folder: str = "circuits-report",
+) -> str:
+    """The markdown summary of the same verdicts as the HTML page; the figures by file name."""
     results = [r for s in sections for r in s.results] + extra_results
     failed = [r for r in results if r["failed"]]
     name = next(((s.record.get("model") or {}).get("name") for s in sections), None)
     lines = [f"# Circuits report{': ' + str(name) if name else ''}", ""]
     if failed:
         lines.append(
-            f"**{len(failed)} of {len(results)} invariants broken:** "
+            f"**{len(failed)} of {len(results)} invariants "
+            + ("broken or not gated" if any(r["status"] == "error" for r in failed) else "broken")
+            + ":** "
             + ", ".join(f"`{r['invariant']}` ({r['build']})" for r in failed)
         )
     elif results:
@@ -27,18 +43,21 @@ def summary(sections: list[Section], extra_results: list[dict]) -> str:
     else:
         lines.append("No gate verdicts: scan results only.")
     lines.append("")
-    if results:
-        lines += ["| result | build | invariant | against |", "|---|---|---|---|"]
-        lines += [
-            f"| { {'passed': 'pass', 'skipped': 'skip'}.get(r['status'], '**FAIL**') } | {r['build']} | {r['invariant']} | {r['against']} |"
-            for r in results
-        ]
-        lines.append("")
+    if failed:
+        lines += _verdict_table(failed) + [""]
+    held = [r for r in results if not r["failed"]]
+    if held:  # what held folds away (GitHub renders <details> in step summaries)
+        skipped = sum(r["status"] == "skipped" for r in held)
+        said = f"{len(held) - skipped} held" + (f", {skipped} skipped" if skipped else "")
+        lines += [f"<details><summary>{said}</summary>", "", *_verdict_table(held), "", "</details>", ""]
     if sections:
         lines += _builds_table(sections)
     for r in failed:
         lines += [
-            f"### `{r['invariant']}` broken for {r['build']}" + (f" against {r['against']}" if r["against"] else ""),
+            f"### `{r['invariant']}` "
+            + ("could not be gated" if r["status"] == "error" else "broken")
+            + f" for {r['build']}"
+            + (f" against {r['against']}" if r["against"] else ""),
             "",
         ]
         if r["message"]:
@@ -57,12 +76,15 @@ def summary(sections: list[Section], extra_results: list[dict]) -> str:
             for label, m in moved
         ]
         lines.append("")
-    for s in sections:
-        if s.figures or s.notes:
-            lines += [f"## Figures: {s.label}", ""]
-            for item in [f"_{note}_" for note in s.notes] + [f"![{f.title}]({f.file})" for f in s.figures]:
-                lines += [item, ""]
+    lines += _figure_lines(sections, overview, overview_notes, folder)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _verdict_table(results: list[dict]) -> list[str]:
+    words = {"passed": "pass", "skipped": "skip", "error": "**ERROR**"}
+    return ["| result | build | invariant | against |", "|---|---|---|---|"] + [
+        f"| {words.get(r['status'], '**FAIL**')} | {r['build']} | {r['invariant']} | {r['against']} |" for r in results
+    ]
 
 
 def _builds_table(sections: list[Section]) -> list[str]:
@@ -92,3 +114,28 @@ def _few(heads: list[str], k: int = 6) -> str:
     if not heads:
         return "none"
     return ", ".join(heads[:k]) + (f" (+{len(heads) - k})" if len(heads) > k else "")
+
+
+def _figure_lines(
+    sections: list[Section], overview: Sequence[Figure], overview_notes: Sequence[str], folder: str
+) -> list[str]:
+    """Where the figures are: file names in the report folder (a step summary cannot show them)."""
+    if not (overview or any(s.figures for s in sections)):
+        return []
+    lines = [
+        "## Figures",
+        "",
+        f"The figures are PNG files in the report folder `{folder}/`, beside this summary, and embedded "
+        f"in its `report.html`; in CI, upload that folder as an artifact (e.g. named `{folder}`) and open "
+        "`report.html` from it. A step summary cannot show them: images by relative path are not "
+        "served from the job's disk and `data:` URIs are stripped.",
+        "",
+    ]
+    lines += [f"_{note}_" for note in overview_notes] + ([""] if overview_notes else [])
+    lines += [f"- `{f.file}`: {f.title}" for f in overview]
+    for s in sections:
+        for note in s.notes:
+            lines.append(f"- _{s.label}: {note}_")
+        for f in s.figures:
+            lines.append(f"- `{f.file}`: {f.title}" + (f" ({f.folded})" if f.folded else ""))
+    return lines + [""]

@@ -22,7 +22,8 @@ HEATMAP_CAPTION = (
     "Per-head figures, layer (rows) by head (columns). κ: OV copying score; prefix-matching: "
     "attention from t to t−L+1 on repeated random tokens (induction); previous-token: attention "
     "from t to t−1; knockout Δ: copy loss with the head zeroed minus intact copy loss (nats). "
-    "Grey cells were not measured."
+    "Hatched grey cells were not measured (a screened knockout scan measures only its top heads "
+    "exactly); they are never drawn as zero."
 )
 DIFF_CAPTION = (
     "The same maps as differences: this build minus the reference baseline (red: higher here, "
@@ -30,9 +31,24 @@ DIFF_CAPTION = (
     "heads the gate named as moved."
 )
 MOVED_CAPTION = (
-    "The heads that moved most: reference eigenvalues (grey rings) and this build's (dots), "
-    "each set normalised by its own largest |λ|, with κ before → after."
+    "The heads the gate flagged on κ: reference eigenvalues (grey rings) and this build's (dots), "
+    "each set normalised by its own largest |λ|; each title gives the figure the gate flagged "
+    "(κ, κ_trace or their z) before → after."
 )
+LOSS_CAPTION = (
+    "Mean next-token loss CE_t at each position t of the probe's two copies (t = 1 .. 2L−1, "
+    "averaged over its sequences), one line per build. The first copy is random tokens: its loss "
+    "stays near the uniform ln V (dashed). From t = L the tokens repeat, and a model that copies "
+    "drops its loss there: the signature of induction."
+)
+ATTENTION_CAPTION = (
+    "The attention pattern A[dst, src] of the reference's strongest induction head (largest "
+    "prefix-matching score) on the probe's first sequence, one panel per build. An induction head "
+    "draws an offset diagonal in the second copy at src = dst − (L−1): each token attends to the "
+    "token after its earlier occurrence."
+)
+KAPPA_METRICS = ("kappa", "kappa_trace", "kappa_z", "kappa_trace_z")  # gate rows that earn an eigenvalue close-up
+FOLD_MAX_HEADS = 12  # longer lists of copying/suppression heads fold away
 MAX_MOVED_PANELS = 8
 DIFF_FLOOR = 0.05  # difference maps span at least ±0.05 (kappa, scores, nats): tiny drift stays pale
 
@@ -45,6 +61,7 @@ class Figure:
     caption: str
     file: str
     png: bytes
+    folded: str = ""  # the one-line note a folded figure hides behind ("" = shown)
 
 
 @dataclass
@@ -59,10 +76,16 @@ class Section:
     figures: list[Figure] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     changes: list[dict] = field(default_factory=list)
+    identical: bool = False  # every per-head figure equals the reference's (all-zero differences)
 
     @property
     def failed(self) -> list[dict]:
         return [r for r in self.results if r["failed"]]
+
+
+def failing_first(sections: list[Section]) -> list[Section]:
+    """The sections with a broken invariant first, each group in its given order."""
+    return [s for s in sections if s.failed] + [s for s in sections if not s.failed]
 
 
 def build_section(record: dict, reference: dict | None, results: list[dict], slug: str) -> Section:
@@ -128,38 +151,43 @@ def _comparison_figures(section: Section) -> list[Figure]:
         )
         return []
     section.changes = data.largest_changes(record, reference)
-    named = {m.get("head") for r in section.results for m in r["moved"]}
-    outline = {cell for cell in map(data.cell_of, named) if cell is not None}
+    grids = {column: data.difference_grid(record, reference, column) for column, _, _ in data.HEATMAP_METRICS}
+    section.identical = not any(data.changed_cells(record, reference, c).any() for c, _, _ in data.HEATMAP_METRICS)
     panels = [
         {
-            "grid": data.difference_grid(record, reference, column),
+            "grid": grids[column],
+            "outline": _outline(section, column),
             "title": f"{title}, change",
             "kind": "diverging",
             "note": "not measured in both",
+            "missing": "not measured in both builds",
             "floor": DIFF_FLOOR,
         }
         for column, title, _ in data.HEATMAP_METRICS
     ]
-    drawn = [
-        _draw(
-            f"{label}: differences against the reference ({against})",
-            DIFF_CAPTION,
-            f"{slug}-differences.png",
-            figures.heatmap_figure,
-            panels,
-            f"{label} minus reference ({against})",
-            outline,
+    differences = _draw(
+        f"{label}: differences against the reference ({against})",
+        DIFF_CAPTION,
+        f"{slug}-differences.png",
+        figures.heatmap_figure,
+        panels,
+        f"{label} minus reference ({against})",
+    )
+    if section.identical:
+        differences.folded = (
+            f"Every per-head figure of {label} equals the reference's ({against}) to the baselines' "
+            "precision: the difference maps are all zero."
         )
-    ]
-    heads = _most_moved_heads(section)
-    if heads and record.get("eigenvalues") and reference.get("eigenvalues"):
+    drawn = [differences]
+    flagged = kappa_flagged(section)
+    if flagged and record.get("eigenvalues") and reference.get("eigenvalues"):
         fig = figures.moved_eigenvalue_figure(
-            record, reference, heads, f"{label}: heads that moved most, against {against}"
+            record, reference, flagged, f"{label}: heads the gate flagged on κ, against {against}"
         )
         if fig is not None:
             drawn.append(
                 Figure(
-                    f"{label}: eigenvalues of the heads that moved most",
+                    f"{label}: eigenvalues of the heads the gate flagged on κ",
                     MOVED_CAPTION,
                     f"{slug}-moved-heads.png",
                     figures.png_bytes(fig),
@@ -168,16 +196,89 @@ def _comparison_figures(section: Section) -> list[Figure]:
     return drawn
 
 
-def _most_moved_heads(section: Section) -> list[str]:
-    """Heads the failed gates named first, then those the gate moved, then the largest κ changes."""
-    ranked = data.top_moved(section.failed, k=100) + data.top_moved(section.results, k=100)
-    ranked += [c for c in section.changes if c["metric"] == "kappa"]
-    heads: list[str] = []
+def _outline(section: Section, column: str) -> set[tuple[int, int]]:
+    """The cells of one difference map to box: heads the gate named on that map's figure
+    (the κ map: on any of `KAPPA_METRICS`) that did move."""
+    metrics = KAPPA_METRICS if column == "kappa" else (column,)
+    named = {m.get("head") for r in section.results for m in r["moved"] if m.get("metric") in metrics and data.moved(m)}
+    return {cell for cell in map(data.cell_of, named) if cell is not None}
+
+
+def kappa_flagged(section: Section) -> list[dict]:
+    """One gate row per head flagged on a κ figure (`KAPPA_METRICS`), the one that moved furthest,
+    with the head's other flagged κ rows under ``"also"``; heads of failed verdicts first, at most
+    `MAX_MOVED_PANELS`. Rows that name a head which did not move earn no close-up."""
+    ranked = data.top_moved(section.failed, k=1000) + data.top_moved(section.results, k=1000)
+    chosen: dict[str, dict] = {}
     for entry in ranked:
         head = entry.get("head")
-        if data.cell_of(head) is not None and head not in heads:
-            heads.append(str(head))
-    return heads[:MAX_MOVED_PANELS]
+        if entry.get("metric") not in KAPPA_METRICS or data.cell_of(head) is None or not data.moved(entry):
+            continue
+        if head not in chosen:
+            chosen[str(head)] = {**entry, "also": []}
+        elif entry.get("metric") not in {chosen[head]["metric"], *(m["metric"] for m in chosen[head]["also"])}:
+            chosen[str(head)]["also"].append(entry)
+    return list(chosen.values())[:MAX_MOVED_PANELS]
+
+
+def loss_curves(sections: list[Section]) -> list[tuple[str, dict]]:
+    """``(label, record)`` of every build with a ``position_loss``, then each reference baseline's
+    stored curve once (labelled ``"<recipe> baseline"``)."""
+    curves = [(s.label, s.record) for s in sections if s.record.get("position_loss")]
+    shown = {s.label for s in sections}
+    for s in sections:
+        ref = s.reference
+        name = f"{data.recipe_of(ref)} baseline" if ref else ""
+        if ref and ref.get("position_loss") and name not in shown:
+            shown.add(name)
+            curves.append((name, ref))
+    return curves
+
+
+def overview_figures(sections: list[Section], attention: dict[str, dict | None]) -> tuple[list[Figure], list[str]]:
+    """The two pictures at the top: loss per probe position (all builds on one axis) and one
+    induction head's attention per build; plus the notes on what could not be drawn."""
+    notes: list[str] = []
+    drawn: list[Figure] = []
+    with_curve = loss_curves(sections)
+    without = [s.label for s in sections if not s.record.get("position_loss")]
+    if without:
+        notes.append(
+            f"No per-position loss in the record of {', '.join(without)} (recorded before position_loss "
+            "was stored): its loss curve is not drawn."
+        )
+    if with_curve:
+        drawn.append(
+            _draw(
+                "Loss at each position of the probe's two copies",
+                LOSS_CAPTION,
+                "position-loss.png",
+                figures.position_loss_figure,
+                with_curve,
+                "Next-token loss per probe position",
+            )
+        )
+    maps = {s.label: attention.get(s.label) for s in sections}
+    drawable = [(label, m) for label, m in maps.items() if m and m.get("pattern")]
+    notes += [f"{label}: {m['note']}" for label, m in maps.items() if m and m.get("note")]
+    if drawable:
+        records = {s.label: s.record for s in sections}
+        drawn.append(
+            _draw(
+                f"Attention of {drawable[0][1]['head']} on probe sequence 0",
+                ATTENTION_CAPTION,
+                "attention.png",
+                figures.attention_figure,
+                [(label, m, records[label]) for label, m in drawable],
+                f"Attention pattern of {drawable[0][1]['head']} (strongest induction head), probe sequence 0",
+            )
+        )
+    elif not any(m for m in maps.values()):
+        notes.append(
+            "No attention map: it is computed from the loaded build when the pytest plugin writes the "
+            "report (--circuits-report); a report drawn from baseline files has no model to run."
+        )
+    return drawn, notes
 
 
 def _panels(record: dict) -> list[dict]:
@@ -187,6 +288,9 @@ def _panels(record: dict) -> list[dict]:
             "title": title,
             "kind": kind,
             "note": "no knockouts in this scan" if column == "knockout_delta" else "not measured",
+            "missing": "not measured (screened out: no exact knockout)"
+            if column == "knockout_delta"
+            else "not measured",
         }
         for column, title, kind in data.HEATMAP_METRICS
     ]

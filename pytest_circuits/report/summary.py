@@ -19,9 +19,12 @@ def summary_lines(
 ) -> list[str]:
     """Per build: pass or fail per invariant and the heads that moved most; then where the report is.
 
-    Builds with a record but no gate results get one line with their copy loss.
+    Builds with a broken invariant come first. Builds with a record but no gate results get one
+    line with their copy loss.
     """
     grouped = data.results_by_build(results)
+    broken = [b for b, rs in grouped.items() if any(r["failed"] for r in rs)]
+    grouped = {b: grouped[b] for b in broken + [b for b in grouped if b not in broken]}  # broken builds first
     lines = []
     for build, build_results in grouped.items():
         failed = [r for r in build_results if r["failed"]]
@@ -38,7 +41,8 @@ def summary_lines(
             verdict += f"; skipped, nothing to compare: {', '.join(skipped)}"
         lines.append(f"{head}: {verdict}")
         for r in failed:
-            lines.append(f"  FAIL {r['invariant']}" + (f": {_first_line(r['message'])}" if r["message"] else ""))
+            word = "ERROR" if r["status"] == "error" else "FAIL"
+            lines.append(f"  {word} {r['invariant']}" + (f": {_first_line(r['message'])}" if r["message"] else ""))
         passed = [r for r in build_results if r["passed"]]
         for against_name in dict.fromkeys(r["against"] for r in passed):
             names = [r["invariant"] for r in passed if r["against"] == against_name]

@@ -11,7 +11,7 @@ from typing import Any
 from ..errors import CircuitsError
 from ..gate.store import read_baseline
 from . import data, figures, html, markdown
-from .sections import build_section
+from .sections import build_section, failing_first, overview_figures
 from .summary import REPORT_PAGE, SUMMARY_PAGE, summary_lines
 
 DEFAULT_OUT = "circuits-report"
@@ -22,12 +22,15 @@ def write_report(
     records: Iterable[dict],
     references: dict[str, dict | None] | None = None,
     results: Iterable[Any] | None = None,
+    attention: dict[str, dict | None] | None = None,
 ) -> Path:
     """Write ``report.html``, ``summary.md`` and one PNG per figure into ``out_dir``; return the page's path.
 
     ``records``: one scan record per build. ``references``: recipe -> the scan record the build
     was gated against (its per-head maps are drawn as differences). ``results``: the gate's
-    InvariantResults (objects or dicts); failed ones are named at the top of the page.
+    InvariantResults (objects or dicts); failed ones are named at the top of the page, and the
+    builds with a broken invariant come first. ``attention``: recipe -> one head's attention map
+    (`live.head_attention`, or ``{"note": why not}``); without it the page says why there is none.
     """
     figures.require_matplotlib()
     out = Path(out_dir)
@@ -42,14 +45,17 @@ def write_report(
             slug += "-2"
         used.add(slug)
         sections.append(build_section(record, references.get(recipe), grouped.get(recipe, []), slug))
+    sections = failing_first(sections)
     seen = {s.label for s in sections}
     extra = [r for build, rs in grouped.items() if build not in seen for r in rs]
-    for section in sections:
-        for figure in section.figures:
-            (out / figure.file).write_bytes(figure.png)
-    (out / SUMMARY_PAGE).write_text(markdown.summary(sections, extra), encoding="utf-8")
+    overview, overview_notes = overview_figures(sections, attention or {})
+    for figure in overview + [f for section in sections for f in section.figures]:
+        (out / figure.file).write_bytes(figure.png)
+    (out / SUMMARY_PAGE).write_text(
+        markdown.summary(sections, extra, overview, overview_notes, out.name), encoding="utf-8"
+    )
     page = out / REPORT_PAGE
-    page.write_text(html.page(sections, extra), encoding="utf-8")
+    page.write_text(html.page(sections, extra, overview, overview_notes), encoding="utf-8")
     return page
 
 
@@ -62,30 +68,65 @@ def report_from_files(
     """Draw the report again from baseline files alone, without the model.
 
     ``baseline_path`` is the build shown; ``against_path`` (optional) the reference it is drawn
-    against. Without ``results`` the differences are descriptive: verdicts come from the gate.
+    against and gated against (`gate_files`, unless ``results`` are given). There is no model
+    to run, so the page has no attention map and says so.
     """
     record = read_baseline(baseline_path)
-    references: dict[str, dict | None] | None = (
-        {data.recipe_of(record): read_baseline(against_path)} if against_path else None
-    )
+    references: dict[str, dict | None] | None = None
+    if against_path:
+        reference = read_baseline(against_path)
+        references = {data.recipe_of(record): reference}
+        if results is None:
+            results = gate_files(reference, record, Path(against_path).name)
     return write_report(out_dir, [record], references, results)
 
 
+def gate_files(reference: dict, record: dict, against_name: str) -> list:
+    """The gate of ``record`` against ``reference`` with the default tolerances: the one gate flow
+    (`gate.invariants.gate_all`), labelled as ``circuits diff`` labels it (``baseline NAME``)."""
+    from ..gate.invariants import gate_all
+    from ..gate.tolerances import Tolerances
+
+    return gate_all(reference, record, Tolerances(), data.recipe_of(record), f"baseline {against_name}")
+
+
 def report_command(argv: Sequence[str] | None = None) -> int:
-    """``circuits report BASELINE [--against BASELINE] [--out DIR]``; returns the exit status."""
+    """``circuits report BASELINE [--against BASELINE] [--out DIR]``; returns the exit status.
+
+    With ``--against`` the build is gated against that baseline with the default tolerances
+    (as ``circuits diff`` does) and the verdicts lead the page; the exit status stays 0 (the
+    report was drawn): ``circuits gate`` is the command whose status is the verdict.
+    """
     parser = argparse.ArgumentParser(
         prog="circuits report", description="Draw the circuits report again from baseline files, without the model."
     )
     parser.add_argument("baseline", help="baseline JSON file of the build to show")
-    parser.add_argument("--against", help="baseline JSON file of the reference to draw differences against")
+    parser.add_argument(
+        "--against",
+        help="baseline JSON file of the reference: gate against it (default tolerances) and draw differences",
+    )
     parser.add_argument("--out", "-o", default=DEFAULT_OUT, help=f"report folder (default: {DEFAULT_OUT})")
     args = parser.parse_args(argv)
     try:
-        page = report_from_files(args.out, args.baseline, args.against)
         record = read_baseline(args.baseline)
+        results = None
+        if args.against:
+            from ..gate.store import compatibility
+
+            reference = read_baseline(args.against)
+            for note in compatibility(reference, record, f"baseline {Path(args.against).name}"):
+                print(note)
+            results = gate_files(reference, record, Path(args.against).name)
+        page = report_from_files(args.out, args.baseline, args.against, results)
     except CircuitsError as error:
         print(f"circuits report: {error}", file=sys.stderr)
         return 2
-    for line in summary_lines([], [record], page):
+    for line in summary_lines(results or [], [record], page):
         print(line)
+    if results is not None:
+        from ..gate.invariants import verdict
+
+        print(
+            f"with default tolerances, {data.recipe_of(record)} against {Path(args.against).name}: {verdict(results)[1]}"
+        )
     return 0

@@ -166,7 +166,13 @@ SEQUENCE_FIGURES: tuple[Figure, ...] = tuple(
     )
 )
 
-BY_NAME = {f.name: f for f in HEAD_FIGURES + MODEL_FIGURES + SEQUENCE_FIGURES}
+# model-level series: one float per probe position, optional in a record (older baselines lack them)
+SERIES_FIGURES: tuple[Figure, ...] = (
+    # mean CE_t over the probe's sequences at each t = 1 .. 2L-1 (2L-1 values): the report's loss curve
+    Figure("position_loss", "probe_model", "float", "1/2", stored="measured", low=0.0, fmt="{:.4f}"),
+)
+
+BY_NAME = {f.name: f for f in HEAD_FIGURES + MODEL_FIGURES + SEQUENCE_FIGURES + SERIES_FIGURES}
 
 
 def columns(source: str) -> tuple[str, ...]:
@@ -181,6 +187,11 @@ def stored_head_figures(stored: str) -> tuple[str, ...]:
 
 def model_figure_names() -> tuple[str, ...]:
     return tuple(f.name for f in MODEL_FIGURES)
+
+
+def series_figure_names() -> tuple[str, ...]:
+    """The optional per-position series of a record (``position_loss``)."""
+    return tuple(f.name for f in SERIES_FIGURES)
 
 
 def table_figures() -> tuple[Figure, ...]:

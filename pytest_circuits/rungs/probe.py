@@ -47,6 +47,7 @@ class RepeatProbe:
     bos_id: int | None
     copy_losses: np.ndarray | None = None  # (n,) float64 per sequence; their mean is copy_loss
     first_copy_losses: np.ndarray | None = None  # (n,) float64 per sequence; their mean is first_copy_loss
+    position_loss: tuple[float, ...] = ()  # mean CE_t over the sequences, t = 1 .. 2L-1 (`position_slice`)
 
     def model_figures(self) -> dict:
         """The four model-level floats, keyed as in the scan record."""
@@ -159,6 +160,11 @@ def heads_frame(means: np.ndarray) -> pd.DataFrame:
     return frame
 
 
+def position_slice(L: int, offset: int) -> slice:
+    """Columns of `next_token_losses` predicting ``t = 1 .. 2L-1`` (column ``c`` predicts absolute ``c + 1``)."""
+    return slice(offset, offset + 2 * L - 1)
+
+
 def sequence_losses(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """`next_token_losses`, one sequence at a time: its float copies of the logits stay one row big."""
     return torch.cat([next_token_losses(logits[i : i + 1], ids[i : i + 1]) for i in range(ids.shape[0])])
@@ -185,11 +191,14 @@ def run_repeat_probe(build: LoadedBuild, settings: RepeatSettings, batch_size: i
     n_layers = build.geometry.n_layers
     device = input_device(model)
     first_parts, copy_parts = [], []
+    position_sums = torch.zeros(2 * L - 1, dtype=torch.float64)
     with routing_hooks(model, n_layers, L, offset) as sums:
         for start in range(0, n, batch_size):
             batch = ids[start : start + batch_size].to(device)
             logits = model(input_ids=batch, use_cache=False).logits
-            first, copy = repeat_losses(sequence_losses(logits, batch), L, offset)
+            losses = sequence_losses(logits, batch)
+            first, copy = repeat_losses(losses, L, offset)
+            position_sums += losses[:, position_slice(L, offset)].double().sum(dim=0).cpu()
             first_parts.append(first.double().cpu())
             copy_parts.append(copy.double().cpu())
             del logits
@@ -210,4 +219,5 @@ def run_repeat_probe(build: LoadedBuild, settings: RepeatSettings, batch_size: i
         bos_id=build.tokens.bos_id,
         copy_losses=copies,
         first_copy_losses=first_copies,
+        position_loss=tuple(float(x) for x in position_sums / n),
     )
