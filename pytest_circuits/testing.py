@@ -7,9 +7,12 @@ a model in memory, ``save_tiny_model`` writes it as a ``save_pretrained`` folder
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    import numpy as np
 
 TINY_SHAPES: dict[str, dict[str, Any]] = {
     "gpt2": dict(n_layer=2, n_head=4, n_embd=64, vocab_size=128, n_positions=128),
@@ -244,10 +247,42 @@ def add_weight_noise(model, rel: float, seed: int = 0) -> None:
 
 # ---------------------------------------------------------------- GGUF files of tiny models (gguf's GGUFWriter)
 
-GGUF_ARCH = {"gemma3_text": "gemma3", "mistral": "llama"}
+GGUF_ARCH = {"gemma3_text": "gemma3", "mistral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 """transformers model type -> llama.cpp architecture name, where they differ."""
 GGUF_EXTRA_NAMES = {"transformer.word_embeddings_layernorm": "token_embd_norm"}
 """Tensor names the installed ``gguf`` name map lacks."""
+GGUF_EXTRA_LAYER_NAMES = {r"transformer\.h\.(\d+)\.post_attention_layernorm": r"blk.\1.ffn_norm"}  # BLOOM
+"""Per-layer tensor names the installed ``gguf`` name map lacks (regex -> replacement)."""
+_STACKED_EXPERTS = r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)"
+"""transformers' stacked experts ``(E, 2I, H)`` / ``(E, H, I)``: llama.cpp's ``ffn_{gate,up,down}_exps``."""
+
+
+def _gguf_name(names, stem: str) -> str | None:
+    """The GGUF name of a state-dict stem: the ``gguf`` map's, else `GGUF_EXTRA_NAMES` / `GGUF_EXTRA_LAYER_NAMES`."""
+    import re
+
+    found = names.get_name(stem) or GGUF_EXTRA_NAMES.get(stem)
+    for pattern, replacement in GGUF_EXTRA_LAYER_NAMES.items():
+        if found is None and re.fullmatch(pattern, stem):
+            found = re.sub(pattern, replacement, stem)
+    return found
+
+
+def _gguf_experts(name: str, data: np.ndarray) -> list[tuple[str, np.ndarray]] | None:
+    """Stacked MoE experts as llama.cpp writes them: gate and up split out of ``gate_up_proj``."""
+    import re
+
+    match = re.fullmatch(_STACKED_EXPERTS, name)
+    if match is None:
+        return None
+    block, which = match[1], match[2]
+    if which == "down_proj":
+        return [(f"blk.{block}.ffn_down_exps.weight", data)]
+    half = data.shape[1] // 2
+    return [
+        (f"blk.{block}.ffn_gate_exps.weight", data[:, :half].copy()),
+        (f"blk.{block}.ffn_up_exps.weight", data[:, half:].copy()),
+    ]
 
 
 def _llama_cpp_permute(w, n_head: int):
@@ -280,7 +315,7 @@ def write_tiny_gguf(model, path: str | Path, tokens: list[str] | None = None, bo
     path = Path(path)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{config.model_type}")  # "mistral" in the name tells transformers a llama file is Mistral
-    key_map = GGUF_CONFIG_MAPPING[GGUF_ARCH.get(config.model_type, config.model_type)]
+    key_map = GGUF_CONFIG_MAPPING.get(arch) or GGUF_CONFIG_MAPPING[config.model_type]
     if not isinstance(key_map, dict):  # transformers' table is one literal, so mypy infers its values as object
         raise TypeError(
             f"transformers' GGUF_CONFIG_MAPPING entry for {arch!r} is a {type(key_map).__name__}, not a dict"
@@ -309,11 +344,18 @@ def write_tiny_gguf(model, path: str | Path, tokens: list[str] | None = None, bo
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # tied: llama.cpp writes no output tensor
+        experts = _gguf_experts(name, tensor.detach().float().numpy())
+        if experts is not None:
+            for gguf_name, part in experts:
+                writer.add_tensor(gguf_name, part)
+            continue
         stem, _, suffix = name.rpartition(".")
-        mapped = names.get_name(stem) or GGUF_EXTRA_NAMES.get(stem)
+        mapped = _gguf_name(names, stem)
         if mapped is None:
             raise ValueError(f"no GGUF name for {name} of {arch}")
         data = tensor.detach().float().numpy()
+        if mapped.endswith("ffn_gate_inp_shexp"):
+            data = data.reshape(-1)  # llama.cpp stores the shared-expert gate as a vector
         if arch == "llama" and mapped.endswith(("attn_q", "attn_k")) and suffix == "weight":
             data = _llama_cpp_permute(data, n_head if mapped.endswith("attn_q") else n_kv)
         if arch in ("gemma2", "gemma3") and mapped.endswith("norm") and suffix == "weight":

@@ -335,6 +335,34 @@ def test_gate_measures_the_candidate_as_its_baseline_was_measured(tiny_induction
     assert np.abs(kappa_new - kappa_old).max() > 1e-3
 
 
+def test_gate_build_asks_each_baseline_for_its_own_method():
+    """The plugin's gate (`gate_build`) measures the build once per way of measuring: the older
+    reference baseline's (uncentred, 256 normal draws) and the newer own baseline's (centred, t)."""
+    from types import SimpleNamespace
+
+    from pytest_circuits.gate.tolerances import Tolerances
+    from pytest_circuits.gate.verdict import gate_build
+    from pytest_circuits.rungs.kappa_method import LEGACY, KappaMethod
+
+    old = json.loads((SHIPPED_BASELINES / "tiny-induction--fp32.json").read_text())
+    new = {**old, "rung1": {**old["rung1"], **KappaMethod().as_dict()}}
+    asked = []
+
+    class Session:
+        settings = SimpleNamespace(reference="fp32")
+
+        def load_baseline(self, recipe):
+            return old if recipe == "fp32" else new
+
+        def record(self, recipe, knockout=True, method=None):
+            asked.append(method)
+            return old if method == LEGACY else new
+
+    outcome = gate_build(Session(), "bf16", "copying_heads", Tolerances(), {})
+    assert asked == [LEGACY, KappaMethod()]
+    assert [r.status for r in outcome.results] == ["passed", "passed"]
+
+
 @requires_embedded_model()
 def test_records_of_two_kappa_methods_pair_only_like_figures(tiny_induction_session):
     """``circuits diff`` of an older baseline and a new record: kappa and kappa_trace pair with the

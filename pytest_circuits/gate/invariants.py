@@ -475,12 +475,12 @@ class CopyingHeads(Invariant):
         if mismatch:
             return Comparison(nothing=mismatch)
         (kb, ka), (tb, ta) = same["kappa"], same["kappa_trace"]  # the uncentred twin across unembeddings
-        note = "" if (kb, ka) == ("kappa", "kappa") else f" ({kb} -> {ka})"
         pairs, left_out = compared_pairs(before, after, tol)
         rows = []
         for name, b, a in pairs:
             for metric, x, y in [("kappa", kb, ka), ("kappa_trace", tb, ta)] if _role(b) else [("kappa_trace", tb, ta)]:
-                rows.append(within(name, metric, num(b.get(x)), num(a.get(y)), tol.kappa, _role(b) + note))
+                paired = "" if x == y else f" ({x} -> {y})"
+                rows.append(within(name, metric, num(b.get(x)), num(a.get(y)), tol.kappa, _role(b) + paired))
         ranked = [(b, a) for _, b, a in pairs if abs(num(b.get("kappa_z"))) >= RANK_MIN_Z]
         if len(ranked) >= 3:
             rho = spearman([num(b.get(kb)) for b, _ in ranked], [num(a.get(ka)) for _, a in ranked])

@@ -83,20 +83,19 @@ def _check_unembedding(unembedding: str) -> None:
         raise SpectrumError(f"unknown unembedding {unembedding!r}; use one of: {', '.join(UNEMBEDDINGS)}")
 
 
-def unembedding_matrix(weights: ModelWeights, unembedding: str = DEFAULT.unembedding) -> torch.Tensor:
-    """``W_U`` (``d_model x vocab``, float64) as kappa reads it: ``"centred"`` (the default) removes
-    each residual direction's mean over the vocabulary, ``W_U - mean_v W_U[:, v]``; ``"uncentred"``
-    is ``W_U`` as stored (folded)."""
-    _check_unembedding(unembedding)
-    W_U = weights.W_U.double()
-    if unembedding == "centred":
-        W_U -= W_U.mean(dim=1, keepdim=True)  # in place: .double() made a copy
-    return W_U
+def unembed_embed_pair(weights: ModelWeights) -> dict[str, torch.Tensor]:
+    """``W_U W_E`` (``d_model x d_model``, float64) on both unembeddings, from one product:
+    ``"uncentred"`` as stored, ``"centred"`` ``W_U (I - 11^T / vocab) W_E = W_U W_E - (W_U 1)(1^T W_E) / vocab``
+    (each residual direction's mean over the vocabulary removed from ``W_U``)."""
+    W_U, W_E = weights.W_U.double(), weights.W_E.double()
+    raw = W_U @ W_E
+    return {"uncentred": raw, "centred": raw - torch.outer(W_U.sum(dim=1), W_E.sum(dim=0)) / W_U.shape[1]}
 
 
 def shared_unembed_embed(weights: ModelWeights, unembedding: str = DEFAULT.unembedding) -> torch.Tensor:
     """``W_U W_E`` (``d_model x d_model``, float64) of the ``unembedding`` chosen: formed once, shared by every head."""
-    return unembedding_matrix(weights, unembedding) @ weights.W_E.double()
+    _check_unembedding(unembedding)
+    return unembed_embed_pair(weights)[unembedding]
 
 
 def reduced_ov_layer(weights: ModelWeights, layer: int, WUE: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,9 +111,12 @@ def reduced_ov_layer(weights: ModelWeights, layer: int, WUE: torch.Tensor | None
     return lw.W_O.double() @ read
 
 
-def reduced_ov(weights: ModelWeights, unembedding: str = DEFAULT.unembedding) -> torch.Tensor:
-    """``M_h`` of every head of the model: ``(n_layers, n_heads, d_head, d_head)``, float64."""
-    WUE = shared_unembed_embed(weights, unembedding)
+def reduced_ov(
+    weights: ModelWeights, unembedding: str = DEFAULT.unembedding, WUE: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``M_h`` of every head of the model: ``(n_layers, n_heads, d_head, d_head)``, float64
+    (``WUE``: an already formed ``shared_unembed_embed`` of ``unembedding``)."""
+    WUE = shared_unembed_embed(weights, unembedding) if WUE is None else WUE
     return torch.stack([reduced_ov_layer(weights, layer, WUE) for layer in range(len(weights.layers))])
 
 
@@ -431,7 +433,7 @@ def ov_spectrum(
     """kappa and kappa_trace of every head, each against its rotation null, BH across all heads.
 
     ``unembedding="centred"`` (the default) reads ``W_U`` less its mean over the vocabulary
-    (`unembedding_matrix`); ``kappa_uncentred`` and ``kappa_trace_uncentred`` give the scores
+    (`unembed_embed_pair`); ``kappa_uncentred`` and ``kappa_trace_uncentred`` give the scores
     on the stored ``W_U`` beside it (one more eigenvalue problem per head, no null).
 
     One row per head (layer-major) with the columns of ``COLUMNS`` then ``EXTRA_COLUMNS``:
@@ -466,11 +468,12 @@ def ov_spectrum(
             "for a model use ov_spectrum_of_model"
         )
     _check_unembedding(unembedding)
-    M = reduced_ov(weights, unembedding)
+    shared = unembed_embed_pair(weights)
+    M = reduced_ov(weights, WUE=shared[unembedding])
     lam, kappa, trace = kappa_scores(M)
     uncentred = None
     if unembedding != "uncentred":
-        _, kappa_u, trace_u = kappa_scores(reduced_ov(weights, "uncentred"))
+        _, kappa_u, trace_u = kappa_scores(reduced_ov(weights, WUE=shared["uncentred"]))
         uncentred = (kappa_u.numpy(), trace_u.numpy())
     null_k, null_t = null_distributions(M, n_rotations, int(seed), n_workers, null_dtype)
     return spectrum_frame(
