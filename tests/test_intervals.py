@@ -118,6 +118,7 @@ def test_knockout_deltas_per_sequence_average_to_the_delta(tiny):
         with torch.no_grad():
             edited.model.layers[layer].self_attn.o_proj.weight[:, head * d : (head + 1) * d] = 0
         _, knocked = own_sequence_losses(edited, ids, settings.L, offset)
+        assert np.abs(knocked - intact).max() > 1e-2, "the test model is too weak to show a knockout"
         np.testing.assert_allclose(per_sequence, knocked - intact, atol=1e-5)
     assert frame.set_index("head").loc["L0H0", KO] is None  # no exact knockout ran there
 

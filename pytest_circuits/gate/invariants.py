@@ -23,6 +23,9 @@ Built in (``REGISTRY``, in gate order):
   scoring at least ``min_score`` keep their score within ``+-prefix``.
 - ``knockout_deltas``: the baseline's top-``top_k`` knockout heads (delta at least
   ``min_delta`` nats) keep ``|delta' - delta| <= knockout * |delta|``.
+- Both of these compare sampled figures (`sampled_within`): each row carries the 95% paired t
+  interval of its change over the probe's sequences, and with ``outside_interval`` (default)
+  a change beyond its tolerance breaks only when that interval excludes 0.
 
 Across base models (another geometry, or asked for: heads do not correspond, so the ones above
 are skipped saying so, never passed; `gate/profile.py` computes the figures; each fails only
