@@ -530,11 +530,14 @@ def merge_knockout_shards(frames: list[pd.DataFrame]) -> pd.DataFrame:
         if any(frame.attrs.get(key) != first.attrs.get(key) for key in same):
             raise CircuitsError(f"knockout shard {index} was measured with other settings than shard 0")
     merged = first.copy()
-    deltas = [
-        frames[owner[layer]].loc[i, "knockout_delta"] if layer in owner else math.nan
-        for i, layer in enumerate(first["layer"])
-    ]
-    merged["knockout_delta"] = deltas
+    measured = [c for c in first.columns if c.startswith("knockout_delta")]  # the delta, its sequences, ...
+    for column in measured:
+        merged[column] = [
+            frames[owner[layer]].loc[i, column]
+            if layer in owner
+            else (math.nan if column == "knockout_delta" else None)
+            for i, layer in enumerate(first["layer"])
+        ]
     exact = sorted({label for frame in frames for label in frame.attrs["exact_heads"]}, key=_label_order)
     merged.attrs = {
         **first.attrs,
