@@ -262,3 +262,25 @@ def test_two_shards_of_smollm2_equal_one():
     )
     assert merged.equals(full) and merged.attrs == full.attrs
     assert full["knockout_delta"].notna().sum() == len(heads)
+
+
+@pytest.mark.slow
+@requires_embedded_model()
+def test_shards_over_two_workers_record_the_unsharded_bytes(pytester, tmp_path):
+    """``-n 2 --circuits-knockout-shards 2 --circuits-update`` writes the bytes ``-n 0`` writes
+    unsharded: the shard tests run, their partial results merge into the same knockout record."""
+    _suite(pytester)
+    builds = ("--circuits-model", "tiny-induction", "--circuits-builds", "fp32")
+    plain, sharded = tmp_path / "n0", tmp_path / "shards"
+    one = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", *builds, *SMALL, "--circuits-update", f"--circuits-baselines={plain}", "-n", "0"
+    )
+    two = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", *builds, *SMALL, "--circuits-update", f"--circuits-baselines={sharded}",
+        "-n", "2", "--circuits-knockout-shards", "2", "-v",
+    )  # fmt: skip
+    one.assert_outcomes(passed=5)
+    two.assert_outcomes(passed=7)  # the five gate tests and the two shards
+    assert "test_knockout_shard[fp32-shard2of2]" in _text(two)
+    name = "tiny-induction--fp32.json"
+    assert (plain / name).read_bytes() == (sharded / name).read_bytes()
