@@ -38,16 +38,38 @@ def _capture_attention(model, layer, input_ids):
     return captured["x"].float(), captured["y"].float(), out.attentions[layer].float()
 
 
-def _sum_over_heads(weights, layer, x, pattern):
-    """``sum_h A_h (x W_V[g(h)] + b_V) W_O[h] + b_O`` from the extracted raw weights."""
+def _sum_over_heads(weights, layer, x, pattern, int8_threshold=None):
+    """``sum_h A_h (x W_V[g(h)] + b_V) W_O[h] + b_O`` from the extracted raw weights.
+
+    ``int8_threshold``: the projections are LLM.int8(); ``x`` and the concatenated head outputs
+    ``z`` go through bitsandbytes' own quantizer first (`_bnb_int8_input`)."""
     lw = weights.layers[layer]
     geo = weights.geometry
+    if int8_threshold is not None:
+        x = _bnb_int8_input(x, int8_threshold)
     values = torch.einsum("btd,hde->bhte", x, weights.W_V_per_query_head(layer))
     if lw.b_V is not None:
         values = values + lw.b_V.repeat_interleave(geo.group_size, dim=0)[None, :, None, :]
     z = torch.einsum("bhts,bhse->bhte", pattern, values)
+    if int8_threshold is not None:
+        batch, heads, tokens, d_head = z.shape
+        concatenated = _bnb_int8_input(z.transpose(1, 2).reshape(batch, tokens, heads * d_head), int8_threshold)
+        z = concatenated.reshape(batch, tokens, heads, d_head).transpose(1, 2)
     out = torch.einsum("bhte,hed->btd", z, lw.W_O)
     return out if lw.b_O is None else out + lw.b_O
+
+
+def _bnb_int8_input(x, threshold):
+    """What an LLM.int8() layer multiplies its weight by, from bitsandbytes' ``int8_vectorwise_quant``
+    (independent of `llm_int8`): codes times ``SCA / 127``, the outlier columns as they are."""
+    import bitsandbytes.functional as bnbf
+
+    rows = x.reshape(-1, x.shape[-1])
+    codes, scales, columns = bnbf.int8_vectorwise_quant(rows.half(), threshold=threshold)
+    out = codes.float() * scales[:, None] / 127
+    if columns is not None and columns.numel():
+        out[:, columns] = rows[:, columns]
+    return out.reshape(x.shape)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -66,14 +88,17 @@ def test_quantized_heads_sum_to_attention_output(tiny_folder, family, recipe):
     """Dequantized weights reproduce the quantized layer's own output, within the tolerance of the
     dtype the layer really computes in (`selfcheck.tolerance_for`): float32 for RTN and for 4-bit
     layers on CPUs without AVX512-BF16, bfloat16 for 4-bit layers on CPUs with it (bitsandbytes
-    casts the input there), and LLM.int8()'s activation quantization for int8."""
+    casts the input there), and float16's for int8, whose activation quantization this sum
+    applies with bitsandbytes' own quantizer."""
     from pytest_circuits.model.selfcheck import tolerance_for
 
     build = load_build(resolve_model(tiny_folder(family)), recipe, "cpu")
     weights = extract_weights(build.model, fold=False)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     x, y, pattern = _capture_attention(build.model, 1, ids)
-    error = _relative_error(_sum_over_heads(weights, 1, x, pattern).double(), y.double())
+    out_proj = get_module(attention_module(build.model, 1), family_of(build.model).out_proj)
+    threshold = out_proj.state.threshold if recipe == "bnb-int8" else None
+    error = _relative_error(_sum_over_heads(weights, 1, x, pattern, threshold).double(), y.double())
     assert error <= tolerance_for(build.model, torch.float32), error
 
 

@@ -25,8 +25,19 @@ Tolerances (relative, Frobenius), from what each compute path guarantees:
   output, each about 5e-4 relative; 1e-2 covers their accumulation.
 - bfloat16 (unit roundoff 2^-8 = 3.9e-3): the same four roundings, about 1e-2 in the worst
   case; 3e-2.
-- LLM.int8() (bitsandbytes 8-bit) also quantizes activations row by row to int8 (step
-  max|x|/127, error up to half a step): 5e-2. 4-bit bitsandbytes and RTN layers compute with
+- LLM.int8() (bitsandbytes 8-bit) also quantizes each input row of a layer to int8 (step
+  max|x|/127 over the non-outlier entries; columns holding an ``|x| >= threshold`` stay exact),
+  which alone moves SmolLM2-135M's attention output by up to 0.28 relative. So, where the V
+  (fused QKV) or output projection is int8, the recomputation feeds it what it really
+  multiplies and rounds the product as it does (`llm_int8.Int8Layer`, with the layer's own
+  ``state.threshold``): X, and the concatenated head outputs z, cast to float16 and quantized
+  row by row with the same codes and outlier columns; bitsandbytes' dequantization constant;
+  float16 output on CUDA. On a CPU this leaves float32 rounding (SmolLM2: 8e-8; without the
+  constant, 1.8e-5 high, z's float16 values move and 4-15 codes per layer flip: 1.7e-3). On CUDA the
+  V and output products are float16-rounded (4.9e-4 each) and where our float64 V and the
+  module's float32 V round to neighbouring float16 values, z and then a code of o_proj's input
+  can differ by one step, ``max|z_i| / 127`` in one entry: float16's 1e-2, or the compute
+  dtype's where that is looser. 4-bit bitsandbytes and RTN layers compute with
   exactly the dequantized weights the read returns, so their compute dtype decides; on a CPU
   with AVX512-BF16, bitsandbytes computes 4-bit matmuls in bfloat16 (`dense.bnb_4bit_compute_dtype`).
 A wrong read (wrong Q/K/V layout, swapped heads, a missed bias or residual) leaves an error
@@ -53,11 +64,12 @@ from .families import (
     modules_at,
     post_attn_norm_module,
 )
+from .llm_int8 import Int8Layer, int8_layer
 from .weights import _layer_weights
 
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 TF32_TOLERANCE = 5e-3
-INT8_TOLERANCE = 5e-2
+INT8_TOLERANCE = TOLERANCES[torch.float16]
 N_TOKENS = 16
 
 
@@ -89,14 +101,14 @@ class DecompositionCheck:
 def tolerance_for(model, dtype: torch.dtype) -> float:
     """The relative tolerance of the check for a model computing in ``dtype`` (see the module docstring)."""
     kinds = {bnb_kind(m) for m in model.modules()}
-    if "int8" in kinds:
-        return INT8_TOLERANCE
     on_cuda = any(p.is_cuda for p in model.parameters())
     if "4bit" in kinds:
         dtype = bnb_4bit_compute_dtype(dtype, torch.device("cuda" if on_cuda else "cpu"))
     tol = TOLERANCES.get(dtype, TOLERANCES[torch.bfloat16])
     if dtype == torch.float32 and on_cuda and torch.backends.cuda.matmul.allow_tf32:
         tol = TF32_TOLERANCE
+    if "int8" in kinds:  # its activation quantization is recomputed: float16's rounding is left
+        tol = max(tol, INT8_TOLERANCE)
     return tol
 
 
@@ -163,16 +175,44 @@ def _relative(expected: torch.Tensor, actual: torch.Tensor) -> float:
     return float((expected.to(actual.device) - actual).norm() / denom)
 
 
-def _head_sum(lw, geo, x: torch.Tensor, pattern: torch.Tensor) -> torch.Tensor:
-    """``sum_h A_h (X W_V^{g(h)} + b_V) W_O^h + b_O`` in float64: ``(batch, T, d_model)``."""
-    x = x.double()
-    values = torch.einsum("btd,gde->bgte", x, lw.W_V.double().to(x.device))  # per K/V group
-    if lw.b_V is not None:
-        values = values + lw.b_V.double().to(x.device)[None, :, None, :]
+def _head_sum(
+    lw, geo, x: torch.Tensor, pattern: torch.Tensor, v_int8: Int8Layer | None = None, o_int8: Int8Layer | None = None
+) -> torch.Tensor:
+    """``sum_h A_h (X W_V^{g(h)} + b_V) W_O^h + b_O`` in float64: ``(batch, T, d_model)``.
+
+    ``v_int8`` / ``o_int8``: the V (or fused QKV) / output projection is LLM.int8(). ``X``, and
+    the heads' outputs ``z = [z_0 | ... | z_{H-1}]`` concatenated per token, are then split into
+    what the layer quantizes and its exact outlier columns, and the products are rounded as the
+    layer rounds them (`llm_int8.Int8Layer`).
+    """
+    device, dtype = x.device, x.dtype
+    W_V, W_O = lw.W_V.double().to(device), lw.W_O.double().to(device)
+    b_V = None if lw.b_V is None else lw.b_V.double().to(device)[None, :, None, :]
+    b_O = None if lw.b_O is None else lw.b_O.double().to(device)
+    if v_int8 is None:
+        values = torch.einsum("btd,gde->bgte", x.double(), W_V)  # per K/V group
+        values = values if b_V is None else values + b_V
+    else:
+        quantized, outlier = v_int8.split(x)
+        values = v_int8.output(
+            torch.einsum("btd,gde->bgte", quantized, W_V),
+            None if outlier is None else torch.einsum("btd,gde->bgte", outlier, W_V),
+            b_V,
+            dtype,
+        )
     values = values.repeat_interleave(geo.group_size, dim=1)  # query head h reads group h // group_size
-    z = torch.einsum("bhts,bhse->bhte", pattern.double().to(x.device), values)
-    out = torch.einsum("bhte,hed->btd", z, lw.W_O.double().to(x.device))
-    return out if lw.b_O is None else out + lw.b_O.double().to(x.device)
+    z = torch.einsum("bhts,bhse->bhte", pattern.double().to(device), values)
+    if o_int8 is None:
+        out = torch.einsum("bhte,hed->btd", z, W_O)
+        return out if b_O is None else out + b_O
+    batch, heads, tokens, d_head = z.shape
+    concatenated = z.transpose(1, 2).reshape(batch, tokens, heads * d_head)  # o_proj's input, head-major
+
+    def per_head(part: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bthe,hed->btd", part.reshape(batch, tokens, heads, d_head), W_O)
+
+    quantized, outlier = o_int8.split(concatenated)
+    return o_int8.output(per_head(quantized), None if outlier is None else per_head(outlier), b_O, dtype)
 
 
 @torch.no_grad()
@@ -250,7 +290,11 @@ def measure_decomposition(
             )
         x = seen["x"]
         lw = _layer_weights(block, fam, geo, False, model.config, x.device, qk=False)
-        expected = _head_sum(lw, geo, x, seen["pattern"])
+        attn = get_module(block, fam.attn)
+        v_proj = get_module(attn, fam.qkv[-1])  # the module that computes V (the fused QKV, or v_proj)
+        expected = _head_sum(
+            lw, geo, x, seen["pattern"], int8_layer(v_proj), int8_layer(get_module(attn, fam.out_proj))
+        )
         if fam.attn_adds_residual:
             expected = expected + seen["residual"].double()
         check.errors.append(_relative(expected, seen["y"]))
