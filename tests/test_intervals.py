@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,11 +24,10 @@ from pytest_circuits.rungs.probe import run_repeat_probe
 from pytest_circuits.rungs.repeat import RepeatSettings, bos_offset, repeat_tokens
 from pytest_circuits.testing import negate_head_ov
 
-from .conftest import needs_embedded
+from .conftest import LEGACY_BASELINE, needs_embedded
 
 TOL = Tolerances()
 PLAIN = Tolerances(outside_interval=False)
-BASELINES = Path(__file__).resolve().parent.parent / "baselines"
 KO = sequences_key("knockout_delta")
 
 
@@ -184,7 +182,7 @@ def test_old_baselines_validate_and_gate_on_the_plain_tolerance(embedded_records
     """A shipped baseline (no per-sequence figures) still gates: the row says the interval is not
     available and the plain tolerance decides, in both states of the rule."""
     live, _ = embedded_records
-    old = read_baseline(BASELINES / "tiny-induction--fp32.json")
+    old = read_baseline(LEGACY_BASELINE)
     assert sequences_key("copy_loss") not in old
     old = {**old, "probe": live["probe"], "knockout": live["knockout"]}  # the live scan's shorter L
     note = "interval not available (baseline recorded without per-sequence figures; re-record)"
@@ -286,7 +284,7 @@ def test_circuits_diff_and_scan_lines_show_the_intervals(embedded_records, tmp_p
     low, high = paired_interval(reference["copy_loss_sequences"], negated["copy_loss_sequences"])
     change = negated["copy_loss"] - reference["copy_loss"]
     assert f"({change:+.4f} [{low:+.3f}, {high:+.3f}])" in out
-    old = read_baseline(BASELINES / "tiny-induction--fp32.json")
+    old = read_baseline(LEGACY_BASELINE)
     (tmp_path / "old.json").write_text(dumps({**old, "probe": reference["probe"], "knockout": reference["knockout"]}))
     assert main(["diff", str(tmp_path / "old.json"), str(tmp_path / "b.json")]) == 0
     assert "[" not in next(line for line in capsys.readouterr().out.splitlines() if "copy_loss " in line)
@@ -303,7 +301,7 @@ def test_report_reads_the_intervals(embedded_records):
     assert data.model_interval(negated, reference, "copy_loss") == f"[{paired[0]:+.3f}, {paired[1]:+.3f}]"
     own = reference["copy_loss_interval"]
     assert data.model_interval(reference, None, "copy_loss") == f"[{own[0]:.3f}, {own[1]:.3f}]"
-    old = read_baseline(BASELINES / "tiny-induction--fp32.json")
+    old = read_baseline(LEGACY_BASELINE)
     assert "reference recorded without per-sequence figures" in data.model_interval(negated, old, "copy_loss")
     assert data.model_interval(negated, reference, "uniform_loss") == ""
 

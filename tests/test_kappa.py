@@ -21,7 +21,6 @@ from pytest_circuits.errors import CircuitsError
 from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.families import get_module, layer_modules, out_proj_module
 from pytest_circuits.model.loading import resolve_model
-from pytest_circuits.model.named import SHIPPED_BASELINES
 from pytest_circuits.model.weights import extract_weights
 from pytest_circuits.rungs.kappa import (
     COLUMNS,
@@ -42,6 +41,8 @@ from pytest_circuits.rungs.kappa import (
     without_attrs,
 )
 from pytest_circuits.testing import make_tiny_model, requires_embedded_model, requires_smollm2
+
+from .conftest import LEGACY_BASELINE
 
 NUMERIC = [
     "kappa",
@@ -290,7 +291,7 @@ def test_uncentred_unembedding_is_the_stored_one():
 def test_kappa_method_of_a_record():
     from pytest_circuits.rungs.kappa_method import LEGACY, KappaMethod, of_record
 
-    shipped = json.loads((SHIPPED_BASELINES / "tiny-induction--fp32.json").read_text())
+    shipped = json.loads(LEGACY_BASELINE.read_text())
     assert "unembedding" not in shipped["rung1"]  # recorded before the centred unembedding
     assert of_record(shipped) == LEGACY == KappaMethod("uncentred", 256, "normal", "float64")
     assert of_record({"rung1": {**shipped["rung1"], **KappaMethod().as_dict()}}) == KappaMethod()
@@ -313,7 +314,7 @@ def test_gate_measures_the_candidate_as_its_baseline_was_measured(tiny_induction
     from pytest_circuits.gate.verdict import candidate_record
 
     session = tiny_induction_session
-    baseline = json.loads((SHIPPED_BASELINES / "tiny-induction--fp32.json").read_text())
+    baseline = json.loads(LEGACY_BASELINE.read_text())
     old_way = candidate_record(session, "fp32", baseline, knockout=False)
     assert {k: old_way["rung1"][k] for k in ("unembedding", "n_rotations", "p_method", "null_dtype")} == {
         "unembedding": "uncentred",
@@ -344,7 +345,7 @@ def test_gate_build_asks_each_baseline_for_its_own_method():
     from pytest_circuits.gate.verdict import gate_build
     from pytest_circuits.rungs.kappa_method import LEGACY, KappaMethod
 
-    old = json.loads((SHIPPED_BASELINES / "tiny-induction--fp32.json").read_text())
+    old = json.loads(LEGACY_BASELINE.read_text())
     new = {**old, "rung1": {**old["rung1"], **KappaMethod().as_dict()}}
     asked = []
 
@@ -372,7 +373,7 @@ def test_records_of_two_kappa_methods_pair_only_like_figures(tiny_induction_sess
     from pytest_circuits.gate.invariants import evaluate
     from pytest_circuits.gate.tolerances import Tolerances
 
-    old = json.loads((SHIPPED_BASELINES / "tiny-induction--fp32.json").read_text())
+    old = json.loads(LEGACY_BASELINE.read_text())
     new = tiny_induction_session.record("fp32", knockout=False)
     copying = evaluate("copying_heads", old, new, Tolerances(), "fp32", "fp32 baseline")
     assert copying.status == "passed" and copying.compared > 3
