@@ -30,3 +30,16 @@ def tiny_folder(tmp_path_factory):
         return made[key]
 
     return make
+
+
+def read_v_heads_rolled(monkeypatch) -> None:
+    """Corrupt the weight read on purpose: the separate Q/K/V layout returns the V heads rolled by one."""
+    from pytest_circuits.model.families import QKV_LAYOUTS
+
+    separate = QKV_LAYOUTS["separate"]
+
+    def rolled(weights, geo):
+        q, k, v = separate(weights, geo)
+        return q, k, v.roll(1, dims=0)
+
+    monkeypatch.setitem(QKV_LAYOUTS, "separate", rolled)

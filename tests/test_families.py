@@ -23,7 +23,6 @@ from pytest_circuits.model import families
 from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.families import (
     LLAMA,
-    QKV_LAYOUTS,
     families_markdown,
     family_for_config,
     family_of,
@@ -48,6 +47,8 @@ from pytest_circuits.testing import (
     tiny_config,
     tiny_model_types,
 )
+
+from .conftest import read_v_heads_rolled
 
 TYPES = tiny_model_types()
 ISSUE_TYPES = (
@@ -269,13 +270,7 @@ def test_self_check_refuses_swapped_heads(monkeypatch):
     """A read that puts the K/V heads in the wrong order (rolled by one) is refused."""
     model = make_tiny_model("llama", seed=7)
     assert check_decomposition(model).ok
-    separate = QKV_LAYOUTS["separate"]
-
-    def rolled(weights, geo):
-        q, k, v = separate(weights, geo)
-        return q, k, v.roll(1, dims=0)
-
-    monkeypatch.setitem(QKV_LAYOUTS, "separate", rolled)
+    read_v_heads_rolled(monkeypatch)
     with pytest.raises(DecompositionError, match=r"'llama'.*layer 0"):
         check_decomposition(model)
 

@@ -12,13 +12,13 @@ import torch.nn.functional as F
 from pytest_circuits.model import selfcheck
 from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.dense import dense_weight
-from pytest_circuits.model.families import QKV_LAYOUTS, attention_module, get_module
+from pytest_circuits.model.families import attention_module, get_module
 from pytest_circuits.model.llm_int8 import int8_layer
 from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.model.selfcheck import TOLERANCES, DecompositionError, check_decomposition, measure_decomposition
 from pytest_circuits.testing import make_tiny_model
 
-from .conftest import FAMILIES, needs_smollm2
+from .conftest import FAMILIES, needs_smollm2, read_v_heads_rolled
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -151,13 +151,7 @@ def test_wrong_read_of_int8_build_is_refused(int8_llama):
 
 def test_swapped_heads_of_int8_build_are_refused(int8_llama, monkeypatch):
     assert check_decomposition(int8_llama).ok
-    separate = QKV_LAYOUTS["separate"]
-
-    def rolled(weights, geo):
-        q, k, v = separate(weights, geo)
-        return q, k, v.roll(1, dims=0)
-
-    monkeypatch.setitem(QKV_LAYOUTS, "separate", rolled)
+    read_v_heads_rolled(monkeypatch)
     with pytest.raises(DecompositionError, match=r"'llama'.*layer 0"):
         check_decomposition(int8_llama)
 
