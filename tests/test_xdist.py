@@ -56,7 +56,14 @@ def test_static_xdist_group_marks_keep_a_group_on_one_worker(pytester):
 
 
 def test_n_alone_means_loadgroup_and_an_explicit_dist_is_kept(pytester):
+    """On a circuits run (here: a circuits option given) ``-n 2`` alone schedules by group; a
+    project that asks nothing of circuits keeps xdist's default; an explicit ``--dist`` is kept."""
     pytester.makepyfile(test_one="def test_one():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "-v", "--circuits-probe-n", "4")
+    assert "LoadGroupScheduling" in _text(result)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "-v")
+    assert "LoadScheduling" in _text(result) and "LoadGroupScheduling" not in _text(result)
+    pytester.makeini("[pytest]\ncircuits_model = tiny-induction\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "-v")
     assert "LoadGroupScheduling" in _text(result)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--dist", "load", "-v")

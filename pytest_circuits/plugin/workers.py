@@ -64,14 +64,28 @@ def distributing(config: pytest.Config) -> bool:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_cmdline_main(config: pytest.Config):
-    """``-n N`` without ``--dist``: loadgroup, so a build's tests stay on one worker.
+    """``-n N`` without ``--dist`` on a circuits run (`asks_for_circuits`): loadgroup, so a build's
+    tests stay on one worker.
 
     A wrapper runs before xdist's own ``tryfirst`` hook, which would make it ``load``; an
     explicit ``--dist`` is kept (the summary then says when a build was loaded twice).
     """
     if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", None) == "no":
-        config.option.dist = "loadgroup"
+        if asks_for_circuits(config):
+            config.option.dist = "loadgroup"
     return (yield)
+
+
+def asks_for_circuits(config: pytest.Config) -> bool:
+    """Whether this run gates models: a circuits option on the command line or in the ini file, or
+    the packaged suite (``probes``) among the paths. Other projects' ``-n N`` keeps xdist's default."""
+    from ..options import OPTIONS
+
+    if any(getattr(config.option, option.ini, None) not in (None, False) for option in OPTIONS):
+        return True
+    if any(str(key).startswith("circuits_") for key in (getattr(config, "inicfg", None) or {})):
+        return True
+    return any("probes" in str(arg) for arg in config.args)
 
 
 def configure(config: pytest.Config, session) -> None:
