@@ -27,8 +27,9 @@ copy loss ``CL`` (knockout.py).
   it ranked the exact top heads worse than the QK fix alone and costs ``n_layers - 1``
   backward passes (benchmarks/test_bench_knockout.py, README).
 
-Work: AtP one forward and one backward; the QK fix one attention-module forward, forward
-and backward per (source layer, later layer) on ``n_heads`` stacked copies. The benchmark
+Work: AtP one forward and one backward; the QK fix one attention-module forward per (source
+layer, later layer) on ``n_heads`` stacked copies for the exact patterns, and one
+attention-module forward and backward per layer for every linearised term (`_qk_fix`). The benchmark
 reports each screen's cost in forward-equivalents, timed.
 """
 
@@ -76,7 +77,7 @@ def _causal_scores(module, query, key, attention_mask, scaling):
         scores = scores.masked_fill(~attention_mask, float("-inf"))
     else:
         scores = scores + attention_mask
-    return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    return torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -94,13 +95,17 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             state.qk += moved.reshape(state.copies, -1).double().sum(dim=1).cpu()
         else:  # sum A . dCL/dA per copy, differentiated along the knockout's direction by the caller
             state.linear = (pattern * grad).reshape(state.copies, -1).sum(dim=1)
-        return value.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+        raise _PatternRead  # the rest of the module (its output projection) is not needed
     if state.mode == "record":
         leaf = torch.zeros_like(pattern, requires_grad=True)
         state.patterns[layer], state.leaves[layer] = pattern.detach(), leaf
         pattern = pattern + leaf
     out = torch.matmul(pattern.to(value.dtype), value).transpose(1, 2).contiguous()
     return out, None
+
+
+class _PatternRead(Exception):
+    """Raised by the attention function once it has read the pattern: `_call` stops the module there."""
 
 
 def _register() -> None:
@@ -150,9 +155,19 @@ def plain_atp(build, ids, L, mode, means, batch_size) -> np.ndarray:
             (_loss(build, batch, L).sum() / n).backward()
         for layer, z, leaf in leaves:
             dz = _dz(z, means if mode == "mean" else None, layer, geo.n_heads, geo.d_head).double()
-            g = leaf.grad.reshape(dz.shape).double()
+            g = _reached(leaf.grad, layer).reshape(dz.shape).double()
             est[layer] += (dz * g).sum(dim=(0, 1, 3)).cpu()
     return est.numpy()
+
+
+def _reached(grad: torch.Tensor | None, layer: int) -> torch.Tensor:
+    """``grad``, or a RuntimeError when no gradient reached the head outputs of ``layer``: the
+    build's kernels ran outside autograd (bitsandbytes 4-bit on a CPU), so no estimate exists."""
+    if grad is None:
+        raise RuntimeError(
+            f"no gradient reached the head outputs of layer {layer} (the build's kernels run outside autograd)"
+        )
+    return grad
 
 
 def _output_change(build, layer: int, dz: torch.Tensor) -> torch.Tensor:
@@ -227,7 +242,8 @@ def atp_star(build, ids, L, mode, means, batch_size, grad_drop: bool = False) ->
                     pattern_leaves = [state.leaves[m] for m in range(geo.n_layers)]
                     grads = torch.autograd.grad(loss, zs + pattern_leaves, retain_graph=bool(drops), allow_unused=True)
                     dzs = [_dz(z, means, layer, geo.n_heads, geo.d_head) for layer, z, _ in zleaves]
-                    _add_atp_term(atp_term[0], zleaves, dzs, grads[: len(zs)])
+                    reached = [_reached(g, layer) for (layer, _, _), g in zip(zleaves, grads)]
+                    _add_atp_term(atp_term[0], zleaves, dzs, reached)
                     for m in range(geo.n_layers):
                         g = grads[len(zs) + m]
                         state.grads[m] = torch.zeros_like(state.patterns[m]) if g is None else g.detach()
@@ -267,44 +283,67 @@ def _add_atp_term(out: torch.Tensor, zleaves, dzs, grads) -> None:
 
 
 def _qk_fix(build, qk_term, dzs, residual, calls, norms, attn, rows) -> None:
-    """Add ``sum_{m > l} (A'_m - A_m) . dCL/dA_m`` for every head of every layer ``l`` (heads stacked on the batch)."""
-    geo, state = build.geometry, _STATE
-    state.copies = geo.n_heads
+    """Add ``sum_{m > l} (A'_m - A_m - dA_m^lin) . dCL/dA_m`` for every head of every layer ``l``.
+
+    The linearised term is a directional derivative, so it needs no pass per head: with
+    ``S_m(r) = A_m(attn_norm_m(r)) . dCL/dA_m`` and ``g_m = dS_m/dr`` at ``r_m`` (one backward per
+    layer), ``sum_{m > l} dA_m^lin . dCL/dA_m = (sum_{m > l} g_m) . dr_h``, the sum kept as a
+    suffix sum while ``l`` runs down. Only the exact patterns ``A'_m`` take a pass per source layer.
+    """
+    geo = build.geometry
+    toward: torch.Tensor | None = None  # sum_{m > l} g_m
+    for layer in reversed(range(geo.n_layers - 1)):
+        g = pattern_gradient(residual[layer + 1], calls[layer + 1], norms[layer + 1], attn[layer + 1], rows)
+        toward = g if toward is None else toward + g
+        dr = _output_change(build, layer, dzs[layer].detach())
+        exact = exact_pattern_change(build, layer, dr, residual, calls, norms, attn, rows)
+        linear = (dr.reshape(geo.n_heads, rows, *dr.shape[1:]).double() * toward.double()[None]).sum(dim=(1, 2, 3))
+        qk_term[layer] += exact - linear.cpu()
+
+
+def pattern_gradient(residual, call, norm, attention, rows: int) -> torch.Tensor:
+    """``dS/dr`` at ``r = residual`` (``(rows, T, d_model)``), ``S(r) = A(norm(r)) . dCL/dA`` of one attention layer."""
+    state = _STATE
+    r = residual.detach().clone().requires_grad_(True)
+    state.mode, state.copies = "linear", 1
     try:
-        for layer in range(geo.n_layers - 1):
-            dr = _output_change(build, layer, dzs[layer].detach())
-            state.qk = torch.zeros(geo.n_heads, dtype=torch.float64)
-            linear = torch.zeros(geo.n_heads, dtype=torch.float64)
+        with torch.enable_grad():
+            _call(attention, call, norm(r), rows, 1)
+            assert state.linear is not None  # set by the attention function in "linear" mode
+            (grad,) = torch.autograd.grad(state.linear.sum(), r)
+    finally:
+        state.mode, state.linear = "off", None
+    return grad
+
+
+def exact_pattern_change(build, layer: int, dr, residual, calls, norms, attn, rows: int) -> torch.Tensor:
+    """``(n_heads,)``: ``sum_{m > layer} (A'_m - A_m) . dCL/dA_m`` per head of ``layer``, ``A'_m`` the
+    pattern of ``attn_norm_m(r_m + dr_h)`` (``dr``: `_output_change`, heads stacked on the batch)."""
+    geo, state = build.geometry, _STATE
+    state.copies, state.qk = geo.n_heads, torch.zeros(geo.n_heads, dtype=torch.float64)
+    try:
+        with torch.no_grad():
             for m in range(layer + 1, geo.n_layers):
-                base = residual[m].repeat(geo.n_heads, 1, 1)
                 state.mode = "qkfix"
-                _call(attn[m], calls[m], norms[m](base + dr), rows, geo.n_heads)
-                # the same term linearised (what AtP's gradient already holds): d/de at e = 0
-                state.mode = "linear"
-                e = torch.zeros(geo.n_heads, dtype=dr.dtype, requires_grad=True)
-                with torch.enable_grad():
-                    _call(
-                        attn[m],
-                        calls[m],
-                        norms[m](base + e.repeat_interleave(rows)[:, None, None] * dr),
-                        rows,
-                        geo.n_heads,
-                    )
-                    assert state.linear is not None  # set by the attention function in "linear" mode
-                    (slope,) = torch.autograd.grad(state.linear.sum(), e)
-                linear += slope.double().cpu()
-            qk_term[layer] += state.qk - linear
+                _call(attn[m], calls[m], norms[m](residual[m].repeat(geo.n_heads, 1, 1) + dr), rows, geo.n_heads)
+        return state.qk
     finally:
         state.mode, state.copies = "off", 1
 
 
-def _call(module, call, hidden, rows: int, k: int):
-    """Call an attention module as recorded, with ``hidden`` as its input and batch tensors stacked ``k`` times."""
+def _call(module, call, hidden, rows: int, k: int) -> None:
+    """Run an attention module as recorded, with ``hidden`` as its input and batch tensors stacked
+    ``k`` times, up to its attention function (in "qkfix" or "linear" mode), which reads the pattern."""
     args, kwargs = call
     kwargs = _tile_batch(kwargs, rows, k)
-    if args:
-        return module(hidden, *_tile_batch(tuple(args[1:]), rows, k), **kwargs)
-    return module(**{**kwargs, "hidden_states": hidden})
+    try:
+        if args:
+            module(hidden, *_tile_batch(tuple(args[1:]), rows, k), **kwargs)
+        else:
+            module(**{**kwargs, "hidden_states": hidden})
+    except _PatternRead:
+        return
+    raise RuntimeError(f"{type(module).__name__} did not call its attention function: no pattern to read")
 
 
 def screen_estimate(build, ids, L, mode, means, method: str, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
