@@ -20,7 +20,7 @@ from ..settings import RepeatSettings  # noqa: F401  (re-exported: the probe's s
 
 CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
 MIN_ORDINARY_IDS = 2  # with one id every sequence is the same token: no copying to measure
-KNOCKOUT_REPLAY_ROWS = 64  # knockout.ROWS_PER_PASS: rows of one knockout replay pass
+KNOCKOUT_REPLAY_ROWS = 64  # knockout.ROWS_PER_PASS: rows of one knockout replay pass (at most; fewer on a CPU)
 
 
 def bos_offset(tokens: TokenInfo) -> int:
