@@ -209,6 +209,14 @@ def test_int8_is_not_stacked_by_default(tiny_folders):
     assert knockout._auto_per_pass(build, None, 8, 8) == 1
 
 
+def test_cpu_stacks_knockouts_up_to_a_token_budget(fp32_builds):
+    build = fp32_builds["llama"]
+    budget = knockout.CPU_TOKENS_PER_PASS
+    assert knockout._auto_per_pass(build, None, 8, 8, budget // 8 // 5) == 5
+    assert knockout._auto_per_pass(build, None, 8, 8, budget // 8 * 3) == 1  # one knockout per pass at least
+    assert knockout._auto_per_pass(build, 7, 8, 8, budget) == 7  # asked for: as asked
+
+
 def test_subset_and_screening_agree_with_full_scan(fp32_builds):
     build = fp32_builds["gpt_neox"]
     full = knockout_scan(build, HELD_OUT, mode="mean", batch_size=3, progress=False).set_index("head")
@@ -261,6 +269,40 @@ def test_attribution_estimate_is_the_directional_derivative(tiny_folders, mode):
         assert estimate[f"L{layer}H{head}"] == pytest.approx(numeric, rel=1e-3, abs=1e-5)
 
 
+def test_qk_fix_linear_term_is_the_derivative_of_its_exact_term(tmp_path, monkeypatch):
+    """The QK fix subtracts the linearised pattern change, computed once per layer as a gradient
+    and summed over later layers (`screen._qk_fix`). It must be ``d/de`` of the exact pattern
+    change of ``r_m + e dr_h`` summed over every later layer, checked by central differences on a
+    4-layer model in float64, every head of every source layer."""
+    from pytest_circuits.rungs import screen
+
+    folder = save_tiny_model("llama", tmp_path / "m", seed=5, num_hidden_layers=4, initializer_range=0.2)
+    build = load_build(resolve_model(str(folder)), "fp32", "cpu")
+    build.model.double()
+    geo, eps, checked = build.geometry, 3e-3, []
+    original = screen._qk_fix
+
+    def checking(build, qk_term, dzs, residual, calls, norms, attn, rows):
+        before = qk_term.clone()
+        original(build, qk_term, dzs, residual, calls, norms, attn, rows)
+        for layer in range(geo.n_layers - 1):
+            dr = screen._output_change(build, layer, dzs[layer].detach())
+            exact, plus, minus = (
+                screen.exact_pattern_change(build, layer, step * dr, residual, calls, norms, attn, rows)
+                for step in (1, eps, -eps)
+            )
+            numeric = (plus - minus) / (2 * eps)
+            added = qk_term[layer] - before[layer]  # exact - linear, per head of the layer
+            # the family's RMSNorm runs in float32 even here: the steps' rounding bounds the agreement
+            worst = float((added - (exact - numeric)).abs().max())
+            assert worst <= 1e-3 * float(numeric.abs().max()) + 1e-7, (layer, added, exact - numeric)
+            checked.append(layer)
+
+    monkeypatch.setattr(screen, "_qk_fix", checking)
+    df = knockout_scan(build, HELD_OUT, screen_top_k=0, batch_size=7, progress=False)
+    assert df.attrs["screen_method"] == "atp*" and checked == [0, 1, 2]
+
+
 def test_screening_falls_back_to_exact_when_backward_fails(fp32_builds, monkeypatch):
     build = fp32_builds["gpt2"]
     from pytest_circuits.rungs import screen
@@ -273,6 +315,21 @@ def test_screening_falls_back_to_exact_when_backward_fails(fp32_builds, monkeypa
         df = knockout_scan(build, HELD_OUT, screen_top_k=2, progress=False)
     assert not df.attrs["screened"] and "knockout_estimate" not in df
     assert df["knockout_delta"].notna().all()
+
+
+@pytest.mark.parametrize("method", ["atp", "atp*"])
+def test_screening_falls_back_when_kernels_run_outside_autograd(fp32_builds, method):
+    """bitsandbytes 4-bit runs its CPU matmul outside autograd: no gradient reaches the heads
+    before it. Simulated by detaching layer 0's output projection; one warning names the layer."""
+    build = fp32_builds["llama"]
+    handle = out_proj_module(build.model, 0).register_forward_hook(lambda module, args, out: out.detach())
+    try:
+        with pytest.warns(UserWarning, match="no gradient reached the head outputs of layer 0") as seen:
+            df = knockout_scan(build, HELD_OUT, screen_top_k=2, screen_method=method, progress=False)
+    finally:
+        handle.remove()
+    assert len(seen) == 1 and "\n" not in str(seen[0].message)
+    assert not df.attrs["screened"] and df["knockout_delta"].notna().all()
 
 
 def test_user_errors_are_one_line(fp32_builds):
