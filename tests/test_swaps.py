@@ -286,15 +286,21 @@ def test_circuits_gate_embedded_model_against_smollm2_compares_across_models(cap
 
     code = main(["gate", "tiny-induction", "--build", "fp32", "--baseline", str(SMOLLM2_FP32), "--device", "cpu"])
     out, err = capsys.readouterr()
-    assert err == "" and code == 1  # the kappa_z distributions are 10.4 null sds apart (tolerance 5)
+    assert err == "" and code == 1
     assert "per-head invariants were not compared (geometry n_layers 30 vs 2" in out
     for name in ("copying_heads", "kappa_distribution", "induction_heads", "knockout_deltas"):
         assert f"SKIP {name}: per-head invariants are not compared across models (geometry n_layers 30 vs 2" in out
-    for name in ("swap_copy", "swap_induction", "swap_knockout"):
+    for name in ("swap_copy", "swap_induction"):
         assert f"PASS {name}: tiny-induction fp32 holds against smollm2-135m" in out
+    # the kappa_z distributions are 12 null sds apart (tolerance 5)
     assert "FAIL swap_kappa: tiny-induction fp32 moved against smollm2-135m" in out
-    assert "top-3 share not compared: smollm2-135m has 12 of 270 heads measured exactly (screened)" in out
-    assert "gate failed: swap_kappa (3 of 9 invariants hold, 5 skipped" in out
+    # SmolLM2's baseline knocks out every head, so its top-3 share is compared: written out here
+    deltas = sorted((h["knockout_delta"] for h in json.loads(SMOLLM2_FP32.read_text())["heads"]), reverse=True)
+    share = sum(deltas[:3]) / sum(d for d in deltas if d > 0)
+    assert 0.1 < share < 0.5  # a 30-layer model spreads its knockout effect; the toy's 2 heads hold most
+    assert "FAIL swap_knockout: tiny-induction fp32 moved against smollm2-135m" in out
+    assert f"model top-3 share {share:+.3f} -> " in out and "(tolerance 0.3)" in out and "270 -> 8 heads" in out
+    assert "gate failed: swap_kappa, swap_knockout (2 of 9 invariants hold, 5 skipped" in out
 
 
 @pytest.fixture(scope="module")
