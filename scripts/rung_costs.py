@@ -1,7 +1,7 @@
 """The measured cost of each rung on SmolLM2-135M fp32 at the gate's settings (n 8, L 64), one thread.
 
-Rows: the load (with its self-check), rung 1 (kappa and the gate's 256-draw float64 rotation
-null, every head), the repeat probe, the AtP* screen, and the exact knockout scan: timed on the
+Rows: the load (with its self-check), rung 1 (kappa and the rotation null new records use, the
+32-draw t null, every head), the repeat probe, the AtP* screen, and the exact knockout scan: timed on the
 heads of three layers across the depth (0, 15, 29), its FLOPs counted from the shapes
 (`knockout_flops`) for those heads and for all 270, the full scan's time = its FLOPs / the rate
 measured on the subset. The README's scale table (``Planning past one machine``) starts from
@@ -32,7 +32,7 @@ def main() -> None:
     session = CircuitsSession(CircuitsSettings(model="smollm2-135m", device="cpu"))
     rows: list[tuple[str, float, float]] = []
     build = timed("load + self-check", rows, lambda: session.build("fp32"))
-    timed("rung 1: kappa, 256-draw float64 null, 270 heads", rows, lambda: session.ov_spectrum("fp32"))
+    timed("rung 1: kappa, 32-draw t null, 270 heads", rows, lambda: session.ov_spectrum("fp32"))
     timed("rung 1/2: repeat probe, n 8, L 64", rows, lambda: session.repeat_probe("fp32"))
     settings = session.settings.knockout_probe
     from pytest_circuits.rungs.knockout import _intact_pass, attention_implementation, held_out_ids
