@@ -183,6 +183,17 @@ def test_kappa_distribution_shift():
     assert result.moved[0]["after"] == pytest.approx(expected)
 
 
+def test_kappa_shift_names_only_the_heads_that_drive_it():
+    """One head moves 20 null sds, the others 0.05: the mean shift (2.5 of 8 heads) fails, and
+    only the head that moved at least that far is named as driving it."""
+    before, after = record(), record()
+    for h in after["heads"]:
+        h["kappa_z"] += 20.0 if h["head"] == "L1H2" else 0.05
+    result = check("kappa_distribution", before, after, TOL, "b", "a")
+    assert not result.passed
+    assert [m["head"] for m in result.moved if m["note"] == "(drives the shift)"] == ["L1H2"]
+
+
 @pytest.mark.parametrize("delta, passes", [(0.24, True), (-0.24, True), (0.3, False), (-0.3, False)])
 def test_copy_loss_two_sided(delta, passes):
     after = record()

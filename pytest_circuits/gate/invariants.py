@@ -528,9 +528,9 @@ class KappaDistribution(Invariant):
             row = within("all heads", f"mean {metric}", mean_b, mean_b + shift, tol.shift)
             rows.append(row)
             said.append(f"mean d{metric} {shift:+.2f}")
-            if row.broken:  # the heads that drive the shift: same sign, largest first
+            if row.broken:  # the heads that drive the shift: moved the same way at least as far, largest first
                 drivers = sorted(
-                    (p for p, d in zip(pairs, dz) if np.sign(d) == np.sign(shift)),
+                    (p for p, d in zip(pairs, dz) if np.sign(d) == np.sign(shift) and abs(d) >= abs(shift)),
                     key=lambda p: -abs(num(p[2].get(metric)) - num(p[1].get(metric))),
                 )
                 context += [
