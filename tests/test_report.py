@@ -358,6 +358,23 @@ def test_missing_matplotlib_is_one_line_naming_pip_install(tmp_path, monkeypatch
     assert summary_lines([], [fake_record()]) == ["circuits fp32: scanned, not gated (copy loss 0.400 nats)"]
 
 
+def test_summary_says_why_an_invariant_was_skipped():
+    """A gate across base models skips the per-head invariants: the summary says why, grouped by
+    reason, rather than calling them 'nothing to compare'."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "baselines"
+    before, after = (json.loads((root / f"{m}--fp32.json").read_text()) for m in ("smollm2-135m", "tiny-induction"))
+    results = gate_all(before, after, Tolerances(), "fp32", "smollm2-135m baseline")
+    skipped = [r.invariant for r in results if r.skipped]
+    assert {"copying_heads", "knockout_deltas", "copy_loss"} <= set(skipped)
+    text = "\n".join(summary_lines(results))
+    assert "nothing to compare" not in text
+    per_head = [line for line in text.splitlines() if "per-head invariants are not compared across models" in line]
+    assert len(per_head) == 1 and per_head[0].startswith("  skip copying_heads, kappa_distribution")
+    assert "geometry n_layers 30 vs 2" in per_head[0] and "knockout_deltas" in per_head[0]
+
+
 @pytest.mark.slow
 def test_smollm2_sized_records_render(tmp_path):
     """30 layers x 9 heads, d_head 64, with a gated comparison: the size of SmolLM2-135M."""

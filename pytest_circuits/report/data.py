@@ -144,6 +144,22 @@ def results_by_build(results: Iterable[Any] | None) -> dict[str, list[dict]]:
     return grouped
 
 
+def skip_reasons(results: Iterable[dict], label=lambda r: r["invariant"]) -> list[tuple[str, list[str]]]:
+    """The skipped results grouped by why: ``(reason, [label(r), ...])`` in the order first seen;
+    the reason is the message's first clause (up to its first ';')."""
+    groups: dict[str, list[str]] = {}
+    for r in results:
+        if r["status"] == "skipped":
+            reason = r["message"].split(";")[0].strip() or "no reason given"
+            groups.setdefault(reason, []).append(label(r))
+    return list(groups.items())
+
+
+def said_skips(results: Iterable[dict], label=lambda r: r["invariant"]) -> str:
+    """``"a, b (why); c (why)"`` for the skipped results, "" when none was skipped."""
+    return "; ".join(f"{', '.join(names)} ({reason})" for reason, names in skip_reasons(results, label))
+
+
 def moved_size(entry: dict) -> float:
     """How far a moved head went: |after - before| / tolerance (plain |after - before| without one)."""
     change = abs(number(entry.get("after")) - number(entry.get("before")))

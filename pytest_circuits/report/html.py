@@ -108,8 +108,8 @@ def _banner(sections: list[Section], extra_results: list[dict]) -> str:
         )
     if results:
         held = sum(r["passed"] for r in results)
-        skipped = [f"{r['build']} {r['invariant']}" for r in results if r["status"] == "skipped"]
-        note = f"<p>Skipped, nothing to compare: {escape(', '.join(skipped))}</p>" if skipped else ""
+        skipped = data.said_skips(results, label=lambda r: f"{r['build']} {r['invariant']}")
+        note = f"<p>Skipped: {escape(skipped)}</p>" if skipped else ""
         said = (
             f"All {held} invariants held" if not skipped else f"{held} of {len(results)} invariants held, none broken"
         )

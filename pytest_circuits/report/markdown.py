@@ -38,7 +38,7 @@ def summary(
         lines.append(
             f"All {held} invariants held."
             if held == len(results)
-            else f"{held} of {len(results)} invariants held, none broken (the rest skipped: nothing to compare)."
+            else f"{held} of {len(results)} invariants held, none broken; skipped: {data.said_skips(results)}."
         )
     else:
         lines.append("No gate verdicts: scan results only.")

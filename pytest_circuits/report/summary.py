@@ -30,15 +30,12 @@ def summary_lines(
         failed = [r for r in build_results if r["failed"]]
         against = sorted({r["against"] for r in build_results if r["against"]})
         head = f"circuits {build}" + (f" vs {', '.join(against)}" if against else "")
-        skipped = [r["invariant"] for r in build_results if r["status"] == "skipped"]
         held = sum(r["passed"] for r in build_results)
         verdict = (
             f"FAIL ({len(failed)} of {len(build_results)} invariants broken)"
             if failed
             else f"pass ({held} {'invariant' if held == 1 else 'invariants'} held)"
         )
-        if skipped:
-            verdict += f"; skipped, nothing to compare: {', '.join(skipped)}"
         lines.append(f"{head}: {verdict}")
         for r in failed:
             word = "ERROR" if r["status"] == "error" else "FAIL"
@@ -48,6 +45,8 @@ def summary_lines(
             names = [r["invariant"] for r in passed if r["against"] == against_name]
             where = f" (vs {against_name})" if len(against) > 1 and against_name else ""
             lines.append(f"  pass{where} {', '.join(names)}")
+        for reason, names in data.skip_reasons(build_results):
+            lines.append(f"  skip {', '.join(names)}: {reason}")
         moved = data.top_moved(failed, MOVED_PER_BUILD) or data.top_moved(build_results, MOVED_PER_BUILD)
         if moved:
             lines.append("  moved most: " + "; ".join(_moved(m) for m in moved))
