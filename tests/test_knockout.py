@@ -206,7 +206,7 @@ def test_inexact_replay_falls_back_to_the_plain_loop(fp32_builds):
 def test_int8_is_not_stacked_by_default(tiny_folders):
     build = load_build(resolve_model(str(tiny_folders["gpt2"])), "bnb-int8", "cpu")
     assert not knockout.batch_invariant(build)
-    assert knockout._auto_per_pass(build, None, 8, 8) == 1
+    assert knockout._auto_per_pass(build, None, 8, 8, 25) == 1
 
 
 def test_cpu_stacks_knockouts_up_to_a_token_budget(fp32_builds):

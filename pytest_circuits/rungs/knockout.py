@@ -348,7 +348,7 @@ def batch_invariant(build: LoadedBuild) -> bool:
     return not build.llm_int8
 
 
-def _auto_per_pass(build, knockouts_per_pass, batch_size, n, tokens_per_row: int = 1) -> int:
+def _auto_per_pass(build, knockouts_per_pass, batch_size, n, tokens_per_row: int) -> int:
     """Knockouts stacked in one replay: ``ROWS_PER_PASS`` rows on an accelerator; on a CPU about
     ``CPU_TOKENS_PER_PASS`` tokens (bigger matmuls there run at a lower rate per knockout: on
     SmolLM2-135M at n 8, L 64 the scan of 27 heads took 10-15% longer stacked 8 high than 1-2 high)."""

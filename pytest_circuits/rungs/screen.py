@@ -43,6 +43,7 @@ import torch
 
 from ..model.families import attention_module, get_module, layer_modules, out_proj_module
 from .ablation import z_differentiable
+from .knockout import _recorded_hidden, _tile
 from .repeat import bos_offset, copy_slices
 
 ATTN_NAME = "circuits_atp"
@@ -182,16 +183,6 @@ def _output_change(build, layer: int, dz: torch.Tensor) -> torch.Tensor:
     return proj(placed) - proj(torch.zeros_like(placed[:1]))
 
 
-def _tile_batch(obj, rows: int, k: int):
-    if torch.is_tensor(obj):
-        return obj.repeat(k, *([1] * (obj.dim() - 1))) if obj.dim() >= 2 and obj.shape[0] == rows else obj
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_tile_batch(o, rows, k) for o in obj)
-    if isinstance(obj, dict):
-        return {key: _tile_batch(v, rows, k) for key, v in obj.items()}
-    return obj
-
-
 def atp_star(build, ids, L, mode, means, batch_size, grad_drop: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """``(estimate, rank_score)``, each ``(n_layers, n_heads)``: the AtP* estimate (AtP + QK fix)
     and the score heads are ranked by (GradDrop's ``mean_j |.|``, or ``|estimate|``)."""
@@ -217,13 +208,13 @@ def atp_star(build, ids, L, mode, means, batch_size, grad_drop: bool = False) ->
             gates = torch.ones(geo.n_layers, dtype=torch.float64)
 
             def keep_block(module, args, kwargs, *, m: int, residual=residual):
-                residual[m] = (args[0] if args else kwargs["hidden_states"]).detach()
+                residual[m] = _recorded_hidden(args, kwargs).detach()
 
             def keep_attn(module, args, kwargs, *, m: int, calls=calls):
                 calls[m] = (args, {k: v.detach() if torch.is_tensor(v) else v for k, v in kwargs.items()})
 
             def drop_block(module, args, kwargs, out, *, m: int, gates=gates):
-                inp = args[0] if args else kwargs["hidden_states"]
+                inp = _recorded_hidden(args, kwargs)
                 hidden = out[0] if isinstance(out, (tuple, list)) else out
                 gated = inp + _Drop.apply(hidden - inp, gates, m)
                 return (gated, *out[1:]) if isinstance(out, (tuple, list)) else gated
@@ -335,10 +326,11 @@ def _call(module, call, hidden, rows: int, k: int) -> None:
     """Run an attention module as recorded, with ``hidden`` as its input and batch tensors stacked
     ``k`` times, up to its attention function (in "qkfix" or "linear" mode), which reads the pattern."""
     args, kwargs = call
-    kwargs = _tile_batch(kwargs, rows, k)
+    memo: dict = {}
+    kwargs = _tile(kwargs, rows, k, memo)
     try:
         if args:
-            module(hidden, *_tile_batch(tuple(args[1:]), rows, k), **kwargs)
+            module(hidden, *_tile(tuple(args[1:]), rows, k, memo), **kwargs)
         else:
             module(**{**kwargs, "hidden_states": hidden})
     except _PatternRead:
