@@ -7,14 +7,20 @@ come from the one table in `options.py`; errors name the flags as this command s
 
 from __future__ import annotations
 
-import argparse
-import math
-import shlex
 import sys
-from pathlib import Path
 
-from .errors import CircuitsError
-from .options import FRONT_END, OPTIONS
+try:  # Ctrl-C while the command is still importing: one line and status 130, never a traceback
+    import argparse
+    import contextlib
+    import math
+    import shlex
+    from pathlib import Path
+
+    from .errors import CircuitsError
+    from .options import FRONT_END, OPTIONS
+except KeyboardInterrupt:
+    print("circuits: interrupted", file=sys.stderr)
+    raise SystemExit(130) from None
 
 EXIT_OK, EXIT_BROKEN, EXIT_USAGE = 0, 1, 2
 STATUS_WORDS = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}
@@ -97,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------- helpers
 
 
-def _session(args, probe: dict | None = None):
+def _session(args, probe: dict | None = None, **fixed):
     """A session from the parsed arguments; a gated baseline's probe settings fill the unset ones."""
     from .session import CircuitsSession
     from .settings import build_settings
@@ -108,7 +114,7 @@ def _session(args, probe: dict | None = None):
             raw[name] = probe.get(key)
     raw["model"] = args.model
     raw["builds"] = args.build  # recipes and NAME=PATH external builds (model/recipes.py)
-    return CircuitsSession(build_settings(raw, baselines=Path("baselines"), front_end="cli"))
+    return CircuitsSession(build_settings(raw, baselines=Path("baselines"), front_end="cli", **fixed))
 
 
 def _one_build(session, command: str) -> str:
@@ -169,7 +175,7 @@ def model_lines(record: dict) -> list[str]:
 
 
 def cmd_scan(args) -> int:
-    from .fsio import atomic_write_text
+    from .fsio import atomic_write_text, remove_stale_temps
     from .gate.profile import profile, profile_line
     from .gate.record import build_record
     from .gate.store import dumps
@@ -182,13 +188,14 @@ def cmd_scan(args) -> int:
     print(profile_line(profile(record, Tolerances().swap_induction_score)))
     print(head_table(record))
     if args.json:
+        remove_stale_temps(args.json.parent, target=args.json.name)  # what a killed scan left beside it
         atomic_write_text(args.json, dumps(record))
         print(f"wrote {args.json}")
     return EXIT_OK
 
 
 def cmd_record(args) -> int:
-    session = _session(args)
+    session = _session(args, update=True)  # compares with and writes to --baselines (./baselines), never the shipped
     for recipe in session.settings.builds:
         path = session.write_baseline(recipe)
         record = session.record(recipe, knockout=True)
@@ -368,7 +375,16 @@ COMMANDS = {"scan": cmd_scan, "record": cmd_record, "gate": cmd_gate, "diff": cm
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run one command; Ctrl-C at any moment (its imports included) is one line and status 130."""
+    try:
+        with _escaping_output():
+            return _run(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:
+        print("circuits: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(argv: list[str]) -> int:
     token = FRONT_END.set("cli")
     try:
         if argv and argv[0] == "report":
@@ -380,11 +396,22 @@ def main(argv=None) -> int:
         except CircuitsError as error:
             print(f"circuits {args.command}: {error}", file=sys.stderr)
             return EXIT_USAGE
-        except KeyboardInterrupt:
-            print("circuits: interrupted", file=sys.stderr)
-            return 130
     finally:
         FRONT_END.reset(token)
+
+
+@contextlib.contextmanager
+def _escaping_output():
+    """stdout and stderr write text they cannot encode (a lone surrogate ``\\ud800`` in a record's model
+    name, valid JSON) as its escape instead of raising; their settings are restored afterwards."""
+    streams = [(s, s.errors) for s in (sys.stdout, sys.stderr) if hasattr(s, "reconfigure")]
+    for stream, _ in streams:
+        stream.reconfigure(errors="backslashreplace")
+    try:
+        yield
+    finally:
+        for stream, errors in streams:
+            stream.reconfigure(errors=errors)
 
 
 def _report(argv) -> int:

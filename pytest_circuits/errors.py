@@ -7,6 +7,11 @@ def first_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
+def one_line(error: BaseException) -> str:
+    """An exception's whole text on one line (``TypeName`` if it has none)."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 class CircuitsError(Exception):
     """A problem with the user's input (model, build, baseline, option).
 

@@ -1,10 +1,14 @@
-"""Every file and folder we write, behind one layer that turns OS errors into one line.
+"""Every file and folder we write, and every JSON file others wrote that we read, behind one
+layer that turns OS and parse errors into one line.
 
 ``atomic_write_text``: temporary file in the target's folder, ``fsync``, ``os.replace``,
 ``fsync`` of the folder; on any failure (disk full included) the temporary file is removed
 and the old file stays byte-identical. ``ensure_dir``: a folder that exists and can be
 written, or a `FileSystemError` naming the path and the fix. ``remove_stale`` cleans the
-temporary files and staging folders that a killed process left behind.
+temporary files and staging folders that a killed process left behind. ``read_json``: the
+one reader of JSON we did not write (baselines, ``config.json``, indexes, markers): regular
+files only (a FIFO never blocks), at most ``JSON_MAX_BYTES``, at most ``JSON_MAX_DEPTH`` levels
+deep, every failure a `JsonUnreadable` whose ``reason`` completes "FILE ...".
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -21,6 +26,8 @@ from pathlib import Path
 from .errors import FileSystemError
 
 TEMP_SUFFIX = ".tmp"
+JSON_MAX_BYTES = 256 * 2**20  # a baseline of an 80-layer, 64-head model is about 30 MB
+JSON_MAX_DEPTH = 64  # our records nest 5 levels, model configs fewer than 10
 OWNER_FILE = "OWNER.json"  # in a staging folder: the pid and host writing it
 
 
@@ -83,11 +90,21 @@ def fsync_dir(folder: str | os.PathLike) -> None:
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int = 0o644) -> Path:
-    """Write ``data`` to ``path`` so readers see the whole old or the whole new file, never a part."""
+    """Write ``data`` to ``path`` so readers see the whole old or the whole new file, never a part.
+
+    Only a regular file (or no file) is replaced by a rename; a device, FIFO or symlink
+    (``/dev/stdout``, a named pipe) is written through instead (`write_through`).
+    """
     path = Path(path)
     ensure_dir(path.parent)
     if path.is_dir():
         raise FileSystemError(f"cannot write {path}: it is a folder; pass a file path")
+    try:
+        info = os.lstat(path)
+    except OSError:
+        info = None
+    if info is not None and not stat.S_ISREG(info.st_mode):
+        return write_through(path, data)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
     except OSError as error:
@@ -111,9 +128,32 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int = 0o644) 
     return path
 
 
-def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> Path:
-    """`atomic_write_bytes` of ``text`` encoded (UTF-8 by default)."""
-    return atomic_write_bytes(path, text.encode(encoding))
+def write_through(path: Path, data: bytes) -> Path:
+    """Write ``data`` into what ``path`` names (a device, FIFO, or the file a symlink points to), never
+    replacing it; opening never blocks (a FIFO no process reads is a one-line error, not a hang)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, 0o644)
+    except OSError as error:
+        if error.errno == errno.ENXIO:
+            raise FileSystemError(
+                f"cannot write {path}: no process reads that FIFO or socket; start the reader first or pass a file path"
+            ) from None
+        raise fs_error(error, path, "write") from None
+    try:
+        os.set_blocking(fd, True)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    except OSError as error:
+        raise fs_error(error, path, "write") from None
+    finally:
+        os.close(fd)
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8", errors: str = "strict") -> Path:
+    """`atomic_write_bytes` of ``text`` encoded (UTF-8 by default; ``errors`` as in `str.encode`)."""
+    return atomic_write_bytes(path, text.encode(encoding, errors))
 
 
 def is_temp_name(name: str, target: str | None = None) -> bool:
@@ -122,8 +162,9 @@ def is_temp_name(name: str, target: str | None = None) -> bool:
     return name.startswith(prefix) and name.endswith(TEMP_SUFFIX)
 
 
-def remove_stale_temps(folder: str | os.PathLike, older_than_s: float = 600.0) -> list[Path]:
-    """Remove ``.NAME.XXXX.tmp`` files older than ``older_than_s`` in ``folder``; returns those removed.
+def remove_stale_temps(folder: str | os.PathLike, older_than_s: float = 600.0, target: str | None = None) -> list[Path]:
+    """Remove ``.NAME.XXXX.tmp`` files older than ``older_than_s`` in ``folder`` (only those of the file
+    ``target`` when given: a user's folder may hold other programs' temporary files); returns those removed.
 
     A live writer's temporary file lives milliseconds, so the age threshold never
     races a writer; an unreadable folder is left alone (the write reports it).
@@ -137,7 +178,7 @@ def remove_stale_temps(folder: str | os.PathLike, older_than_s: float = 600.0) -
     now = time.time()
     for entry in entries:
         try:
-            if is_temp_name(entry.name) and entry.is_file() and now - entry.stat().st_mtime > older_than_s:
+            if is_temp_name(entry.name, target) and entry.is_file() and now - entry.stat().st_mtime > older_than_s:
                 entry.unlink()
                 removed.append(entry)
         except OSError:
@@ -200,3 +241,84 @@ def remove_stale_staging(parent: str | os.PathLike, prefix: str, max_age_s: floa
             if not entry.exists():
                 removed.append(entry)
     return removed
+
+
+# ---------------------------------------------------------------- reading JSON others wrote
+
+
+class JsonUnreadable(Exception):
+    """A JSON file we cannot use: ``reason`` completes "PATH ..." (``"is not valid JSON (line 3)"``)."""
+
+    def __init__(self, path: str | os.PathLike, reason: str, missing: bool = False):
+        super().__init__(f"{path} {reason}")
+        self.path, self.reason, self.missing = Path(path), reason, missing
+
+
+def parse_json(data: bytes | str, path: str | os.PathLike = "JSON") -> object:
+    """``json.loads`` of ``data`` with every way it can fail as a `JsonUnreadable` (not UTF-8, not JSON,
+    nested past `JSON_MAX_DEPTH` or the recursion limit, a number past Python's 4300 digits)."""
+
+    def fail(reason: str):
+        return JsonUnreadable(path, reason)
+
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+    except UnicodeDecodeError:
+        raise fail("is not UTF-8 text (a binary file?)") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise fail(f"is not valid JSON (line {error.lineno})") from None
+    except RecursionError:
+        raise fail(f"nests deeper than {JSON_MAX_DEPTH} levels") from None
+    except ValueError as error:  # "Exceeds the limit (4300 digits) for integer string conversion"
+        raise fail(f"holds a value Python cannot read ({' '.join(str(error).split())})") from None
+    if _depth_beyond(value, JSON_MAX_DEPTH):
+        raise fail(f"nests deeper than {JSON_MAX_DEPTH} levels")
+    return value
+
+
+def _depth_beyond(value, limit: int) -> bool:
+    """True when ``value`` nests lists and objects more than ``limit`` levels deep (iterative: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
+
+def read_json(path: str | os.PathLike, max_bytes: int = JSON_MAX_BYTES) -> object:
+    """The JSON value in the regular file ``path``, or a `JsonUnreadable` saying why not (one line).
+
+    Opened without blocking (a FIFO or device is refused, never waited on); larger than
+    ``max_bytes``, refused before it is read; then `parse_json`.
+    """
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise JsonUnreadable(path, "does not exist", missing=True) from None
+    except IsADirectoryError:
+        raise JsonUnreadable(path, "is a folder, not a file") from None
+    except OSError as error:
+        raise JsonUnreadable(path, f"cannot be read ({error.strerror or type(error).__name__})") from None
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise JsonUnreadable(path, "is a folder, not a file")
+        if not stat.S_ISREG(info.st_mode):
+            raise JsonUnreadable(path, "is not a regular file (a FIFO, device or socket)")
+        if info.st_size > max_bytes:
+            raise JsonUnreadable(path, f"holds {info.st_size} bytes, more than the {max_bytes} a JSON file may")
+        try:
+            data = handle.read(max_bytes + 1)
+        except OSError as error:
+            raise JsonUnreadable(path, f"cannot be read ({error.strerror or type(error).__name__})") from None
+    if len(data) > max_bytes:
+        raise JsonUnreadable(path, f"holds more than the {max_bytes} bytes a JSON file may")
+    return parse_json(data, path)

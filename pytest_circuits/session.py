@@ -69,23 +69,12 @@ class CircuitsSession:
         def check():
             from types import SimpleNamespace
 
-            from transformers import AutoConfig
-
-            from .model.families import geometry_of
+            from .model.builds import read_config
+            from .model.families import check_geometry, geometry_of
             from .model.vocab import token_info
             from .rungs.repeat import check_fits, check_probe_memory, check_vocabulary
 
-            try:
-                config = AutoConfig.from_pretrained(
-                    self.source.folder, local_files_only=True, trust_remote_code=self.settings.trust_remote_code
-                )
-            except ValueError as error:
-                from .errors import ModelLoadError, first_line
-
-                raise ModelLoadError(
-                    f"model {self.settings.model!r}: {first_line(error)} "
-                    f"(pass {flag('trust-remote-code')} only if you trust it)"
-                ) from None
+            config = read_config(self.source.folder, self.settings.trust_remote_code, self.settings.model)
             s = self.settings
             for spec in s.external:  # a NAME=PATH whose PATH is nowhere: one line now, not per test
                 from .model.external import check_external_path
@@ -95,6 +84,7 @@ class CircuitsSession:
             check_vocabulary(tokens)
             check_fits(config, tokens, s.probe.L)
             geometry = geometry_of(SimpleNamespace(config=config))  # geometry_of reads .config alone
+            check_geometry(self.settings.model, geometry)
             check_probe_memory(geometry, s.probe.n, s.probe.L, s.batch_size, knockout=True, device=str(self.device))
             return geometry
 
@@ -214,10 +204,13 @@ class CircuitsSession:
 
     @cached_property
     def shards(self) -> int:
-        """Layer shards of a full knockout scan: ``--circuits-knockout-shards``, else the worker count
+        """Layer shards of a full knockout scan: ``--circuits-knockout-shards`` (at most the layer count), else the worker count
         under pytest-xdist for a model of `AUTO_SHARD_HEADS` heads or more, else one."""
-        if self.settings.knockout_shards is not None:
-            return self.settings.knockout_shards
+        if self.settings.knockout_shards is not None:  # at most one shard per layer (4096 on 2 layers: 2)
+            try:
+                return max(1, min(self.settings.knockout_shards, self.preflight().n_layers))
+            except Exception:  # the model cannot be gated: its tests say why
+                return 1
         if self.workers <= 1:
             return 1
         try:

@@ -18,6 +18,27 @@ needs_embedded = requires_embedded_model()
 LEGACY_BASELINE = Path(__file__).resolve().parent / "data" / "tiny-induction--fp32.legacy.json"
 
 
+SHIPPED_BASELINES = Path(__file__).resolve().parent.parent / "pytest_circuits" / "baselines"
+
+
+def _shipped_digests() -> dict[str, str]:
+    import hashlib
+
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(SHIPPED_BASELINES.iterdir())}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shipped_baselines_untouched():
+    """The package's shipped baselines are read only to every command: after the whole run (every
+    test, every worker) each file is byte-identical and none was added or removed."""
+    before = _shipped_digests()
+    yield
+    after = _shipped_digests()
+    assert after == before, (
+        f"the run wrote into {SHIPPED_BASELINES}: {sorted(set(after.items()) ^ set(before.items()))}"
+    )
+
+
 @pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory):
     """``tiny_folder(family, seed=0)``: a saved tiny random model folder, built once per session."""

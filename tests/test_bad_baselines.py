@@ -4,7 +4,17 @@ shows a traceback, and a good baseline already in place is byte-identical afterw
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import os
+import shutil
+import stat
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -89,22 +99,40 @@ def test_bad_baseline_is_one_line_exit_2(recorded, tmp_path, capsys, case, mutat
     assert good.read_bytes() == before
 
 
+DEEP = b'{"schema_version": ' + b"[" * 2000 + b"]" * 2000 + b"}"  # past the parser's recursion limit
+SHALLOW_DEEP = b'{"schema_version": ' + b"[" * 200 + b"]" * 200 + b"}"  # parses, but deeper than any record
+LONG_INT = b'{"schema_version": ' + b"7" * 5000 + b"}"  # past Python's 4300-digit integer limit
+
+
 @pytest.mark.parametrize(
     "content, expected",
     [
         (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "is not UTF-8 text"),
         (b"{not json", "is not valid JSON (line 1)"),
         (b"[1, 2]", "top level is not an object"),
+        (DEEP, "nests deeper than 64 levels"),
+        (SHALLOW_DEEP, "nests deeper than 64 levels"),
+        (LONG_INT, "holds a value Python cannot read (Exceeds the limit (4300 digits)"),
     ],
-    ids=["binary", "not json", "a list"],
+    ids=["binary", "not json", "a list", "2000 levels", "200 levels", "5000 digits"],
 )
-def test_unreadable_baseline_files(recorded, tmp_path, capsys, content, expected):
+def test_unreadable_baseline_files(recorded, tmp_path, capsys, monkeypatch, content, expected):
+    """In every command that reads a baseline: gate, diff, report, and record over an existing file."""
     model, good = recorded
     bad = tmp_path / "m--fp32.json"
     bad.write_bytes(content)
-    for argv in (["gate", str(model), "--build", "fp32", "--baseline", str(bad)], ["diff", str(good), str(bad)]):
+    monkeypatch.chdir(tmp_path)
+    for argv in (
+        ["gate", str(model), "--build", "fp32", "--baseline", str(bad)],
+        ["diff", str(good), str(bad)],
+        ["report", str(bad), "--out", str(tmp_path / "report")],
+        ["report", str(good), "--against", str(bad), "--out", str(tmp_path / "report")],
+    ):
         code, _, err = run(capsys, argv)
-        assert code == 2 and expected in one_line(err)
+        assert code == 2 and expected in one_line(err) and str(bad) in err, err
+    # record over it: the unreadable file is replaced by the new record (a corrupt baseline is rewritten)
+    code, out, err = run(capsys, ["record", str(model), "--build", "fp32", "--baselines", str(tmp_path), *SMALL])
+    assert code == 0 and "Traceback" not in err and f"wrote {bad}" in out, err
 
 
 OPTION_CASES = [  # (argv after the model, what the one line must name)
@@ -277,3 +305,286 @@ def test_kill_9_during_record_keeps_the_old_baseline(recorded, tmp_path):
         proc.wait()
         read_baseline(target)  # whole and valid, old or new
     assert not [p for p in folder.iterdir() if p.name != target.name and not p.name.endswith(".tmp")]
+
+
+# ---------------------------------------------------------------- issue 27: a hostile user's inputs, one row each
+#
+# Each row builds its input under tmp_path, runs one `circuits` command in this process (cwd: the row's
+# folder) and ends in one of three ways: exit 2 with one stderr line naming the thing and the fix, exit 1
+# with a gate failure saying why, or exit 0 doing what was asked. Never a traceback, never a write into
+# the shipped baselines (a read-only copy stands in for them; its hashes are checked after every row).
+
+SHIPPED_SOURCE = Path(__file__).resolve().parent.parent / "pytest_circuits" / "baselines"
+FAST = ["--no-knockout", "--probe-n", "4", "--probe-length", "16", "--device", "cpu"]
+TINY = ["--probe-n", "4", "--probe-length", "16", "--device", "cpu"]
+
+
+def digests(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def unwritable(tmp: Path) -> Path:
+    """A folder no one here can write into: a read-only folder, or /sys when running as root."""
+    if os.geteuid() == 0:
+        return Path("/sys")
+    locked = tmp / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    return locked
+
+
+@dataclass
+class Ctx:
+    tmp: Path
+    model: Path  # the tiny gpt2 folder `m`
+    good: Path  # its fp32 baseline
+    shipped: Path  # the read-only copy standing in for the shipped baselines
+    cwd: Path
+    check: Callable[[], bool] | None = None
+    feed: Callable[[], None] | None = None  # run beside the command (a FIFO's reader)
+
+
+@dataclass(frozen=True)
+class CliCase:
+    id: str
+    make: Callable[[Ctx], list[str]]  # the argv; may set ctx.cwd, ctx.check, ctx.feed
+    rc: int
+    names: tuple[str, ...]  # substrings of the one stderr line (rc 2), else of stdout
+
+
+def case_record_default_folder(ctx: Ctx) -> list[str]:
+    ctx.check = lambda: (ctx.cwd / "baselines" / "tiny-induction--fp32.json").is_file()
+    return ["record", "tiny-induction", "--build", "fp32", *TINY]
+
+
+def case_record_default_probe(ctx: Ctx) -> list[str]:
+    """The shipped baseline's own probe settings: compared with ./baselines (empty), so written there."""
+    ctx.check = lambda: (ctx.cwd / "baselines" / "tiny-induction--rtn-int8.json").is_file()
+    return ["record", "tiny-induction", "--build", "rtn-int8", "--device", "cpu"]
+
+
+def case_record_read_only_cwd(ctx: Ctx) -> list[str]:
+    ctx.cwd = unwritable(ctx.tmp)
+    return ["record", "tiny-induction", "--build", "fp32", *TINY]
+
+
+def case_record_into_shipped(ctx: Ctx) -> list[str]:
+    return ["record", "tiny-induction", "--build", "fp32", "--baselines", str(ctx.shipped), *TINY]
+
+
+def case_gate_fifo_baseline(ctx: Ctx) -> list[str]:
+    fifo = ctx.tmp / "m--fp32.json"
+    os.mkfifo(fifo)
+    return ["gate", str(ctx.model), "--build", "fp32", "--baseline", str(fifo), "--device", "cpu"]
+
+
+def case_scan_json_fifo(ctx: Ctx) -> list[str]:
+    fifo = ctx.tmp / "scan.json"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+
+    def feed():
+        with open(fifo, "rb") as handle:  # blocks until the scan opens it for writing
+            got.append(handle.read())
+
+    ctx.feed = feed
+    ctx.check = lambda: stat.S_ISFIFO(os.lstat(fifo).st_mode) and json.loads(got[0])["model"]["name"] == "m"
+    return ["scan", str(ctx.model), *FAST, "--json", str(fifo)]
+
+
+def case_scan_json_unread_fifo(ctx: Ctx) -> list[str]:
+    fifo = ctx.tmp / "scan.json"
+    os.mkfifo(fifo)
+    ctx.check = lambda: stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    return ["scan", str(ctx.model), *FAST, "--json", str(fifo)]
+
+
+def case_scan_json_stale_temp(ctx: Ctx) -> list[str]:
+    left = ctx.tmp / ".scan.json.k1ll3d.tmp"  # what kill -9 during the write leaves
+    left.write_text('{"half": ')
+    os.utime(left, (time.time() - 3600, time.time() - 3600))
+    other = ctx.tmp / ".notes.txt.abc.tmp"  # another file's temporary: not ours to remove
+    other.write_text("x")
+    os.utime(other, (time.time() - 3600, time.time() - 3600))
+    ctx.check = lambda: not left.exists() and other.exists() and (ctx.tmp / "scan.json").is_file()
+    return ["scan", str(ctx.model), *FAST, "--json", str(ctx.tmp / "scan.json")]
+
+
+def spread_baseline(ctx: Ctx, spread: float) -> Path:
+    """The baseline with copy_loss 1 nat higher (copy_gain 1 lower) than the model gives, its
+    per-sequence values spread by +-``spread`` around the stored means (which they still average to)."""
+    record = json.loads(ctx.good.read_text())
+    for figure, shift in (("copy_loss", 1.0), ("copy_gain", -1.0)):
+        record[figure] += shift
+        record[f"{figure}_interval"] = [v + shift for v in record[f"{figure}_interval"]]
+        values = record[f"{figure}_sequences"]
+        record[f"{figure}_sequences"] = [v + shift + spread * (-1) ** i for i, v in enumerate(values)]
+    path = ctx.tmp / "m--fp32.json"
+    path.write_text(json.dumps(record))
+    return path
+
+
+def case_gate_spread_baseline(ctx: Ctx) -> list[str]:
+    path = spread_baseline(ctx, 3.0)
+    return ["gate", str(ctx.model), "--build", "fp32", "--baseline", str(path), "--device", "cpu"]
+
+
+def case_gate_moved_baseline(ctx: Ctx) -> list[str]:
+    """The same move without the spread: the paired interval excludes 0 and the gate fails as always."""
+    path = spread_baseline(ctx, 0.0)
+    return ["gate", str(ctx.model), "--build", "fp32", "--baseline", str(path), "--device", "cpu"]
+
+
+def case_report_read_only_out(ctx: Ctx) -> list[str]:
+    return ["report", str(ctx.good), "--out", str(unwritable(ctx.tmp) / "circuits-report")]
+
+
+def case_report_out_is_a_file(ctx: Ctx) -> list[str]:
+    blocker = ctx.tmp / "circuits-report"
+    blocker.write_text("in the way")
+    ctx.check = lambda: blocker.read_text() == "in the way"
+    return ["report", str(ctx.good), "--out", str(blocker)]
+
+
+def whole_or_absent(out: Path) -> bool:
+    """No temporary file and no truncated PNG in ``out``."""
+    files = list(out.iterdir()) if out.is_dir() else []
+    return not any(p.name.endswith(".tmp") for p in files) and all(
+        p.read_bytes().endswith(b"IEND\xaeB`\x82") for p in files if p.suffix == ".png"
+    )
+
+
+def case_report_file_size_limit(ctx: Ctx) -> list[str]:
+    """RLIMIT_FSIZE: writes past 20 kB fail (EFBIG), as on a full disk."""
+    ctx.check = lambda: whole_or_absent(ctx.tmp / "out")
+    return ["report", str(ctx.good), "--against", str(ctx.good), "--out", str(ctx.tmp / "out")]
+
+
+def case_report_disk_full(ctx: Ctx) -> list[str]:
+    """ENOSPC from fsync (how a full disk answers a delayed write), simulated."""
+    ctx.check = lambda: whole_or_absent(ctx.tmp / "out")
+    return ["report", str(ctx.good), "--out", str(ctx.tmp / "out")]
+
+
+def surrogate_named(ctx: Ctx) -> Path:
+    text = ctx.good.read_text().replace('"name": "m"', '"name": "m\\ud800"', 1)
+    assert "\\ud800" in text
+    path = ctx.tmp / "m--int8.json"
+    path.write_text(text)
+    return path
+
+
+def case_diff_lone_surrogate(ctx: Ctx) -> list[str]:
+    return ["diff", str(ctx.good), str(surrogate_named(ctx))]
+
+
+def case_report_lone_surrogate(ctx: Ctx) -> list[str]:
+    out = ctx.tmp / "out"
+    ctx.check = lambda: "m\\ud800" in (out / "report.html").read_text() and whole_or_absent(out)
+    return ["report", str(surrogate_named(ctx)), "--out", str(out)]
+
+
+CLI_CASES = [
+    CliCase("record-without---baselines-writes-./baselines", case_record_default_folder, 0, ("wrote baselines/",)),
+    CliCase("record-shipped-probe-is-not-compared-with-shipped", case_record_default_probe, 0, ("wrote baselines/",)),
+    CliCase("record-in-a-read-only-folder", case_record_read_only_cwd, 2, ("cannot create the folder baselines",)),
+    CliCase(
+        "record-into-the-shipped-folder", case_record_into_shipped, 2, ("shipped with pytest-circuits", "read only")
+    ),
+    CliCase("gate---baseline-is-a-fifo", case_gate_fifo_baseline, 2, ("m--fp32.json is not a regular file",)),
+    CliCase("scan---json-is-a-fifo", case_scan_json_fifo, 0, ("wrote ",)),
+    CliCase("scan---json-fifo-no-reader", case_scan_json_unread_fifo, 2, ("scan.json", "no process reads that FIFO")),
+    CliCase("scan---json-stale-temp-swept", case_scan_json_stale_temp, 0, ("wrote ",)),
+    CliCase("gate-baseline-spread-implausible", case_gate_spread_baseline, 1, ("carry no evidence", "FAIL copy_loss")),
+    CliCase("gate-baseline-moved-not-spread", case_gate_moved_baseline, 1, ("FAIL copy_loss",)),
+    CliCase("report---out-read-only", case_report_read_only_out, 2, ("circuits-report",)),
+    CliCase("report---out-is-a-file", case_report_out_is_a_file, 2, ("circuits-report", "it is a file")),
+    CliCase("report-file-size-limit", case_report_file_size_limit, 2, ("out/", "no space left")),
+    CliCase("report-disk-full-enospc", case_report_disk_full, 2, ("out/", "no space left", "errno 28")),
+    CliCase("diff-lone-surrogate-in-model.name", case_diff_lone_surrogate, 0, ("m\\ud800",)),
+    CliCase("report-lone-surrogate-in-model.name", case_report_lone_surrogate, 0, ("report.html",)),
+]
+
+
+@pytest.mark.parametrize("case", CLI_CASES, ids=[c.id for c in CLI_CASES])
+def test_hostile_cli_input(recorded, tmp_path, monkeypatch, capsys, case):
+    from pytest_circuits.model import named
+
+    model, good = recorded
+    good_bytes = good.read_bytes()
+    shipped = tmp_path / "site-packages" / "baselines"
+    shutil.copytree(SHIPPED_SOURCE, shipped)
+    for path in shipped.iterdir():
+        path.chmod(0o444)
+    shipped.chmod(0o555)
+    monkeypatch.setattr(named, "SHIPPED_BASELINES", shipped)
+    before = digests(shipped)
+    work = tmp_path / "work"
+    work.mkdir()
+    ctx = Ctx(tmp_path, model, good, shipped, work)
+    argv = case.make(ctx)
+    monkeypatch.chdir(ctx.cwd)
+    if case.id == "report-disk-full-enospc":
+
+        def full(fd):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "fsync", full)
+    feeder = threading.Thread(target=ctx.feed, daemon=True) if ctx.feed else None
+    if feeder:
+        feeder.start()
+    code, out, err = run_guarded(capsys, argv, fsize=20_000 if case.id == "report-file-size-limit" else None)
+    if feeder:
+        feeder.join(timeout=30)
+    assert "Traceback" not in out + err, err
+    assert code == case.rc, f"rc {code}\n{out}\n{err}"
+    if case.rc == 2:
+        line = one_line(err)
+        assert line.startswith(f"circuits {argv[0]}: "), line
+        for name in case.names:
+            assert name in line, line
+    else:
+        for name in case.names:
+            assert name in out, out
+    if ctx.check is not None:
+        assert ctx.check(), f"{case.id}: after-check failed"
+    assert digests(shipped) == before  # no command wrote into the shipped baselines
+    assert good.read_bytes() == good_bytes
+
+
+def run_guarded(capsys, argv: list[str], fsize: int | None = None, deadline_s: float = 120.0):
+    """`run` with a deadline (a command that blocks, e.g. on a FIFO, fails the row instead of hanging
+    the suite) and optionally RLIMIT_FSIZE (writes past ``fsize`` bytes fail with EFBIG)."""
+    import resource
+    import signal
+
+    result: list = []
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.getsignal(signal.SIGXFSZ)
+
+    def call():
+        try:
+            result.append(main(argv))
+        except BaseException as error:  # reported below as the row's failure
+            result.append(error)
+
+    try:
+        if fsize:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, old_limit[1]))
+        worker = threading.Thread(target=call, daemon=True)
+        worker.start()
+        worker.join(deadline_s)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    blocked = worker.is_alive()
+    if blocked:  # unblock a reader stuck on a FIFO, so the thread ends
+        for path in Path.cwd().parent.rglob("*.json"):
+            if stat.S_ISFIFO(os.lstat(path).st_mode):
+                os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    captured = capsys.readouterr()
+    assert not blocked, f"the command blocked for {deadline_s} s"
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0], captured.out, captured.err

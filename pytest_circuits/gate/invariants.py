@@ -56,7 +56,7 @@ import numpy as np
 from ..errors import CircuitsError
 from ..options import flag
 from .record import has_figures, record_eigenvalues
-from .stats import LEVEL, excludes_zero, paired_interval, spearman
+from .stats import LEVEL, excludes_zero, implausible_spread, paired_interval, spearman
 from .store import geometry_difference
 from .tolerances import Tolerances
 
@@ -370,13 +370,23 @@ def sampled_within(
         broken = beyond
     elif tol.outside_interval:
         broken = beyond and excludes_zero(interval)
-        if beyond and not broken:
+        ratio = implausible_spread(xs, ys) if beyond and not broken else None
+        if ratio is not None:
+            broken = True  # only the baseline's implausible spread held the interval over 0
+            said.append(NO_EVIDENCE.format(ratio=ratio, n=len(xs)))
+        elif beyond and not broken:
             said.append(f"beyond {limit:.3g} but {SPARED} (the {LEVEL:.0%} interval holds 0)")
     else:
         broken = beyond
     return Row(subject, metric, x, y, limit, broken, " ".join(said), interval)
 
 
+# A baseline whose per-sequence values spread implausibly for its n (`stats.implausible_spread`) cannot
+# say a change is noise: its interval would hold 0 whatever the build did (docs/definitions.md).
+NO_EVIDENCE = (
+    "the baseline's per-sequence values carry no evidence (their spread is {ratio:.3g}x the build's on the "
+    "same {n} sequences, beyond F({n}-1, {n}-1) at 99.9%); plain tolerance applies: record the baseline again"
+)
 SPARED = "within sampling noise"  # the note of a row the interval rule kept from breaking
 
 

@@ -45,6 +45,27 @@ def paired_interval(before, after, level: float = LEVEL) -> tuple[float, float] 
     return mean_interval(a - b, level)
 
 
+SPREAD_LEVEL = 0.999  # a baseline's spread beyond this quantile of F(n-1, n-1) carries no evidence
+
+
+def implausible_spread(before, after, level: float = SPREAD_LEVEL) -> float | None:
+    """``s(before) / s(after)`` when it is implausible for two builds measured on the same ``n``
+    sequences, else None: the per-sequence values are close to normal (each a mean of ``L - 1``
+    token losses), so with equal spreads ``s_b^2 / s_a^2`` follows ``F(n-1, n-1)``; a ratio past its
+    ``level`` quantile (n = 8: an sd ratio above 3.9) says the baseline's values are not noise on
+    these tokens. None when the two do not pair or either has fewer than two finite values."""
+    from scipy.stats import f
+
+    b, a = np.asarray(before, dtype=float), np.asarray(after, dtype=float)
+    if b.shape != a.shape or b.ndim != 1 or b.size < 2 or not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return None
+    sb, sa = float(b.std(ddof=1)), float(a.std(ddof=1))
+    bound = math.sqrt(float(f.ppf(level, b.size - 1, b.size - 1)))
+    if sb <= bound * sa:
+        return None
+    return sb / sa if sa > 0 else math.inf
+
+
 def excludes_zero(interval: tuple[float, float] | None) -> bool:
     """True when ``interval`` lies wholly on one side of 0 (the change is outside sampling noise)."""
     return interval is not None and (interval[0] > 0 or interval[1] < 0)

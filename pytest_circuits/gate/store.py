@@ -22,8 +22,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from ..errors import BaselineCorrupt, BaselineMissing, ForeignBaseline
-from ..fsio import atomic_write_text, remove_stale_temps
+from ..errors import BaselineCorrupt, BaselineMissing, FileSystemError, ForeignBaseline
+from ..fsio import JsonUnreadable, atomic_write_text, read_json, remove_stale_temps
 from ..options import FRONT_END, flag
 from .schema import SCHEMA_VERSION, Record, problem
 
@@ -130,24 +130,20 @@ def validate(record, source: str = "baseline") -> dict:
 
 
 def read_baseline(path: str | Path) -> dict:
-    """The validated record in ``path``; a missing or corrupt file is a one-line BaselineError."""
+    """The validated record in ``path`` (`fsio.read_json`); a missing or corrupt file is a one-line BaselineError."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise BaselineMissing(f"baseline {path} does not exist; {_fix().replace(' again', '')}") from None
-    except IsADirectoryError:
-        raise BaselineCorrupt(f"baseline {path} is a folder, not a file; pass a baseline .json file") from None
-    except UnicodeDecodeError:
-        raise BaselineCorrupt(f"baseline {path} is not UTF-8 text (a binary file?); delete it and {_fix()}") from None
-    except OSError as error:
-        raise BaselineCorrupt(f"baseline {path} cannot be read ({error.strerror}); check its permissions") from None
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise BaselineCorrupt(
-            f"baseline {path} is not valid JSON (line {error.lineno}); delete it and {_fix()}"
-        ) from None
+        record = read_json(path)
+    except JsonUnreadable as error:
+        if error.missing:
+            raise BaselineMissing(f"baseline {path} does not exist; {_fix().replace(' again', '')}") from None
+        if "folder" in error.reason or "regular file" in error.reason:
+            fix = "pass a baseline .json file"
+        elif error.reason.startswith("cannot be read"):
+            fix = "check its permissions"
+        else:
+            fix = f"delete it and {_fix()}"
+        raise BaselineCorrupt(f"baseline {path} {error.reason}; {fix}") from None
     return validate(record, f"baseline {path}")
 
 
@@ -231,8 +227,21 @@ def unchanged(old, new, rel: float = UNCHANGED_REL, atol: float = UNCHANGED_ABS)
     return old == new
 
 
+def is_shipped(folder: str | Path) -> bool:
+    """True for the installed package's own baselines folder (`model.named.SHIPPED_BASELINES`)."""
+    from ..model import named
+
+    try:
+        return Path(folder).resolve() == Path(named.SHIPPED_BASELINES).resolve()
+    except OSError:
+        return False
+
+
 class BaselineStore:
-    """The baselines folder: one file per (model, build), found, read, written and listed here."""
+    """The baselines folder: one file per (model, build), found, read, written and listed here.
+
+    The package's shipped baselines are read only: no command writes there (`is_shipped`).
+    """
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
@@ -252,6 +261,11 @@ class BaselineStore:
         is left as it is, so re-recording an unchanged build churns no diff in review.
         """
         path = self.path(model_name, build)
+        if is_shipped(self.folder):
+            raise FileSystemError(
+                f"cannot write {path}: the baselines shipped with pytest-circuits are read only; "
+                f"record into your own folder ({flag('baselines')} DIR, default ./baselines)"
+            )
         validate(record, f"the scan record of {build}")
         if path.parent.is_dir():
             remove_stale_temps(path.parent)  # what a killed writer left

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CircuitsError, RecipeError, first_line
+from ..errors import CircuitsError, ModelLoadError, RecipeError, first_line, one_line
 from ..options import flag
 from .dense import is_projection, weight_of
 from .families import Family, Geometry, family_for_config, geometry_of, modules_at
@@ -206,14 +206,20 @@ def check_not_offloaded(model, what: str) -> None:
 
 
 def read_config(folder, trust_remote_code: bool = False, what: str | None = None):
-    """The transformers config of a weights folder; an unknown architecture is one line."""
+    """The transformers config of a weights folder; an unknown architecture, or a config transformers'
+    own checks refuse (``StrictDataclassFieldValidationError``, ``TypeError``, ``ZeroDivisionError``), is one line."""
     from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
     except ValueError as error:
-        raise CircuitsError(
+        raise ModelLoadError(
             f"model {what or str(folder)!r}: {first_line(error)} (pass {flag('trust-remote-code')} only if you trust it)"
+        ) from None
+    except Exception as error:
+        raise ModelLoadError(
+            f"model {what or str(folder)!r}: transformers refuses its config.json ({type(error).__name__}: "
+            f"{one_line(error)}); fix config.json or save the model again"
         ) from None
 
 

@@ -9,7 +9,6 @@ gives it an identity that names the file: its sha256, format and stored tensor t
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,6 +16,7 @@ from types import SimpleNamespace
 import torch
 
 from ..errors import CircuitsError, RecipeError
+from ..fsio import parse_json
 from .builds import BuildIdentity, LoadedBuild, finish_build, from_pretrained, read_config, resolve_device
 from .families import Geometry, family_for_config, geometry_of
 from .loading import ModelSource, check_finite_weights, quiet_transformers, sha256_of, weight_files
@@ -48,7 +48,7 @@ def safetensors_dtypes(folder: Path) -> dict[str, int]:
     for file in weight_files(folder):
         with open(file, "rb") as handle:
             size = int.from_bytes(handle.read(8), "little")
-            header = json.loads(handle.read(size))
+            header = parse_json(handle.read(size), file)
         counts.update(v["dtype"] for k, v in header.items() if k != "__metadata__")
     return dict(counts)
 

@@ -27,7 +27,7 @@ from typing import Any, cast
 
 import torch
 
-from ..errors import UnknownFamilyError
+from ..errors import ModelLoadError, UnknownFamilyError
 
 ENTRY_POINT_GROUP = "pytest_circuits.families"
 
@@ -726,6 +726,16 @@ def geometry_for(config, family: Family) -> Geometry:
 def geometry_of(model) -> Geometry:
     """Layers, heads, key/value heads, widths and vocabulary of a loaded model."""
     return geometry_for(model.config, family_of(model))
+
+
+def check_geometry(model: str, geometry: Geometry) -> None:
+    """Refuse, in one line, a config with no layers, heads, width or vocabulary (``num_hidden_layers: 0``)."""
+    empty = [f"{name} {value}" for name, value in vars(geometry).items() if not value > 0]
+    if empty:
+        raise ModelLoadError(
+            f"model {model!r}: its config gives {', '.join(empty)} (num_hidden_layers, num_attention_heads, ...); "
+            "every count must be at least 1: fix config.json"
+        )
 
 
 def head_label(layer: int, head: int) -> str:

@@ -23,11 +23,14 @@ from pathlib import Path
 from ..errors import CircuitsError, FileSystemError, ModelLoadError, first_line
 from ..fsio import (
     OWNER_FILE,
+    JsonUnreadable,
     atomic_write_text,
     ensure_dir,
     fs_error,
     fsync_dir,
     make_staging_dir,
+    parse_json,
+    read_json,
     remove_stale_staging,
 )
 from .named import named_model_path
@@ -115,9 +118,11 @@ def _named_file(folder: Path, name, named_by: str, suffix: str = SAFETENSORS_SUF
 def _index_files(folder: Path, index: Path) -> list[Path]:
     """The files a ``*.safetensors.index.json`` maps tensors to, each checked by `_named_file`."""
     try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        weight_map = read_json(index)["weight_map"]  # type: ignore[index]
         names = sorted(set(weight_map.values()))
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as error:
+    except JsonUnreadable as error:
+        raise ModelLoadError(f"model folder {folder}: {index.name} {error.reason}; re-save the model") from None
+    except (KeyError, TypeError, AttributeError) as error:
         raise ModelLoadError(
             f"model folder {folder}: {index.name} is not a weight index ({first_line(error)}); re-save the model"
         ) from None
@@ -128,9 +133,11 @@ def _index_files(folder: Path, index: Path) -> list[Path]:
 
 def _config_weights_name(folder: Path):
     try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise ModelLoadError(f"model folder {folder}: config.json is not JSON ({first_line(error)})") from None
+        config = read_json(folder / "config.json")
+    except JsonUnreadable as error:
+        raise ModelLoadError(
+            f"model folder {folder}: config.json {error.reason}; fix it or save the model again"
+        ) from None
     return config.get("transformers_weights") if isinstance(config, dict) else None
 
 
@@ -447,11 +454,11 @@ def write_marker(folder: Path, convert: _Converter) -> None:
 def cache_entry_problem(folder: Path) -> str | None:
     """Why a conversion cache entry cannot be used (no marker, a file missing, truncated or changed), or None."""
     try:
-        files = json.loads((folder / MARKER).read_text(encoding="utf-8"))["files"]
+        files = read_json(folder / MARKER)["files"]  # type: ignore[index]
         expected = {str(name): (int(v["size"]), str(v["sha256"])) for name, v in files.items()}
-    except FileNotFoundError:
-        return f"no {MARKER}: the conversion never finished"
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as error:
+    except JsonUnreadable as error:
+        return f"no {MARKER}: the conversion never finished" if error.missing else f"{MARKER} {error.reason}"
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
         return f"{MARKER} is unreadable ({first_line(error)})"
     if "config.json" not in expected or not any(n.endswith(SAFETENSORS_SUFFIX) for n in expected):
         return f"{MARKER} lists no config.json or weights"
@@ -476,10 +483,10 @@ def safetensors_complete(file: Path) -> bool:
     try:
         with open(file, "rb") as handle:
             size = int.from_bytes(handle.read(8), "little")
-            header = json.loads(handle.read(size))
+            header = parse_json(handle.read(size), file)
         ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
         return file.stat().st_size == 8 + size + max(ends, default=0)
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+    except (OSError, JsonUnreadable, ValueError, KeyError, TypeError, IndexError, AttributeError):
         return False
 
 
@@ -493,8 +500,8 @@ def adopt_legacy_entry(target: Path, convert: _Converter) -> bool:
     if (target / MARKER).exists():
         return False
     try:
-        source = json.loads((target / "SOURCE.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+        source = read_json(target / "SOURCE.json")
+    except JsonUnreadable:
         return False
     weights = list(target.glob("*" + SAFETENSORS_SUFFIX))
     if not isinstance(source, dict) or source.get("sha256") != convert.key or not weights:

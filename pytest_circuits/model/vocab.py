@@ -8,13 +8,13 @@ special in the config is ordinary, and no BOS is prepended (docs/definitions.md,
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import ModelLoadError, first_line
+from ..fsio import JsonUnreadable, read_json
 from ..options import flag
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -50,9 +50,13 @@ def remote_code_file(folder: Path) -> str | None:
     """The file that maps the tokenizer to the folder's own code (``auto_map``), or None."""
     for name, needs in (("tokenizer_config.json", None), ("config.json", "AutoTokenizer")):
         try:
-            data = json.loads((folder / name).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError):
-            continue
+            data = read_json(folder / name)
+        except JsonUnreadable as error:
+            if error.missing:
+                continue
+            raise ModelLoadError(
+                f"model folder {folder}: {name} {error.reason}; fix it or save the model again"
+            ) from None
         auto_map = data.get("auto_map") if isinstance(data, dict) else None
         if auto_map and (needs is None or not isinstance(auto_map, dict) or needs in auto_map):
             return name

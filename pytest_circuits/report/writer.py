@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CircuitsError
+from ..fsio import atomic_write_bytes, atomic_write_text, ensure_dir, fs_error
 from ..gate.store import read_baseline
 from . import data, figures, html, markdown
 from .sections import build_section, failing_first, overview_figures
@@ -33,8 +34,7 @@ def write_report(
     (`live.head_attention`, or ``{"note": why not}``); without it the page says why there is none.
     """
     figures.require_matplotlib()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = ensure_dir(out_dir)
     grouped = data.results_by_build(results)
     references = references or {}
     sections, used = [], set()
@@ -49,13 +49,13 @@ def write_report(
     seen = {s.label for s in sections}
     extra = [r for build, rs in grouped.items() if build not in seen for r in rs]
     overview, overview_notes = overview_figures(sections, attention or {})
-    for figure in overview + [f for section in sections for f in section.figures]:
-        (out / figure.file).write_bytes(figure.png)
-    (out / SUMMARY_PAGE).write_text(
-        markdown.summary(sections, extra, overview, overview_notes, out.name), encoding="utf-8"
-    )
+    for figure in overview + [f for section in sections for f in section.figures]:  # each whole or absent
+        atomic_write_bytes(out / figure.file, figure.png)
+    # a lone surrogate in a record's text (valid JSON: "\ud800") is written as its escape, not refused
+    summary = markdown.summary(sections, extra, overview, overview_notes, out.name)
+    atomic_write_text(out / SUMMARY_PAGE, summary, errors="backslashreplace")
     page = out / REPORT_PAGE
-    page.write_text(html.page(sections, extra, overview, overview_notes), encoding="utf-8")
+    atomic_write_text(page, html.page(sections, extra, overview, overview_notes), errors="backslashreplace")
     return page
 
 
@@ -118,6 +118,9 @@ def report_command(argv: Sequence[str] | None = None) -> int:
                 print(note)
             results = gate_files(reference, record, Path(args.against).name)
         page = report_from_files(args.out, args.baseline, args.against, results)
+    except OSError as error:  # a write outside fsio (matplotlib's font cache, ...): still one line
+        print(f"circuits report: {fs_error(error, error.filename or args.out, 'write')}", file=sys.stderr)
+        return 2
     except CircuitsError as error:
         print(f"circuits report: {error}", file=sys.stderr)
         return 2
