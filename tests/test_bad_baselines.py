@@ -588,3 +588,77 @@ def run_guarded(capsys, argv: list[str], fsize: int | None = None, deadline_s: f
     if isinstance(result[0], BaseException):
         raise result[0]
     return result[0], captured.out, captured.err
+
+
+# ---------------------------------------------------------------- issue 27: the pytest front end, Ctrl-C
+
+PROBES = Path(__file__).resolve().parent.parent / "pytest_circuits" / "probes"
+
+
+def probes_suite(pytester, model: Path, baselines: Path):
+    """The shipped probes gating ``model`` (run in this process: torch is imported already)."""
+    for test in sorted(PROBES.glob("test_*.py")):
+        pytester.makepyfile(**{test.stem: test.read_text()})
+    pytester.makeini(
+        f"[pytest]\ncircuits_model = {model}\ncircuits_builds = fp32\ncircuits_baselines = {baselines}\n"
+        "circuits_device = cpu\ncircuits_probe_n = 4\ncircuits_probe_length = 16\n"
+    )
+
+
+@pytest.mark.parametrize("shards", ["3", "4096"])
+def test_knockout_shards_above_the_layer_count_run_one_per_layer(recorded, pytester, shards):
+    """--circuits-knockout-shards above the model's 2 layers (3: an IndexError before; 4096, the documented
+    maximum: thousands of erroring tests before) gives one shard test per layer, and they pass."""
+    model, good = recorded
+    probes_suite(pytester, model, good.parent)
+    flags = ["-p", "no:cacheprovider", "--circuits-knockout-shards", shards, "-k", "shard"]
+    collected = pytester.runpytest(*flags, "--collect-only", "-q")
+    assert [line for line in collected.outlines if "test_knockout_shard[" in line] == [
+        "test_rung2_knockout.py::test_knockout_shard[fp32-shard1of2]",
+        "test_rung2_knockout.py::test_knockout_shard[fp32-shard2of2]",
+    ], collected.outlines
+    pytester.runpytest(*flags).assert_outcomes(passed=2)
+
+
+INTERRUPT_AT_IMPORT = """\
+import sys
+
+
+class Interrupt:  # Ctrl-C arriving while this module is being imported
+    def find_spec(self, name, path=None, target=None):
+        if name == sys.argv[1]:
+            raise KeyboardInterrupt
+        return None
+
+
+sys.meta_path.insert(0, Interrupt())
+from pytest_circuits.cli import main  # what the console script `circuits` does
+
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize(
+    "module, argv",
+    [
+        ("argparse", ["--help"]),
+        ("pytest_circuits.options", ["--help"]),
+        ("pytest_circuits.report", ["report", "m--fp32.json"]),
+    ],
+    ids=["argparse", "options", "report"],
+)
+def test_ctrl_c_while_importing_is_one_line_exit_130(tmp_path, module, argv):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(PROBES.parent.parent)}
+    done = subprocess.run(
+        [sys.executable, "-c", INTERRUPT_AT_IMPORT, module, *argv],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 130, done.stderr
+    assert done.stderr.strip() == "circuits: interrupted" and done.stdout == ""

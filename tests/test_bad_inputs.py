@@ -410,6 +410,57 @@ def case_gguf_cache_full(tmp):
     return setup
 
 
+# issue 27: JSON the parser refuses past JSONDecodeError (T1), config errors other than ValueError (T3),
+# no layers (T4)
+DEEP = "[" * 2000 + "]" * 2000  # RecursionError in json.loads
+LONG_INT = "7" * 5000  # ValueError: Exceeds the limit (4300 digits)
+
+
+def edit_json(file: Path, key: str, raw: str) -> None:
+    """Set ``key`` of the JSON object in ``file`` to the raw JSON text ``raw``."""
+    data = json.loads(file.read_text())
+    data[key] = "@RAW@"
+    file.write_text(json.dumps(data).replace('"@RAW@"', raw))
+
+
+def case_config_json(key: str, raw: str):
+    def make(tmp):
+        folder = tiny_llama(tmp / "model")
+        edit_json(folder / "config.json", key, raw)
+        return Setup(_scan(folder, tmp), tmp / "cache")
+
+    return make
+
+
+def case_index_deep(tmp):
+    folder = tiny_llama(tmp / "model")
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    (folder / "model.safetensors.index.json").write_text('{"metadata": ' + DEEP + ', "weight_map": {}}')
+    return Setup(_scan(folder, tmp), tmp / "cache")
+
+
+def case_tokenizer_config_deep(tmp):
+    folder = tiny_llama(tmp / "model")
+    word_level_tokenizer(folder, 128)
+    edit_json(folder / "tokenizer_config.json", "extra", DEEP)
+    return Setup(_scan(folder, tmp), tmp / "cache")
+
+
+def case_gguf_marker_deep(tmp):
+    gguf_file = write_tiny_gguf(tmp / "tiny.gguf")
+    cache = tmp / "cache"
+    setup = Setup(_scan(gguf_file, tmp, json_file=False), cache, check=_cache_used)
+    setup.notes["prepare"] = lambda: _deepen_marker(gguf_file, cache)
+    return setup
+
+
+def _deepen_marker(gguf_file: Path, cache: Path) -> None:
+    from pytest_circuits.model.loading import gguf_to_folder
+
+    os.environ["PYTEST_CIRCUITS_CACHE"] = str(cache)
+    edit_json(gguf_to_folder(gguf_file) / MARKER, "files", DEEP)
+
+
 CASES = [
     Case(
         "index-names-pytorch_model.bin",
@@ -462,6 +513,27 @@ CASES = [
     ),
     Case("gguf-stale-staging-of-dead-owner", case_gguf_stale_staging, 0, ()),
     Case("gguf-cache-full", case_gguf_cache_full, 2, ("tiny.gguf", "temporary folder failed too", "free space")),
+    Case("config.json-2000-levels", case_config_json("x", DEEP), 2, ("config.json nests deeper than 64 levels",)),
+    Case("config.json-5000-digits", case_config_json("x", LONG_INT), 2, ("config.json holds a value", "4300 digits")),
+    Case("index-2000-levels", case_index_deep, 2, ("model.safetensors.index.json nests deeper than 64 levels",)),
+    Case("tokenizer_config-2000-levels", case_tokenizer_config_deep, 2, ("tokenizer_config.json nests deeper",)),
+    Case("gguf-marker-2000-levels", case_gguf_marker_deep, 0, ("warning", "COMPLETE.json nests deeper", "rebuilding")),
+    Case(
+        "config-hidden_size-string",
+        case_config_json("hidden_size", '"64"'),
+        2,
+        ("transformers refuses its config.json (StrictDataclassFieldValidationError", "'hidden_size' expected int"),
+    ),
+    Case("config-vocab_size-float", case_config_json("vocab_size", "128.5"), 2, ("'vocab_size' expected int",)),
+    Case(
+        "config-hidden_size-not-a-multiple-of-heads",
+        case_config_json("hidden_size", "30"),
+        2,
+        ("StrictDataclassClassValidationError", "not a multiple of the number of attention heads"),
+    ),
+    Case("config-zero-heads", case_config_json("num_attention_heads", "0"), 2, ("ZeroDivisionError", "config.json")),
+    Case("config-zero-layers", case_config_json("num_hidden_layers", "0"), 2, ("n_layers 0", "at least 1")),
+    Case("config-negative-layers", case_config_json("num_hidden_layers", "-2"), 2, ("n_layers -2", "at least 1")),
 ]
 
 
