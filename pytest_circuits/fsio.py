@@ -22,6 +22,7 @@ import stat
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from .errors import FileSystemError
 
@@ -254,7 +255,7 @@ class JsonUnreadable(Exception):
         self.path, self.reason, self.missing = Path(path), reason, missing
 
 
-def parse_json(data: bytes | str, path: str | os.PathLike = "JSON") -> object:
+def parse_json(data: bytes | str, path: str | os.PathLike = "JSON") -> Any:
     """``json.loads`` of ``data`` with every way it can fail as a `JsonUnreadable` (not UTF-8, not JSON,
     nested past `JSON_MAX_DEPTH` or the recursion limit, a number past Python's 4300 digits)."""
 
@@ -292,7 +293,7 @@ def _depth_beyond(value, limit: int) -> bool:
     return False
 
 
-def read_json(path: str | os.PathLike, max_bytes: int = JSON_MAX_BYTES) -> object:
+def read_json(path: str | os.PathLike, max_bytes: int = JSON_MAX_BYTES) -> Any:
     """The JSON value in the regular file ``path``, or a `JsonUnreadable` saying why not (one line).
 
     Opened without blocking (a FIFO or device is refused, never waited on); larger than

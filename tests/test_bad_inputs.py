@@ -769,3 +769,26 @@ def test_stale_temps_and_staging_are_removed(tmp_path):
     os.utime(orphan, (time.time() - 3600, time.time() - 3600))
     assert remove_stale_staging(tmp_path, ".staging-", max_age_s=600) == [orphan]
     assert mine.is_dir()
+
+
+def test_devices_and_symlinks_are_written_through_not_replaced(tmp_path):
+    """Only a regular file is replaced by a rename: a character device (a copy of /dev/null made here)
+    or a symlink is written through and stays what it was (issue 27: `--json /dev/stdout`)."""
+    import stat
+
+    from pytest_circuits.fsio import atomic_write_text
+
+    target = tmp_path / "real.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    atomic_write_text(link, "new\n")
+    assert link.is_symlink() and target.read_text() == "new\n"
+    node = tmp_path / "null"
+    try:
+        os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except PermissionError:
+        pytest.skip("mknod needs root (CAP_MKNOD); the FIFO row of test_bad_baselines covers non-regular files")
+    atomic_write_text(node, "into the void\n")
+    assert stat.S_ISCHR(os.lstat(node).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "null", "real.json"]

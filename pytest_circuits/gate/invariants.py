@@ -373,7 +373,7 @@ def sampled_within(
         ratio = implausible_spread(xs, ys) if beyond and not broken else None
         if ratio is not None:
             broken = True  # only the baseline's implausible spread held the interval over 0
-            said.append(NO_EVIDENCE.format(ratio=ratio, n=len(xs)))
+            said.append(NO_EVIDENCE.format(ratio=ratio, n=len(xs or ())))
         elif beyond and not broken:
             said.append(f"beyond {limit:.3g} but {SPARED} (the {LEVEL:.0%} interval holds 0)")
     else:

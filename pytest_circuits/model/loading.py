@@ -118,7 +118,7 @@ def _named_file(folder: Path, name, named_by: str, suffix: str = SAFETENSORS_SUF
 def _index_files(folder: Path, index: Path) -> list[Path]:
     """The files a ``*.safetensors.index.json`` maps tensors to, each checked by `_named_file`."""
     try:
-        weight_map = read_json(index)["weight_map"]  # type: ignore[index]
+        weight_map = read_json(index)["weight_map"]
         names = sorted(set(weight_map.values()))
     except JsonUnreadable as error:
         raise ModelLoadError(f"model folder {folder}: {index.name} {error.reason}; re-save the model") from None
@@ -454,7 +454,7 @@ def write_marker(folder: Path, convert: _Converter) -> None:
 def cache_entry_problem(folder: Path) -> str | None:
     """Why a conversion cache entry cannot be used (no marker, a file missing, truncated or changed), or None."""
     try:
-        files = read_json(folder / MARKER)["files"]  # type: ignore[index]
+        files = read_json(folder / MARKER)["files"]
         expected = {str(name): (int(v["size"]), str(v["sha256"])) for name, v in files.items()}
     except JsonUnreadable as error:
         return f"no {MARKER}: the conversion never finished" if error.missing else f"{MARKER} {error.reason}"
