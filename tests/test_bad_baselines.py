@@ -21,6 +21,8 @@ import pytest
 from pytest_circuits.cli import main
 from pytest_circuits.testing import save_tiny_model
 
+from .test_bad_inputs import unwritable_folder
+
 SMALL = ["--device", "cpu", "--probe-n", "4", "--probe-length", "16"]
 
 
@@ -324,13 +326,8 @@ def digests(folder: Path) -> dict[str, str]:
 
 
 def unwritable(tmp: Path) -> Path:
-    """A folder no one here can write into: a read-only folder, or /sys when running as root."""
-    if os.geteuid() == 0:
-        return Path("/sys")
-    locked = tmp / "locked"
-    locked.mkdir()
-    locked.chmod(0o500)
-    return locked
+    """An existing folder no one here can write into (a read-only one, or /sys as root)."""
+    return unwritable_folder(tmp).parent
 
 
 @dataclass

@@ -359,19 +359,28 @@ def case_gguf_cache_unwritable(tmp):
     )
 
 
-def case_gguf_cache_entry_truncated(tmp):
-    gguf_file = write_tiny_gguf(tmp / "tiny.gguf")
-    cache = tmp / "cache"
-    setup = Setup(_scan(gguf_file, tmp, json_file=False), cache, check=_cache_used)
-    setup.notes["prepare"] = lambda: _truncate_converted(gguf_file, cache)
-    return setup
+def case_gguf_cache_entry(spoil):
+    """A converted cache entry that ``spoil(entry folder)`` damaged before the run: warned about, rebuilt."""
+
+    def make(tmp):
+        from pytest_circuits.model.loading import gguf_to_folder
+
+        gguf_file = write_tiny_gguf(tmp / "tiny.gguf")
+        cache = tmp / "cache"
+
+        def prepare():
+            os.environ["PYTEST_CIRCUITS_CACHE"] = str(cache)
+            spoil(gguf_to_folder(gguf_file))
+
+        setup = Setup(_scan(gguf_file, tmp, json_file=False), cache, check=_cache_used)
+        setup.notes["prepare"] = prepare
+        return setup
+
+    return make
 
 
-def _truncate_converted(gguf_file: Path, cache: Path) -> None:
-    from pytest_circuits.model.loading import gguf_to_folder
-
-    os.environ["PYTEST_CIRCUITS_CACHE"] = str(cache)
-    weights = gguf_to_folder(gguf_file) / "model.safetensors"
+def truncate_weights(entry: Path) -> None:
+    weights = entry / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 3])
 
@@ -446,21 +455,6 @@ def case_tokenizer_config_deep(tmp):
     return Setup(_scan(folder, tmp), tmp / "cache")
 
 
-def case_gguf_marker_deep(tmp):
-    gguf_file = write_tiny_gguf(tmp / "tiny.gguf")
-    cache = tmp / "cache"
-    setup = Setup(_scan(gguf_file, tmp, json_file=False), cache, check=_cache_used)
-    setup.notes["prepare"] = lambda: _deepen_marker(gguf_file, cache)
-    return setup
-
-
-def _deepen_marker(gguf_file: Path, cache: Path) -> None:
-    from pytest_circuits.model.loading import gguf_to_folder
-
-    os.environ["PYTEST_CIRCUITS_CACHE"] = str(cache)
-    edit_json(gguf_to_folder(gguf_file) / MARKER, "files", DEEP)
-
-
 CASES = [
     Case(
         "index-names-pytorch_model.bin",
@@ -507,7 +501,7 @@ CASES = [
     ),
     Case(
         "gguf-cache-entry-truncated",
-        case_gguf_cache_entry_truncated,
+        case_gguf_cache_entry(truncate_weights),
         0,
         ("warning", "model.safetensors has", "rebuilding"),
     ),
@@ -517,7 +511,12 @@ CASES = [
     Case("config.json-5000-digits", case_config_json("x", LONG_INT), 2, ("config.json holds a value", "4300 digits")),
     Case("index-2000-levels", case_index_deep, 2, ("model.safetensors.index.json nests deeper than 64 levels",)),
     Case("tokenizer_config-2000-levels", case_tokenizer_config_deep, 2, ("tokenizer_config.json nests deeper",)),
-    Case("gguf-marker-2000-levels", case_gguf_marker_deep, 0, ("warning", "COMPLETE.json nests deeper", "rebuilding")),
+    Case(
+        "gguf-marker-2000-levels",
+        case_gguf_cache_entry(lambda entry: edit_json(entry / MARKER, "files", DEEP)),
+        0,
+        ("warning", "COMPLETE.json nests deeper", "rebuilding"),
+    ),
     Case(
         "config-hidden_size-string",
         case_config_json("hidden_size", '"64"'),
