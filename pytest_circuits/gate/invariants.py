@@ -42,7 +42,7 @@ when the new model has less of the mechanism, except where "moves" says either d
   the top-3 share of the knockout effect moves by at most ``swap_concentration`` (both records
   measured every head).
 
-A user adds one with `register` (see the README, "Your own invariant").
+A user adds one with `register` (docs/invariants.md, "Your own invariant").
 """
 
 from __future__ import annotations
