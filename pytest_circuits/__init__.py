@@ -37,7 +37,9 @@ _LAZY = {  # the supported names (docs/api.md), each loaded from its module on f
     "ov_spectrum": "rungs.kappa",
     "run_repeat_probe": "rungs.probe",
     "knockout_scan": "rungs.knockout",
-    # the gate and its extension points
+    # the gate, its fixture's type and its extension points
+    "CircuitsGate": "plugin.fixture_types",
+    "CircuitsDeprecationWarning": "plugin.fixture_types",
     "Comparison": "gate.invariants",
     "Invariant": "gate.invariants",
     "Row": "gate.invariants",

@@ -126,7 +126,17 @@ class Project:
         if program == "pip" and args[:1] == ["install"]:
             clone = [str(ROOT) + a[1:] if a.startswith(".") and not a.startswith("./") else a for a in args[1:]]
             clone = [str(self.folder / a) if "/" in a and not a.startswith("/") else a for a in clone]
-            return [sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--no-index", "--no-build-isolation", *clone], self.folder
+            return [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--dry-run",
+                "--no-index",
+                "--no-build-isolation",
+                *clone,
+            ], self.folder
         if program == "pip" and args[:1] == ["wheel"]:
             args = [str(ROOT) if a == "." else a for a in args[1:]]
             return [sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", *args], self.folder
@@ -198,7 +208,7 @@ def test_every_block_is_one_the_harness_can_run():
             if block.lang == "yaml":
                 assert yaml.safe_load(block.body), page.name
             if block.lang in ("toml", "python") and page.name != "README.md":
-                assert block.title, f"{page.name}: a {block.lang} block needs title=\"PATH\" so a test can run it"
+                assert block.title, f'{page.name}: a {block.lang} block needs title="PATH" so a test can run it'
             if block.lang == "bash":
                 for command in commands(block.body):
                     assert command.split()[0] in ("pytest", "circuits", "pip", "cat"), command
@@ -206,11 +216,7 @@ def test_every_block_is_one_the_harness_can_run():
 
 @pytest.mark.parametrize(
     "page",
-    [
-        pytest.param(p, id=p.name, marks=[pytest.mark.slow] if p.name in SLOW_PAGES else [])
-        for p in PAGES
-        if blocks(p)
-    ],
+    [pytest.param(p, id=p.name, marks=[pytest.mark.slow] if p.name in SLOW_PAGES else []) for p in PAGES if blocks(p)],
 )
 def test_the_blocks_of_the_page_run(page, tmp_path):
     assert run_page(page, tmp_path) == len(blocks(page))
