@@ -82,7 +82,10 @@ def invariants_table() -> str:
     rows = ["| invariant | compares | what it guards | tolerances (default) |", "|---|---|---|---|"]
     for name, invariant in REGISTRY.items():
         scope = "two base models" if invariant.across_models else "builds of one model"
-        tolerances = ", ".join(f"`{t}` {defaults[t]}" for t in invariant.tolerances)
+        tolerances = ", ".join(
+            [f"`{t}` {defaults[t]}" for t in invariant.tolerances]
+            + [f"`{t}` {value} (its own)" for t, value in invariant.own_tolerances.items()]
+        )
         rows.append(f"| `{name}` | {scope} | {_words(type(invariant).__doc__)} | {tolerances} |")
     return "\n".join(rows) + "\n"
 

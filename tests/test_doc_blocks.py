@@ -103,6 +103,7 @@ class Project:
             "PYTHONPATH": str(ROOT),
             "HF_HUB_OFFLINE": "1",
             "PYTEST_ADDOPTS": "-p no:cacheprovider",
+            "GITHUB_STEP_SUMMARY": str(folder / "step-summary.md"),
         }
         self.env.pop("PYTEST_XDIST_WORKER", None)
 
@@ -140,8 +141,8 @@ class Project:
         if program == "pip" and args[:1] == ["wheel"]:
             args = [str(ROOT) if a == "." else a for a in args[1:]]
             return [sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", *args], self.folder
-        if program == "cat":
-            return words, self.folder
+        if program == "cat":  # a CI step: a shell line, into the step summary file CI would show
+            return ["bash", "-c", command], self.folder
         raise AssertionError(f"no way to run {command!r}: add it to tests/test_doc_blocks.py")
 
     def run(self, command: str, page: str) -> None:

@@ -52,6 +52,29 @@ def pytest_addoption(parser: pytest.Parser) -> None:
             parser.addini(option.ini, option.help, type="string", default=default)
     for name, value in Tolerances().as_dict().items():
         parser.addini(f"circuits_tol_{name}", f"gate tolerance {name} (default {value})", type="string", default=None)
+    _DECLARED.update(Tolerances.names())
+    _PARSER.append(parser)
+    _declare_own_tolerances()
+
+
+_PARSER: list[pytest.Parser] = []  # the run's parser, to declare the ini keys of invariants registered later
+_DECLARED: set[str] = set()
+
+
+def _declare_own_tolerances() -> None:
+    """An ini key ``circuits_tol_<name>`` for each own tolerance of a registered invariant (one
+    registered in a conftest.py exists only once that conftest is imported)."""
+    if not _PARSER:
+        return
+    for name in Tolerances.all_names():
+        if name not in _DECLARED:
+            _PARSER[-1].addini(f"circuits_tol_{name}", f"gate tolerance {name} (own)", type="string", default=None)
+            _DECLARED.add(name)
+
+
+def pytest_plugin_registered(plugin, manager) -> None:
+    """A conftest.py just imported may have registered an invariant with tolerances of its own."""
+    _declare_own_tolerances()
 
 
 def settings_from_config(config: pytest.Config):
@@ -74,7 +97,8 @@ def settings_from_config(config: pytest.Config):
 
 def _ini_tolerances(config: pytest.Config) -> dict:
     found = {}
-    for name in Tolerances.names():
+    _declare_own_tolerances()
+    for name in Tolerances.all_names():
         value = config.getini(f"circuits_tol_{name}")
         if value not in (None, ""):
             found[name] = value
