@@ -44,7 +44,8 @@ EXPECTED_EXIT = {
     "pytest probes -k base_model_swap --circuits-builds fp32 --circuits-swap-baseline baselines/smollm2-135m--fp32.json": 1,
     "circuits gate tiny-induction --build fp32 --baseline baselines/smollm2-135m--fp32.json": 1,
 }
-SLOW_PAGES = {"getting-started.md", "ci.md", "gate.md"}  # each a few CPU-minutes of scans
+# a few CPU-minutes of scans each (invariants.md: tests/test_own_invariant.py runs its invariant by default)
+SLOW_PAGES = {"getting-started.md", "ci.md", "gate.md", "invariants.md"}
 
 
 @dataclass
