@@ -52,8 +52,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
             parser.addini(option.ini, option.help, type="string", default=default)
     for name, value in Tolerances().as_dict().items():
         parser.addini(f"circuits_tol_{name}", f"gate tolerance {name} (default {value})", type="string", default=None)
+    _DECLARED.clear()  # a new run (pytester runs several in one process): a new parser
     _DECLARED.update(Tolerances.names())
-    _PARSER.append(parser)
+    _PARSER[:] = [parser]
     _declare_own_tolerances()
 
 
@@ -68,7 +69,7 @@ def _declare_own_tolerances() -> None:
         return
     for name in Tolerances.all_names():
         if name not in _DECLARED:
-            _PARSER[-1].addini(f"circuits_tol_{name}", f"gate tolerance {name} (own)", type="string", default=None)
+            _PARSER[0].addini(f"circuits_tol_{name}", f"gate tolerance {name} (own)", type="string", default=None)
             _DECLARED.add(name)
 
 
