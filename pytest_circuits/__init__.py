@@ -10,30 +10,59 @@ import importlib
 
 __version__ = "0.1.0"
 
-_LAZY = {
+_LAZY = {  # the supported names (docs/api.md), each loaded from its module on first use
+    # loading a model and its builds
+    "ModelSource": "model.loading",
+    "resolve_model": "model.loading",
     "RECIPES": "model.recipes",
+    "BuildSpec": "model.recipes",
+    "parse_builds": "model.recipes",
+    "parse_build_specs": "model.recipes",
     "BuildIdentity": "model.builds",
     "LoadedBuild": "model.builds",
     "load_build": "model.builds",
-    "parse_builds": "model.recipes",
-    "BuildSpec": "model.recipes",
-    "parse_build_specs": "model.recipes",
     "load_external_build": "model.external",
     "write_gguf": "model.gguf_quant",
     "FAMILIES": "model.families",
+    "Family": "model.families",
     "Geometry": "model.families",
-    "ModelSource": "model.loading",
-    "resolve_model": "model.loading",
     "ModelWeights": "model.weights",
     "extract_weights": "model.weights",
+    # scanning: one run's settings and every figure of its builds
+    "CircuitsSettings": "settings",
+    "RepeatSettings": "settings",
+    "build_settings": "settings",
+    "CircuitsSession": "session",
+    "RepeatProbe": "rungs.probe",
+    "ov_spectrum": "rungs.kappa",
+    "run_repeat_probe": "rungs.probe",
+    "knockout_scan": "rungs.knockout",
+    # the gate, its fixture's type and its extension points
+    "CircuitsGate": "plugin.fixture_types",
+    "CircuitsDeprecationWarning": "plugin.fixture_types",
+    "Comparison": "gate.invariants",
+    "Invariant": "gate.invariants",
+    "Row": "gate.invariants",
+    "register": "gate.invariants",
+    "register_invariant": "gate.invariants",
+    "within": "gate.invariants",
+    "Tolerances": "gate.tolerances",
+    # assertions for users' own tests
+    "assert_copying_heads_preserved": "assertions",
+    "assert_kappa_close": "assertions",
+    "assert_kappa_distribution_unshifted": "assertions",
+    # errors
     "BaselineError": "errors",
     "CircuitsError": "errors",
     "ModelLoadError": "errors",
     "RecipeError": "errors",
     "UnknownFamilyError": "errors",
-    "register_invariant": "gate.invariants",
 }
 __all__ = sorted(_LAZY)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 
 def __getattr__(name: str):

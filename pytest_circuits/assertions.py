@@ -1,7 +1,8 @@
 """Assertions for users' own tests: pure functions of result DataFrames.
 
 Each raises ``AssertionError`` with a message that names the heads and the numbers that
-moved, as a table of at most ``MAX_ROWS`` rows. Bad input (missing columns, frames of
+moved, as the gate's failure table (`gate.invariants.Row`, `format_rows`: at most ``MAX_ROWS``
+rows). Tolerances left out are the gate's defaults (`Tolerances`). Bad input (missing columns, frames of
 different models) raises a one-line ``CircuitsError``. The frames may come straight from
 ``ov_spectrum`` or be rebuilt from JSON: only the columns are read, never ``attrs``.
 """
@@ -12,10 +13,13 @@ import numpy as np
 import pandas as pd
 
 from .errors import CircuitsError
+from .gate.invariants import MAX_ROWS, Row, format_rows
 from .gate.stats import spearman
+from .gate.tolerances import Tolerances
 from .rungs.figures import parse_label
 
-MAX_ROWS = 20
+DEFAULTS = Tolerances()
+__all__ = ["MAX_ROWS", "assert_copying_heads_preserved", "assert_kappa_close", "assert_kappa_distribution_unshifted"]
 
 
 class FrameError(CircuitsError):
@@ -54,15 +58,6 @@ def _paired(reference: pd.DataFrame, candidate: pd.DataFrame, columns) -> pd.Dat
     return ref.merge(cand, on="head", suffixes=("_ref", "_cand"))
 
 
-def _table(lines: list[str], total: int | None = None) -> str:
-    """At most ``MAX_ROWS`` lines, then ``... and N more``."""
-    total = len(lines) if total is None else total
-    shown = lines[:MAX_ROWS]
-    if total > len(shown):
-        shown.append(f"  ... and {total - len(shown)} more")
-    return "\n".join(shown)
-
-
 def _head_order(pairs: pd.DataFrame) -> np.ndarray:
     """Heads in model order (L0H0, L0H1, ..., L1H0, ...) when labels parse, else as given."""
     parsed = [parse_label(label) for label in pairs["head"]]
@@ -72,24 +67,22 @@ def _head_order(pairs: pd.DataFrame) -> np.ndarray:
     return np.lexsort(([h for _, h in cells], [l for l, _ in cells]))
 
 
-def assert_kappa_close(reference_df, candidate_df, tol: float = 0.1, column: str = "kappa") -> None:
-    """Every head's ``column`` (kappa by default) within ``tol`` of the reference: ``|k_cand - k_ref| <= tol``.
+def assert_kappa_close(reference_df, candidate_df, tol: float | None = None, column: str = "kappa") -> None:
+    """Every head's ``column`` (kappa by default) within ``tol`` of the reference: ``|k_cand - k_ref| <= tol``
+    (default: the gate's ``kappa`` tolerance).
 
     The message lists the heads outside, largest change first.
     """
+    tol = DEFAULTS.kappa if tol is None else tol
     pairs = _paired(reference_df, candidate_df, [column])
     delta = pairs[f"{column}_cand"] - pairs[f"{column}_ref"]
     bad = pairs.assign(delta=delta)[~(delta.abs() <= tol)]  # nan counts as moved
     if bad.empty:
         return
     bad = bad.reindex(bad["delta"].abs().sort_values(ascending=False, na_position="first").index)
-    lines = [
-        f"  {r['head']:<8} {column} {r[f'{column}_ref']:+.2f} -> {r[f'{column}_cand']:+.2f} "
-        f"(delta {r['delta']:+.2f}, tolerance {tol:.2f})"
-        for _, r in bad.iterrows()
-    ]
+    rows = [Row(r["head"], column, r[f"{column}_ref"], r[f"{column}_cand"], tol, True) for _, r in bad.iterrows()]
     raise AssertionError(
-        f"{len(bad)} of {len(pairs)} heads moved their {column} by more than {tol:.2f}:\n" + _table(lines)
+        f"{len(bad)} of {len(pairs)} heads moved their {column} by more than {tol:g}:\n" + format_rows(rows)
     )
 
 
@@ -97,12 +90,12 @@ def assert_copying_heads_preserved(
     reference_df,
     candidate_df,
     *,
-    kappa_tol: float = 0.1,
+    kappa_tol: float = DEFAULTS.kappa,
     min_survival: float = 1.0,
-    min_spearman: float | None = 0.8,
+    min_spearman: float | None = DEFAULTS.rank,
     include_suppression: bool = False,
     column: str = "kappa",
-    min_ov_gain: float = 0.01,
+    min_ov_gain: float = DEFAULTS.min_ov_gain,
 ) -> None:
     """The reference's copying heads survive in the candidate, and kappa keeps its ranking.
 
@@ -124,7 +117,8 @@ def assert_copying_heads_preserved(
         pairs = pairs[pairs["head"].map(gain).to_numpy() >= min_ov_gain * gain.max()]
     pairs = pairs.iloc[_head_order(pairs)]
     k_ref, k_cand = pairs[f"{column}_ref"], pairs[f"{column}_cand"]
-    lines, n_watched, n_lost = [], 0, 0
+    rows: list[Row] = []
+    n_watched, n_lost = 0, 0
     for kind in kinds:
         watched = pairs[f"{kind}_ref"].astype(bool)
         if kind == "copying":
@@ -134,9 +128,8 @@ def assert_copying_heads_preserved(
         lost = pairs[watched & ~kept]
         n_watched += int(watched.sum())
         n_lost += len(lost)
-        lines += [
-            f"  {r['head']:<8} {column} {r[f'{column}_ref']:+.2f} -> {r[f'{column}_cand']:+.2f} "
-            f"({kind} -> not {kind}, tolerance {kappa_tol:.2f})"
+        rows += [
+            Row(r["head"], column, r[f"{column}_ref"], r[f"{column}_cand"], kappa_tol, True, f"{kind} -> not {kind}")
             for _, r in lost.iterrows()
         ]
     problems = []
@@ -145,7 +138,7 @@ def assert_copying_heads_preserved(
         label = " and ".join(kinds)
         problems.append(
             f"{n_lost} of {n_watched} {label} heads lost (survival {survival:.2f} < {min_survival:.2f}):\n"
-            + _table(lines)
+            + format_rows(rows)
         )
     rho = spearman(k_ref, k_cand) if len(pairs) >= 5 else float("nan")
     if min_spearman is not None and not np.isnan(rho) and rho < min_spearman:
@@ -199,13 +192,20 @@ def assert_kappa_distribution_unshifted(
     ks_fail = ks.statistic > max_ks and ks.pvalue < alpha
     if moved.empty and not ks_fail:
         return
-    lines = [
-        f"  q{r['quantile']:<5g} {column} {r['reference']:+.2f} -> {r['candidate']:+.2f} (delta {r['delta']:+.2f}, "
-        f"tolerance {quantile_tol:.2f}){'  <-' if abs(r['delta']) > quantile_tol else ''}"
+    rows = [
+        Row(
+            f"q{r['quantile']:g}",
+            column,
+            r["reference"],
+            r["candidate"],
+            quantile_tol,
+            broken := bool(abs(r["delta"]) > quantile_tol),
+            "moved" if broken else "",
+        )
         for _, r in shifts.iterrows()
     ]
     head = (
         f"distribution of {column} shifted ({len(ref)} reference heads, {len(cand)} candidate heads); "
         f"KS D {ks.statistic:.3f} (max {max_ks:.2f}), p {ks.pvalue:.2g} (alpha {alpha:g})"
     )
-    raise AssertionError(head + ":\n" + _table(lines))
+    raise AssertionError(head + ":\n" + format_rows(rows))

@@ -249,7 +249,7 @@ def parse_value(name: str, raw: Any, front_end: str | None = None) -> Any:
 
 
 def markdown_table() -> str:
-    """The README's option rows: flag, ini key, default and help of every option."""
+    """The option rows of docs/options.md: flag, ini key, default and help of every option."""
     rows = []
     for option in OPTIONS:
         default = "off" if option.kind == "bool" else ("none" if option.default in (None, "") else option.default)

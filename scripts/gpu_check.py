@@ -27,7 +27,7 @@ import sys
 import time
 
 NO_GPU_EXIT = 3
-HELD_OUT = {"seed": 1, "n": 4, "L": 32}  # the benchmarks' full-scan setting (README, Speed)
+HELD_OUT = {"seed": 1, "n": 4, "L": 32}  # the benchmarks' full-scan setting (docs/speed.md)
 
 
 def main(argv: list[str] | None = None) -> int:

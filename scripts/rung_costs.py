@@ -4,7 +4,7 @@ Rows: the load (with its self-check), rung 1 (kappa and the rotation null new re
 32-draw t null, every head), the repeat probe, the AtP* screen, and the exact knockout scan: timed on the
 heads of three layers across the depth (0, 15, 29), its FLOPs counted from the shapes
 (`knockout_flops`) for those heads and for all 270, the full scan's time = its FLOPs / the rate
-measured on the subset. The README's scale table (``Planning past one machine``) starts from
+measured on the subset. The docs' scale table (docs/scale.md) starts from
 these numbers. Run: ``OMP_NUM_THREADS=1 python scripts/rung_costs.py`` (about 5 minutes here).
 """
 

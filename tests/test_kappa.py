@@ -576,8 +576,8 @@ def test_assert_kappa_close_names_heads_and_caps_rows():
     with pytest.raises(AssertionError) as info:
         assert_kappa_close(ref, cand, tol=0.1)
     message = str(info.value)
-    assert message.startswith("30 of 40 heads moved their kappa by more than 0.10")
-    assert "L1H1     kappa +0.91 -> -0.88 (delta -1.79, tolerance 0.10)" in message
+    assert message.startswith("30 of 40 heads moved their kappa by more than 0.1:")
+    assert "  L1H1 kappa +0.910 -> -0.880 (tolerance 0.1)" in message  # the gate's row format
     assert message.splitlines()[1].lstrip().startswith("L1H1")  # largest change first
     assert len(message.splitlines()) == 1 + MAX_ROWS + 1 and message.endswith("... and 10 more")
 
@@ -588,9 +588,7 @@ def test_assert_copying_heads_preserved():
     assert_copying_heads_preserved(ref, drifted)  # L0H1 lost its flag but moved only 0.05
     fallen = ref.copy()
     fallen.loc[1, ["kappa", "copying"]] = [-0.88, False]
-    lost = (
-        r"1 of 3 copying heads lost[\s\S]*L0H1     kappa \+0\.90 -> -0\.88 \(copying -> not copying, tolerance 0\.10\)"
-    )
+    lost = r"1 of 3 copying heads lost[\s\S]*L0H1 kappa \+0\.900 -> -0\.880 \(tolerance 0\.15\) copying -> not copying"
     with pytest.raises(AssertionError, match=lost):
         assert_copying_heads_preserved(ref, fallen, min_spearman=None)
     assert_copying_heads_preserved(ref, fallen, min_survival=0.6, min_spearman=None)
@@ -688,3 +686,19 @@ def test_cheap_null_spread_agrees_with_the_256_draw_null():
     ratio = cheap["kappa_null_sd"] / full["kappa_null_sd"]
     assert abs(np.log(ratio)).max() < 4 / np.sqrt(2 * 32)  # 4 standard errors of a 32-draw spread
     assert abs(full["kappa_null_mean"] / full["kappa_null_sd"]).max() < 4 / np.sqrt(256)  # the null's mean is 0
+
+
+def test_the_assertions_default_to_the_gate_tolerances():
+    """One set of defaults: a move the gate's copying_heads spares (kappa 0.15) passes here too."""
+    import inspect
+
+    from pytest_circuits.gate.tolerances import Tolerances
+
+    gate = Tolerances()
+    ref = _frame([0.95, 0.9, 0.1, -0.05, 0.8, -0.9, 0.3, 0.0])
+    assert_kappa_close(ref, ref.assign(kappa=ref.kappa + 0.9 * gate.kappa))
+    with pytest.raises(AssertionError, match=f"by more than {gate.kappa:g}"):
+        assert_kappa_close(ref, ref.assign(kappa=ref.kappa + 1.1 * gate.kappa))
+    preserved = inspect.signature(assert_copying_heads_preserved).parameters
+    assert preserved["kappa_tol"].default == gate.kappa and preserved["min_spearman"].default == gate.rank
+    assert preserved["min_ov_gain"].default == gate.min_ov_gain

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_circuits.gate.invariants import per_build_invariants
 from pytest_circuits.testing import make_tiny_model, negate_head_ov, save_tiny_model
 
 PROBES = Path(__file__).resolve().parent.parent / "pytest_circuits" / "probes"  # the packaged gate suite
@@ -70,7 +71,7 @@ def flagged_head(baselines: Path) -> tuple[str, int, int]:
 def test_missing_baseline_fails_with_the_record_command(suite):
     pytester, intact, baselines = suite
     result = pytester.runpytest("-p", "no:cacheprovider")
-    result.assert_outcomes(failed=5, skipped=1)  # the base-model swap test: no swap to gate
+    result.assert_outcomes(failed=len(per_build_invariants()), skipped=1)  # the base-model swap test: no swap to gate
     out = text_of(result)
     assert "does not exist; record it with: circuits record" in out
     assert "baselines missing:" in out and str(baselines / "m--fp32.json") in out
@@ -82,7 +83,7 @@ def test_record_gate_and_sabotage(suite, tmp_path_factory):
     result = pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "-rs")
     # a random model has no induction head and no key knockout: those two are skipped with the
     # reason, never counted as passes; so is the base-model swap test (no swap asked for)
-    result.assert_outcomes(passed=3, skipped=3)
+    result.assert_outcomes(passed=len(per_build_invariants()) - 2, skipped=3)
     assert "no base-model swap to gate: the fp32 baseline is of this model's geometry" in text_of(result)
     assert "has no induction or previous-token head scoring >= 0.2; nothing to check" in text_of(result)
     assert "has no head with knockout delta >= 0.1 nats; nothing to check" in text_of(result)
@@ -105,7 +106,7 @@ def test_record_gate_and_sabotage(suite, tmp_path_factory):
     assert "1 other baseline(s) of this model not used by the builds tested (-v names them)" in text_of(result)
     assert "unchanged (not rewritten" not in text_of(result)
     result = pytester.runpytest("-p", "no:cacheprovider", "-v")
-    result.assert_outcomes(passed=3, skipped=3)
+    result.assert_outcomes(passed=len(per_build_invariants()) - 2, skipped=3)
     out = text_of(result)
     assert "baselines compared: " + str(baselines / "m--fp32.json") in out
     assert "baselines orphaned (no tested build used them): " + str(baselines / "m--bnb-fp4.json") in out

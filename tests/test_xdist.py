@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_circuits.gate.invariants import per_build_invariants
 from pytest_circuits.plugin.workers import group_name, load_lines
 from pytest_circuits.testing import requires_embedded_model, requires_smollm2
 
@@ -286,8 +287,9 @@ def test_shards_over_two_workers_record_the_unsharded_bytes(pytester, tmp_path):
         "-p", "no:cacheprovider", *builds, *SMALL, "--circuits-update", f"--circuits-baselines={sharded}",
         "-n", "2", "--circuits-knockout-shards", "2", "-v",
     )  # fmt: skip
-    one.assert_outcomes(passed=5)
-    two.assert_outcomes(passed=7)  # the five gate tests and the two shards
+    gate_tests = len(per_build_invariants())
+    one.assert_outcomes(passed=gate_tests)
+    two.assert_outcomes(passed=gate_tests + 2)  # the gate tests and the two shards
     assert "test_knockout_shard[fp32-shard2of2]" in _text(two)
     name = "tiny-induction--fp32.json"
     assert (plain / name).read_bytes() == (sharded / name).read_bytes()

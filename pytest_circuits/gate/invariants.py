@@ -42,7 +42,7 @@ when the new model has less of the mechanism, except where "moves" says either d
   the top-3 share of the knockout effect moves by at most ``swap_concentration`` (both records
   measured every head).
 
-A user adds one with `register` (see the README, "Your own invariant").
+A user adds one with `register` (docs/invariants.md, "Your own invariant").
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ import numpy as np
 
 from ..errors import CircuitsError
 from ..options import flag
+from . import tolerances as tolerances_module
 from .record import has_figures, record_eigenvalues
 from .stats import LEVEL, excludes_zero, implausible_spread, paired_interval, spearman
 from .store import geometry_difference
@@ -120,6 +121,13 @@ class Invariant:
     # two base models on model-level figures (gate/profile.py), never two builds of one model
     across_models: ClassVar[bool] = False
     per_head: ClassVar[bool] = True  # reads heads by label (the words of its cross-model skip)
+    # the gate suite's test that runs it (pytest_circuits/probes), and the module holding it;
+    # empty: ``test_<name>`` in ``test_registered`` (cross-model ones: all in test_base_model_swap)
+    suite_test: ClassVar[str] = ""
+    suite_module: ClassVar[str] = ""
+    # tolerances of its own, name -> default (a float, int or bool): like the built-ins each is an
+    # ini key ``circuits_tol_<name>``, a marker keyword and a ``--tol`` name, read as ``tol.<name>``
+    own_tolerances: ClassVar[dict[str, float | int | bool]] = {}
 
     def compare(self, before: dict, after: dict, tol: Tolerances) -> Comparison:
         raise NotImplementedError
@@ -136,8 +144,23 @@ def register(invariant):
     instance = invariant() if isinstance(invariant, type) else invariant
     if not getattr(instance, "name", ""):
         raise CircuitsError(f"invariant {type(instance).__name__} has no name; set the class field `name`")
+    for name, default in instance.own_tolerances.items():
+        taken = name in Tolerances.names() or any(
+            name in other.own_tolerances for key, other in REGISTRY.items() if key != instance.name
+        )
+        if taken or not isinstance(default, (int, float)):
+            why = "is taken" if taken else f"needs a number or bool default, got {default!r}"
+            raise CircuitsError(f"invariant {instance.name}: own tolerance {name} {why}")
     REGISTRY[instance.name] = instance
     return invariant
+
+
+def own_tolerance_defaults() -> dict[str, float | int | bool]:
+    """Every registered invariant's own tolerances, name -> default."""
+    return {name: default for inv in REGISTRY.values() for name, default in inv.own_tolerances.items()}
+
+
+tolerances_module.OWN_DEFAULTS = own_tolerance_defaults
 
 
 def get(name: str) -> Invariant:
@@ -244,6 +267,11 @@ def scope_skip(inv: Invariant, across: bool, other: str, words: dict) -> str:
 def across_models() -> list[str]:
     """The registered invariants that compare two base models."""
     return [name for name, inv in REGISTRY.items() if inv.across_models]
+
+
+def per_build_invariants() -> list[str]:
+    """The registered invariants that compare builds of one model (one gate-suite test each)."""
+    return [name for name, inv in REGISTRY.items() if not inv.across_models]
 
 
 def runnable(after: dict, names=None, across: bool = False) -> list[str]:
@@ -479,6 +507,8 @@ class CopyingHeads(Invariant):
     """Copying/suppression heads keep kappa and kappa_trace; kappa keeps its rank order."""
 
     name = "copying_heads"
+    suite_test = "test_copying_heads_survive"
+    suite_module = "test_rung1_weights"
     tolerances = ("kappa", "rank", "min_ov_gain")
     held = "copying heads of {build} survive against the {against}"
     moved = "copying heads of {build} moved against the {against}"
@@ -519,6 +549,8 @@ class KappaDistribution(Invariant):
     """Mean shift across heads of kappa_z (and kappa_trace_z when recorded) within +-shift null sds."""
 
     name = "kappa_distribution"
+    suite_test = "test_kappa_distribution_not_shifted"
+    suite_module = "test_rung1_weights"
     tolerances = ("shift", "min_ov_gain")
     held = "kappa distribution of {build} not shifted against the {against}"
     moved = "kappa distribution of {build} shifted against the null, compared with the {against}"
@@ -561,6 +593,8 @@ class CopyLoss(Invariant):
     """Copy loss and copy gain (nats) within tolerance, both directions."""
 
     name = "copy_loss"
+    suite_test = "test_copy_loss_within_tolerance"
+    suite_module = "test_rung12_repeat"
     per_head = False
     tolerances = ("copy_loss", "copy_gain", "outside_interval")
     held = "copy behaviour of {build} within tolerance of the {against}"
@@ -580,6 +614,8 @@ class InductionHeads(Invariant):
     """Top prefix-matching (and previous-token) heads of the baseline keep their scores."""
 
     name = "induction_heads"
+    suite_test = "test_induction_heads_survive"
+    suite_module = "test_rung12_repeat"
     tolerances = ("prefix", "top_k", "min_score")
     held = "induction heads of {build} survive against the {against}"
     moved = "induction heads of {build} moved against the {against}"
@@ -606,6 +642,8 @@ class KnockoutDeltas(Invariant):
     """Key heads' knockout deltas keep their size: ``|d' - d| <= knockout * |d|``."""
 
     name = "knockout_deltas"
+    suite_test = "test_knockout_deltas_keep_size"
+    suite_module = "test_rung2_knockout"
     needs = frozenset({"knockout"})
     tolerances = ("knockout", "top_k", "min_delta", "outside_interval")
     held = "knockout deltas of {build}'s key heads keep their size against the {against}"

@@ -5,7 +5,8 @@ Light (no numpy): the plugin registers one ini key per field at start-up.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 INTEGER = ("top_k", "swap_induction_heads")  # counts; every other tolerance is a float
@@ -40,22 +41,42 @@ class Tolerances:
     swap_kappa_w1: float = 5.0  # 1-Wasserstein distance of the kappa_z distributions, null sds
     swap_knockout: float = 0.5  # how far the largest knockout delta may fall, x its size
     swap_concentration: float = 0.3  # how far the top-3 share of the knockout effect may move
+    # the values set for registered invariants' own tolerances (`Invariant.own_tolerances`);
+    # one left out reads as its declared default
+    own: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
+        """The built-in tolerances."""
+        return tuple(f.name for f in fields(cls) if f.name != "own")
+
+    @classmethod
+    def all_names(cls) -> tuple[str, ...]:
+        """The built-in tolerances, then the registered invariants' own."""
+        return cls.names() + tuple(n for n in OWN_DEFAULTS() if n not in cls.names())
+
+    def __getattr__(self, name: str) -> Any:  # only for names that are not fields: the own tolerances
+        own = self.__dict__.get("own", {})
+        if name in own:
+            return own[name]
+        defaults = OWN_DEFAULTS()
+        if name in defaults:
+            return defaults[name]
+        raise AttributeError(f"no tolerance {name!r}; known: {', '.join(self.all_names())}")
 
     def updated(self, overrides: dict) -> Tolerances:
         """A copy with ``overrides`` applied; unknown names or bad values raise ValueError."""
-        unknown = sorted(set(overrides) - set(self.names()))
+        unknown = sorted(set(overrides) - set(self.all_names()))
         if unknown:
-            raise ValueError(f"unknown tolerance(s) {', '.join(unknown)}; known: {', '.join(self.names())}")
+            raise ValueError(f"unknown tolerance(s) {', '.join(unknown)}; known: {', '.join(self.all_names())}")
         clean: dict[str, Any] = {}
+        own_defaults = OWN_DEFAULTS()
         for name, value in overrides.items():
-            if name in FLAGS:
+            own_default = own_defaults.get(name) if name not in self.names() else None
+            if name in FLAGS or isinstance(own_default, bool):
                 clean[name] = _flag(name, value)
                 continue
-            kind = int if name in INTEGER else float
+            kind = int if name in INTEGER or isinstance(own_default, int) else float
             try:
                 clean[name] = kind(value)
             except (TypeError, ValueError):
@@ -64,10 +85,27 @@ class Tolerances:
                 raise ValueError(f"tolerance {name} must be a number, got {value!r}")
             if clean[name] < 0 and name != "rank":
                 raise ValueError(f"tolerance {name} must be >= 0, got {value!r}")
-        return replace(self, **clean)
+        own = {name: clean.pop(name) for name in list(clean) if name not in self.names()}
+        return replace(self, own={**self.own, **own}, **clean)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The built-in tolerances' values."""
+        values = asdict(self)
+        values.pop("own")
+        return values
+
+    def own_values(self) -> dict:
+        """Every registered invariant's own tolerance, as set or by its default."""
+        return {name: getattr(self, name) for name in OWN_DEFAULTS()}
+
+
+def _no_own() -> dict[str, Any]:
+    return {}
+
+
+# name -> default of every registered invariant's own tolerance; gate/invariants.py installs
+# its reader (this module stays light and imports no invariant)
+OWN_DEFAULTS: Callable[[], dict[str, Any]] = _no_own
 
 
 FLAGS = tuple(f.name for f in fields(Tolerances) if f.type in (bool, "bool"))  # on/off, not numbers

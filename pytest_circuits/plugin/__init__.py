@@ -16,9 +16,14 @@ import pytest
 from ..errors import CircuitsError
 from ..gate.tolerances import Tolerances
 from ..options import OPTIONS
+from .fixture_types import CircuitsDeprecationWarning, CircuitsGate
 from .workers import pytest_cmdline_main  # noqa: F401  (a hook: -n N means --dist loadgroup)
 
 if TYPE_CHECKING:
+    import pandas as pd
+
+    from ..model.builds import LoadedBuild
+    from ..rungs.probe import RepeatProbe
     from ..session import CircuitsSession
     from .collect import Collected
 
@@ -47,6 +52,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
             parser.addini(option.ini, option.help, type="string", default=default)
     for name, value in Tolerances().as_dict().items():
         parser.addini(f"circuits_tol_{name}", f"gate tolerance {name} (default {value})", type="string", default=None)
+    _DECLARED.clear()  # a new run (pytester runs several in one process): a new parser
+    _DECLARED.update(Tolerances.names())
+    _PARSER[:] = [parser]
+    _declare_own_tolerances()
+
+
+_PARSER: list[pytest.Parser] = []  # the run's parser, to declare the ini keys of invariants registered later
+_DECLARED: set[str] = set()
+
+
+def _declare_own_tolerances() -> None:
+    """An ini key ``circuits_tol_<name>`` for each own tolerance of a registered invariant (one
+    registered in a conftest.py exists only once that conftest is imported)."""
+    if not _PARSER:
+        return
+    for name in Tolerances.all_names():
+        if name not in _DECLARED:
+            _PARSER[0].addini(f"circuits_tol_{name}", f"gate tolerance {name} (own)", type="string", default=None)
+            _DECLARED.add(name)
+
+
+def pytest_plugin_registered(plugin, manager) -> None:
+    """A conftest.py just imported may have registered an invariant with tolerances of its own."""
+    _declare_own_tolerances()
 
 
 def settings_from_config(config: pytest.Config):
@@ -69,7 +98,8 @@ def settings_from_config(config: pytest.Config):
 
 def _ini_tolerances(config: pytest.Config) -> dict:
     found = {}
-    for name in Tolerances.names():
+    _declare_own_tolerances()
+    for name in Tolerances.all_names():
         value = config.getini(f"circuits_tol_{name}")
         if value not in (None, ""):
             found[name] = value
@@ -190,37 +220,63 @@ def circuits_session(pytestconfig: pytest.Config) -> CircuitsSession:
 
 
 @pytest.fixture(scope="session")
-def circuits_recipe(request) -> str:
+def circuits_recipe(request: pytest.FixtureRequest) -> str:
     """The build of this test instance (parametrized over ``--circuits-builds``)."""
     return request.param
 
 
 @pytest.fixture(scope="session")
-def circuits_build(circuits_session, circuits_recipe):
+def circuits_build(circuits_session: CircuitsSession, circuits_recipe: str) -> LoadedBuild:
     """The `LoadedBuild` of this test's build."""
     return _guard(lambda: circuits_session.build(circuits_recipe))
 
 
 @pytest.fixture(scope="session")
-def ov_spectrum(circuits_session, circuits_recipe):
+def circuits_ov_spectrum(circuits_session: CircuitsSession, circuits_recipe: str) -> pd.DataFrame:
     """Rung 1 DataFrame of this build: kappa, its rotation null, z, p, BH q, copying, suppression."""
     return _guard(lambda: circuits_session.ov_spectrum(circuits_recipe))
 
 
 @pytest.fixture(scope="session")
-def repeat_probe(circuits_session, circuits_recipe):
+def circuits_repeat_probe(circuits_session: CircuitsSession, circuits_recipe: str) -> RepeatProbe:
     """Random-repeat probe of this build: copy losses and per-head routing scores."""
     return _guard(lambda: circuits_session.repeat_probe(circuits_recipe))
 
 
 @pytest.fixture(scope="session")
-def head_knockout(circuits_session, circuits_recipe):
+def circuits_head_knockout(circuits_session: CircuitsSession, circuits_recipe: str) -> pd.DataFrame:
     """Rung 2 DataFrame of this build: knockout delta of every head on held-out sequences."""
     return _guard(lambda: circuits_session.head_knockout(circuits_recipe))
 
 
+def _deprecated(old: str, new: str):
+    """The fixture ``old``: ``new`` under its pre-0.2 name, with a `CircuitsDeprecationWarning`."""
+
+    def alias(request: pytest.FixtureRequest):
+        import warnings
+
+        warnings.warn(
+            f"the fixture {old} is deprecated and goes in 0.3; use {new}", CircuitsDeprecationWarning, stacklevel=2
+        )
+        return request.getfixturevalue(new)
+
+    alias.__name__ = old
+    alias.__doc__ = f"Deprecated: use ``{new}``."
+    return pytest.fixture(name=old)(alias)
+
+
+DEPRECATED_FIXTURES = {
+    "ov_spectrum": "circuits_ov_spectrum",
+    "repeat_probe": "circuits_repeat_probe",
+    "head_knockout": "circuits_head_knockout",
+}
+ov_spectrum = _deprecated("ov_spectrum", "circuits_ov_spectrum")
+repeat_probe = _deprecated("repeat_probe", "circuits_repeat_probe")
+head_knockout = _deprecated("head_knockout", "circuits_head_knockout")
+
+
 @pytest.fixture(scope="session")
-def circuits_knockout_shard(request, circuits_session):
+def circuits_knockout_shard(request: pytest.FixtureRequest, circuits_session: CircuitsSession) -> pd.DataFrame:
     """One knockout shard's DataFrame (`CircuitsSession.knockout_shard`), parametrized over
     ``(recipe, index)`` when the scan is sharded; ``attrs["layers"]`` holds its layers."""
     recipe, index = request.param
@@ -228,7 +284,7 @@ def circuits_knockout_shard(request, circuits_session):
 
 
 @pytest.fixture
-def circuits_tolerances(request, circuits_session) -> Tolerances:
+def circuits_tolerances(request: pytest.FixtureRequest, circuits_session: CircuitsSession) -> Tolerances:
     """Gate tolerances of this test: defaults < ini ``circuits_tol_*`` < ``@pytest.mark.circuits_tolerance``."""
     overrides = {}
     for marker in reversed(list(request.node.iter_markers("circuits_tolerance"))):
@@ -241,32 +297,23 @@ def circuits_tolerances(request, circuits_session) -> Tolerances:
 
 
 @pytest.fixture
-def circuits_gate(request, circuits_session, circuits_recipe, circuits_tolerances):
-    """``circuits_gate(invariant, ...)``: gate this build against the reference and its own
-    baseline (a cross-model invariant: against the baseline of the model it replaces).
-
-    Fails the test with a table of the heads and numbers that moved, skips it (with the
-    reason) when the baseline model has none of the mechanism or the pairing does not compare
-    it (per-head invariants across models); several invariants are gated together, one verdict.
-    Every result also goes to the terminal summary and the ``--circuits-report``.
-    """
-    from ..gate.verdict import GateOutcome
+def circuits_gate(
+    request: pytest.FixtureRequest,
+    circuits_session: CircuitsSession,
+    circuits_recipe: str,
+    circuits_tolerances: Tolerances,
+) -> CircuitsGate:
+    """A `CircuitsGate` for this build: ``circuits_gate(invariant, ...)`` gates it against the
+    reference and its own baseline (a cross-model invariant: against the baseline of the model
+    it replaces), failing the test with a table of the heads and numbers that moved, or
+    skipping it with the reason."""
     from .collect import gate_for_test
 
-    def run(*invariants: str):
-        outcome = GateOutcome.merged(
-            _guard(
-                lambda name=name: gate_for_test(request, circuits_session, circuits_recipe, name, circuits_tolerances)
-            )
-            for name in invariants
+    return CircuitsGate(
+        lambda name: _guard(
+            lambda: gate_for_test(request, circuits_session, circuits_recipe, name, circuits_tolerances)
         )
-        if outcome.skipped:
-            pytest.skip(outcome.message())
-        if not outcome.passed:
-            pytest.fail(outcome.message() or f"{', '.join(invariants)}: nothing was compared", pytrace=False)
-        return outcome
-
-    return run
+    )
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:

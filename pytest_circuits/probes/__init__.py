@@ -1,4 +1,4 @@
-"""The ready-made gate suite: one test per invariant, run once per build.
+"""The ready-made gate suite: one test per invariant, run once per build (made from the registry).
 
 Run it from an installed package with ``pytest --pyargs pytest_circuits.probes`` (options as
 usual: ``--circuits-model``, ``--circuits-builds``, ``--circuits-baselines``), or make it part
@@ -7,17 +7,13 @@ of your own suite with one line in a test module::
     from pytest_circuits.probes import *  # noqa: F401,F403
 """
 
-from .test_rung1_weights import test_copying_heads_survive, test_kappa_distribution_not_shifted
-from .test_rung2_knockout import test_knockout_deltas_keep_size, test_knockout_shard
-from .test_rung12_repeat import test_copy_loss_within_tolerance, test_induction_heads_survive
-from .test_swap import test_base_model_swap
+from . import test_registered, test_rung1_weights, test_rung2_knockout, test_rung12_repeat, test_swap
 
-__all__ = [
-    "test_base_model_swap",
-    "test_copy_loss_within_tolerance",
-    "test_copying_heads_survive",
-    "test_induction_heads_survive",
-    "test_kappa_distribution_not_shifted",
-    "test_knockout_deltas_keep_size",
-    "test_knockout_shard",
-]
+_TESTS = {
+    name: test
+    for module in (test_rung1_weights, test_rung12_repeat, test_rung2_knockout, test_swap, test_registered)
+    for name, test in vars(module).items()
+    if name.startswith("test_")
+}
+globals().update(_TESTS)
+__all__ = sorted(_TESTS)

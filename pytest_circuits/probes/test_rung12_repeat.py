@@ -1,11 +1,8 @@
-"""Rungs 1 and 2, sampled inputs: the random-repeat probe of every build against the baselines."""
+"""Rungs 1 and 2, sampled inputs: the random-repeat probe of every build against the baselines.
 
+The tests come from the invariant registry (`registered.gate_tests`): copy_loss, induction_heads.
+"""
 
-def test_copy_loss_within_tolerance(circuits_gate):
-    """Copy loss and copy gain (nats) on the seeded repeat sequences stay within tolerance."""
-    circuits_gate("copy_loss")
+from pytest_circuits.probes.registered import gate_tests
 
-
-def test_induction_heads_survive(circuits_gate):
-    """The top prefix-matching (induction) and previous-token heads keep their scores."""
-    circuits_gate("induction_heads")
+globals().update(gate_tests("test_rung12_repeat"))

@@ -1,9 +1,11 @@
-"""Rung 2, interventions: head knockouts of every build against the baselines."""
+"""Rung 2, interventions: head knockouts of every build against the baselines.
 
+The gate test comes from the invariant registry (`registered.gate_tests`): knockout_deltas.
+"""
 
-def test_knockout_deltas_keep_size(circuits_gate):
-    """The key heads' knockout deltas (copy loss rise when zeroed) keep their size."""
-    circuits_gate("knockout_deltas")
+from pytest_circuits.probes.registered import gate_tests
+
+globals().update(gate_tests("test_rung2_knockout"))
 
 
 def test_knockout_shard(circuits_knockout_shard):

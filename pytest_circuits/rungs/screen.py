@@ -25,7 +25,7 @@ copy loss ``CL`` (knockout.py).
   and the head is ranked by ``mean_j |est_h^(-j) + QK correction|`` (a block ``j <= l`` lies
   on no path from the head: those terms are ``|est*_h|``). Off by default: on SmolLM2-135M
   it ranked the exact top heads worse than the QK fix alone and costs ``n_layers - 1``
-  backward passes (benchmarks/test_bench_knockout.py, README).
+  backward passes (benchmarks/test_bench_knockout.py, docs/speed.md).
 
 Work: AtP one forward and one backward; the QK fix one attention-module forward per (source
 layer, later layer) on ``n_heads`` stacked copies for the exact patterns, and one

@@ -1,0 +1,190 @@
+"""Regenerate every docs block that restates the code: ``python scripts/regenerate_docs.py``.
+
+A block sits between ``<!-- generated: NAME (...) -->`` and ``<!-- /generated: NAME -->`` at
+the start of a line, in README.md or a page of docs/; `GENERATORS` says what writes each NAME:
+
+- ``options``: the options table, from `pytest_circuits.options.OPTIONS`;
+- ``invariants``: one row per registered invariant, from its own metadata (name, docstring,
+  the tolerances it reads, whether it compares builds of one model or two base models);
+- ``tolerances``: one row per `Tolerances` field with its default and the comment declaring it;
+- ``public_api``: ``pytest_circuits.__all__`` with each name's module and docstring summary;
+- ``failure``: the output of a real ``circuits gate`` of the embedded model with its induction
+  head's OV reversed, quantized to nf4, against the shipped fp32 baseline (about 10 s of CPU).
+
+docs/families.md ends with `families_markdown()` (from its header row to the end of the file).
+``--check`` writes nothing and exits 1 naming each stale block (tests/test_docs.py does the same).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # this checkout's package, not another installed copy
+    sys.path.insert(0, str(ROOT))
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(r"^(<!-- generated: (\w+)[^\n]*-->\n)(.*?)(^<!-- /generated: \2 -->)", re.S | re.M)
+FAMILIES_PAGE = ROOT / "docs" / "families.md"
+FAMILIES_HEADER = "| model type | layout |"
+FAILURE_COMMAND = "circuits gate ./sabotaged --build bnb-nf4 --baseline baselines/tiny-induction--fp32.json"
+
+
+def options_table() -> str:
+    from pytest_circuits.options import markdown_table
+
+    return "| option | ini | default | meaning |\n|---|---|---|---|\n" + markdown_table() + "\n"
+
+
+def _words(text: str | None) -> str:
+    return " ".join((text or "").split()).replace("|", "\\|")
+
+
+def tolerance_docs() -> dict[str, str]:
+    """Each `Tolerances` field's comment (the line declaring it, or the comment lines above it)."""
+    from pytest_circuits.gate.tolerances import Tolerances
+
+    docs: dict[str, str] = {}
+    above: list[str] = []
+    for line in inspect.getsource(Tolerances).splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            above.append(stripped.lstrip("# "))
+            continue
+        found = re.match(r"(\w+): \w+ = [^#]+(?:#\s*(.*))?$", stripped)
+        if found:
+            docs[found.group(1)] = found.group(2) or " ".join(above)
+        above = []
+    return docs
+
+
+def tolerances_table() -> str:
+    from pytest_circuits.gate.tolerances import Tolerances
+
+    docs = tolerance_docs()
+    rows = ["| tolerance | default | meaning |", "|---|---|---|"]
+    for name, value in Tolerances().as_dict().items():
+        rows.append(f"| `{name}` | `{value}` | {_words(docs.get(name))} |")
+    return "\n".join(rows) + "\n"
+
+
+def invariants_table() -> str:
+    from pytest_circuits.gate.invariants import REGISTRY
+    from pytest_circuits.gate.tolerances import Tolerances
+
+    defaults = Tolerances().as_dict()
+    rows = ["| invariant | compares | what it guards | tolerances (default) |", "|---|---|---|---|"]
+    for name, invariant in REGISTRY.items():
+        scope = "two base models" if invariant.across_models else "builds of one model"
+        tolerances = ", ".join(
+            [f"`{t}` {defaults[t]}" for t in invariant.tolerances]
+            + [f"`{t}` {value} (its own)" for t, value in invariant.own_tolerances.items()]
+        )
+        rows.append(f"| `{name}` | {scope} | {_words(type(invariant).__doc__)} | {tolerances} |")
+    return "\n".join(rows) + "\n"
+
+
+def public_api_table() -> str:
+    """``pytest_circuits.__all__``: each name, the module it lives in and its docstring's first line."""
+    import pytest_circuits
+
+    rows = ["| name | from | what it is |", "|---|---|---|"]
+    for name in pytest_circuits.__all__:
+        obj = getattr(pytest_circuits, name)
+        if callable(obj):
+            first = _words((inspect.getdoc(obj) or "").split("\n\n")[0])
+        else:  # a constant: say what it holds
+            first = f"a {type(obj).__name__} of {len(obj)} built-in entries"
+        rows.append(f"| `{name}` | `pytest_circuits.{pytest_circuits._LAZY[name]}` | {first} |")
+    return "\n".join(rows) + "\n"
+
+
+def failure_example() -> str:
+    """``FAILURE_COMMAND`` run for real in a scratch folder holding the sabotaged model and the baseline."""
+    from transformers import AutoModelForCausalLM
+
+    from pytest_circuits.model.named import EMBEDDED_DIR, SHIPPED_BASELINES
+    from pytest_circuits.testing import negate_head_ov
+
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        model = AutoModelForCausalLM.from_pretrained(EMBEDDED_DIR / "tiny-induction")
+        negate_head_ov(model, 1, 0)  # the induction head L1H0 writes the opposite of what it reads
+        model.save_pretrained(folder / "sabotaged")
+        (folder / "baselines").mkdir()
+        shutil.copy(SHIPPED_BASELINES / "tiny-induction--fp32.json", folder / "baselines")
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest_circuits.cli", *FAILURE_COMMAND.split()[1:]],
+            cwd=folder,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=_env(),
+        )
+    if done.returncode != 1:
+        raise RuntimeError(f"{FAILURE_COMMAND} exited {done.returncode}, not 1:\n{done.stdout}{done.stderr}")
+    return f"```text\n$ {FAILURE_COMMAND}\n{done.stdout.rstrip()}\n```\n"
+
+
+def _env() -> dict:
+    import os
+
+    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+
+
+GENERATORS: dict[str, Callable[[], str]] = {
+    "options": options_table,
+    "invariants": invariants_table,
+    "tolerances": tolerances_table,
+    "failure": failure_example,
+    "public_api": public_api_table,
+}
+
+
+def regenerated(text: str, cache: dict[str, str]) -> str:
+    """``text`` with every generated block rewritten (each generator runs once, through ``cache``)."""
+
+    def fill(match: re.Match) -> str:
+        name = match.group(2)
+        if name not in GENERATORS:
+            raise KeyError(f"no generator for block {name!r}; known: {', '.join(GENERATORS)}")
+        if name not in cache:
+            cache[name] = GENERATORS[name]()
+        return match.group(1) + cache[name] + match.group(4)
+
+    return BLOCK.sub(fill, text)
+
+
+def families_regenerated(text: str) -> str:
+    from pytest_circuits.model.families import families_markdown
+
+    start = text.index(FAMILIES_HEADER)
+    return text[:start] + families_markdown()
+
+
+def main(argv: list[str]) -> int:
+    check = "--check" in argv
+    cache: dict[str, str] = {}
+    stale = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        new = regenerated(text, cache)
+        if page == FAMILIES_PAGE:
+            new = families_regenerated(new)
+        if new != text:
+            stale.append(page.relative_to(ROOT))
+            if not check:
+                page.write_text(new, encoding="utf-8")
+    verb = "stale" if check else "rewritten"
+    print(f"{verb}: {', '.join(map(str, stale))}" if stale else "every generated block is current")
+    return 1 if check and stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,101 @@
+"""One invariant, one entry: an invariant registered in a conftest.py, with a tolerance of its own,
+runs in the shipped gate suite, the terminal summary, summary.md and the report, and its
+tolerance is set like a built-in's, with no other file touched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pytest_circuits.gate.tolerances import Tolerances
+from pytest_circuits.testing import save_tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CONFTEST = '''
+from pytest_circuits import Comparison, Invariant, register, within
+
+
+@register
+class FirstCopyLoss(Invariant):
+    """Fresh tokens stay as unpredictable as in the baseline."""
+
+    name = "first_copy_loss"
+    own_tolerances = {"first_copy_loss": 0.5}
+
+    def compare(self, before, after, tol):
+        return Comparison(
+            [within("model", "first_copy_loss", before["first_copy_loss"], after["first_copy_loss"], tol.first_copy_loss)]
+        )
+'''
+
+
+def test_a_conftest_invariant_with_its_own_tolerance_runs_everywhere(pytester, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    model = save_tiny_model("gpt2", tmp_path / "m", seed=0)
+    report = tmp_path / "report"
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_gate=(ROOT / "probes" / "test_gate.py").read_text())  # the shipped suite, as is
+    pytester.makeini(
+        f"[pytest]\ncircuits_model = {model}\ncircuits_builds = fp32,rtn-int8\ncircuits_baselines = {tmp_path / 'b'}\n"
+        f"circuits_device = cpu\ncircuits_probe_n = 4\ncircuits_probe_length = 16\ncircuits_report = {report}\n"
+    )
+    recorded = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--circuits-update", "-v")
+    out = recorded.stdout.str()
+    assert "test_gate.py::test_first_copy_loss[fp32] PASSED" in out
+    assert "test_gate.py::test_first_copy_loss[rtn-int8] PASSED" in out
+    assert "first_copy_loss" in out.split("circuits", 1)[1]  # the terminal summary names it
+    assert "first_copy_loss" in (report / "summary.md").read_text()
+    assert "first_copy_loss" in (report / "report.html").read_text()
+
+    strict = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-o", "circuits_tol_first_copy_loss=0")
+    out = strict.stdout.str()
+    assert (
+        "test_first_copy_loss[rtn-int8] FAILED" in out or "FAILED test_gate.py::test_first_copy_loss[rtn-int8]" in out
+    )
+    assert "first_copy_loss" in out and "(tolerance 0)" in out
+
+    bad = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-o", "circuits_tol_first_copy_loss=wide")
+    assert bad.ret == pytest.ExitCode.USAGE_ERROR
+    assert "tolerance first_copy_loss must be a number, got 'wide'" in bad.stderr.str() + bad.stdout.str()
+
+
+def test_own_tolerances_take_the_marker_and_cli_spelling_and_keep_their_type():
+    from pytest_circuits import Comparison, Invariant, register
+    from pytest_circuits.gate.invariants import REGISTRY
+
+    class Strict(Invariant):
+        name = "own_tolerance_probe"
+        own_tolerances = {"own_limit": 0.5, "own_count": 3, "own_flag": True}
+
+        def compare(self, before, after, tol):
+            return Comparison()
+
+    register(Strict)
+    try:
+        tol = Tolerances()
+        assert (tol.own_limit, tol.own_count, tol.own_flag) == (0.5, 3, True)  # the declared defaults
+        changed = tol.updated({"own_limit": "0.1", "own_count": "7", "own_flag": "off", "kappa": 0.2})
+        assert (changed.own_limit, changed.own_count, changed.own_flag, changed.kappa) == (0.1, 7, False, 0.2)
+        assert isinstance(changed.own_count, int) and "own_limit" in Tolerances.all_names()
+        with pytest.raises(ValueError, match="own_limit must be >= 0"):
+            tol.updated({"own_limit": -1})
+    finally:
+        del REGISTRY["own_tolerance_probe"]
+    with pytest.raises(AttributeError):
+        Tolerances().own_limit  # noqa: B018  (gone with its invariant)
+
+
+def test_an_own_tolerance_may_not_shadow_a_built_in():
+    from pytest_circuits import CircuitsError, Comparison, Invariant, register
+
+    class Shadow(Invariant):
+        name = "shadow"
+        own_tolerances = {"kappa": 0.5}
+
+        def compare(self, before, after, tol):
+            return Comparison()
+
+    with pytest.raises(CircuitsError, match="own tolerance kappa is taken"):
+        register(Shadow)

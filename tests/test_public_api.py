@@ -1,0 +1,36 @@
+"""The supported names of ``pytest_circuits`` are a checked-in list: an API change is a visible diff."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest_circuits
+
+LISTED = Path(__file__).resolve().parent / "data" / "public_api.txt"
+
+
+def test_the_public_names_are_the_checked_in_list():
+    listed = LISTED.read_text(encoding="utf-8").split()
+    assert pytest_circuits.__all__ == listed, (
+        "the public API changed: update tests/data/public_api.txt, docs/api.md "
+        "(python scripts/regenerate_docs.py) and CHANGELOG.md together"
+    )
+
+
+def test_every_public_name_resolves_and_private_ones_do_not_leak():
+    for name in pytest_circuits.__all__:
+        assert getattr(pytest_circuits, name) is not None, name
+    assert "pytest_circuits" in repr(pytest_circuits.Invariant) and callable(pytest_circuits.register)
+    try:
+        pytest_circuits.REGISTRY  # noqa: B018  the registry itself is not public
+    except AttributeError as error:
+        assert "no attribute 'REGISTRY'" in str(error)
+    else:
+        raise AssertionError("REGISTRY is reachable from the top level")
+
+
+def test_the_package_ships_py_typed():
+    package = Path(pytest_circuits.__file__).resolve().parent
+    assert (package / "py.typed").is_file()
+    pyproject = (package.parent / "pyproject.toml").read_text(encoding="utf-8")
+    assert '"py.typed"' in pyproject  # package data: the wheel carries it
