@@ -67,11 +67,9 @@ class CircuitsSession:
         """
 
         def check():
-            from types import SimpleNamespace
-
             from transformers import AutoConfig
 
-            from .model.families import geometry_of
+            from .model.families import family_and_geometry
             from .model.vocab import token_info
             from .rungs.repeat import check_fits, check_probe_memory, check_vocabulary
 
@@ -94,7 +92,7 @@ class CircuitsSession:
             tokens = token_info(self.source.folder, config, s.trust_remote_code)
             check_vocabulary(tokens)
             check_fits(config, tokens, s.probe.L)
-            geometry = geometry_of(SimpleNamespace(config=config))  # geometry_of reads .config alone
+            _, geometry = family_and_geometry(config)
             check_probe_memory(geometry, s.probe.n, s.probe.L, s.batch_size, knockout=True, device=str(self.device))
             return geometry
 
