@@ -37,7 +37,7 @@ from pytest_circuits.testing import make_tiny_model, save_tiny_model, tiny_confi
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--device", "cpu", "--probe-n", "4", "--probe-length", "16"]
-INFERRED_TYPES = ("arcee", "aria_text", "hunyuan_v1_dense", "seed_oss", "ernie4_5", "helium")
+INFERRED_TYPES = ("arcee", "aria_text", "hunyuan_v1_dense", "seed_oss", "ernie4_5", "exaone")
 """Types of transformers 5.24 recognised without a table entry (the llama layout, confirmed by the
 self-check); arcee runs in the default suite, the others with --run-slow."""
 
@@ -68,15 +68,17 @@ def test_geometry_of_takes_a_model_not_a_stand_in():
         geometry_of(SimpleNamespace(config=tiny_config("llama")))
 
 
-@pytest.mark.parametrize(
-    "model_type",
-    [t if t == "arcee" else pytest.param(t, marks=pytest.mark.slow) for t in INFERRED_TYPES],
-)
-def test_scan_and_plugin_on_a_type_without_a_table_entry(model_type, tmp_path):
-    """`circuits scan` and ``pytest probes --circuits-model`` (record, then gate) on an unlisted type."""
+def _unlisted_folder(model_type: str, tmp_path: Path) -> Path:
     if model_type in families.supported_model_types():
         pytest.fail(f"{model_type} is in the table now: take it out of INFERRED_TYPES")
-    folder = save_tiny_model(model_type, tmp_path / "m", seed=1, initializer_range=0.2)
+    return save_tiny_model(model_type, tmp_path / "m", seed=1, initializer_range=0.2)
+
+
+@pytest.mark.parametrize(
+    "model_type", [t if t == "arcee" else pytest.param(t, marks=pytest.mark.slow) for t in INFERRED_TYPES]
+)
+def test_scan_on_a_type_without_a_table_entry(model_type, tmp_path):
+    folder = _unlisted_folder(model_type, tmp_path)
     out = tmp_path / "scan.json"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -84,6 +86,13 @@ def test_scan_and_plugin_on_a_type_without_a_table_entry(model_type, tmp_path):
     record = json.loads(out.read_text())
     geometry = record["model"]["geometry"]
     assert len(record["heads"]) == geometry["n_layers"] * geometry["n_heads"] == 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", INFERRED_TYPES)
+def test_plugin_on_a_type_without_a_table_entry(model_type, tmp_path):
+    """``pytest probes --circuits-model`` (record, then gate against the record) in a fresh interpreter."""
+    folder = _unlisted_folder(model_type, tmp_path)
     command = [
         sys.executable,
         "-m",
@@ -99,7 +108,7 @@ def test_scan_and_plugin_on_a_type_without_a_table_entry(model_type, tmp_path):
         "--circuits-probe-n=4",
         "--circuits-probe-length=16",
     ]
-    for extra in (["--circuits-update"], []):  # record, then gate against the record
+    for extra in (["--circuits-update"], []):
         done = subprocess.run([*command, *extra], cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
         assert "INTERNALERROR" not in done.stdout + done.stderr
@@ -222,7 +231,8 @@ def mutations(family: Family, config) -> list[tuple[str, dict]]:
         found.append(("drop the post-attention norm", dict(post_attn_norm=None)))
     if family.final_norm is not None:
         found.append(("drop the final norm", dict(final_norm=None)))
-    found.append(("drop/add the embedding scale", dict(embed_scale=None if family.embed_scale else "sqrt_d_model")))
+    if family.embed_scale or family.embed_norm is None:  # (a scale before an embedding norm cancels: no change)
+        found.append(("drop/add the embedding scale", dict(embed_scale=None if family.embed_scale else "sqrt_d_model")))
     for field in (
         "embed_norm",
         "attn_out_multiplier",

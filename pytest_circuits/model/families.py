@@ -415,6 +415,39 @@ FAMILIES: tuple[Family, ...] = (
         quirks=("grouped_query", "qkv_bias", "partial_rotary", "sandwich_norm"),
     ),
     LLAMA.for_type(
+        "kolibri1",
+        post_attn_norm="post_self_attn_layernorm",
+        quirks=("grouped_query", "rotary", "sandwich_norm"),
+    ),
+    *(
+        LLAMA.for_type(
+            model_type,
+            norm_kind="layernorm",
+            logit_scale="logit_scale",
+            parallel=True,
+            quirks=("grouped_query", "rotary", "parallel_block", "no_norm_bias", "logit_scale", "sliding_window"),
+        )
+        for model_type in ("cohere2", "cohere2_moe")
+    ),
+    *(
+        LLAMA.for_type(
+            "hyperclovax",
+            embed_scale="embedding_multiplier",
+            attn_out_multiplier="residual_multiplier",
+            logit_scale="logits_scaling",
+            when=(("use_post_norm", post),),
+            quirks=("grouped_query", "rotary", "multipliers", *(("sandwich_norm",) if post else ())),
+            **({"post_attn_norm": "post_norm1"} if post else {}),
+        )
+        for post in (True, False)
+    ),
+    LLAMA.for_type(
+        "nanochat",
+        embed_norm="model.norm",
+        logit_softcap="final_logit_softcapping",
+        quirks=("rotary", "qk_norm", "nonparametric_norm", "embed_norm", "logit_softcap"),
+    ),
+    LLAMA.for_type(
         "nemotron",
         norm_kind="layernorm",
         norm_weight_offset=1.0,
@@ -714,8 +747,8 @@ def infer_family(model) -> Family | None:
             _WARNED.add(model_type)
             warnings.warn(
                 f"model type {model_type!r} is not in the family table: assumed the {layout.name!r} layout "
-                f"({candidate.layers}.N.{candidate.attn}), confirmed by the self-check; quirks outside the attention "
-                "module (embedding or logit multipliers, norms after attention) are not known",
+                f"({candidate.layers}.N.{candidate.attn}), confirmed by the self-check on load (attention output, "
+                "residual write, embedding and logits; a module the layout never reads is refused)",
                 stacklevel=2,
             )
         return candidate

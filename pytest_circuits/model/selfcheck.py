@@ -340,8 +340,8 @@ def _tail_errors(model, fam: Family, ids: torch.Tensor) -> tuple[float, float]:
     hook = None
     if final is not None:
 
-        def keep(module, args, kwargs):
-            seen.setdefault("r", _first_tensor(args, kwargs))
+        def keep(module, args, kwargs):  # the last call: a model may run the same norm on its embedding first
+            seen["r"] = _first_tensor(args, kwargs)
 
         hook = final.register_forward_pre_hook(keep, with_kwargs=True)
     setattr(parent, attr, torch.nn.ModuleList())
