@@ -67,10 +67,8 @@ class CircuitsSession:
         """
 
         def check():
-            from types import SimpleNamespace
-
             from .model.builds import read_config
-            from .model.families import check_geometry, geometry_of
+            from .model.families import check_geometry, family_and_geometry
             from .model.vocab import token_info
             from .rungs.repeat import check_fits, check_probe_memory, check_vocabulary
 
@@ -83,7 +81,7 @@ class CircuitsSession:
             tokens = token_info(self.source.folder, config, s.trust_remote_code)
             check_vocabulary(tokens)
             check_fits(config, tokens, s.probe.L)
-            geometry = geometry_of(SimpleNamespace(config=config))  # geometry_of reads .config alone
+            _, geometry = family_and_geometry(config)
             check_geometry(self.settings.model, geometry)
             check_probe_memory(geometry, s.probe.n, s.probe.L, s.batch_size, knockout=True, device=str(self.device))
             return geometry

@@ -67,6 +67,14 @@ TINY_TYPE_SHAPES: dict[str, dict[str, Any]] = {
     "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0, attention_multiplier=0.2),
     "stablelm": dict(use_qkv_bias=True),
     "internlm3": dict(qkv_bias=True, bias=True),
+    "hyperclovax": dict(
+        use_post_norm=True,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        logits_scaling=0.25,
+        attention_multiplier=0.2,
+    ),
+    "nanochat": dict(final_logit_softcapping=0.5),
 }
 """Per model type: what differs from the shared tiny shape (config names, experts, windows, multipliers)."""
 
@@ -74,6 +82,7 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "falcon-new-decoder": ("falcon", dict(num_kv_heads=2, new_decoder_architecture=True, num_ln_in_parallel_attn=2)),
     "falcon-multi-head": ("falcon", dict(multi_query=False, parallel_attn=False)),
     "gpt_bigcode-multi-head": ("gpt_bigcode", dict(multi_query=False)),
+    "hyperclovax-no-post-norm": ("hyperclovax", dict(use_post_norm=False)),
 }
 """Config variants of a model type that read their Q/K/V another way (named ``type-variant``)."""
 

@@ -436,9 +436,12 @@ def test_gguf_round_trip(tmp_path, monkeypatch, model_type):
     assert resolve_model(str(path)).folder == source.folder  # the cached conversion is reused
 
 
-def test_recognised_layout_that_reads_wrong_is_refused():
-    """Nemotron has Llama's module names but a (1 + w) LayerNorm: assumed llama, then refused by the self-check."""
+def test_recognised_layout_that_reads_wrong_is_refused(monkeypatch):
+    """Nemotron without its table entry: Llama's module names but a (1 + w) LayerNorm, assumed llama, then
+    refused by the self-check."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    monkeypatch.setattr(families, "FAMILIES", tuple(f for f in families.FAMILIES if "nemotron" not in f.model_types))
 
     config = CONFIG_MAPPING["nemotron"](
         num_hidden_layers=2,

@@ -16,8 +16,9 @@ import torch
 
 from ..errors import CircuitsError, ModelLoadError, RecipeError, first_line, one_line
 from ..options import flag
+from .checkpoint_keys import check_loading_info
 from .dense import is_projection, weight_of
-from .families import Family, Geometry, family_for_config, geometry_of, modules_at
+from .families import Family, Geometry, bind_family, family_and_geometry, geometry_for, modules_at
 from .loading import ModelSource, check_finite_weights, nonfinite_line, nonfinite_of, quiet_transformers
 from .recipes import EXTERNAL_KEYS, RECIPES, BuildSpec, Recipe, get_recipe, parse_builds  # noqa: F401  (re-exported)
 from .selfcheck import check_decomposition
@@ -224,7 +225,8 @@ def read_config(folder, trust_remote_code: bool = False, what: str | None = None
 
 
 def from_pretrained(folder, what: str, device, trust_remote_code: bool = False, **kwargs) -> torch.nn.Module:
-    """``AutoModelForCausalLM.from_pretrained``: offline, safetensors, eager attention; one line on failure."""
+    """``AutoModelForCausalLM.from_pretrained``: offline, safetensors, eager attention; one line on failure,
+    and on a checkpoint with missing or unexpected tensors (`checkpoint_keys.check_loading_info`)."""
     from transformers import AutoModelForCausalLM
 
     kwargs = (
@@ -238,11 +240,13 @@ def from_pretrained(folder, what: str, device, trust_remote_code: bool = False, 
     )
     try:
         # typed as the Module it is: transformers' functools.wraps on .to hides the bound self from mypy
-        model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+        model: torch.nn.Module
+        model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, **kwargs)
     except CircuitsError:
         raise
     except Exception as error:
         raise RecipeError(f"build {what} failed to load on {device}: {first_line(error)}") from None
+    check_loading_info(info, f"build {what} ({folder})")
     return model
 
 
@@ -250,12 +254,13 @@ def finish_build(model, source: ModelSource, identity: BuildIdentity, family: Fa
     """Eval mode, no gradients, the `LoadedBuild`, checked by `check_decomposition`."""
     model.eval()
     model.requires_grad_(False)
+    bind_family(model, family)  # the entry the config resolved to, not a second inference from the modules
     build = LoadedBuild(
         model=model,
         source=source,
         identity=identity,
         family=family,
-        geometry=geometry_of(model),
+        geometry=geometry_for(model.config, family),
         tokens=tokens,
         **extra,
     )
@@ -282,7 +287,7 @@ def load_build(
     check_device_map(device_map, device)
     spread = device_map != DEVICE_MAP_NONE
     config = read_config(source.folder, trust_remote_code, source.spec)
-    family = family_for_config(config)
+    family, _ = family_and_geometry(config)
     tokens = token_info(source.folder, config, trust_remote_code)
     check_finite_weights(source)  # NaN/inf in the float checkpoint: one line naming the tensor, before any figure
     kwargs: dict[str, Any]

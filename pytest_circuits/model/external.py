@@ -11,14 +11,13 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 from ..errors import CircuitsError, RecipeError
 from ..fsio import parse_json
 from .builds import BuildIdentity, LoadedBuild, finish_build, from_pretrained, read_config, resolve_device
-from .families import Geometry, family_for_config, geometry_of
+from .families import Geometry, family_and_geometry
 from .loading import ModelSource, check_finite_weights, quiet_transformers, sha256_of, weight_files
 from .recipes import BuildSpec
 from .vocab import TokenInfo, token_info
@@ -28,7 +27,7 @@ GEOMETRY_FIELDS = ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "vo
 
 def config_geometry(config) -> Geometry:
     """The `Geometry` a config describes, without loading weights."""
-    return geometry_of(SimpleNamespace(config=config))
+    return family_and_geometry(config)[1]
 
 
 def _shape(geometry: Geometry) -> str:
@@ -162,8 +161,8 @@ def load_external_build(
         raise type(error)(f"external build {spec}: {error}") from None
     config = read_config(source.folder, trust_remote_code, spec.path)
     model_config = read_config(model.folder, trust_remote_code, model.spec)
-    family = family_for_config(config)
-    geometry, expected = config_geometry(config), config_geometry(model_config)
+    family, geometry = family_and_geometry(config)
+    expected = config_geometry(model_config)
     if geometry != expected:
         raise RecipeError(
             f"external build {spec}: its geometry ({_shape(geometry)}) is not that of {model.name} "

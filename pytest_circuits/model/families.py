@@ -50,7 +50,11 @@ class Family:
     attributes of the tail: ``logits = cap * tanh(scale * l / div / cap)``), ``quirks``
     (tags of `QUIRKS`, shown in the table), ``when`` (config ``(attribute, value)`` pairs this
     variant needs), ``requires_equal`` (config attribute pairs that must be equal, else the
-    variant is refused with ``unsupported``).
+    variant is refused with ``unsupported``). The block around the attention, for the
+    self-check of what it writes into the residual stream: ``resid_mid`` (a block submodule whose
+    input is the residual after the attention sublayer: the pre-MLP norm, or the MLP itself),
+    ``parallel`` (True, or a config flag that makes it so: attention and MLP both read the
+    block's input, and ``resid_out = resid_pre + attention write + output of mlp_out``).
     """
 
     name: str  # the layout
@@ -83,10 +87,17 @@ class Family:
     requires_equal: tuple[tuple[str, str], ...] = ()
     unsupported: str = ""
     assumed: bool = False  # recognised by `infer_family`, not listed
+    resid_mid: str = "post_attention_layernorm"
+    parallel: bool | str = False
+    mlp_out: str = "mlp"
 
     def matches(self, config) -> bool:
         """True when every ``when`` condition holds on ``config``."""
         return all(getattr(config, attr, None) == value for attr, value in self.when)
+
+    def is_parallel(self, config) -> bool:
+        """True when the block adds attention and MLP outputs of the same input (``parallel``)."""
+        return bool(getattr(config, self.parallel, False)) if isinstance(self.parallel, str) else self.parallel
 
     def for_type(self, model_type: str, **changes) -> Family:
         """This layout for another model type (one table entry)."""
@@ -108,7 +119,7 @@ QUIRKS = {
     "qk_norm_full": "a norm across all heads of Q and of K (OLMo 2): changes A only",
     "sandwich_norm": "a norm on the attention output: per position one positive factor for all heads, its weight folds into W_O",
     "post_norm_only": "no pre-attention norm: heads read the raw residual, nothing folds on the read side",
-    "norm_offset": "RMSNorm scales by (1 + w), w stored: the fold uses g = 1 + w",
+    "norm_offset": "the norm scales by (1 + w), w stored (Gemma's RMSNorm, Nemotron's LayerNorm1P): the fold uses g = 1 + w",
     "embed_scale": "embedding multiplied by a positive scalar (sqrt(d_model) or a multiplier): kappa unchanged, W_E carries it",
     "embed_norm": "a LayerNorm on the embedding: W_E is read through it row by row (exact, per token)",
     "sliding_window": "some or all layers attend within a window; a probe longer than it is refused in one line",
@@ -159,6 +170,7 @@ GPT2 = Family(
     final_norm="transformer.ln_f",
     norm_kind="layernorm",
     n_kv_heads_attr=None,
+    resid_mid="ln_2",
     quirks=("fused_qkv", "conv1d", "qkv_bias", "learned_positions"),
 )
 GPT_NEOX = Family(
@@ -173,6 +185,7 @@ GPT_NEOX = Family(
     final_norm="gpt_neox.final_layer_norm",
     norm_kind="layernorm",
     n_kv_heads_attr=None,
+    parallel="use_parallel_residual",
     quirks=("fused_qkv", "qkv_bias", "partial_rotary", "parallel_block"),
 )
 _TRANSFORMER_H: dict[str, Any] = dict(
@@ -187,6 +200,7 @@ _BIGCODE = Family(
     qkv_layout="fused_split",
     attn_norm="ln_1",
     multi_query_attr="multi_query",
+    resid_mid="ln_2",
     quirks=("fused_qkv", "multi_query", "qkv_bias", "learned_positions"),
     when=(("multi_query", True),),
     **_TRANSFORMER_H,
@@ -200,6 +214,7 @@ _FALCON = Family(
     qkv_layout="fused_split",
     attn_norm=("ln_attn", "input_layernorm"),
     multi_query_attr="multi_query",
+    parallel="parallel_attn",
     quirks=("fused_qkv", "multi_query", "rotary", "parallel_block"),
     when=(("new_decoder_architecture", False), ("multi_query", True)),
     **_TRANSFORMER_H,
@@ -217,6 +232,7 @@ FAMILIES: tuple[Family, ...] = (
         qkv=("q_proj", "k_proj", "v_proj"),
         qkv_layout="separate",
         attn_norm="ln_1",
+        resid_mid="ln_2",
         quirks=("learned_positions", "local_attention", "no_score_scaling"),
         **_TRANSFORMER_H,
     ),
@@ -228,6 +244,7 @@ FAMILIES: tuple[Family, ...] = (
         qkv=("q_proj", "k_proj", "v_proj"),
         qkv_layout="separate",
         attn_norm="ln_1",
+        parallel=True,
         quirks=("partial_rotary", "parallel_block", "lm_head_bias"),
         **_TRANSFORMER_H,
     ),
@@ -251,6 +268,7 @@ FAMILIES: tuple[Family, ...] = (
         final_norm="model.decoder.final_layer_norm",
         norm_kind="layernorm",
         n_kv_heads_attr=None,
+        resid_mid="final_layer_norm",
         quirks=("qkv_bias", "learned_positions"),
         when=(("do_layer_norm_before", True),),
         requires_equal=(("word_embed_proj_dim", "hidden_size"),),
@@ -282,6 +300,7 @@ FAMILIES: tuple[Family, ...] = (
         qkv_layout="fused_grouped",
         multi_query_attr=None,
         n_kv_heads_attr="num_kv_heads",
+        parallel=True,
         when=(("new_decoder_architecture", True),),
         quirks=("fused_qkv", "grouped_query", "rotary", "parallel_block"),
     ),
@@ -297,6 +316,7 @@ FAMILIES: tuple[Family, ...] = (
     LLAMA.for_type(
         "gemma2",
         post_attn_norm="post_attention_layernorm",
+        resid_mid="pre_feedforward_layernorm",
         logit_softcap="final_logit_softcapping",
         quirks=(
             "grouped_query",
@@ -313,6 +333,7 @@ FAMILIES: tuple[Family, ...] = (
     LLAMA.for_type(
         "gemma3_text",
         post_attn_norm="post_attention_layernorm",
+        resid_mid="pre_feedforward_layernorm",
         logit_softcap="final_logit_softcapping",
         quirks=(
             "grouped_query",
@@ -332,6 +353,7 @@ FAMILIES: tuple[Family, ...] = (
         out_proj="dense",
         final_norm="model.final_layernorm",
         norm_kind="layernorm",
+        parallel=True,
         quirks=("grouped_query", "qkv_bias", "partial_rotary", "parallel_block", "lm_head_bias"),
     ),
     LLAMA.for_type(
@@ -347,20 +369,28 @@ FAMILIES: tuple[Family, ...] = (
         "olmo2",
         attn_norm=None,
         post_attn_norm="post_attention_layernorm",
+        resid_mid="mlp",
         quirks=("grouped_query", "rotary", "post_norm_only", "sandwich_norm", "qk_norm_full"),
     ),
     LLAMA.for_type(
         "olmo3",
         attn_norm=None,
         post_attn_norm="post_attention_layernorm",
+        resid_mid="mlp",
         quirks=("grouped_query", "rotary", "post_norm_only", "sandwich_norm", "qk_norm_full", "sliding_window"),
     ),
     LLAMA.for_type("olmoe", quirks=("grouped_query", "rotary", "qk_norm_full", "moe")),
-    LLAMA.for_type("stablelm", norm_kind="layernorm", quirks=("grouped_query", "qkv_bias", "partial_rotary")),
+    LLAMA.for_type(
+        "stablelm",
+        norm_kind="layernorm",
+        parallel="use_parallel_residual",
+        quirks=("grouped_query", "qkv_bias", "partial_rotary"),
+    ),
     LLAMA.for_type(
         "cohere",
         norm_kind="layernorm",
         logit_scale="logit_scale",
+        parallel=True,
         quirks=("grouped_query", "rotary", "parallel_block", "no_norm_bias", "logit_scale"),
     ),
     LLAMA.for_type(
@@ -379,6 +409,57 @@ FAMILIES: tuple[Family, ...] = (
     LLAMA.for_type("helium", quirks=("grouped_query", "rotary")),
     LLAMA.for_type("glm", quirks=("grouped_query", "qkv_bias", "partial_rotary")),
     LLAMA.for_type("internlm3", quirks=("grouped_query", "rotary")),
+    LLAMA.for_type(
+        "glm4",
+        post_attn_norm="post_self_attn_layernorm",
+        quirks=("grouped_query", "qkv_bias", "partial_rotary", "sandwich_norm"),
+    ),
+    LLAMA.for_type(
+        "kolibri1",
+        post_attn_norm="post_self_attn_layernorm",
+        quirks=("grouped_query", "rotary", "sandwich_norm"),
+    ),
+    *(
+        LLAMA.for_type(
+            model_type,
+            norm_kind="layernorm",
+            logit_scale="logit_scale",
+            parallel=True,
+            quirks=("grouped_query", "rotary", "parallel_block", "no_norm_bias", "logit_scale", "sliding_window"),
+        )
+        for model_type in ("cohere2", "cohere2_moe")
+    ),
+    *(
+        LLAMA.for_type(
+            "hyperclovax",
+            embed_scale="embedding_multiplier",
+            attn_out_multiplier="residual_multiplier",
+            logit_scale="logits_scaling",
+            when=(("use_post_norm", post),),
+            quirks=("grouped_query", "rotary", "multipliers", *(("sandwich_norm",) if post else ())),
+            **({"post_attn_norm": "post_norm1"} if post else {}),
+        )
+        for post in (True, False)
+    ),
+    LLAMA.for_type(
+        "nanochat",
+        embed_norm="model.norm",
+        logit_softcap="final_logit_softcapping",
+        quirks=("rotary", "qk_norm", "nonparametric_norm", "embed_norm", "logit_softcap"),
+    ),
+    LLAMA.for_type(
+        "nemotron",
+        norm_kind="layernorm",
+        norm_weight_offset=1.0,
+        quirks=("grouped_query", "partial_rotary", "norm_offset"),
+    ),
+    LLAMA.for_type(
+        "exaone4",
+        attn_norm=None,
+        post_attn_norm="post_attention_layernorm",
+        resid_mid="mlp",
+        quirks=("grouped_query", "rotary", "post_norm_only", "sandwich_norm", "qk_norm", "sliding_window"),
+    ),
     LLAMA.for_type(
         "gpt_oss",
         quirks=("grouped_query", "qkv_bias", "rotary", "sliding_window", "attention_sinks", "moe"),
@@ -559,14 +640,14 @@ def _meta_model(config):
 
 def family_of(model) -> Family:
     """The family entry of a loaded CausalLM (listed, from a plugin, or recognised by layout)."""
+    cached = _INFERRED.get(model)
+    if cached is not None:
+        return cached
     config = model.config
     model_type = getattr(config, "model_type", None)
     family = _resolve_listed(config, model_type)
     if family is not None:
         return family
-    cached = _INFERRED.get(model)
-    if cached is not None:
-        return cached
     if model_type in NO_PER_HEAD_OV:
         raise UnknownFamilyError(
             f"model family {model_type!r} has no per-head OV map to read: {NO_PER_HEAD_OV[model_type]}{_hybrid_layers(config)}"
@@ -666,8 +747,8 @@ def infer_family(model) -> Family | None:
             _WARNED.add(model_type)
             warnings.warn(
                 f"model type {model_type!r} is not in the family table: assumed the {layout.name!r} layout "
-                f"({candidate.layers}.N.{candidate.attn}), confirmed by the self-check; quirks outside the attention "
-                "module (embedding or logit multipliers, norms after attention) are not known",
+                f"({candidate.layers}.N.{candidate.attn}), confirmed by the self-check on load (attention output, "
+                "residual write, embedding and logits; a module the layout never reads is refused)",
                 stacklevel=2,
             )
         return candidate
@@ -723,8 +804,25 @@ def geometry_for(config, family: Family) -> Geometry:
     )
 
 
+def family_and_geometry(config) -> tuple[Family, Geometry]:
+    """The family entry and the `Geometry` of a transformers config, without loading weights.
+
+    The one resolution path for a config (the session's preflight, external builds, loads, the
+    CLI and the plugin): the table, plugins, then a layout recognised from an empty instance.
+    """
+    family = family_for_config(config)
+    return family, geometry_for(config, family)
+
+
+def bind_family(model, family: Family) -> None:
+    """Make ``family_of(model)`` return ``family`` (the entry its config resolved to before loading)."""
+    _INFERRED[model] = family
+
+
 def geometry_of(model) -> Geometry:
-    """Layers, heads, key/value heads, widths and vocabulary of a loaded model."""
+    """Layers, heads, key/value heads, widths and vocabulary of a loaded CausalLM."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"geometry_of takes a loaded model; for a config use family_and_geometry (got {type(model)})")
     return geometry_for(model.config, family_of(model))
 
 

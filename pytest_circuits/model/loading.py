@@ -375,13 +375,20 @@ class _Converter:
             quiet_transformers()
             try:
                 with contextlib.redirect_stderr(io.StringIO()):  # its own tqdm bar, outside transformers' switch
-                    model = AutoModelForCausalLM.from_pretrained(
-                        str(self.path.parent), gguf_file=self.path.name, dtype=torch.float32, local_files_only=True
+                    model, info = AutoModelForCausalLM.from_pretrained(
+                        str(self.path.parent),
+                        gguf_file=self.path.name,
+                        dtype=torch.float32,
+                        local_files_only=True,
+                        output_loading_info=True,
                     )
             except Exception as error:  # transformers raises many kinds here
                 raise ModelLoadError(
                     f"transformers could not read GGUF file {self.path}: {first_line(error)}"
                 ) from None
+            from .checkpoint_keys import check_loading_info
+
+            check_loading_info(info, f"GGUF file {self.path}")  # a tensor missing from the file: not a random init
             # the GGUF tensors are already dequantized: save the folder as plain float32
             model.hf_quantizer = None
             if hasattr(model.config, "quantization_config"):

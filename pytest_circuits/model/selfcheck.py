@@ -53,24 +53,28 @@ from typing import Any
 
 import torch
 
-from ..errors import CircuitsError
-from .dense import bnb_4bit_compute_dtype, bnb_kind
+from ..errors import CircuitsError, first_line
+from .dense import bnb_4bit_compute_dtype, bnb_kind, dense_bias, dense_weight, weight_of
 from .families import (
     Family,
     attn_norm_module,
     family_of,
+    final_norm_module,
     geometry_of,
     get_module,
+    logit_factor_of,
     modules_at,
     post_attn_norm_module,
 )
 from .llm_int8 import Int8Layer, int8_layer
-from .weights import _layer_weights
+from .weights import _layer_weights, embedding_matrix, norm_scale
 
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 TF32_TOLERANCE = 5e-3
 INT8_TOLERANCE = TOLERANCES[torch.float16]
 N_TOKENS = 16
+PER_LAYER = ("attention output", "pre-attention norm", "residual write (resid_mid - resid_pre)")
+TAIL_TOKENS = 4  # per sequence, two sequences: the embedding and tail check
 
 
 class DecompositionError(CircuitsError):
@@ -86,12 +90,14 @@ class DecompositionCheck:
     dtype: str
     tolerance: float
     errors: list[float]  # attention output, per layer
-    norm_errors: list[float] = field(default_factory=list)  # pre-attention norm, per layer (where there is one)
-    post_norm_errors: list[float] = field(default_factory=list)  # sandwich norm, per layer
+    norm_errors: list[float] = field(default_factory=list)  # pre-attention norm (or raw residual), per layer
+    write_errors: list[float] = field(default_factory=list)  # resid_mid - resid_pre, per layer
+    embed_error: float = 0.0  # W_E rows against the residual the model starts from
+    logit_error: float = 0.0  # the tail: final norm, W_U, logit factor, soft cap
 
     @property
     def worst(self) -> float:
-        return max([*self.errors, *self.norm_errors, *self.post_norm_errors], default=0.0)
+        return max([*self.errors, *self.norm_errors, *self.write_errors, self.embed_error, self.logit_error])
 
     @property
     def ok(self) -> bool:
@@ -154,19 +160,26 @@ def _eps(module, fam: Family) -> float:
     return fam.norm_eps or 0.0
 
 
+def _normalize(module, fam: Family, r: torch.Tensor) -> torch.Tensor:
+    """``(r - mean r) / sqrt(var r + eps)`` (LayerNorm) or ``r / sqrt(mean r^2 + eps)`` (RMSNorm), float64."""
+    r, eps = r.double(), _eps(module, fam)
+    if fam.norm_kind == "layernorm":
+        r = r - r.mean(dim=-1, keepdim=True)
+    return r / (r.pow(2).mean(dim=-1, keepdim=True) + eps).sqrt()
+
+
+def _apply_norm(module, fam: Family, scale: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """The norm as the read assumes it: normalised, times ``g`` (the fold's scale), plus a LayerNorm's bias."""
+    out = _normalize(module, fam, r) * scale.to(r.device).double()
+    bias = getattr(module, "bias", None)
+    if fam.norm_kind == "layernorm" and bias is not None:
+        out = out + bias.detach().double().to(r.device)
+    return out
+
+
 def _norm_error(module, fam: Family, scale: torch.Tensor, r: torch.Tensor, out: torch.Tensor) -> float:
     """Relative error of ``norm(r)`` recomputed from the scale ``g`` the fold uses."""
-    r, kind, eps = r.double(), fam.norm_kind, _eps(module, fam)
-    if kind == "layernorm":
-        centred = r - r.mean(dim=-1, keepdim=True)
-        expected = centred / (centred.pow(2).mean(dim=-1, keepdim=True) + eps).sqrt()
-    else:
-        expected = r / (r.pow(2).mean(dim=-1, keepdim=True) + eps).sqrt()
-    expected = expected * scale.to(r.device).double()
-    bias = getattr(module, "bias", None)
-    if kind == "layernorm" and bias is not None:
-        expected = expected + bias.detach().double()
-    return _relative(expected, out)
+    return _relative(_apply_norm(module, fam, scale, r), out)
 
 
 def _relative(expected: torch.Tensor, actual: torch.Tensor) -> float:
@@ -215,6 +228,147 @@ def _head_sum(
     return o_int8.output(per_head(quantized), None if outlier is None else per_head(outlier), b_O, dtype)
 
 
+class _Captured(dict):
+    """What the hooks saw in one block: ``pre`` (its input, the residual stream), ``x`` and
+    ``y`` (the attention's input and output), ``pattern``, ``residual`` (BLOOM), ``mid`` (the
+    residual after the attention sublayer), ``out`` and ``mlp`` (a parallel block's output and
+    its MLP's), ``norm`` (the pre-attention norm's input and output)."""
+
+
+def _hooks(block, fam: Family, parallel: bool, seen: _Captured) -> list:
+    """Register the capturing hooks on one block; returns the handles."""
+
+    def keep(key, value):
+        if key not in seen:
+            seen[key] = value
+
+    def block_pre(module, args, kwargs):
+        keep("pre", _bound(module, args, kwargs).get("hidden_states", _first_tensor(args, kwargs)))
+
+    def attn_pre(module, args, kwargs):
+        if "x" not in seen:
+            named = _bound(module, args, kwargs)
+            seen["x"] = named.get("hidden_states", _first_tensor(args, kwargs))
+            if fam.attn_adds_residual:
+                seen["residual"] = named.get(fam.attn_adds_residual)
+
+    def attn_post(module, args, kwargs, output):
+        if "y" not in seen:
+            seen["y"] = _tensor_of(output)
+            seen["pattern"] = output[1] if isinstance(output, (tuple, list)) and len(output) > 1 else None
+
+    def saver(key, what):
+        def hook(module, args, kwargs, output=None):
+            # an output is cloned: Falcon adds the attention output into its MLP's output in place
+            keep(key, _first_tensor(args, kwargs) if what == "input" else _tensor_of(output).clone())
+
+        return hook
+
+    attn = get_module(block, fam.attn)
+    handles = [
+        block.register_forward_pre_hook(block_pre, with_kwargs=True),
+        attn.register_forward_pre_hook(attn_pre, with_kwargs=True),
+        attn.register_forward_hook(attn_post, with_kwargs=True),
+    ]
+    if parallel:
+        handles.append(block.register_forward_hook(saver("out", "output"), with_kwargs=True))
+        handles.append(get_module(block, fam.mlp_out).register_forward_hook(saver("mlp", "output"), with_kwargs=True))
+    else:
+        handles.append(
+            get_module(block, fam.resid_mid).register_forward_pre_hook(saver("mid", "input"), with_kwargs=True)
+        )
+    norm = attn_norm_module(block, fam)
+    if norm is not None:
+
+        def norm_io(module, args, kwargs, output):
+            keep("norm", (_first_tensor(args, kwargs), output))
+
+        handles.append(norm.register_forward_hook(norm_io, with_kwargs=True))
+    return handles
+
+
+def _tensor_of(output) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe", "moe")
+"""Names of a block's MLP sublayer: after the residual the attention writes, so outside the read."""
+
+
+def unread_module(block, fam: Family) -> str | None:
+    """A block child holding parameters that ``fam``'s read never uses (a norm, a scale), or None.
+
+    Known: the attention, its pre-norm, the norm on its output, the module reading the residual
+    after it (``resid_mid``), the MLP (`MLP_NAMES`, ``mlp_out``). A parameter on the block itself
+    counts as unread too.
+    """
+    names = (fam.attn_norm,) if isinstance(fam.attn_norm, str) else (fam.attn_norm or ())
+    known = {fam.attn, fam.post_attn_norm, fam.resid_mid, fam.mlp_out, *names, *MLP_NAMES}
+    for name, _ in block.named_parameters(recurse=False):
+        return f"{name} (a parameter of {type(block).__name__})"
+    for name, child in block.named_children():
+        if name.split(".")[0] not in known and next(child.parameters(), None) is not None:
+            return f"{name} ({type(child).__name__})"
+    return None
+
+
+def _unembed(u: torch.Tensor, module, chunk: int = 16384) -> torch.Tensor:
+    """``u W_U^T (+ b)`` in float32 over the vocabulary in chunks (no full float copy of a large head)."""
+    weight = weight_of(module)
+    if not weight.dtype.is_floating_point or bnb_kind(module) is not None:
+        out = u.float() @ dense_weight(module).to(u.device).T
+    else:
+        out = torch.cat([u.float() @ part.float().T for part in weight.detach().split(chunk)], dim=-1)
+    bias = dense_bias(module)
+    return out if bias is None else out + bias.to(out.device)
+
+
+def _tail_errors(model, fam: Family, ids: torch.Tensor) -> tuple[float, float]:
+    """``(embedding error, logit error)`` of two short sequences run through the model with no blocks.
+
+    The decoder stack is swapped for an empty one for this forward, so the final norm reads the
+    embedding as the model computes it (scale, positions, embedding norm). Embedding: the two
+    sequences share positions, so their residuals differ by ``W_E[ids_1] - W_E[ids_2]`` (the
+    read's `embedding_matrix`). Tail: the logits equal ``norm(r) g W_U * factor`` (+ the norm's
+    bias and the head's), soft-capped, with ``g``, the factor and the cap the read's.
+    """
+    parent_path, _, attr = fam.layers.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    stack = getattr(parent, attr)
+    final = final_norm_module(model, fam)
+    seen: dict = {}
+    hook = None
+    if final is not None:
+
+        def keep(module, args, kwargs):  # the last call: a model may run the same norm on its embedding first
+            seen["r"] = _first_tensor(args, kwargs)
+
+        hook = final.register_forward_pre_hook(keep, with_kwargs=True)
+    setattr(parent, attr, torch.nn.ModuleList())
+    try:
+        logits = model(input_ids=ids, use_cache=False).logits
+    finally:
+        setattr(parent, attr, stack)
+        if hook is not None:
+            hook.remove()
+    if "r" not in seen:
+        raise DecompositionError(f"{model.config.model_type}: the final norm never ran in the self-check forward")
+    r = seen["r"].double()
+    W_E = embedding_matrix(model, fam, rows=ids.flatten().cpu()).double().reshape(*ids.shape, -1)
+    embed_error = _relative((W_E[0] - W_E[1]).to(r.device), r[0] - r[1])
+    geo_d = r.shape[-1]
+    scale = norm_scale(final, geo_d, fam.norm_weight_offset).double().to(r.device)
+    normed = _normalize(final, fam, r) * scale
+    bias = getattr(final, "bias", None) if fam.norm_kind == "layernorm" else None
+    if bias is not None:
+        normed = normed + bias.detach().double()
+    expected = _unembed(normed, model.get_output_embeddings()).double() * logit_factor_of(model.config, fam)
+    cap = getattr(model.config, fam.logit_softcap, None) if fam.logit_softcap else None
+    if cap:
+        expected = torch.tanh(expected / cap) * cap
+    return embed_error, _relative(expected, logits)
+
+
 @torch.no_grad()
 def measure_decomposition(
     build_or_model, *, n_tokens: int = N_TOKENS, seed: int = 0, family: Family | None = None
@@ -223,43 +377,28 @@ def measure_decomposition(
     model = _model_of(build_or_model)
     fam = family or family_of(model)
     geo = geometry_of(model) if family is None else _geometry(model, fam)
+    model_type = str(getattr(model.config, "model_type", "?"))
     blocks = modules_at(model, fam.layers)
-    captured: list[dict] = [{} for _ in blocks]
-    handles = []
-
-    def attn_pre(layer):
-        def hook(module, args, kwargs):
-            if "x" not in captured[layer]:
-                named = _bound(module, args, kwargs)
-                captured[layer]["x"] = named.get("hidden_states", _first_tensor(args, kwargs))
-                if fam.attn_adds_residual:
-                    captured[layer]["residual"] = named.get(fam.attn_adds_residual)
-
-        return hook
-
-    def attn_post(layer):
-        def hook(module, args, kwargs, output):
-            if "y" not in captured[layer]:
-                captured[layer]["y"] = output[0] if isinstance(output, (tuple, list)) else output
-                pattern = output[1] if isinstance(output, (tuple, list)) and len(output) > 1 else None
-                captured[layer]["pattern"] = pattern
-
-        return hook
-
-    def norm_io(layer, key):
-        def hook(module, args, kwargs, output):
-            if key not in captured[layer]:
-                captured[layer][key] = (_first_tensor(args, kwargs), output)
-
-        return hook
-
-    for layer, block in enumerate(blocks):
-        attn = get_module(block, fam.attn)
-        handles.append(attn.register_forward_pre_hook(attn_pre(layer), with_kwargs=True))
-        handles.append(attn.register_forward_hook(attn_post(layer), with_kwargs=True))
-        for key, norm in (("pre", attn_norm_module(block, fam)), ("post", post_attn_norm_module(block, fam))):
-            if norm is not None:
-                handles.append(norm.register_forward_hook(norm_io(layer, key), with_kwargs=True))
+    if fam.assumed:
+        unread = unread_module(blocks[0], fam)
+        if unread is not None:
+            raise DecompositionError(
+                f"model type {model_type!r}: its blocks hold {unread}, which the assumed {fam.name!r} layout never "
+                "reads; refusing a read that may miss it (add an entry to pytest_circuits/model/families.py)"
+            )
+    parallel = fam.is_parallel(model.config)
+    captured = [_Captured() for _ in blocks]
+    handles: list = []
+    try:
+        for block, seen in zip(blocks, captured):
+            handles.extend(_hooks(block, fam, parallel, seen))
+    except AttributeError as error:
+        for handle in handles:
+            handle.remove()
+        raise DecompositionError(
+            f"model type {model_type!r} ({fam.name} layout): {first_line(error)}; the family entry names a module "
+            "its blocks do not have"
+        ) from None
     causal_lm: Any = model  # its transformers methods (get_input_embeddings) are not on torch.nn.Module
     ids = _probe_ids(build_or_model, n_tokens, seed).to(causal_lm.get_input_embeddings().weight.device)
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
@@ -270,52 +409,71 @@ def measure_decomposition(
             handle.remove()
     dtype = captured[0]["x"].dtype if captured and "x" in captured[0] else torch.float32
     check = DecompositionCheck(
-        model_type=str(getattr(model.config, "model_type", "?")),
+        model_type=model_type,
         layout=fam.name,
         dtype=str(dtype).removeprefix("torch."),
         tolerance=tolerance_for(model, dtype),
         errors=[],
     )
-    for layer, block in enumerate(blocks):
-        seen = captured[layer]
-        if "y" not in seen:
-            raise DecompositionError(
-                f"{check.model_type}: the attention of layer {layer} never ran in the self-check forward; "
-                "is this a decoder-only LM?"
-            )
-        if seen["pattern"] is None:
-            raise DecompositionError(
-                f"{check.model_type}: layer {layer}'s attention returned no weights; load the model with "
-                "attn_implementation='eager' (load_build does)"
-            )
-        x = seen["x"]
-        lw = _layer_weights(block, fam, geo, False, model.config, x.device, qk=False)
+    for layer, (block, seen) in enumerate(zip(blocks, captured)):
+        _check_layer(check, layer, block, seen, fam, geo, model.config, parallel)
+    if ids.shape[-1] >= 2 * TAIL_TOKENS:
+        check.embed_error, check.logit_error = _tail_errors(model, fam, ids[0, : 2 * TAIL_TOKENS].reshape(2, -1))
+    return check
+
+
+def _check_layer(check: DecompositionCheck, layer: int, block, seen, fam: Family, geo, config, parallel: bool) -> None:
+    """Append one layer's errors: attention output, pre-attention norm, residual write."""
+    if "y" not in seen:
+        raise DecompositionError(
+            f"{check.model_type}: the attention of layer {layer} never ran in the self-check forward; "
+            "is this a decoder-only LM?"
+        )
+    if seen["pattern"] is None:
+        raise DecompositionError(
+            f"{check.model_type}: layer {layer}'s attention returned no weights; load the model with "
+            "attn_implementation='eager' (load_build does)"
+        )
+    x = seen["x"]
+    try:
+        lw = _layer_weights(block, fam, geo, False, config, x.device, qk=False)
         attn = get_module(block, fam.attn)
         v_proj = get_module(attn, fam.qkv[-1])  # the module that computes V (the fused QKV, or v_proj)
-        expected = _head_sum(
-            lw, geo, x, seen["pattern"], int8_layer(v_proj), int8_layer(get_module(attn, fam.out_proj))
+        heads = _head_sum(lw, geo, x, seen["pattern"], int8_layer(v_proj), int8_layer(get_module(attn, fam.out_proj)))
+    except (RuntimeError, ValueError, IndexError, AttributeError, TypeError) as error:
+        raise DecompositionError(
+            f"model type {check.model_type!r} ({check.layout} layout): the per-head read of layer {layer} fails: "
+            f"{first_line(error)}; fix its entry in pytest_circuits/model/families.py"
+        ) from None
+    residual = seen["residual"].double() if fam.attn_adds_residual else 0.0
+    check.errors.append(_relative(heads + residual, seen["y"]))
+    if "norm" in seen:
+        norm_in, norm_out = seen["norm"]
+        # the norm must be what the attention reads (a post-norm model has its "ln_1" after it) ...
+        feeds = _relative(norm_out.double(), x)
+        # ... and must scale by the g the fold uses
+        check.norm_errors.append(
+            max(feeds, _norm_error(attn_norm_module(block, fam), fam, lw.norm_scale, norm_in, norm_out))
         )
-        if fam.attn_adds_residual:
-            expected = expected + seen["residual"].double()
-        check.errors.append(_relative(expected, seen["y"]))
-        if "pre" in seen:
-            norm_in, norm_out = seen["pre"]
-            # the norm must be what the attention reads (a post-norm model has its "ln_1" after it) ...
-            feeds = _relative(norm_out.double(), x)
-            # ... and must scale by the g the fold uses
-            check.norm_errors.append(
-                max(feeds, _norm_error(attn_norm_module(block, fam), fam, lw.norm_scale, norm_in, norm_out))
-            )
-        elif fam.attn_norm is not None:
-            raise DecompositionError(
-                f"{check.model_type}: the pre-attention norm of layer {layer} did not run in the self-check forward; "
-                "the family entry names the wrong module"
-            )
-        if "post" in seen:
-            post = post_attn_norm_module(block, fam)
-            assert lw.post_norm_scale is not None, "a hooked post-attention norm has a scale in the read"
-            check.post_norm_errors.append(_norm_error(post, fam, lw.post_norm_scale, *seen["post"]))
-    return check
+    elif fam.attn_norm is not None:
+        raise DecompositionError(
+            f"{check.model_type}: the pre-attention norm of layer {layer} did not run in the self-check forward; "
+            "the family entry names the wrong module"
+        )
+    else:  # no pre-attention norm: the attention reads the residual stream itself
+        check.norm_errors.append(_relative(seen["pre"].double(), x))
+    # what the sublayer adds to the residual stream: norm on the output (g_post), multiplier
+    write = heads
+    post = post_attn_norm_module(block, fam)
+    if post is not None:
+        assert lw.post_norm_scale is not None, "a post-attention norm has a scale in the read"
+        write = _apply_norm(post, fam, lw.post_norm_scale, write)
+    write = write * lw.out_multiplier
+    if parallel:
+        actual = seen["out"].double() - seen["pre"].double() - seen["mlp"].double()
+    else:
+        actual = seen["mid"].double() - seen["pre"].double()
+    check.write_errors.append(_relative(write, actual))
 
 
 def _geometry(model, fam: Family):
@@ -336,19 +494,22 @@ def check_decomposition(
     for what, errors in (
         ("attention output", check.errors),
         ("pre-attention norm", check.norm_errors),
-        ("post-attention norm", check.post_norm_errors),
+        ("residual write (resid_mid - resid_pre)", check.write_errors),
+        ("embedding rows (W_E)", [check.embed_error]),
+        ("tail (final norm, W_U, logit scale, soft cap)", [check.logit_error]),
     ):
         bad = [(layer, err) for layer, err in enumerate(errors) if not err <= check.tolerance]
         if bad:
             layer, err = bad[0]
+            where = f"{what} of layer {layer}" if what in PER_LAYER else f"{what}"
             if not math.isfinite(err):
                 raise DecompositionError(
-                    f"model type {check.model_type!r} ({check.dtype}): the {what} of layer {layer} is not finite in a "
+                    f"model type {check.model_type!r} ({check.dtype}): the {where} is not finite in a "
                     f"{n_tokens}-token forward; the build overflows (use a dtype with more range: bf16 or fp32)"
                 )
             raise DecompositionError(
                 f"model type {check.model_type!r} ({check.layout} layout, {check.dtype}): the per-head weight read does "
-                f"not reproduce the {what} of layer {layer} (relative error {err:.2g} > {check.tolerance:g}); "
+                f"not reproduce the {where} (relative error {err:.2g} > {check.tolerance:g}); "
                 "refusing to report figures from weights that may be read wrong (fix its entry in "
                 "pytest_circuits/model/families.py)"
             )

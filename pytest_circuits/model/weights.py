@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .dense import dense_bias, dense_weight
+from .dense import dense_bias, dense_weight, weight_of
 from .families import (
     Family,
     Geometry,
@@ -165,15 +165,21 @@ def layer_weights(model, layer: int, fold: bool = False, device=None) -> LayerWe
 
 
 @torch.no_grad()
-def embedding_matrix(model, fam: Family | None = None) -> torch.Tensor:
+def embedding_matrix(model, fam: Family | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
     """``W_E`` (vocab x d_model, float32, CPU): what each token adds to the residual stream.
 
     ``embed_scale * E`` for the stored embedding ``E``; through the family's embedding norm,
-    row by row, where it has one (exact: a norm acts on each token alone).
+    row by row, where it has one (exact: a norm acts on each token alone). ``rows``: only
+    these token ids' rows, in that order (the self-check reads a few).
     """
     fam = fam or family_of(model)
     embedding = model.get_input_embeddings()
-    W_E = dense_weight(embedding) * embed_scale_of(model, fam)
+    stored = weight_of(embedding)
+    if rows is not None and stored.dtype.is_floating_point:
+        E = stored.detach()[rows.to(stored.device)].float()
+    else:
+        E = dense_weight(embedding) if rows is None else dense_weight(embedding)[rows.to(stored.device)]
+    W_E = E * embed_scale_of(model, fam)
     if fam.embed_norm is not None:
         norm = get_module(model, fam.embed_norm)
         param = next(norm.parameters(), None)

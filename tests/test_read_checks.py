@@ -1,0 +1,345 @@
+"""A read that cannot be silently wrong (issue 25).
+
+One resolution path for a config (`family_and_geometry`), used by the session, external builds,
+the CLI and the plugin: `circuits scan` and ``pytest probes --circuits-model`` on types recognised
+without a table entry. Checkpoints with missing or unexpected tensors are refused (folder,
+external build, GGUF). The self-check covers the whole path: what the attention sublayer writes
+into the residual stream, the embedding rows and the tail; an assumed layout is refused when the
+block holds a module it never reads. The mutation table drops or changes every quirk each family
+entry declares and requires the self-check to refuse each. Added types (glm4, nemotron, exaone4)
+get a kappa test against a hand-built head whose fold is computed here from the module weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pytest_circuits.cli import main
+from pytest_circuits.errors import ModelLoadError
+from pytest_circuits.model import families
+from pytest_circuits.model.builds import load_build
+from pytest_circuits.model.families import LLAMA, Family, family_and_geometry, family_of, geometry_of
+from pytest_circuits.model.loading import resolve_model
+from pytest_circuits.model.selfcheck import DecompositionError, check_decomposition
+from pytest_circuits.model.weights import extract_weights
+from pytest_circuits.rungs.kappa import kappa_reference, kappa_scores, reduced_ov_layer
+from pytest_circuits.testing import make_tiny_model, save_tiny_model, tiny_config, tiny_model_types
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--device", "cpu", "--probe-n", "4", "--probe-length", "16"]
+INFERRED_TYPES = ("arcee", "aria_text", "hunyuan_v1_dense", "seed_oss", "ernie4_5", "exaone")
+"""Types of transformers 5.24 recognised without a table entry (the llama layout, confirmed by the
+self-check); arcee runs in the default suite, the others with --run-slow."""
+
+
+def _one_line(excinfo) -> str:
+    text = str(excinfo.value)
+    assert "\n" not in text
+    return text
+
+
+# ---------------------------------------------------------------- one resolution path
+
+
+def test_family_and_geometry_of_a_config_is_the_loaded_models():
+    for model_type in ("arcee", "llama", "gemma2"):
+        model = make_tiny_model(model_type, seed=1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            family, geometry = family_and_geometry(model.config)
+        assert geometry == geometry_of(model)
+        assert family.name == family_of(model).name and family.assumed == (model_type == "arcee")
+
+
+def test_geometry_of_takes_a_model_not_a_stand_in():
+    from types import SimpleNamespace
+
+    with pytest.raises(TypeError, match="family_and_geometry"):
+        geometry_of(SimpleNamespace(config=tiny_config("llama")))
+
+
+def _unlisted_folder(model_type: str, tmp_path: Path) -> Path:
+    if model_type in families.supported_model_types():
+        pytest.fail(f"{model_type} is in the table now: take it out of INFERRED_TYPES")
+    return save_tiny_model(model_type, tmp_path / "m", seed=1, initializer_range=0.2)
+
+
+@pytest.mark.parametrize(
+    "model_type", [t if t == "arcee" else pytest.param(t, marks=pytest.mark.slow) for t in INFERRED_TYPES]
+)
+def test_scan_on_a_type_without_a_table_entry(model_type, tmp_path):
+    folder = _unlisted_folder(model_type, tmp_path)
+    out = tmp_path / "scan.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["scan", str(folder), "--json", str(out), *SMALL]) == 0
+    record = json.loads(out.read_text())
+    geometry = record["model"]["geometry"]
+    assert len(record["heads"]) == geometry["n_layers"] * geometry["n_heads"] == 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", INFERRED_TYPES)
+def test_plugin_on_a_type_without_a_table_entry(model_type, tmp_path):
+    """``pytest probes --circuits-model`` (record, then gate against the record) in a fresh interpreter."""
+    folder = _unlisted_folder(model_type, tmp_path)
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "probes",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        f"--circuits-model={folder}",
+        "--circuits-builds=fp32",
+        f"--circuits-baselines={tmp_path / 'baselines'}",
+        "--circuits-device=cpu",
+        "--circuits-probe-n=4",
+        "--circuits-probe-length=16",
+    ]
+    for extra in (["--circuits-update"], []):
+        done = subprocess.run([*command, *extra], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+        assert "INTERNALERROR" not in done.stdout + done.stderr
+    assert (tmp_path / "baselines" / "m--fp32.json").is_file()
+
+
+# ---------------------------------------------------------------- missing or unexpected weights
+
+
+def _drop_tensor(folder: Path, name: str, extra: str | None = None) -> None:
+    weights = load_file(folder / "model.safetensors")
+    del weights[name]
+    if extra is not None:
+        weights[extra] = torch.zeros(3)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_a_folder_missing_a_weight_is_refused(tmp_path):
+    folder = save_tiny_model("llama", tmp_path / "m", seed=1)
+    _drop_tensor(folder, "model.layers.1.self_attn.v_proj.weight")
+    with pytest.raises(ModelLoadError) as error:
+        load_build(resolve_model(str(folder)), "fp32", "cpu")
+    line = _one_line(error)
+    assert "1 tensor missing" in line and "model.layers.1.self_attn.v_proj.weight" in line
+
+
+def test_unexpected_tensors_are_refused_and_tied_weights_are_not_missing(tmp_path):
+    tied = save_tiny_model("llama", tmp_path / "tied", seed=1, tie_word_embeddings=True)
+    load_build(resolve_model(str(tied)), "fp32", "cpu")  # lm_head shares the embedding: nothing missing
+    folder = save_tiny_model("llama", tmp_path / "m", seed=1)
+    _drop_tensor(folder, "model.layers.0.self_attn.o_proj.weight", extra="model.layers.0.self_attn.out.weight")
+    with pytest.raises(ModelLoadError) as error:
+        load_build(resolve_model(str(folder)), "fp32", "cpu")
+    line = _one_line(error)
+    assert "model.layers.0.self_attn.o_proj.weight" in line and "model.layers.0.self_attn.out.weight" in line
+
+
+def test_an_external_build_missing_a_weight_is_refused(tmp_path):
+    from pytest_circuits.model.external import load_external_build
+    from pytest_circuits.model.recipes import BuildSpec
+
+    model = save_tiny_model("llama", tmp_path / "m", seed=1)
+    build = save_tiny_model("llama", tmp_path / "b", seed=1)
+    _drop_tensor(build, "model.layers.0.self_attn.k_proj.weight")
+    with pytest.raises(ModelLoadError, match=r"1 tensor missing.*k_proj.weight"):
+        load_external_build(resolve_model(str(model)), BuildSpec("ext", str(build)), "cpu")
+
+
+def test_a_gguf_file_missing_a_tensor_is_refused(tmp_path, monkeypatch):
+    pytest.importorskip("gguf")
+    from types import SimpleNamespace
+
+    from pytest_circuits.model import loading
+    from pytest_circuits.testing import write_tiny_gguf
+
+    monkeypatch.setenv("PYTEST_CIRCUITS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loading, "cache_root", lambda: tmp_path / "cache")
+    model = make_tiny_model("llama", seed=1)
+    state = {k: v for k, v in model.state_dict().items() if k != "model.layers.1.self_attn.v_proj.weight"}
+    path = write_tiny_gguf(SimpleNamespace(config=model.config, state_dict=lambda: state), tmp_path / "m.gguf")
+    with pytest.raises(ModelLoadError) as error:
+        resolve_model(str(path))
+    assert "v_proj.weight" in _one_line(error)
+
+
+# ---------------------------------------------------------------- the whole path
+
+
+def test_an_unread_norm_refuses_an_assumed_layout():
+    """glm4 read as an assumed llama layout: its post_self_attn_layernorm is named, not skipped."""
+    model = make_tiny_model("glm4", seed=2)
+    assumed = dataclasses.replace(LLAMA, model_types=("glm4",), assumed=True)
+    with pytest.raises(DecompositionError) as error:
+        check_decomposition(model, family=assumed)
+    assert "post_self_attn_layernorm" in _one_line(error) and "'glm4'" in str(error.value)
+
+
+def test_a_missed_post_attention_norm_is_caught_by_the_residual_write():
+    """The attention output alone matches; what the block adds to the residual does not."""
+    model = make_tiny_model("glm4", seed=2)
+    wrong = dataclasses.replace(family_of(model), post_attn_norm=None)
+    with pytest.raises(DecompositionError) as error:
+        check_decomposition(model, family=wrong)
+    line = _one_line(error)
+    assert "residual write" in line and "layer 0" in line and "'glm4'" in line
+
+
+@pytest.mark.parametrize(
+    "model_type, change, where",
+    [
+        ("granite", dict(embed_scale=None), "embedding rows"),
+        ("cohere", dict(logit_scale=None), "tail"),
+        ("gemma2", dict(logit_softcap=None), "tail"),
+        ("llama", dict(norm_kind="layernorm"), "pre-attention norm"),
+    ],
+)
+def test_the_tail_and_embedding_are_checked(model_type, change, where):
+    model = make_tiny_model(model_type, seed=2, initializer_range=0.2, **VISIBLE.get(model_type, {}))
+    assert check_decomposition(model).ok
+    with pytest.raises(DecompositionError, match=where):
+        check_decomposition(model, family=dataclasses.replace(family_of(model), **change))
+
+
+# ---------------------------------------------------------------- the mutation table
+
+VISIBLE = {"gemma2": dict(final_logit_softcapping=0.5), "gemma3_text": dict(final_logit_softcapping=0.5)}
+"""Config changes that make a quirk visible on a tiny model (a cap well below its logits)."""
+_FUSED = ("fused_split", "fused_per_head", "fused_grouped")
+
+
+def mutations(family: Family, config) -> list[tuple[str, dict]]:
+    """Every quirk ``family`` declares, dropped or changed: ``[(what, dataclasses.replace changes)]``."""
+    found: list[tuple[str, dict]] = []
+    if family.attn_norm is not None:
+        found.append(("drop the pre-attention norm", dict(attn_norm=None)))
+    found.append(("swap the norm kind", dict(norm_kind="rmsnorm" if family.norm_kind == "layernorm" else "layernorm")))
+    if "nonparametric_norm" not in family.quirks:
+        found.append(("change the norm weight offset", dict(norm_weight_offset=1.0 - family.norm_weight_offset)))
+    if family.post_attn_norm is not None:
+        found.append(("drop the post-attention norm", dict(post_attn_norm=None)))
+    if family.final_norm is not None:
+        found.append(("drop the final norm", dict(final_norm=None)))
+    if family.embed_scale or family.embed_norm is None:  # (a scale before an embedding norm cancels: no change)
+        found.append(("drop/add the embedding scale", dict(embed_scale=None if family.embed_scale else "sqrt_d_model")))
+    for field in (
+        "embed_norm",
+        "attn_out_multiplier",
+        "logit_scale",
+        "logit_divisor",
+        "logit_softcap",
+        "attn_adds_residual",
+    ):
+        if getattr(family, field) is not None:
+            found.append((f"drop {field}", {field: None}))
+    geo = families.geometry_for(config, family)
+    if family.qkv_layout in _FUSED:  # another packing of the same rows (one that reads the same rows is no change)
+        same = families.qkv_rows(family.qkv_layout, geo)
+        found += [
+            (f"read Q/K/V as {other}", dict(qkv_layout=other))
+            for other in _FUSED
+            if other != family.qkv_layout and _rows_of(other, geo) != same
+        ]
+    else:
+        q, k, v = family.qkv
+        found.append(("read V from the K projection", dict(qkv=(q, v, k))))
+    if family.multi_query_attr and geo.n_kv_heads == 1:
+        found.append(("drop the multi-query flag", dict(multi_query_attr=None)))
+    if family.n_kv_heads_attr and geo.n_kv_heads < geo.n_heads:
+        found.append(("drop the GQA group map", dict(n_kv_heads_attr=None)))
+    if family.is_parallel(config):  # (a sequential block read as parallel is measured the same: out - pre - mlp)
+        found.append(("read a parallel block as sequential", dict(parallel=False)))
+    return found
+
+
+def _rows_of(layout: str, geo):
+    try:
+        return families.qkv_rows(layout, geo)
+    except RuntimeError:  # the rows do not even split this way
+        return None
+
+
+def _entries() -> list[tuple[str, str]]:
+    """``(entry label, tiny type)`` for every entry of the family table."""
+    out = []
+    for index, family in enumerate(families.FAMILIES):
+        for name in tiny_model_types():
+            config = tiny_config(name)
+            if config.model_type in family.model_types and family.matches(config):
+                out.append((f"{index}:{family.model_types[0]}", name))
+                break
+        else:
+            out.append((f"{index}:{family.model_types[0]}", ""))
+    return out
+
+
+@pytest.mark.parametrize("entry, model_type", _entries())
+def test_every_declared_quirk_dropped_is_refused(entry, model_type):
+    assert model_type, f"no tiny model builds family entry {entry}"
+    model = make_tiny_model(model_type, seed=5, initializer_range=0.2, **VISIBLE.get(model_type, {}))
+    family = family_of(model)
+    assert families.FAMILIES[int(entry.split(":")[0])] == family
+    assert check_decomposition(model).ok
+    missed = []
+    for what, change in mutations(family, model.config):
+        try:
+            check_decomposition(model, family=dataclasses.replace(family, **change))
+        except DecompositionError:
+            continue
+        missed.append(what)
+    assert not missed, f"{entry}: the self-check let these through: {missed}"
+
+
+# ---------------------------------------------------------------- added types: kappa of a hand-built head
+
+
+def _rows(weight: torch.Tensor, index: int, d_head: int) -> np.ndarray:
+    return weight.detach().double().numpy()[index * d_head : (index + 1) * d_head]
+
+
+HAND_FOLD = {
+    # model type: (pre-attention norm or None, offset of every norm, norm on the attention output or None, centres)
+    "glm4": ("input_layernorm", 0.0, "post_self_attn_layernorm", False),
+    "nemotron": ("input_layernorm", 1.0, None, True),
+    "exaone4": (None, 0.0, "post_attention_layernorm", False),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(HAND_FOLD))
+def test_kappa_of_a_hand_built_copying_head(model_type):
+    """Set one head's W_O so its reduced OV map is ``B^T B`` (kappa +1), with every fold factor read here
+    from the module weights by the model's own definition (not from `weights.py`); the read must agree."""
+    pre_name, offset, post_name, centres = HAND_FOLD[model_type]
+    model = make_tiny_model(model_type, seed=7)
+    block = model.model.layers[1]
+    attn, d, d_head, layer, head = block.self_attn, 64, 16, 1, 1
+    group = head // (model.config.num_attention_heads // model.config.num_key_value_heads)
+    C = np.eye(d) - np.full((d, d), 1.0 / d) if centres else np.eye(d)
+    g_in = np.ones(d) if pre_name is None else getattr(block, pre_name).weight.detach().double().numpy() + offset
+    g_post = np.ones(d) if post_name is None else getattr(block, post_name).weight.detach().double().numpy() + offset
+    g_final = model.model.norm.weight.detach().double().numpy() + offset
+    W_E = model.get_input_embeddings().weight.detach().double().numpy()
+    W_U = (C * g_final) @ model.lm_head.weight.detach().double().numpy().T  # C diag(g_f) W_U
+    W_U = W_U - W_U.mean(axis=1, keepdims=True)  # centred over the vocabulary
+    W_V = (C * g_in) @ _rows(attn.v_proj.weight, group, d_head).T  # (d, d_head)
+    B = (W_U @ W_E) @ W_V  # (d, d_head)
+    W_O_folded = B.T  # (d_head, d): M = W_O B = B^T B, positive semi-definite
+    raw = W_O_folded / g_post  # the output norm multiplies each output column by g_post
+    with torch.no_grad():
+        attn.o_proj.weight[:, head * d_head : (head + 1) * d_head] = torch.from_numpy(raw.T).float()
+    hand_kappa, _ = kappa_reference(W_O_folded @ B)
+    _, kappa, _ = kappa_scores(reduced_ov_layer(extract_weights(model), layer))
+    assert hand_kappa > 0.99
+    assert kappa[head].item() == pytest.approx(hand_kappa, abs=1e-6)
+    assert check_decomposition(model).ok
