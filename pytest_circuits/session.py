@@ -109,6 +109,10 @@ class CircuitsSession:
         self.preflight()
 
         def load():
+            with self._phase(f"loading {self.model_name}:{recipe}"):
+                return loaded()
+
+        def loaded():
             if spec.external:
                 from .model.external import load_external_build
 
@@ -155,27 +159,40 @@ class CircuitsSession:
 
         s = self.settings
         m = s.kappa_method if method is None else method
-        return self._memo(
-            ("ov_spectrum", recipe, m),
-            lambda: ov_spectrum(
-                self.weights(recipe),
-                n_rotations=m.n_rotations,
-                q=s.fdr_q,
-                seed=0,
-                p_method=m.p_method,
-                null_dtype=getattr(torch, m.null_dtype),
-                unembedding=m.unembedding,
-            ),
-        )
+
+        def measure():
+            weights = self.weights(recipe)
+            with self._phase(f"rung 1 (kappa, {m.n_rotations} rotations) {self.model_name}:{recipe}"):
+                return ov_spectrum(
+                    weights,
+                    n_rotations=m.n_rotations,
+                    q=s.fdr_q,
+                    seed=0,
+                    p_method=m.p_method,
+                    null_dtype=getattr(torch, m.null_dtype),
+                    unembedding=m.unembedding,
+                )
+
+        return self._memo(("ov_spectrum", recipe, m), measure)
 
     def repeat_probe(self, recipe: str):
         """Rung 1/2: copy losses and per-head routing scores on the seeded repeat probe."""
         from .rungs.probe import run_repeat_probe
 
         s = self.settings
-        return self._memo(
-            ("repeat_probe", recipe), lambda: run_repeat_probe(self.build(recipe), s.probe, batch_size=s.batch_size)
-        )
+
+        def measure():
+            build = self.build(recipe)
+            with self._phase(f"repeat probe (n={s.probe.n}, L={s.probe.L}) {self.model_name}:{recipe}"):
+                return run_repeat_probe(build, s.probe, batch_size=s.batch_size)
+
+        return self._memo(("repeat_probe", recipe), measure)
+
+    def _phase(self, label: str):
+        """A heartbeat line every few seconds while a long step runs (`progress.phase`)."""
+        from .progress import phase
+
+        return phase(label, self.progress_write)
 
     def head_knockout(self, recipe: str, heads=None):
         """Rung 2: knockout delta of every head (or of ``heads``) on held-out repeat sequences (DataFrame).

@@ -9,6 +9,8 @@ so projects without circuits tests pay nothing for the installed plugin.
 
 from __future__ import annotations
 
+import threading
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import pytest
@@ -105,10 +107,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     workers.unconfigure(config)
 
 
+_PROGRESS_LOCK = threading.Lock()  # a phase's heartbeat thread and the main thread write lines
+
+
 def _report_progress(config: pytest.Config, line: str) -> None:
-    """Long scans report through pytest's terminal reporter, which output capture does not hide."""
+    """Long scans report through pytest's terminal reporter with output capture suspended (as
+    pytest's live logging does), so the line shows with capture on, on a terminal and in CI logs."""
     reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
+    if reporter is None:
+        return
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    with _PROGRESS_LOCK, capture.global_and_fixture_disabled() if capture is not None else nullcontext():
         reporter.write_line(f"circuits: {line}")
 
 
