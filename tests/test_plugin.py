@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from pytest_circuits.testing import make_tiny_model, negate_head_ov, save_tiny_model
 
-PROBES = Path(__file__).resolve().parent.parent / "pytest_circuits" / "probes"  # the packaged gate suite
+ROOT = Path(__file__).resolve().parent.parent
+PROBES = ROOT / "pytest_circuits" / "probes"  # the packaged gate suite
+SHIPPED = ROOT / "pytest_circuits" / "baselines"
 
 
 def ini(folder: Path, baselines: Path, builds: str = "fp32") -> str:
@@ -126,15 +132,16 @@ def test_record_gate_and_sabotage(suite, tmp_path_factory):
     )
     assert f"{name} " in out and "kappa_trace" in out
     assert "weights differ" in out
-    assert f"--circuits-builds fp32 --circuits-baselines {baselines} --circuits-update" in out
+    assert "record the baseline again: python -m pytest -p no:cacheprovider --basetemp=" in out
+    assert "may differ this much from fp32" not in out  # gated against its own name: no reference wording
     assert "Traceback" not in out
     # the hint, pasted, accepts the change: the sabotaged build becomes the baseline and passes
     import re
     import shlex
 
-    hint = shlex.split(re.search(r"record its baseline again: (pytest .*)", out).group(1))
-    assert hint[0] == "pytest" and hint[1] == "test_rung1_weights.py" and str(sabotaged) in hint
-    pytester.runpytest("-p", "no:cacheprovider", *hint[1:])
+    hint = shlex.split(re.search(r"record the baseline again: (python -m pytest .*)", out).group(1))
+    assert hint[3:] == ["-p", "no:cacheprovider", hint[5], "--circuits-update"]  # this run's command, updating
+    pytester.runpytest(*hint[3:])
     pytester.runpytest("-p", "no:cacheprovider", "test_rung1_weights.py").assert_outcomes(passed=2)
 
     # a per-test marker loosens it
@@ -284,3 +291,35 @@ def test_xdist_workers_send_plain_data_and_the_report_is_written(suite, tmp_path
     result.assert_outcomes(passed=1, skipped=1)
     assert "INTERNALERROR" not in text_of(result) and (report / "report.html").is_file()
     assert "circuits report: " in text_of(result)
+
+
+def _run(words: list[str] | str, cwd: Path) -> subprocess.CompletedProcess:
+    """A command in a shell as a user types it, importing this checkout (as an editable install does)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = words if isinstance(words, str) else shlex.join(words)
+    return subprocess.run(command, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("how", ["pyargs", "outside-rootdir"])
+def test_the_update_hint_pastes_as_the_command_the_user_ran(how, tmp_path):
+    """A drifted baseline fails the gate; the hint is the command as typed (``--pyargs``, paths from the
+    folder it ran in) with ``--circuits-update``; pasted there it rewrites the baseline, and the gate passes."""
+    baselines = tmp_path / "baselines"
+    baselines.mkdir()
+    drifted = json.loads((SHIPPED / "tiny-induction--fp32.json").read_text())
+    drifted["copy_loss"] += 0.5  # the mean, each sequence and the interval: a consistent, drifted record
+    drifted["copy_loss_sequences"] = [x + 0.5 for x in drifted["copy_loss_sequences"]]
+    drifted["copy_loss_interval"] = [x + 0.5 for x in drifted["copy_loss_interval"]]
+    (baselines / "tiny-induction--fp32.json").write_text(json.dumps(drifted))
+    here = tmp_path / "elsewhere"
+    here.mkdir()
+    target = ["--pyargs", "pytest_circuits.probes"] if how == "pyargs" else [os.path.relpath(ROOT / "probes", here)]
+    typed = ["python", "-m", "pytest", *target, "-p", "no:cacheprovider", "-k", "copy_loss", "--circuits-builds"]
+    typed += ["fp32", "--circuits-baselines", "../baselines"]
+    failed = _run(typed, here)
+    assert failed.returncode == 1, failed.stdout[-3000:]
+    hint = re.search(r"record the baseline again: (.*)", failed.stdout).group(1)
+    assert hint == shlex.join([*typed, "--circuits-update"])
+    pasted = _run(hint, here)
+    assert pasted.returncode == 0, pasted.stdout[-3000:]
+    assert json.loads((baselines / "tiny-induction--fp32.json").read_text())["copy_loss"] != drifted["copy_loss"]
