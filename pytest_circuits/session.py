@@ -372,10 +372,7 @@ class CircuitsSession:
                 record = self.store.read(self.model_name, recipe)
             except BaselineMissing:
                 self.events.append({"event": "missing", "recipe": recipe, "path": str(path)})
-                raise BaselineMissing(
-                    f"baseline {path} does not exist; record it with: {self.record_command(recipe)} "
-                    f"(or add {flag('update')} to this pytest command)"
-                ) from None
+                raise BaselineMissing(self.missing_message(recipe, path)) from None
             except BaselineCorrupt:
                 self.events.append({"event": "corrupt", "recipe": recipe, "path": str(path)})
                 raise
@@ -392,6 +389,27 @@ class CircuitsSession:
         if isinstance(value, Exception):
             raise value
         return value
+
+    def missing_message(self, recipe: str, path: Path) -> str:
+        """Why ``recipe`` has no baseline, and what to do: gate against a baseline of the same
+        geometry in the folder (``--circuits-name``) first, when there is one; recording makes this
+        build the reference its later builds are gated against."""
+        from .gate.store import same_geometry
+
+        record = f"record it with: {self.record_command(recipe)} (or add {flag('update')} to this pytest command)"
+        try:
+            others = same_geometry(path.parent, recipe, self.preflight().__dict__, self.model_name)
+        except Exception:  # the model does not resolve: its own error says so
+            others = {}
+        if not others:
+            return f"baseline {path} does not exist; {record}"
+        names = ", ".join(p.name for p in others.values())
+        return (
+            f"baseline {path} does not exist, but {path.parent} holds a baseline of the same geometry ({names}): "
+            f"if {self.settings.model} is a build of that model, gate it against it with "
+            f"{flag('name')} {next(iter(others))}. Recording instead makes this build the reference every later "
+            f"build is gated against, a broken one included; only if it is known good, {record}"
+        )
 
     def baseline_key_heads(self) -> list[str]:
         """The key knockout heads of this run's baselines (reference and each build's own), which a

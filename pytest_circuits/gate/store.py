@@ -231,6 +231,29 @@ def unchanged(old, new, rel: float = UNCHANGED_REL, atol: float = UNCHANGED_ABS)
     return old == new
 
 
+def same_geometry(folder: str | Path, recipe: str, geometry: dict, exclude: str) -> dict[str, Path]:
+    """Baselines of ``recipe`` in ``folder`` of other models than ``exclude`` whose geometry is
+    ``geometry`` (a `Geometry`'s fields), by the model name in their file name: the baseline a
+    renamed candidate folder was probably meant to be gated against. Unreadable files are left out."""
+    from ..errors import BaselineError
+
+    found = {}
+    folder, ending = Path(folder), f"{SEPARATOR}{recipe}{SUFFIX}"
+    own = baseline_path(folder, exclude, recipe).name
+    for path in sorted(folder.glob(f"*{ending}")) if folder.is_dir() else []:
+        if path.name == own:
+            continue
+        try:
+            record = read_baseline(path)
+        except BaselineError:
+            continue
+        if (record.get("model") or {}).get("geometry") and not geometry_difference(
+            record, {"model": {"geometry": geometry}}
+        ):
+            found[path.name[: -len(ending)]] = path
+    return found
+
+
 class BaselineStore:
     """The baselines folder: one file per (model, build), found, read, written and listed here."""
 

@@ -186,7 +186,7 @@ def baseline_lines(session, collected: Collected, verbosity: int = 0) -> list[st
             lines.append(f"baselines {verb}: {', '.join(paths)}")
     missing = sorted({e["recipe"] for e in collected.events if e["event"] == "missing"})
     for recipe in missing:
-        lines.append(f"  record {recipe} with: {session.record_command(recipe)}")
+        lines.append(f"  {recipe}: {session.missing_message(recipe, session.baseline_path(recipe))}")
     try:
         used = set(session.settings.builds) | {session.settings.reference}
         orphaned = session.store.orphans(session.model_name, used)
