@@ -314,7 +314,7 @@ def test_terminal_summary_ranks_moved_heads_by_change_over_tolerance():
     assert lines[2] == "  pass copy_loss"
     ranked = re.findall(r"(L\dH\d) ", lines[3])
     assert lines[3].startswith("  moved most: ") and ranked == ["L1H2", "L0H1", "L1H3"]
-    assert lines[4] == "circuits bf16 vs fp32 baseline: pass (1 invariant held)"
+    assert lines[4] == "circuits bf16 vs fp32 baseline: pass (1 invariant held; guarded: the copy loss)"
     assert lines[5] == "  pass copy_loss"
     assert lines[6] == "circuits fp32: scanned, not gated (copy loss 0.400 nats)"
     assert lines[-1] == f"circuits report: {os.path.join('out', 'rep', REPORT_PAGE)}"
@@ -719,7 +719,9 @@ def test_a_build_that_could_not_be_gated_leads_the_report(tmp_path):
             raise CircuitsError(f"{recipe}: the per-head weight read does not reproduce layer 0")
 
     node = SimpleNamespace(path=tmp_path / "test_gate.py", user_properties=[])
-    request = SimpleNamespace(node=node, config=SimpleNamespace(rootpath=tmp_path))
+    request = SimpleNamespace(
+        node=node, config=SimpleNamespace(rootpath=tmp_path, invocation_params=SimpleNamespace(args=("test_gate.py",)))
+    )
     with pytest.raises(CircuitsError):
         gate_for_test(request, Unloadable(), "bnb-nf4", "copy_loss", Tolerances())
     ((key, rows),) = node.user_properties
@@ -735,3 +737,35 @@ def test_a_build_that_could_not_be_gated_leads_the_report(tmp_path):
     assert lines[1].startswith("  ERROR copy_loss: bnb-nf4: the per-head weight read")
     summary = (tmp_path / SUMMARY_PAGE).read_text()
     assert "| **ERROR** | bnb-nf4 | copy_loss |" in summary and "could not be gated for bnb-nf4" in summary
+
+
+def test_a_pass_with_skips_says_what_was_guarded_and_what_not():
+    """A build whose baseline has no induction or key knockout head passes on 3 invariants: every
+    verdict line (CLI, terminal summary, summary.md, report banner) says the rest was not guarded."""
+    from pytest_circuits.gate.invariants import InvariantResult, verdict
+    from pytest_circuits.report import data, markdown, summary_lines
+    from pytest_circuits.report.html import _banner
+
+    statuses = {
+        "copying_heads": "passed",
+        "kappa_distribution": "passed",
+        "copy_loss": "passed",
+        "induction_heads": "skipped",
+        "knockout_deltas": "skipped",
+    }
+    results = [
+        InvariantResult(name, "fp32", "fp32 baseline", status, "" if status == "passed" else "no such head; ...")
+        for name, status in statuses.items()
+    ]
+    said = (
+        "guarded: the copying heads, the kappa distribution, the copy loss; "
+        "NOT guarded: the induction and previous-token heads, the key knockout heads (skipped)"
+    )
+    passed, line = verdict(results)
+    assert passed and line.endswith(said)
+    assert summary_lines(results)[0] == f"circuits fp32 vs fp32 baseline: pass (3 invariants held; {said})"
+    dicts = [data.result_dict(r) for r in results]
+    assert f"**G{said[1:]}.**" in markdown.summary([], dicts)
+    assert f"<b>G{said[1:]}.</b>" in _banner([], dicts)
+    held_all = [InvariantResult("copy_loss", "fp32", "fp32 baseline", "passed", "")]
+    assert "NOT guarded" not in verdict(held_all)[1] and verdict(held_all)[1].endswith("guarded: the copy loss")

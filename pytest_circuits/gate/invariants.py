@@ -120,6 +120,7 @@ class Invariant:
     # two base models on model-level figures (gate/profile.py), never two builds of one model
     across_models: ClassVar[bool] = False
     per_head: ClassVar[bool] = True  # reads heads by label (the words of its cross-model skip)
+    guards: ClassVar[str] = ""  # what it guards, in the verdict line's words (default: its name)
 
     def compare(self, before: dict, after: dict, tol: Tolerances) -> Comparison:
         raise NotImplementedError
@@ -269,6 +270,25 @@ def gate_all(
     return [evaluate(n, before, after, tol, build, against, fix, across) for n in runnable(after, names, across)]
 
 
+def guarded(results) -> str:
+    """What a gate checked, for its verdict line: ``"guarded: the copy loss, the copying heads;
+    NOT guarded: the induction and previous-token heads (skipped)"``. ``results``: objects or
+    dicts with ``invariant`` and ``status``; an invariant held against one baseline is guarded."""
+
+    def field(r, key):
+        return r[key] if isinstance(r, dict) else getattr(r, key)
+
+    pairs = [(field(r, "invariant"), field(r, "status")) for r in results]
+    held = list(dict.fromkeys(n for n, status in pairs if status == "passed"))
+    skipped = list(dict.fromkeys(n for n, status in pairs if status == "skipped" and n not in held))
+
+    def words(names: list[str]) -> str:
+        return ", ".join((REGISTRY[n].guards if n in REGISTRY else "") or n for n in names)
+
+    line = f"guarded: {words(held)}" if held else "nothing guarded"
+    return line + (f"; NOT guarded: {words(skipped)} (skipped)" if skipped else "")
+
+
 def verdict(results: list[InvariantResult]) -> tuple[bool, str]:
     """``(passed, line)`` of a whole gate: it passes when nothing broke and something was compared."""
     broken = [r.invariant for r in results if r.status == "failed"]
@@ -281,7 +301,7 @@ def verdict(results: list[InvariantResult]) -> tuple[bool, str]:
         return False, f"gate failed: {', '.join(broken)} ({said})"
     if not held:
         return False, f"gate compared nothing ({said}); a gate that compared nothing has not passed"
-    return True, f"gate passed ({said})"
+    return True, f"gate passed ({said}); {guarded(results)}"
 
 
 # ---------------------------------------------------------------- the message table
@@ -469,6 +489,7 @@ class CopyingHeads(Invariant):
     """Copying/suppression heads keep kappa and kappa_trace; kappa keeps its rank order."""
 
     name = "copying_heads"
+    guards = "the copying heads"
     tolerances = ("kappa", "rank", "min_ov_gain")
     held = "copying heads of {build} survive against the {against}"
     moved = "copying heads of {build} moved against the {against}"
@@ -509,6 +530,7 @@ class KappaDistribution(Invariant):
     """Mean shift across heads of kappa_z (and kappa_trace_z when recorded) within +-shift null sds."""
 
     name = "kappa_distribution"
+    guards = "the kappa distribution"
     tolerances = ("shift", "min_ov_gain")
     held = "kappa distribution of {build} not shifted against the {against}"
     moved = "kappa distribution of {build} shifted against the null, compared with the {against}"
@@ -551,6 +573,7 @@ class CopyLoss(Invariant):
     """Copy loss and copy gain (nats) within tolerance, both directions."""
 
     name = "copy_loss"
+    guards = "the copy loss"
     per_head = False
     tolerances = ("copy_loss", "copy_gain", "outside_interval")
     held = "copy behaviour of {build} within tolerance of the {against}"
@@ -570,6 +593,7 @@ class InductionHeads(Invariant):
     """Top prefix-matching (and previous-token) heads of the baseline keep their scores."""
 
     name = "induction_heads"
+    guards = "the induction and previous-token heads"
     tolerances = ("prefix", "top_k", "min_score")
     held = "induction heads of {build} survive against the {against}"
     moved = "induction heads of {build} moved against the {against}"
@@ -596,6 +620,7 @@ class KnockoutDeltas(Invariant):
     """Key heads' knockout deltas keep their size: ``|d' - d| <= knockout * |d|``."""
 
     name = "knockout_deltas"
+    guards = "the key knockout heads"
     needs = frozenset({"knockout"})
     tolerances = ("knockout", "top_k", "min_delta", "outside_interval")
     held = "knockout deltas of {build}'s key heads keep their size against the {against}"
@@ -669,6 +694,7 @@ class SwapCopy(AcrossModels):
     """Copy loss may rise by ``swap_copy_loss`` nats, copy_gain / first_copy_loss fall by ``swap_copy_gain``."""
 
     name = "swap_copy"
+    guards = "the copy loss across models"
     tolerances = ("swap_copy_loss", "swap_copy_gain")
 
     def compare(self, before, after, tol):
@@ -697,6 +723,7 @@ class SwapInduction(AcrossModels):
     """Induction heads (prefix_matching >= swap_induction_score): their number, the best score, their depth."""
 
     name = "swap_induction"
+    guards = "the induction heads across models"
     tolerances = ("swap_induction_score", "swap_induction_heads", "swap_prefix", "swap_depth")
 
     def compare(self, before, after, tol):
@@ -754,6 +781,7 @@ class SwapKappa(AcrossModels):
     ``swap_kappa_w1`` (1-Wasserstein, null standard deviations)."""
 
     name = "swap_kappa"
+    guards = "the kappa distribution across models"
     tolerances = ("swap_share", "swap_kappa_w1")
 
     def compare(self, before, after, tol):
@@ -788,6 +816,7 @@ class SwapKnockout(AcrossModels):
     knockout effect may move by ``swap_concentration`` (only when both records measured every head)."""
 
     name = "swap_knockout"
+    guards = "the key knockout heads across models"
     needs = frozenset({"knockout"})
     tolerances = ("swap_knockout", "swap_concentration", "min_delta")
 

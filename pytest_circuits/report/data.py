@@ -252,3 +252,8 @@ def fmt(value: Any, digits: int = 3, sign: bool = False) -> str:
 def slug(text: str) -> str:
     """A file-name-safe form of a build label."""
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "build"
+
+
+def sentence(text: str) -> str:
+    """``text`` with its first letter capitalised, the rest as written."""
+    return text[:1].upper() + text[1:]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..gate.invariants import guarded
 from . import data
 from .sections import Figure, Section
 
@@ -40,6 +41,7 @@ def summary(
             if held == len(results)
             else f"{held} of {len(results)} invariants held, none broken; skipped: {data.said_skips(results)}."
         )
+        lines.append(f"**{data.sentence(guarded(results))}.**")
     else:
         lines.append("No gate verdicts: scan results only.")
     lines.append("")

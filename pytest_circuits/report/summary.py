@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ..gate.invariants import guarded
 from . import data
 
 REPORT_PAGE = "report.html"
@@ -34,7 +35,7 @@ def summary_lines(
         verdict = (
             f"FAIL ({len(failed)} of {len(build_results)} invariants broken)"
             if failed
-            else f"pass ({held} {'invariant' if held == 1 else 'invariants'} held)"
+            else f"pass ({held} {'invariant' if held == 1 else 'invariants'} held; {guarded(build_results)})"
         )
         lines.append(f"{head}: {verdict}")
         for r in failed:
