@@ -8,6 +8,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -216,6 +217,32 @@ def test_report_option_writes_a_report(suite, tmp_path):
     result.assert_outcomes(passed=2)
     assert report.is_dir() and any(report.iterdir()), text_of(result)
     shutil.rmtree(report)
+
+
+def test_a_report_that_cannot_be_written_fails_the_run_and_summary_md_needs_no_matplotlib(suite, tmp_path, monkeypatch):
+    """Without matplotlib the run fails, naming the fix, and summary.md still holds the verdicts
+    (the CI step summary); a report folder that cannot be made fails the run too."""
+    pytester, intact, baselines = suite
+    report = tmp_path / "report"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    result = pytester.runpytest(
+        "-p", "no:cacheprovider", "--circuits-update", f"--circuits-report={report}", "test_rung12_repeat.py"
+    )
+    result.assert_outcomes(passed=1, skipped=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    out = text_of(result)
+    assert f"ERROR --circuits-report {report}: the report could not be written: the circuits report draws with " in out
+    assert "pip install matplotlib" in out and f"{report / 'summary.md'} holds the verdicts as text" in out
+    text = (report / "summary.md").read_text()
+    assert "invariants held" in text and "| pass | fp32 | copy_loss | fp32 baseline |" in text
+    assert "No figures and no report page: the circuits report draws with matplotlib" in text
+    monkeypatch.delitem(sys.modules, "matplotlib")
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    result = pytester.runpytest("-p", "no:cacheprovider", f"--circuits-report={blocked / 'r'}", "test_rung12_repeat.py")
+    result.assert_outcomes(passed=1, skipped=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    assert "the report could not be written: " in text_of(result)
 
 
 def test_an_invariant_registered_in_conftest_runs_through_circuits_gate(suite):

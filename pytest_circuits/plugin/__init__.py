@@ -300,3 +300,5 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         from .collect import write_report
 
         write_report(config.stash[SESSION_KEY], config.stash[COLLECTED_KEY])
+        if config.stash[COLLECTED_KEY].report_error and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED  # a report asked for and not written fails the run

@@ -28,6 +28,7 @@ class Collected:
     used: bool = False
     loads: list[dict] = field(default_factory=list)  # {"recipe", "worker"}: every build load of the run
     dist: str | None = None  # pytest-xdist's --dist on the controller
+    report_error: str = ""  # why a requested --circuits-report was not written (fails the run)
 
     def add(self, user_properties) -> None:
         from ..gate.record import has_figures
@@ -224,27 +225,44 @@ def terminal_summary(terminalreporter, session, collected: Collected) -> None:
     )
     for line in lines + (result_lines(collected) if collected.used else []):
         terminalreporter.write_line(line)
+    if collected.report_error:
+        terminalreporter.write_line(f"ERROR {collected.report_error}", red=True)
 
 
 def write_report(session, collected: Collected) -> None:
-    """``--circuits-report DIR``: the report module's HTML page; a missing module is one line."""
+    """``--circuits-report DIR``: the report module's HTML page, summary.md and figures. A report
+    that cannot be written fails the run (`Collected.report_error`), and its summary.md is still
+    written as text, without figures (it needs no matplotlib)."""
     if session.settings.report is None:
         return
+    out = Path(session.settings.report)
     try:
         from ..report import write_report as write
-    except ImportError as error:
-        collected.notes.append(f"--circuits-report: the report module is unavailable ({error})")
-        return
-    try:
+
         collected.report_path = write(
-            session.settings.report,
+            out,
             list(collected.records.values()),
             collected.references,
             collected.results,
             attention=collected.attention,
         )
-    except Exception as error:  # the gate's verdict stands even if drawing fails
-        collected.notes.append(f"--circuits-report: writing the report failed: {type(error).__name__}: {error}")
+        return
+    except Exception as error:  # the gate's verdict stands; the missing report fails the run
+        from ..errors import first_line
+
+        problem = error if isinstance(error, CircuitsError) else f"{type(error).__name__}: {first_line(error)}"
+    collected.report_error = f"{flag('report')} {out}: the report could not be written: {problem}"
+    try:
+        from ..fsio import atomic_write_text
+        from ..report import SUMMARY_PAGE, data, markdown
+
+        out.mkdir(parents=True, exist_ok=True)
+        results = [data.result_dict(r) for r in collected.results]
+        text = markdown.summary([], results) + f"\nNo figures and no report page: {problem}\n"
+        atomic_write_text(out / SUMMARY_PAGE, text)
+        collected.report_error += f" ({out / SUMMARY_PAGE} holds the verdicts as text, without figures)"
+    except Exception:  # no folder to write into: the line above already fails the run
+        pass
 
 
 class Collector:

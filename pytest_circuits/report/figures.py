@@ -30,7 +30,8 @@ def require_matplotlib():
         return importlib.import_module("matplotlib")
     except ImportError:
         raise CircuitsError(
-            "the circuits report draws with matplotlib, which is not installed: pip install matplotlib"
+            "the circuits report draws with matplotlib, which is not installed: pip install matplotlib "
+            "(pytest-circuits depends on it; an install with --no-deps leaves it out)"
         ) from None
 
 
