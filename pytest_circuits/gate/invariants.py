@@ -212,7 +212,11 @@ def evaluate(
     elif comparison.broken:
         status = "failed"
         shown = comparison.broken + comparison.context
-        message = f"{inv.moved.format(**words)}{comparison.left_out}:\n{format_rows(shown)}"
+        # the invariant and its worst row lead (pytest's short summary shows the first line), the table after
+        worst = " ".join(format_rows([max(comparison.broken, key=_moved_size)]).split())
+        message = f"{inv.name}: {worst} ({inv.moved.format(**words)}{comparison.left_out})"
+        if len(shown) > 1:
+            message += f":\n{format_rows(shown)}"
     else:
         status = "passed"
         detail = f" ({comparison.detail})" if comparison.detail else ""
@@ -311,6 +315,12 @@ def _signed(x: float) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "nan"
     return f"{x:+.3g}" if abs(x) < 1e-3 and x != 0 else f"{x:+.3f}"
+
+
+def _moved_size(row: Row) -> float:
+    """How far a row moved in tolerances (``|after - before| / limit``; inf where not finite)."""
+    size = abs(row.after - row.before) / row.limit if row.limit > 0 else abs(row.after - row.before)
+    return size if math.isfinite(size) else math.inf
 
 
 def format_rows(rows: list[Row], max_rows: int = MAX_ROWS) -> str:

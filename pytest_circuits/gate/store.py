@@ -196,8 +196,9 @@ def compatibility(baseline: dict, record: dict, source: str = "baseline", across
     fb, fr = baseline["model"].get("fingerprint"), record["model"].get("fingerprint")
     if fb and fr and fb != fr:
         notes.append(
-            f"note: the weights differ from those the baseline was recorded from "
-            f"(sha256 {_short(fb)} vs {_short(fr)}); comparing the same geometry"
+            f"note: the weights differ from those the baseline was recorded from (weight fingerprint: baseline "
+            f"{_short(fb)}, this build {_short(fr)}; a sha256 over the name and sha256 of each weight file "
+            "of the model folder, not any one file's); comparing the same geometry"
         )
     return notes
 

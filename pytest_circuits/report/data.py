@@ -178,9 +178,17 @@ def moved(entry: dict) -> bool:
 
 
 def top_moved(results: Iterable[dict], k: int = 5) -> list[dict]:
-    """The ``k`` moved-head entries of ``results`` that went furthest (see `moved_size`)."""
-    entries = [m for r in results for m in r.get("moved") or []]
-    return sorted(entries, key=moved_size, reverse=True)[:k]
+    """The ``k`` moved entries of ``results`` that went furthest (see `moved_size`), heads
+    (``L1H0``) before model-level rows (``model copy_gain``), each change once (a build gated
+    against the reference and its own baseline lists the same row twice)."""
+    entries = {}
+    for m in (m for r in results for m in r.get("moved") or []):
+        entries.setdefault((m.get("head"), m.get("metric"), m.get("before"), m.get("after")), m)
+
+    def rank(m: dict) -> tuple[bool, float]:
+        return bool(re.fullmatch(r"L\d+H\d+", str(m.get("head")))), moved_size(m)
+
+    return sorted(entries.values(), key=rank, reverse=True)[:k]
 
 
 def largest_changes(record: dict, reference: dict, k: int = 10) -> list[dict]:
