@@ -350,3 +350,26 @@ def test_the_update_hint_pastes_as_the_command_the_user_ran(how, tmp_path):
     pasted = _run(hint, here)
     assert pasted.returncode == 0, pasted.stdout[-3000:]
     assert json.loads((baselines / "tiny-induction--fp32.json").read_text())["copy_loss"] != drifted["copy_loss"]
+
+
+def test_no_unknown_mark_warning_without_xdist(tmp_path):
+    """Every build's tests carry an xdist_group mark; without pytest-xdist the marker is still known."""
+    done = _run(
+        ["python", "-m", "pytest", "-p", "no:xdist", "--pyargs", "pytest_circuits.probes", "--co", "-q"], tmp_path
+    )
+    assert done.returncode == 0 and "PytestUnknownMarkWarning" not in done.stdout, done.stdout[-2000:]
+
+
+def test_importing_bitsandbytes_through_a_bnb_build_raises_no_deprecation_warning(tmp_path):
+    """Outside this clone (no filterwarnings of ours), loading a bnb build shows no torch.jit warning."""
+    code = (
+        "import warnings\n"
+        "warnings.simplefilter('always')\n"
+        "from pytest_circuits.model.builds import _bnb_config\n"
+        "from pytest_circuits.model.recipes import get_recipe\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    _bnb_config(get_recipe('bnb-int8'))\n"
+        "print(sum('script_method' in str(w.message) for w in caught))\n"
+    )
+    done = _run(["python", "-c", code], tmp_path)
+    assert done.returncode == 0 and done.stdout.split()[-1] == "0", done.stdout[-2000:] + done.stderr[-2000:]

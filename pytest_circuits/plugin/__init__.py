@@ -87,6 +87,8 @@ def pytest_configure(config: pytest.Config) -> None:
     from .collect import Collected, Collector
 
     config.addinivalue_line("markers", "circuits_tolerance(**tolerances): override gate tolerances for one test")
+    if not config.pluginmanager.hasplugin("xdist"):  # our build groups mark tests even when xdist is absent
+        config.addinivalue_line("markers", "xdist_group(name): pytest-xdist's group (circuits: one group per build)")
     session = CircuitsSession(settings_from_config(config))
     session.progress_write = lambda line: _report_progress(config, line)
     config.stash[SESSION_KEY] = session
