@@ -29,18 +29,20 @@ def _shared_options(p: argparse.ArgumentParser, command: str, defaults_from_base
     for option in OPTIONS:
         if command not in option.cli:
             continue
+        text = option.help.replace("--circuits-", "--")  # the help names other options as this front end spells them
         if option.kind == "bool":
-            p.add_argument(option.cli_flag, dest=option.dest, action="store_true", default=None, help=option.help)
+            p.add_argument(option.cli_flag, dest=option.dest, action="store_true", default=None, help=text)
             continue
         default = option.cli_default if option.cli_default is not None else option.default
         hint = " (default: the baseline's)" if defaults_from_baseline and option.name.startswith("probe-") else ""
-        shown = f" (default: {default})" if default not in (None, "") and not hint else ""
+        said = hint or "(default:" in text  # the help states its default itself: once
+        shown = f" (default: {default})" if default not in (None, "") and not said else ""
         p.add_argument(
             option.cli_flag,
             dest=option.dest,
             default=None,
             metavar=option.dest.upper(),
-            help=f"{option.help}{shown}{hint}",
+            help=f"{text}{shown}{hint}",
         )
 
 
@@ -388,6 +390,10 @@ def main(argv=None) -> int:
 
 
 def _report(argv) -> int:
+    if any(word in ("-h", "--help") for word in argv):  # answered before the report's imports (torch)
+        from .report.arguments import report_parser
+
+        report_parser().parse_args(argv)
     try:
         from .report import report_command
     except ImportError as error:

@@ -52,6 +52,34 @@ def test_help_through_the_console_script():
         assert sub in done.stdout
 
 
+def test_help_states_each_default_once_and_names_this_commands_flags(capsys):
+    """``circuits record --help`` gave --baselines two defaults; --device-map named --circuits-device."""
+    for command in ("scan", "record", "gate"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = capsys.readouterr().out
+        entries = [" ".join(entry.split()) for entry in text.split("\n  -")[1:]]
+        assert [e for e in entries if e.count("(default:") > 1] == []
+        assert "--circuits-" not in text
+    with pytest.raises(SystemExit):
+        main(["scan", "--help"])
+    assert "none: the whole model on --device" in " ".join(capsys.readouterr().out.split())
+
+
+def test_report_help_imports_no_torch():
+    """``circuits report --help`` took 7 s: the report's imports (torch) ran before argparse."""
+    code = (
+        "import sys\n"
+        "from pytest_circuits.cli import main\n"
+        "try:\n"
+        "    main(['report', '--help'])\n"
+        "except SystemExit as done:\n"
+        "    print('exit', done.code, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "usage: circuits report" in done.stdout and done.stdout.splitlines()[-1] == "exit 0 False"
+
+
 def test_scan_json_holds_the_contract(model, tmp_path, capsys):
     out = tmp_path / "scan.json"
     assert main(["scan", str(model), "--json", str(out), *SMALL]) == 0

@@ -181,7 +181,7 @@ def top_moved(results: Iterable[dict], k: int = 5) -> list[dict]:
     """The ``k`` moved entries of ``results`` that went furthest (see `moved_size`), heads
     (``L1H0``) before model-level rows (``model copy_gain``), each change once (a build gated
     against the reference and its own baseline lists the same row twice)."""
-    entries = {}
+    entries: dict[tuple, dict] = {}
     for m in (m for r in results for m in r.get("moved") or []):
         entries.setdefault((m.get("head"), m.get("metric"), m.get("before"), m.get("after")), m)
 
