@@ -191,7 +191,7 @@ def test_html_is_self_contained_and_names_the_broken_invariant(tmp_path):
     assert "bnb-nf4-differences.png" in {p.name for p in pngs}
     assert "bnb-nf4-moved-heads.png" in {p.name for p in pngs}
     summary = (tmp_path / SUMMARY_PAGE).read_text()
-    assert "`copying_heads` (bnb-nf4)" in summary and "| **FAIL** | bnb-nf4 | copying_heads |" in summary
+    assert "`copying_heads` (bnb-nf4 vs " in summary and "| **FAIL** | bnb-nf4 | copying_heads |" in summary
     # a CI step summary shows neither relative images nor data: URIs: each PNG is named, and where it is
     assert not re.search(r"!\[[^\]]*\]\(", summary) and "data:image" not in summary and "<img" not in summary
     assert all(f"`{p.name}`" in summary for p in pngs)
@@ -769,3 +769,33 @@ def test_a_pass_with_skips_says_what_was_guarded_and_what_not():
     assert f"<b>G{said[1:]}.</b>" in _banner([], dicts)
     held_all = [InvariantResult("copy_loss", "fp32", "fp32 baseline", "passed", "")]
     assert "NOT guarded" not in verdict(held_all)[1] and verdict(held_all)[1].endswith("guarded: the copy loss")
+
+
+def test_the_loss_curve_legend_names_the_uniform_loss_once():
+    """A live build (ln V = 10.819778...) beside its stored baseline (10.8198): one "uniform ln V" entry."""
+    pytest.importorskip("matplotlib")
+    from pytest_circuits.report import figures
+
+    curve = {"position_loss": [3.0, 2.0, 1.0], "probe": {"L": 2}}
+    curves = [
+        ("fp32", {**curve, "uniform_loss": math.log(49999)}),
+        ("bnb-int8", {**curve, "uniform_loss": math.log(49999)}),
+        ("fp32 baseline", {**curve, "uniform_loss": 10.8198}),
+    ]
+    fig = figures.position_loss_figure(curves, "loss")
+    labels = [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
+    assert [label for label in labels if label.startswith("uniform")] == ["uniform ln V = 10.82"]
+
+
+def test_summary_md_says_against_which_baseline_an_invariant_broke():
+    """A build broken against the reference and its own baseline: copy_loss twice, each with its baseline."""
+    from pytest_circuits.report import data, markdown
+
+    results = [
+        data.result_dict(
+            {"invariant": "copy_loss", "build": "b", "against": against, "status": "failed", "message": "x"}
+        )
+        for against in ("fp32 baseline", "own baseline")
+    ]
+    first = markdown.summary([], results).splitlines()[2]
+    assert first == "**2 of 2 invariants broken:** `copy_loss` (b vs fp32 baseline), `copy_loss` (b vs own baseline)"

@@ -32,7 +32,9 @@ def summary(
             f"**{len(failed)} of {len(results)} invariants "
             + ("broken or not gated" if any(r["status"] == "error" for r in failed) else "broken")
             + ":** "
-            + ", ".join(f"`{r['invariant']}` ({r['build']})" for r in failed)
+            + ", ".join(
+                f"`{r['invariant']}` ({r['build']}" + (f" vs {r['against']})" if r["against"] else ")") for r in failed
+            )
         )
     elif results:
         held = sum(r["passed"] for r in results)
