@@ -355,9 +355,10 @@ def cmd_diff(args) -> int:
     else:
         rows = diff_rows(a, b, args.min_change)
     if rows:
-        print(f"{'head':<8} {'metric':<16} {'A':>10} {'B':>10} {'change':>10}")
+        width = max(16, *(len(row[1]) for row in rows))  # the longest metric name (kappa_trace_uncentred) sets it
+        print(f"{'head':<8} {'metric':<{width}} {'A':>10} {'B':>10} {'change':>10}")
         for head, metric, x, y, change in rows:
-            print(f"{head:<8} {metric:<16} {x:>10.4f} {y:>10.4f} {_fmt(change, '{:+.4f}'):>10}")
+            print(f"{head:<8} {metric:<{width}} {x:>10.4f} {y:>10.4f} {_fmt(change, '{:+.4f}'):>10}")
     elif not across:
         print(f"no per-head figure moved by {args.min_change} or more")
     results = gate_all(a, b, Tolerances(), b["build"]["recipe"], f"baseline {args.file_a.name}")

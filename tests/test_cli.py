@@ -223,3 +223,16 @@ def test_head_table_shows_each_heads_ov_gain_against_the_largest():
     assert [line.split()[2] for line in lines[1:]] == ["1.000", "0.250", "0.005"]
     no_gain = head_table({"heads": [{"head": "L0H0", "kappa": 0.5}]})
     assert "ov gain" not in no_gain  # records without gains or eigenvalues: no column
+
+
+def test_diff_rows_stay_aligned_for_the_longest_metric_name(capsys):
+    """``kappa_trace_uncentred`` (21 characters) pushed its row's numbers out of their columns."""
+    from pathlib import Path
+
+    shipped = Path(__file__).resolve().parent.parent / "pytest_circuits" / "baselines"
+    a, b = shipped / "tiny-induction--fp32.json", shipped / "tiny-induction--rtn-int4.json"
+    assert main(["diff", str(a), str(b)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = [line for line in lines if line.startswith("head ") or line[:1] == "L" and line[1:2].isdigit()]
+    assert any("kappa_trace_uncentred" in line for line in table)
+    assert len({len(line) for line in table}) == 1  # every column right-aligned to one width
