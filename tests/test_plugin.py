@@ -320,17 +320,17 @@ def test_xdist_workers_send_plain_data_and_the_report_is_written(suite, tmp_path
     assert "circuits report: " in text_of(result)
 
 
-def _run(words: list[str] | str, cwd: Path) -> subprocess.CompletedProcess:
-    """A command in a shell as a user types it, importing this checkout (as an editable install does)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def _run(words: list[str] | str, cwd: Path, package: Path = ROOT) -> subprocess.CompletedProcess:
+    """A command in a shell as a user types it, importing the package from ``package`` (this
+    checkout, as an editable install does, or a folder a wheel was installed into)."""
+    env = {**os.environ, "PYTHONPATH": str(package)}
     command = words if isinstance(words, str) else shlex.join(words)
     return subprocess.run(command, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("how", ["pyargs", "outside-rootdir"])
-def test_the_update_hint_pastes_as_the_command_the_user_ran(how, tmp_path):
+def paste_the_update_hint(tmp_path: Path, how: str, package: Path = ROOT) -> None:
     """A drifted baseline fails the gate; the hint is the command as typed (``--pyargs``, paths from the
-    folder it ran in) with ``--circuits-update``; pasted there it rewrites the baseline, and the gate passes."""
+    folder it ran in) with ``--circuits-update``; pasted there it rewrites the baseline."""
     baselines = tmp_path / "baselines"
     baselines.mkdir()
     drifted = json.loads((SHIPPED / "tiny-induction--fp32.json").read_text())
@@ -343,13 +343,19 @@ def test_the_update_hint_pastes_as_the_command_the_user_ran(how, tmp_path):
     target = ["--pyargs", "pytest_circuits.probes"] if how == "pyargs" else [os.path.relpath(ROOT / "probes", here)]
     typed = ["python", "-m", "pytest", *target, "-p", "no:cacheprovider", "-k", "copy_loss", "--circuits-builds"]
     typed += ["fp32", "--circuits-baselines", "../baselines"]
-    failed = _run(typed, here)
+    failed = _run(typed, here, package)
     assert failed.returncode == 1, failed.stdout[-3000:]
     hint = re.search(r"record the baseline again: (.*)", failed.stdout).group(1)
     assert hint == shlex.join([*typed, "--circuits-update"])
-    pasted = _run(hint, here)
+    pasted = _run(hint, here, package)
     assert pasted.returncode == 0, pasted.stdout[-3000:]
     assert json.loads((baselines / "tiny-induction--fp32.json").read_text())["copy_loss"] != drifted["copy_loss"]
+
+
+@pytest.mark.parametrize("how", ["pyargs", "outside-rootdir"])
+def test_the_update_hint_pastes_as_the_command_the_user_ran(how, tmp_path):
+    """From this checkout (an editable install): ``--pyargs``, and a path outside the rootdir."""
+    paste_the_update_hint(tmp_path, how)
 
 
 def test_no_unknown_mark_warning_without_xdist(tmp_path):

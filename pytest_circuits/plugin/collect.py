@@ -237,15 +237,17 @@ def write_report(session, collected: Collected) -> None:
         return
     out = Path(session.settings.report)
     try:
+        from ..progress import phase
         from ..report import write_report as write
 
-        collected.report_path = write(
-            out,
-            list(collected.records.values()),
-            collected.references,
-            collected.results,
-            attention=collected.attention,
-        )
+        with phase(f"writing the report to {out}", session.progress_write):
+            collected.report_path = write(
+                out,
+                list(collected.records.values()),
+                collected.references,
+                collected.results,
+                attention=collected.attention,
+            )
         return
     except Exception as error:  # the gate's verdict stands; the missing report fails the run
         from ..errors import first_line
