@@ -275,9 +275,10 @@ def gate_all(
 
 
 def guarded(results) -> str:
-    """What a gate checked, for its verdict line: ``"guarded: the copy loss, the copying heads;
-    NOT guarded: the induction and previous-token heads (skipped)"``. ``results``: objects or
-    dicts with ``invariant`` and ``status``; an invariant held against one baseline is guarded."""
+    """What a gate that skipped something checked, for its verdict line: ``"guarded: the copy loss,
+    the copying heads; NOT guarded: the induction and previous-token heads (skipped)"``; "" when
+    nothing was skipped. ``results``: objects or dicts with ``invariant`` and ``status``; an
+    invariant held against one baseline is guarded."""
 
     def field(r, key):
         return r[key] if isinstance(r, dict) else getattr(r, key)
@@ -289,8 +290,9 @@ def guarded(results) -> str:
     def words(names: list[str]) -> str:
         return ", ".join((REGISTRY[n].guards if n in REGISTRY else "") or n for n in names)
 
-    line = f"guarded: {words(held)}" if held else "nothing guarded"
-    return line + (f"; NOT guarded: {words(skipped)} (skipped)" if skipped else "")
+    if not skipped:
+        return ""
+    return (f"guarded: {words(held)}" if held else "nothing guarded") + f"; NOT guarded: {words(skipped)} (skipped)"
 
 
 def verdict(results: list[InvariantResult]) -> tuple[bool, str]:
@@ -305,7 +307,8 @@ def verdict(results: list[InvariantResult]) -> tuple[bool, str]:
         return False, f"gate failed: {', '.join(broken)} ({said})"
     if not held:
         return False, f"gate compared nothing ({said}); a gate that compared nothing has not passed"
-    return True, f"gate passed ({said}); {guarded(results)}"
+    said_guarded = guarded(results)
+    return True, f"gate passed ({said})" + (f"; {said_guarded}" if said_guarded else "")
 
 
 # ---------------------------------------------------------------- the message table

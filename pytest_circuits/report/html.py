@@ -110,7 +110,8 @@ def _banner(sections: list[Section], extra_results: list[dict]) -> str:
     if results:
         held = sum(r["passed"] for r in results)
         skipped = data.said_skips(results, label=lambda r: f"{r['build']} {r['invariant']}")
-        note = f"<p><b>{escape(data.sentence(guarded(results)))}.</b></p>" + (
+        said_guarded = guarded(results)
+        note = (f"<p><b>{escape(data.sentence(said_guarded))}.</b></p>" if said_guarded else "") + (
             f"<p>Skipped: {escape(skipped)}</p>" if skipped else ""
         )
         said = (

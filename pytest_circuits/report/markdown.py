@@ -43,7 +43,8 @@ def summary(
             if held == len(results)
             else f"{held} of {len(results)} invariants held, none broken; skipped: {data.said_skips(results)}."
         )
-        lines.append(f"**{data.sentence(guarded(results))}.**")
+        if guarded(results):
+            lines.append(f"**{data.sentence(guarded(results))}.**")
     else:
         lines.append("No gate verdicts: scan results only.")
     lines.append("")
