@@ -35,18 +35,20 @@ def _shared_options(p: argparse.ArgumentParser, command: str, defaults_from_base
     for option in OPTIONS:
         if command not in option.cli:
             continue
+        text = option.help.replace("--circuits-", "--")  # the help names other options as this front end spells them
         if option.kind == "bool":
-            p.add_argument(option.cli_flag, dest=option.dest, action="store_true", default=None, help=option.help)
+            p.add_argument(option.cli_flag, dest=option.dest, action="store_true", default=None, help=text)
             continue
         default = option.cli_default if option.cli_default is not None else option.default
         hint = " (default: the baseline's)" if defaults_from_baseline and option.name.startswith("probe-") else ""
-        shown = f" (default: {default})" if default not in (None, "") and not hint else ""
+        said = hint or "(default:" in text  # the help states its default itself: once
+        shown = f" (default: {default})" if default not in (None, "") and not said else ""
         p.add_argument(
             option.cli_flag,
             dest=option.dest,
             default=None,
             metavar=option.dest.upper(),
-            help=f"{option.help}{shown}{hint}",
+            help=f"{text}{shown}{hint}",
         )
 
 
@@ -360,9 +362,10 @@ def cmd_diff(args) -> int:
     else:
         rows = diff_rows(a, b, args.min_change)
     if rows:
-        print(f"{'head':<8} {'metric':<16} {'A':>10} {'B':>10} {'change':>10}")
+        width = max(16, *(len(row[1]) for row in rows))  # the longest metric name (kappa_trace_uncentred) sets it
+        print(f"{'head':<8} {'metric':<{width}} {'A':>10} {'B':>10} {'change':>10}")
         for head, metric, x, y, change in rows:
-            print(f"{head:<8} {metric:<16} {x:>10.4f} {y:>10.4f} {_fmt(change, '{:+.4f}'):>10}")
+            print(f"{head:<8} {metric:<{width}} {x:>10.4f} {y:>10.4f} {_fmt(change, '{:+.4f}'):>10}")
     elif not across:
         print(f"no per-head figure moved by {args.min_change} or more")
     results = gate_all(a, b, Tolerances(), b["build"]["recipe"], f"baseline {args.file_a.name}")
@@ -415,6 +418,10 @@ def _escaping_output():
 
 
 def _report(argv) -> int:
+    if any(word in ("-h", "--help") for word in argv):  # answered before the report's imports (torch)
+        from .report.arguments import report_parser
+
+        report_parser().parse_args(argv)
     try:
         from .report import report_command
     except ImportError as error:

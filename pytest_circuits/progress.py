@@ -8,13 +8,24 @@ layer ``l`` of an ``n_layers`` model, the replay runs ``n_layers - l`` blocks), 
     ETA = elapsed * (cost remaining) / (cost done)
 
 so a scan that starts with the expensive shallow layers does not promise too much.
+
+A phase with no steps to count (a build load, rung 1, the repeat probe) runs inside `phase`:
+a heartbeat line every ``INTERVAL`` seconds while it lasts, nothing for a short one.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+INTERVAL = 5.0  # seconds between two plain lines of one scan or phase
+
+
+def stderr_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def format_seconds(seconds: float) -> str:
@@ -47,14 +58,15 @@ class Progress:
         unit: str = "head",
         enabled: bool = True,
         write: Callable[[str], None] | None = None,
-        interval: float = 5.0,
+        interval: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         terminal: bool | None = None,
     ):
         self.total, self.label, self.unit = total, label, unit
         self.total_cost = float(total if total_cost is None else total_cost)
         self.done, self.cost_done, self.stage, self.lines = 0, 0.0, "", 0
-        self.enabled, self.interval, self.clock = enabled, interval, clock
+        self.enabled, self.clock = enabled, clock
+        self.interval = INTERVAL if interval is None else interval
         self.write = write
         self.start = clock()
         self.last_line = self.start
@@ -65,7 +77,7 @@ class Progress:
 
             self.bar = tqdm(total=total, unit=unit, desc=label, leave=False)
         elif enabled and write is None:
-            self.write = lambda line: print(line, file=sys.stderr, flush=True)
+            self.write = stderr_line
 
     def eta(self) -> float | None:
         """Seconds left: elapsed times the cost still to run over the cost run so far (None before any)."""
@@ -112,3 +124,34 @@ class Progress:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@contextmanager
+def phase(
+    label: str, write: Callable[[str], None] | None = None, interval: float | None = None, enabled: bool = True
+) -> Iterator[None]:
+    """``label: 10s elapsed`` every ``interval`` seconds (default `INTERVAL`) while the block runs,
+    from a heartbeat thread, and ``label: done in 12s`` after it if any line was written; a
+    phase shorter than ``interval`` prints nothing. ``write``: where lines go (default stderr);
+    ``enabled=False``: silent."""
+    if not enabled:
+        yield
+        return
+    out = stderr_line if write is None else write
+    every = INTERVAL if interval is None else interval
+    start, stop, wrote = time.monotonic(), threading.Event(), []
+
+    def beat() -> None:
+        while not stop.wait(every):
+            out(f"{label}: {format_seconds(time.monotonic() - start)} elapsed")
+            wrote.append(True)
+
+    thread = threading.Thread(target=beat, name="circuits-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        if wrote:
+            out(f"{label}: done in {format_seconds(time.monotonic() - start)}")

@@ -97,6 +97,10 @@ class CircuitsSession:
         self.preflight()
 
         def load():
+            with self._phase(f"loading {self.model_name}:{recipe}"):
+                return loaded()
+
+        def loaded():
             if spec.external:
                 from .model.external import load_external_build
 
@@ -143,27 +147,40 @@ class CircuitsSession:
 
         s = self.settings
         m = s.kappa_method if method is None else method
-        return self._memo(
-            ("ov_spectrum", recipe, m),
-            lambda: ov_spectrum(
-                self.weights(recipe),
-                n_rotations=m.n_rotations,
-                q=s.fdr_q,
-                seed=0,
-                p_method=m.p_method,
-                null_dtype=getattr(torch, m.null_dtype),
-                unembedding=m.unembedding,
-            ),
-        )
+
+        def measure():
+            weights = self.weights(recipe)
+            with self._phase(f"rung 1 (kappa, {m.n_rotations} rotations) {self.model_name}:{recipe}"):
+                return ov_spectrum(
+                    weights,
+                    n_rotations=m.n_rotations,
+                    q=s.fdr_q,
+                    seed=0,
+                    p_method=m.p_method,
+                    null_dtype=getattr(torch, m.null_dtype),
+                    unembedding=m.unembedding,
+                )
+
+        return self._memo(("ov_spectrum", recipe, m), measure)
 
     def repeat_probe(self, recipe: str):
         """Rung 1/2: copy losses and per-head routing scores on the seeded repeat probe."""
         from .rungs.probe import run_repeat_probe
 
         s = self.settings
-        return self._memo(
-            ("repeat_probe", recipe), lambda: run_repeat_probe(self.build(recipe), s.probe, batch_size=s.batch_size)
-        )
+
+        def measure():
+            build = self.build(recipe)
+            with self._phase(f"repeat probe (n={s.probe.n}, L={s.probe.L}) {self.model_name}:{recipe}"):
+                return run_repeat_probe(build, s.probe, batch_size=s.batch_size)
+
+        return self._memo(("repeat_probe", recipe), measure)
+
+    def _phase(self, label: str):
+        """A heartbeat line every few seconds while a long step runs (`progress.phase`)."""
+        from .progress import phase
+
+        return phase(label, self.progress_write)
 
     def head_knockout(self, recipe: str, heads=None):
         """Rung 2: knockout delta of every head (or of ``heads``) on held-out repeat sequences (DataFrame).
@@ -346,10 +363,7 @@ class CircuitsSession:
                 record = self.store.read(self.model_name, recipe)
             except BaselineMissing:
                 self.events.append({"event": "missing", "recipe": recipe, "path": str(path)})
-                raise BaselineMissing(
-                    f"baseline {path} does not exist; record it with: {self.record_command(recipe)} "
-                    f"(or add {flag('update')} to this pytest command)"
-                ) from None
+                raise BaselineMissing(self.missing_message(recipe, path)) from None
             except BaselineCorrupt:
                 self.events.append({"event": "corrupt", "recipe": recipe, "path": str(path)})
                 raise
@@ -366,6 +380,27 @@ class CircuitsSession:
         if isinstance(value, Exception):
             raise value
         return value
+
+    def missing_message(self, recipe: str, path: Path) -> str:
+        """Why ``recipe`` has no baseline, and what to do: gate against a baseline of the same
+        geometry in the folder (``--circuits-name``) first, when there is one; recording makes this
+        build the reference its later builds are gated against."""
+        from .gate.store import same_geometry
+
+        record = f"record it with: {self.record_command(recipe)} (or add {flag('update')} to this pytest command)"
+        try:
+            others = same_geometry(path.parent, recipe, self.preflight().__dict__, self.model_name)
+        except Exception:  # the model does not resolve: its own error says so
+            others = {}
+        if not others:
+            return f"baseline {path} does not exist; {record}"
+        names = ", ".join(p.name for p in others.values())
+        return (
+            f"baseline {path} does not exist, but {path.parent} holds a baseline of the same geometry ({names}): "
+            f"if {self.settings.model} is a build of that model, gate it against it with "
+            f"{flag('name')} {next(iter(others))}. Recording instead makes this build the reference every later "
+            f"build is gated against, a broken one included; only if it is known good, {record}"
+        )
 
     def baseline_key_heads(self) -> list[str]:
         """The key knockout heads of this run's baselines (reference and each build's own), which a

@@ -64,3 +64,9 @@ def read_v_heads_rolled(monkeypatch) -> None:
         return q, k, v.roll(1, dims=0)
 
     monkeypatch.setitem(QKV_LAYOUTS, "separate", rolled)
+
+
+def beyond_progress(err: str) -> list[str]:
+    """The lines of a CLI's stderr other than progress lines (a long phase on a busy machine writes
+    ``loading m:fp32: 5s elapsed`` and ``...: done in 6s``)."""
+    return [line for line in err.splitlines() if " elapsed" not in line and ": done in " not in line]

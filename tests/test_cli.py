@@ -52,6 +52,34 @@ def test_help_through_the_console_script():
         assert sub in done.stdout
 
 
+def test_help_states_each_default_once_and_names_this_commands_flags(capsys):
+    """``circuits record --help`` gave --baselines two defaults; --device-map named --circuits-device."""
+    for command in ("scan", "record", "gate"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = capsys.readouterr().out
+        entries = [" ".join(entry.split()) for entry in text.split("\n  -")[1:]]
+        assert [e for e in entries if e.count("(default:") > 1] == []
+        assert "--circuits-" not in text
+    with pytest.raises(SystemExit):
+        main(["scan", "--help"])
+    assert "none: the whole model on --device" in " ".join(capsys.readouterr().out.split())
+
+
+def test_report_help_imports_no_torch():
+    """``circuits report --help`` took 7 s: the report's imports (torch) ran before argparse."""
+    code = (
+        "import sys\n"
+        "from pytest_circuits.cli import main\n"
+        "try:\n"
+        "    main(['report', '--help'])\n"
+        "except SystemExit as done:\n"
+        "    print('exit', done.code, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "usage: circuits report" in done.stdout and done.stdout.splitlines()[-1] == "exit 0 False"
+
+
 def test_scan_json_holds_the_contract(model, tmp_path, capsys):
     out = tmp_path / "scan.json"
     assert main(["scan", str(model), "--json", str(out), *SMALL]) == 0
@@ -195,3 +223,16 @@ def test_head_table_shows_each_heads_ov_gain_against_the_largest():
     assert [line.split()[2] for line in lines[1:]] == ["1.000", "0.250", "0.005"]
     no_gain = head_table({"heads": [{"head": "L0H0", "kappa": 0.5}]})
     assert "ov gain" not in no_gain  # records without gains or eigenvalues: no column
+
+
+def test_diff_rows_stay_aligned_for_the_longest_metric_name(capsys):
+    """``kappa_trace_uncentred`` (21 characters) pushed its row's numbers out of their columns."""
+    from pathlib import Path
+
+    shipped = Path(__file__).resolve().parent.parent / "pytest_circuits" / "baselines"
+    a, b = shipped / "tiny-induction--fp32.json", shipped / "tiny-induction--rtn-int4.json"
+    assert main(["diff", str(a), str(b)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = [line for line in lines if line.startswith("head ") or line[:1] == "L" and line[1:2].isdigit()]
+    assert any("kappa_trace_uncentred" in line for line in table)
+    assert len({len(line) for line in table}) == 1  # every column right-aligned to one width

@@ -483,7 +483,9 @@ def test_a_registered_invariant_joins_the_gate(registered):
     after["first_copy_loss"] = 9.0
     result = check(registered, record(), after, TOL, "b", "fp32 baseline", fix="FIX")
     assert not result.passed and "first_copy_loss +6.000 -> +9.000 (tolerance 0.25)" in result.message
-    assert result.message.startswith("first-copy loss of b moved against the fp32 baseline:")
+    assert result.message.startswith(
+        "first_copy_loss: model first_copy_loss +6.000 -> +9.000 (tolerance 0.25) (first-copy loss of b moved against"
+    )
     assert result.message.endswith("FIX")
 
 
@@ -535,3 +537,44 @@ def test_one_comparison_skipped_and_one_passed_is_a_pass():
         FakeSession({"fp32": with_model(record()), "bnb-nf4": own}, cand), "bnb-nf4", "induction_heads", TOL, {}
     )
     assert [r.status for r in outcome.results] == ["passed", "skipped"] and outcome.passed
+
+
+def test_a_failure_leads_with_the_invariant_and_its_worst_row_notes_after():
+    """pytest's short summary shows a failure's first line: the broken invariant and its worst row,
+    not ``note: the weights differ``; the note names which fingerprint is the baseline's, which the build's."""
+    cand = with_model(record(), fingerprint="sha256:" + "b" * 64)
+    head(cand, "L1H2")["kappa_trace"] = -0.9  # 1.85 / 0.15 = 12 tolerances
+    head(cand, "L1H3")["kappa_trace"] = 0.0  # suppression lost: 0.7 / 0.15
+    base = with_model(record(), fingerprint="sha256:" + "a" * 64)
+    outcome = verdict.gate_build(FakeSession({"fp32": base}, cand), "fp32", "copying_heads", TOL, {})
+    first, *rest = outcome.message().splitlines()
+    assert first.startswith("copying_heads: L1H2 kappa_trace +0.950 -> -0.900 (tolerance 0.15)")
+    assert rest[-1] == (
+        "note: the weights differ from those the baseline was recorded from (weight fingerprint: baseline "
+        "aaaaaaaaaaaa, this build bbbbbbbbbbbb; a sha256 over the name and sha256 of each weight file of the "
+        "model folder, not any one file's); comparing the same geometry"
+    )
+
+
+def test_moved_most_lists_each_change_once_and_heads_first():
+    """A broken build gated against the reference and its own baseline: copy_gain once, and the head."""
+    from pytest_circuits.report import data, summary_lines
+
+    gain = {"head": "model", "metric": "copy_gain", "before": 5.6, "after": 1.0, "tolerance": 0.25}
+    kappa = {"head": "L1H0", "metric": "kappa_trace", "before": 0.9, "after": -0.9, "tolerance": 0.15}
+    results = [
+        {
+            "invariant": "copy_loss",
+            "build": "b",
+            "against": against,
+            "status": "failed",
+            "message": "x",
+            "moved": [gain],
+        }
+        for against in ("fp32 baseline", "own baseline")
+    ] + [{"invariant": "copying_heads", "build": "b", "against": "own baseline", "status": "failed", "moved": [kappa]}]
+    assert data.top_moved(results, 3) == [kappa, gain]
+    line = next(l for l in summary_lines(results) if "moved most" in l)
+    assert (
+        line == "  moved most: L1H0 kappa_trace 0.900 -> -0.900 (tol 0.150); model copy_gain 5.600 -> 1.000 (tol 0.250)"
+    )

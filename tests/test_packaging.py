@@ -68,3 +68,25 @@ def test_the_installed_wheel_runs_the_gate_suite(tmp_path):
             text=True,
         ).stdout
     )
+
+
+@pytest.mark.slow
+def test_the_update_hint_pastes_from_an_installed_wheel(tmp_path):
+    """``pytest --pyargs pytest_circuits.probes`` from a wheel: the failure's hint, pasted, records."""
+    from .test_plugin import paste_the_update_hint
+
+    wheels, site = tmp_path / "wheels", tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(ROOT)],
+        check=True,
+        timeout=600,
+    )
+    (wheel,) = wheels.glob("pytest_circuits-*.whl")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+        check=True,
+        timeout=600,
+    )
+    work = tmp_path / "work"
+    work.mkdir()
+    paste_the_update_hint(work, "pyargs", site)

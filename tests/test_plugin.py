@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +16,9 @@ import pytest
 from pytest_circuits.gate.invariants import per_build_invariants
 from pytest_circuits.testing import make_tiny_model, negate_head_ov, save_tiny_model
 
-PROBES = Path(__file__).resolve().parent.parent / "pytest_circuits" / "probes"  # the packaged gate suite
+ROOT = Path(__file__).resolve().parent.parent
+PROBES = ROOT / "pytest_circuits" / "probes"  # the packaged gate suite
+SHIPPED = ROOT / "pytest_circuits" / "baselines"
 
 
 def ini(folder: Path, baselines: Path, builds: str = "fp32") -> str:
@@ -127,15 +134,16 @@ def test_record_gate_and_sabotage(suite, tmp_path_factory):
     )
     assert f"{name} " in out and "kappa_trace" in out
     assert "weights differ" in out
-    assert f"--circuits-builds fp32 --circuits-baselines {baselines} --circuits-update" in out
+    assert "record the baseline again: python -m pytest -p no:cacheprovider --basetemp=" in out
+    assert "may differ this much from fp32" not in out  # gated against its own name: no reference wording
     assert "Traceback" not in out
     # the hint, pasted, accepts the change: the sabotaged build becomes the baseline and passes
     import re
     import shlex
 
-    hint = shlex.split(re.search(r"record its baseline again: (pytest .*)", out).group(1))
-    assert hint[0] == "pytest" and hint[1] == "test_rung1_weights.py" and str(sabotaged) in hint
-    pytester.runpytest("-p", "no:cacheprovider", *hint[1:])
+    hint = shlex.split(re.search(r"record the baseline again: (python -m pytest .*)", out).group(1))
+    assert hint[3:] == ["-p", "no:cacheprovider", hint[5], "--circuits-update"]  # this run's command, updating
+    pytester.runpytest(*hint[3:])
     pytester.runpytest("-p", "no:cacheprovider", "test_rung1_weights.py").assert_outcomes(passed=2)
 
     # a per-test marker loosens it
@@ -212,6 +220,32 @@ def test_report_option_writes_a_report(suite, tmp_path):
     shutil.rmtree(report)
 
 
+def test_a_report_that_cannot_be_written_fails_the_run_and_summary_md_needs_no_matplotlib(suite, tmp_path, monkeypatch):
+    """Without matplotlib the run fails, naming the fix, and summary.md still holds the verdicts
+    (the CI step summary); a report folder that cannot be made fails the run too."""
+    pytester, intact, baselines = suite
+    report = tmp_path / "report"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    result = pytester.runpytest(
+        "-p", "no:cacheprovider", "--circuits-update", f"--circuits-report={report}", "test_rung12_repeat.py"
+    )
+    result.assert_outcomes(passed=1, skipped=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    out = text_of(result)
+    assert f"ERROR --circuits-report {report}: the report could not be written: the circuits report draws with " in out
+    assert "pip install matplotlib" in out and f"{report / 'summary.md'} holds the verdicts as text" in out
+    text = (report / "summary.md").read_text()
+    assert "invariants held" in text and "| pass | fp32 | copy_loss | fp32 baseline |" in text
+    assert "No figures and no report page: the circuits report draws with matplotlib" in text
+    monkeypatch.delitem(sys.modules, "matplotlib")
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    result = pytester.runpytest("-p", "no:cacheprovider", f"--circuits-report={blocked / 'r'}", "test_rung12_repeat.py")
+    result.assert_outcomes(passed=1, skipped=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    assert "the report could not be written: " in text_of(result)
+
+
 def test_an_invariant_registered_in_conftest_runs_through_circuits_gate(suite):
     pytester, intact, baselines = suite
     pytester.makeconftest("""
@@ -285,3 +319,64 @@ def test_xdist_workers_send_plain_data_and_the_report_is_written(suite, tmp_path
     result.assert_outcomes(passed=1, skipped=1)
     assert "INTERNALERROR" not in text_of(result) and (report / "report.html").is_file()
     assert "circuits report: " in text_of(result)
+
+
+def _run(words: list[str] | str, cwd: Path, package: Path = ROOT) -> subprocess.CompletedProcess:
+    """A command in a shell as a user types it, importing the package from ``package`` (this
+    checkout, as an editable install does, or a folder a wheel was installed into)."""
+    env = {**os.environ, "PYTHONPATH": str(package)}
+    command = words if isinstance(words, str) else shlex.join(words)
+    return subprocess.run(command, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def paste_the_update_hint(tmp_path: Path, how: str, package: Path = ROOT) -> None:
+    """A drifted baseline fails the gate; the hint is the command as typed (``--pyargs``, paths from the
+    folder it ran in) with ``--circuits-update``; pasted there it rewrites the baseline."""
+    baselines = tmp_path / "baselines"
+    baselines.mkdir()
+    drifted = json.loads((SHIPPED / "tiny-induction--fp32.json").read_text())
+    drifted["copy_loss"] += 0.5  # the mean, each sequence and the interval: a consistent, drifted record
+    drifted["copy_loss_sequences"] = [x + 0.5 for x in drifted["copy_loss_sequences"]]
+    drifted["copy_loss_interval"] = [x + 0.5 for x in drifted["copy_loss_interval"]]
+    (baselines / "tiny-induction--fp32.json").write_text(json.dumps(drifted))
+    here = tmp_path / "elsewhere"
+    here.mkdir()
+    target = ["--pyargs", "pytest_circuits.probes"] if how == "pyargs" else [os.path.relpath(ROOT / "probes", here)]
+    typed = ["python", "-m", "pytest", *target, "-p", "no:cacheprovider", "-k", "copy_loss", "--circuits-builds"]
+    typed += ["fp32", "--circuits-baselines", "../baselines"]
+    failed = _run(typed, here, package)
+    assert failed.returncode == 1, failed.stdout[-3000:]
+    hint = re.search(r"record the baseline again: (.*)", failed.stdout).group(1)
+    assert hint == shlex.join([*typed, "--circuits-update"])
+    pasted = _run(hint, here, package)
+    assert pasted.returncode == 0, pasted.stdout[-3000:]
+    assert json.loads((baselines / "tiny-induction--fp32.json").read_text())["copy_loss"] != drifted["copy_loss"]
+
+
+@pytest.mark.parametrize("how", ["pyargs", "outside-rootdir"])
+def test_the_update_hint_pastes_as_the_command_the_user_ran(how, tmp_path):
+    """From this checkout (an editable install): ``--pyargs``, and a path outside the rootdir."""
+    paste_the_update_hint(tmp_path, how)
+
+
+def test_no_unknown_mark_warning_without_xdist(tmp_path):
+    """Every build's tests carry an xdist_group mark; without pytest-xdist the marker is still known."""
+    done = _run(
+        ["python", "-m", "pytest", "-p", "no:xdist", "--pyargs", "pytest_circuits.probes", "--co", "-q"], tmp_path
+    )
+    assert done.returncode == 0 and "PytestUnknownMarkWarning" not in done.stdout, done.stdout[-2000:]
+
+
+def test_importing_bitsandbytes_through_a_bnb_build_raises_no_deprecation_warning(tmp_path):
+    """Outside this clone (no filterwarnings of ours), loading a bnb build shows no torch.jit warning."""
+    code = (
+        "import warnings\n"
+        "warnings.simplefilter('always')\n"
+        "from pytest_circuits.model.builds import _bnb_config\n"
+        "from pytest_circuits.model.recipes import get_recipe\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    _bnb_config(get_recipe('bnb-int8'))\n"
+        "print(sum('script_method' in str(w.message) for w in caught))\n"
+    )
+    done = _run(["python", "-c", code], tmp_path)
+    assert done.returncode == 0 and done.stdout.split()[-1] == "0", done.stdout[-2000:] + done.stderr[-2000:]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pytest_circuits.progress import Progress, format_seconds
@@ -69,3 +71,55 @@ def test_stderr_lines_when_not_a_terminal(capsys):
 
 def test_format_seconds():
     assert [format_seconds(s) for s in (0, 42.4, 185, 3720)] == ["0s", "42s", "3m05s", "1h02m"]
+
+
+def test_a_phase_without_steps_beats_while_it_lasts_and_a_short_one_is_quiet():
+    import time
+
+    from pytest_circuits.progress import phase
+
+    lines: list[str] = []
+    with phase("loading m:fp32", lines.append, interval=0.05):
+        time.sleep(0.3)
+    assert len(lines) >= 3 and lines[0] == "loading m:fp32: 0s elapsed"
+    assert lines[-1] == "loading m:fp32: done in 0s"
+    quiet: list[str] = []
+    with phase("short", quiet.append, interval=60):
+        pass
+    with phase("off", quiet.append, interval=0.01, enabled=False):
+        time.sleep(0.05)
+    assert quiet == []
+
+
+def test_the_attribution_screen_reports_its_chunks(monkeypatch, tiny_folder):
+    """The AtP* screen counts its chunks of sequences (it printed nothing, even in the CLI)."""
+    import pytest_circuits.progress as progress
+    from pytest_circuits.model.builds import load_build
+    from pytest_circuits.model.loading import resolve_model
+    from pytest_circuits.rungs.knockout import knockout_scan
+    from pytest_circuits.rungs.repeat import RepeatSettings
+
+    monkeypatch.setattr(progress, "INTERVAL", 0.0)  # every step a line
+    build = load_build(resolve_model(str(tiny_folder("llama"))), "fp32", "cpu")
+    lines: list[str] = []
+    knockout_scan(build, RepeatSettings(1, 6, 8), screen_top_k=2, batch_size=2, write=lines.append)
+    screen = [line for line in lines if line.startswith("screen (atp*) ")]
+    assert [line.split(": ")[1].split(",")[0] for line in screen] == ["1/3 chunks", "2/3 chunks", "3/3 chunks"]
+    assert any(line.startswith("knockout ") for line in lines)
+
+
+PROGRESS_TEST = """
+def test_long_scan(circuits_session):
+    circuits_session.progress_write("knockout m:fp32: 4/8 heads, at L0H3, 10s elapsed, ETA 5s")
+"""
+
+
+def test_progress_shows_with_pytest_capture_on(pytester, monkeypatch):
+    """Output capture is on (pytest's default): the lines still reach the terminal, for a test that passes."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent))  # this checkout's package
+    pytester.makepyfile(test_long=PROGRESS_TEST)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--circuits-model", "tiny-induction")
+    result.assert_outcomes(passed=1)
+    out = "\n".join(result.outlines)
+    assert "circuits: knockout m:fp32: 4/8 heads, at L0H3, 10s elapsed, ETA 5s" in out
+    assert "Captured stdout" not in out

@@ -191,7 +191,7 @@ def test_html_is_self_contained_and_names_the_broken_invariant(tmp_path):
     assert "bnb-nf4-differences.png" in {p.name for p in pngs}
     assert "bnb-nf4-moved-heads.png" in {p.name for p in pngs}
     summary = (tmp_path / SUMMARY_PAGE).read_text()
-    assert "`copying_heads` (bnb-nf4)" in summary and "| **FAIL** | bnb-nf4 | copying_heads |" in summary
+    assert "`copying_heads` (bnb-nf4 vs " in summary and "| **FAIL** | bnb-nf4 | copying_heads |" in summary
     # a CI step summary shows neither relative images nor data: URIs: each PNG is named, and where it is
     assert not re.search(r"!\[[^\]]*\]\(", summary) and "data:image" not in summary and "<img" not in summary
     assert all(f"`{p.name}`" in summary for p in pngs)
@@ -719,7 +719,9 @@ def test_a_build_that_could_not_be_gated_leads_the_report(tmp_path):
             raise CircuitsError(f"{recipe}: the per-head weight read does not reproduce layer 0")
 
     node = SimpleNamespace(path=tmp_path / "test_gate.py", user_properties=[])
-    request = SimpleNamespace(node=node, config=SimpleNamespace(rootpath=tmp_path))
+    request = SimpleNamespace(
+        node=node, config=SimpleNamespace(rootpath=tmp_path, invocation_params=SimpleNamespace(args=("test_gate.py",)))
+    )
     with pytest.raises(CircuitsError):
         gate_for_test(request, Unloadable(), "bnb-nf4", "copy_loss", Tolerances())
     ((key, rows),) = node.user_properties
@@ -735,3 +737,65 @@ def test_a_build_that_could_not_be_gated_leads_the_report(tmp_path):
     assert lines[1].startswith("  ERROR copy_loss: bnb-nf4: the per-head weight read")
     summary = (tmp_path / SUMMARY_PAGE).read_text()
     assert "| **ERROR** | bnb-nf4 | copy_loss |" in summary and "could not be gated for bnb-nf4" in summary
+
+
+def test_a_pass_with_skips_says_what_was_guarded_and_what_not():
+    """A build whose baseline has no induction or key knockout head passes on 3 invariants: every
+    verdict line (CLI, terminal summary, summary.md, report banner) says the rest was not guarded."""
+    from pytest_circuits.gate.invariants import InvariantResult, verdict
+    from pytest_circuits.report import data, markdown, summary_lines
+    from pytest_circuits.report.html import _banner
+
+    statuses = {
+        "copying_heads": "passed",
+        "kappa_distribution": "passed",
+        "copy_loss": "passed",
+        "induction_heads": "skipped",
+        "knockout_deltas": "skipped",
+    }
+    results = [
+        InvariantResult(name, "fp32", "fp32 baseline", status, "" if status == "passed" else "no such head; ...")
+        for name, status in statuses.items()
+    ]
+    said = (
+        "guarded: the copying heads, the kappa distribution, the copy loss; "
+        "NOT guarded: the induction and previous-token heads, the key knockout heads (skipped)"
+    )
+    passed, line = verdict(results)
+    assert passed and line.endswith(said)
+    assert summary_lines(results)[0] == f"circuits fp32 vs fp32 baseline: pass (3 invariants held; {said})"
+    dicts = [data.result_dict(r) for r in results]
+    assert f"**G{said[1:]}.**" in markdown.summary([], dicts)
+    assert f"<b>G{said[1:]}.</b>" in _banner([], dicts)
+    held_all = [InvariantResult("copy_loss", "fp32", "fp32 baseline", "passed", "")]
+    assert verdict(held_all)[1] == "gate passed (1 of 1 invariants hold)"  # nothing skipped: nothing to add
+
+
+def test_the_loss_curve_legend_names_the_uniform_loss_once():
+    """A live build (ln V = 10.819778...) beside its stored baseline (10.8198): one "uniform ln V" entry."""
+    pytest.importorskip("matplotlib")
+    from pytest_circuits.report import figures
+
+    curve = {"position_loss": [3.0, 2.0, 1.0], "probe": {"L": 2}}
+    curves = [
+        ("fp32", {**curve, "uniform_loss": math.log(49999)}),
+        ("bnb-int8", {**curve, "uniform_loss": math.log(49999)}),
+        ("fp32 baseline", {**curve, "uniform_loss": 10.8198}),
+    ]
+    fig = figures.position_loss_figure(curves, "loss")
+    labels = [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
+    assert [label for label in labels if label.startswith("uniform")] == ["uniform ln V = 10.82"]
+
+
+def test_summary_md_says_against_which_baseline_an_invariant_broke():
+    """A build broken against the reference and its own baseline: copy_loss twice, each with its baseline."""
+    from pytest_circuits.report import data, markdown
+
+    results = [
+        data.result_dict(
+            {"invariant": "copy_loss", "build": "b", "against": against, "status": "failed", "message": "x"}
+        )
+        for against in ("fp32 baseline", "own baseline")
+    ]
+    first = markdown.summary([], results).splitlines()[2]
+    assert first == "**2 of 2 invariants broken:** `copy_loss` (b vs fp32 baseline), `copy_loss` (b vs own baseline)"

@@ -128,6 +128,7 @@ class Invariant:
     # tolerances of its own, name -> default (a float, int or bool): like the built-ins each is an
     # ini key ``circuits_tol_<name>``, a marker keyword and a ``--tol`` name, read as ``tol.<name>``
     own_tolerances: ClassVar[dict[str, float | int | bool]] = {}
+    guards: ClassVar[str] = ""  # what it guards, in the verdict line's words (default: its name)
 
     def compare(self, before: dict, after: dict, tol: Tolerances) -> Comparison:
         raise NotImplementedError
@@ -234,7 +235,11 @@ def evaluate(
     elif comparison.broken:
         status = "failed"
         shown = comparison.broken + comparison.context
-        message = f"{inv.moved.format(**words)}{comparison.left_out}:\n{format_rows(shown)}"
+        # the invariant and its worst row lead (pytest's short summary shows the first line), the table after
+        worst = " ".join(format_rows([max(comparison.broken, key=_moved_size)]).split())
+        message = f"{inv.name}: {worst} ({inv.moved.format(**words)}{comparison.left_out})"
+        if len(shown) > 1:
+            message += f":\n{format_rows(shown)}"
     else:
         status = "passed"
         detail = f" ({comparison.detail})" if comparison.detail else ""
@@ -297,6 +302,27 @@ def gate_all(
     return [evaluate(n, before, after, tol, build, against, fix, across) for n in runnable(after, names, across)]
 
 
+def guarded(results) -> str:
+    """What a gate that skipped something checked, for its verdict line: ``"guarded: the copy loss,
+    the copying heads; NOT guarded: the induction and previous-token heads (skipped)"``; "" when
+    nothing was skipped. ``results``: objects or dicts with ``invariant`` and ``status``; an
+    invariant held against one baseline is guarded."""
+
+    def field(r, key):
+        return r[key] if isinstance(r, dict) else getattr(r, key)
+
+    pairs = [(field(r, "invariant"), field(r, "status")) for r in results]
+    held = list(dict.fromkeys(n for n, status in pairs if status == "passed"))
+    skipped = list(dict.fromkeys(n for n, status in pairs if status == "skipped" and n not in held))
+
+    def words(names: list[str]) -> str:
+        return ", ".join((REGISTRY[n].guards if n in REGISTRY else "") or n for n in names)
+
+    if not skipped:
+        return ""
+    return (f"guarded: {words(held)}" if held else "nothing guarded") + f"; NOT guarded: {words(skipped)} (skipped)"
+
+
 def verdict(results: list[InvariantResult]) -> tuple[bool, str]:
     """``(passed, line)`` of a whole gate: it passes when nothing broke and something was compared."""
     broken = [r.invariant for r in results if r.status == "failed"]
@@ -309,7 +335,8 @@ def verdict(results: list[InvariantResult]) -> tuple[bool, str]:
         return False, f"gate failed: {', '.join(broken)} ({said})"
     if not held:
         return False, f"gate compared nothing ({said}); a gate that compared nothing has not passed"
-    return True, f"gate passed ({said})"
+    said_guarded = guarded(results)
+    return True, f"gate passed ({said})" + (f"; {said_guarded}" if said_guarded else "")
 
 
 # ---------------------------------------------------------------- the message table
@@ -319,6 +346,12 @@ def _signed(x: float) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "nan"
     return f"{x:+.3g}" if abs(x) < 1e-3 and x != 0 else f"{x:+.3f}"
+
+
+def _moved_size(row: Row) -> float:
+    """How far a row moved in tolerances (``|after - before| / limit``; inf where not finite)."""
+    size = abs(row.after - row.before) / row.limit if row.limit > 0 else abs(row.after - row.before)
+    return size if math.isfinite(size) else math.inf
 
 
 def format_rows(rows: list[Row], max_rows: int = MAX_ROWS) -> str:
@@ -509,6 +542,7 @@ class CopyingHeads(Invariant):
     name = "copying_heads"
     suite_test = "test_copying_heads_survive"
     suite_module = "test_rung1_weights"
+    guards = "the copying heads"
     tolerances = ("kappa", "rank", "min_ov_gain")
     held = "copying heads of {build} survive against the {against}"
     moved = "copying heads of {build} moved against the {against}"
@@ -551,6 +585,7 @@ class KappaDistribution(Invariant):
     name = "kappa_distribution"
     suite_test = "test_kappa_distribution_not_shifted"
     suite_module = "test_rung1_weights"
+    guards = "the kappa distribution"
     tolerances = ("shift", "min_ov_gain")
     held = "kappa distribution of {build} not shifted against the {against}"
     moved = "kappa distribution of {build} shifted against the null, compared with the {against}"
@@ -595,6 +630,7 @@ class CopyLoss(Invariant):
     name = "copy_loss"
     suite_test = "test_copy_loss_within_tolerance"
     suite_module = "test_rung12_repeat"
+    guards = "the copy loss"
     per_head = False
     tolerances = ("copy_loss", "copy_gain", "outside_interval")
     held = "copy behaviour of {build} within tolerance of the {against}"
@@ -616,6 +652,7 @@ class InductionHeads(Invariant):
     name = "induction_heads"
     suite_test = "test_induction_heads_survive"
     suite_module = "test_rung12_repeat"
+    guards = "the induction and previous-token heads"
     tolerances = ("prefix", "top_k", "min_score")
     held = "induction heads of {build} survive against the {against}"
     moved = "induction heads of {build} moved against the {against}"
@@ -644,6 +681,7 @@ class KnockoutDeltas(Invariant):
     name = "knockout_deltas"
     suite_test = "test_knockout_deltas_keep_size"
     suite_module = "test_rung2_knockout"
+    guards = "the key knockout heads"
     needs = frozenset({"knockout"})
     tolerances = ("knockout", "top_k", "min_delta", "outside_interval")
     held = "knockout deltas of {build}'s key heads keep their size against the {against}"
@@ -717,6 +755,7 @@ class SwapCopy(AcrossModels):
     """Copy loss may rise by ``swap_copy_loss`` nats, copy_gain / first_copy_loss fall by ``swap_copy_gain``."""
 
     name = "swap_copy"
+    guards = "the copy loss across models"
     tolerances = ("swap_copy_loss", "swap_copy_gain")
 
     def compare(self, before, after, tol):
@@ -745,6 +784,7 @@ class SwapInduction(AcrossModels):
     """Induction heads (prefix_matching >= swap_induction_score): their number, the best score, their depth."""
 
     name = "swap_induction"
+    guards = "the induction heads across models"
     tolerances = ("swap_induction_score", "swap_induction_heads", "swap_prefix", "swap_depth")
 
     def compare(self, before, after, tol):
@@ -802,6 +842,7 @@ class SwapKappa(AcrossModels):
     ``swap_kappa_w1`` (1-Wasserstein, null standard deviations)."""
 
     name = "swap_kappa"
+    guards = "the kappa distribution across models"
     tolerances = ("swap_share", "swap_kappa_w1")
 
     def compare(self, before, after, tol):
@@ -836,6 +877,7 @@ class SwapKnockout(AcrossModels):
     knockout effect may move by ``swap_concentration`` (only when both records measured every head)."""
 
     name = "swap_knockout"
+    guards = "the key knockout heads across models"
     needs = frozenset({"knockout"})
     tolerances = ("swap_knockout", "swap_concentration", "min_delta")
 

@@ -192,8 +192,9 @@ def compatibility(baseline: dict, record: dict, source: str = "baseline", across
     fb, fr = baseline["model"].get("fingerprint"), record["model"].get("fingerprint")
     if fb and fr and fb != fr:
         notes.append(
-            f"note: the weights differ from those the baseline was recorded from "
-            f"(sha256 {_short(fb)} vs {_short(fr)}); comparing the same geometry"
+            f"note: the weights differ from those the baseline was recorded from (weight fingerprint: baseline "
+            f"{_short(fb)}, this build {_short(fr)}; a sha256 over the name and sha256 of each weight file "
+            "of the model folder, not any one file's); comparing the same geometry"
         )
     return notes
 
@@ -235,6 +236,29 @@ def is_shipped(folder: str | Path) -> bool:
         return Path(folder).resolve() == Path(named.SHIPPED_BASELINES).resolve()
     except OSError:
         return False
+
+
+def same_geometry(folder: str | Path, recipe: str, geometry: dict, exclude: str) -> dict[str, Path]:
+    """Baselines of ``recipe`` in ``folder`` of other models than ``exclude`` whose geometry is
+    ``geometry`` (a `Geometry`'s fields), by the model name in their file name: the baseline a
+    renamed candidate folder was probably meant to be gated against. Unreadable files are left out."""
+    from ..errors import BaselineError
+
+    found = {}
+    folder, ending = Path(folder), f"{SEPARATOR}{recipe}{SUFFIX}"
+    own = baseline_path(folder, exclude, recipe).name
+    for path in sorted(folder.glob(f"*{ending}")) if folder.is_dir() else []:
+        if path.name == own:
+            continue
+        try:
+            record = read_baseline(path)
+        except BaselineError:
+            continue
+        if (record.get("model") or {}).get("geometry") and not geometry_difference(
+            record, {"model": {"geometry": geometry}}
+        ):
+            found[path.name[: -len(ending)]] = path
+    return found
 
 
 class BaselineStore:

@@ -55,7 +55,7 @@ class GateOutcome:
         if self.skipped or not (shown or self.problems):
             shown = list(dict.fromkeys(r.message for r in self.results))
         absent = [self.absent] if self.absent and not self.results else []
-        return "\n".join(list(self.notes) + list(self.problems) + shown + absent)
+        return "\n".join(shown + list(self.problems) + absent + list(self.notes))  # what broke first, notes after
 
 
 def comparisons(recipe: str, reference: str) -> list[tuple[str, str]]:

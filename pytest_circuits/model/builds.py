@@ -9,6 +9,7 @@ per-output-channel round-to-nearest of every attention and MLP weight:
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -119,7 +120,11 @@ def _bnb_config(recipe: Recipe):
     # could not fetch a kernel from the Hub (we never download); int8 matmuls warn on every cast
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
-        import bitsandbytes  # noqa: F401
+        with warnings.catch_warnings():  # bitsandbytes decorates with torch.jit.script_method (deprecated in torch)
+            warnings.filterwarnings(
+                "ignore", message="`torch.jit.script_method` is deprecated", category=DeprecationWarning
+            )
+            import bitsandbytes  # noqa: F401
     except ImportError:
         raise RecipeError(f"recipe {recipe.name} needs bitsandbytes: pip install bitsandbytes") from None
     from transformers import BitsAndBytesConfig

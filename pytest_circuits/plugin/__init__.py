@@ -9,6 +9,8 @@ so projects without circuits tests pay nothing for the installed plugin.
 
 from __future__ import annotations
 
+import threading
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import pytest
@@ -115,6 +117,8 @@ def pytest_configure(config: pytest.Config) -> None:
     from .collect import Collected, Collector
 
     config.addinivalue_line("markers", "circuits_tolerance(**tolerances): override gate tolerances for one test")
+    if not config.pluginmanager.hasplugin("xdist"):  # our build groups mark tests even when xdist is absent
+        config.addinivalue_line("markers", "xdist_group(name): pytest-xdist's group (circuits: one group per build)")
     session = CircuitsSession(settings_from_config(config))
     session.progress_write = lambda line: _report_progress(config, line)
     config.stash[SESSION_KEY] = session
@@ -135,10 +139,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     workers.unconfigure(config)
 
 
+_PROGRESS_LOCK = threading.Lock()  # a phase's heartbeat thread and the main thread write lines
+
+
 def _report_progress(config: pytest.Config, line: str) -> None:
-    """Long scans report through pytest's terminal reporter, which output capture does not hide."""
+    """Long scans report through pytest's terminal reporter with output capture suspended (as
+    pytest's live logging does), so the line shows with capture on, on a terminal and in CI logs."""
     reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
+    if reporter is None:
+        return
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    with _PROGRESS_LOCK, capture.global_and_fixture_disabled() if capture is not None else nullcontext():
         reporter.write_line(f"circuits: {line}")
 
 
@@ -338,3 +349,5 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         from .collect import write_report
 
         write_report(config.stash[SESSION_KEY], config.stash[COLLECTED_KEY])
+        if config.stash[COLLECTED_KEY].report_error and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED  # a report asked for and not written fails the run

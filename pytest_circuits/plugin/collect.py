@@ -28,6 +28,7 @@ class Collected:
     used: bool = False
     loads: list[dict] = field(default_factory=list)  # {"recipe", "worker"}: every build load of the run
     dist: str | None = None  # pytest-xdist's --dist on the controller
+    report_error: str = ""  # why a requested --circuits-report was not written (fails the run)
 
     def add(self, user_properties) -> None:
         from ..gate.record import has_figures
@@ -56,16 +57,19 @@ class Collected:
                 self.attention[recipe] = attention
 
 
-def fix_lines(session, recipe: str, test_path: str) -> dict[str, str]:
-    """The closing line of a failure message: how to accept the change if it is intended."""
+def fix_lines(session, recipe: str, command: str) -> dict[str, str]:
+    """The closing line of a failure message: how to accept the change if it is intended.
+    ``command``: this run's command with the update flag added (`update_command`)."""
     s = session.settings
+    own = f"if the change is intended, record the baseline again: {command}"
     return {
-        "own": f"if the change is intended, record the baseline again: {update_command(session, recipe, test_path)}",
-        "reference": (
+        "own": own,
+        "reference": own  # the build is the reference: its own baseline is the one it missed
+        if recipe == s.reference
+        else (
             f"if {recipe} may differ this much from {s.reference}, loosen the tolerance "
             "(@pytest.mark.circuits_tolerance(...) or circuits_tol_* in [tool.pytest.ini_options]); "
-            f"if the {s.reference} build changed on purpose, record its baseline again: "
-            f"{update_command(session, s.reference, test_path)}"
+            f"if the {s.reference} build changed on purpose, record its baseline again: {command}"
         ),
         "swap": (
             f"if {recipe} of the new model may differ this much from the model it replaces, loosen the swap_* "
@@ -74,40 +78,34 @@ def fix_lines(session, recipe: str, test_path: str) -> dict[str, str]:
     }
 
 
-def update_command(session, recipe: str, test_path: str) -> str:
-    """A complete pytest command that re-records the baseline of ``recipe`` as this run gated it."""
+def update_command(config: pytest.Config) -> str:
+    """The command this run was started with, its arguments as given (``--pyargs``, paths relative
+    to the folder it was started in), with the update flag added: pasted there, it records the
+    baselines that changed (unchanged ones are not rewritten). ``python -m pytest`` or ``pytest``
+    as the run was started; under pytest-xdist the controller's command line."""
     import shlex
+    import sys
 
-    from ..settings import recording_words
-
-    s = session.settings
-    words = [
-        "pytest",
-        test_path,
-        flag("model"),
-        s.model,
-        flag("builds"),
-        str(s.spec(recipe)),  # an external build as NAME=PATH
-        flag("baselines"),
-        str(s.baselines),
-        flag("update"),
-    ]
-    return shlex.join(words + recording_words(s, "pytest"))
+    worker = getattr(config, "workerinput", None)
+    argv = list(worker["mainargv"]) if worker and "mainargv" in worker else None
+    args = argv[1:] if argv else list(config.invocation_params.args)
+    program = (argv or sys.argv or ["pytest"])[0]
+    words = ["python", "-m", "pytest"] if program.endswith("__main__.py") else ["pytest"]
+    update = flag("update")
+    return shlex.join(words + [str(a) for a in args] + ([] if update in args else [update]))
 
 
 def gate_for_test(request, session, recipe: str, invariant: str, tol):
     """`gate_build` for one pytest item; results travel as user properties (pytest-xdist safe)."""
-    try:
-        test_path = request.node.path.relative_to(request.config.rootpath)
-    except ValueError:
-        test_path = request.node.path
     from ..gate.verdict import gate_build
 
     if session.settings.update:  # record own baseline first: the reference's owner takes its lock before anyone waits
         session.write_baseline(recipe)
     props = request.node.user_properties
     try:
-        outcome = gate_build(session, recipe, invariant, tol, fix_lines(session, recipe, str(test_path)))
+        outcome = gate_build(
+            session, recipe, invariant, tol, fix_lines(session, recipe, update_command(request.config))
+        )
     except CircuitsError as error:  # the build could not be gated: the report names it among what broke
         props.append(("circuits_results", [error_row(recipe, invariant, str(error))]))
         raise
@@ -189,7 +187,7 @@ def baseline_lines(session, collected: Collected, verbosity: int = 0) -> list[st
             lines.append(f"baselines {verb}: {', '.join(paths)}")
     missing = sorted({e["recipe"] for e in collected.events if e["event"] == "missing"})
     for recipe in missing:
-        lines.append(f"  record {recipe} with: {session.record_command(recipe)}")
+        lines.append(f"  {recipe}: {session.missing_message(recipe, session.baseline_path(recipe))}")
     try:
         used = set(session.settings.builds) | {session.settings.reference}
         orphaned = session.store.orphans(session.model_name, used)
@@ -227,27 +225,46 @@ def terminal_summary(terminalreporter, session, collected: Collected) -> None:
     )
     for line in lines + (result_lines(collected) if collected.used else []):
         terminalreporter.write_line(line)
+    if collected.report_error:
+        terminalreporter.write_line(f"ERROR {collected.report_error}", red=True)
 
 
 def write_report(session, collected: Collected) -> None:
-    """``--circuits-report DIR``: the report module's HTML page; a missing module is one line."""
+    """``--circuits-report DIR``: the report module's HTML page, summary.md and figures. A report
+    that cannot be written fails the run (`Collected.report_error`), and its summary.md is still
+    written as text, without figures (it needs no matplotlib)."""
     if session.settings.report is None:
         return
+    out = Path(session.settings.report)
     try:
+        from ..progress import phase
         from ..report import write_report as write
-    except ImportError as error:
-        collected.notes.append(f"--circuits-report: the report module is unavailable ({error})")
+
+        with phase(f"writing the report to {out}", session.progress_write):
+            collected.report_path = write(
+                out,
+                list(collected.records.values()),
+                collected.references,
+                collected.results,
+                attention=collected.attention,
+            )
         return
+    except Exception as error:  # the gate's verdict stands; the missing report fails the run
+        from ..errors import first_line
+
+        problem = error if isinstance(error, CircuitsError) else f"{type(error).__name__}: {first_line(error)}"
+    collected.report_error = f"{flag('report')} {out}: the report could not be written: {problem}"
     try:
-        collected.report_path = write(
-            session.settings.report,
-            list(collected.records.values()),
-            collected.references,
-            collected.results,
-            attention=collected.attention,
-        )
-    except Exception as error:  # the gate's verdict stands even if drawing fails
-        collected.notes.append(f"--circuits-report: writing the report failed: {type(error).__name__}: {error}")
+        from ..fsio import atomic_write_text
+        from ..report import SUMMARY_PAGE, data, markdown
+
+        out.mkdir(parents=True, exist_ok=True)
+        results = [data.result_dict(r) for r in collected.results]
+        text = markdown.summary([], results) + f"\nNo figures and no report page: {problem}\n"
+        atomic_write_text(out / SUMMARY_PAGE, text)
+        collected.report_error += f" ({out / SUMMARY_PAGE} holds the verdicts as text, without figures)"
+    except Exception:  # no folder to write into: the line above already fails the run
+        pass
 
 
 class Collector:

@@ -178,9 +178,17 @@ def moved(entry: dict) -> bool:
 
 
 def top_moved(results: Iterable[dict], k: int = 5) -> list[dict]:
-    """The ``k`` moved-head entries of ``results`` that went furthest (see `moved_size`)."""
-    entries = [m for r in results for m in r.get("moved") or []]
-    return sorted(entries, key=moved_size, reverse=True)[:k]
+    """The ``k`` moved entries of ``results`` that went furthest (see `moved_size`), heads
+    (``L1H0``) before model-level rows (``model copy_gain``), each change once (a build gated
+    against the reference and its own baseline lists the same row twice)."""
+    entries: dict[tuple, dict] = {}
+    for m in (m for r in results for m in r.get("moved") or []):
+        entries.setdefault((m.get("head"), m.get("metric"), m.get("before"), m.get("after")), m)
+
+    def rank(m: dict) -> tuple[bool, float]:
+        return bool(re.fullmatch(r"L\d+H\d+", str(m.get("head")))), moved_size(m)
+
+    return sorted(entries.values(), key=rank, reverse=True)[:k]
 
 
 def largest_changes(record: dict, reference: dict, k: int = 10) -> list[dict]:
@@ -252,3 +260,8 @@ def fmt(value: Any, digits: int = 3, sign: bool = False) -> str:
 def slug(text: str) -> str:
     """A file-name-safe form of a build label."""
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "build"
+
+
+def sentence(text: str) -> str:
+    """``text`` with its first letter capitalised, the rest as written."""
+    return text[:1].upper() + text[1:]

@@ -30,7 +30,8 @@ def require_matplotlib():
         return importlib.import_module("matplotlib")
     except ImportError:
         raise CircuitsError(
-            "the circuits report draws with matplotlib, which is not installed: pip install matplotlib"
+            "the circuits report draws with matplotlib, which is not installed: pip install matplotlib "
+            "(pytest-circuits depends on it; an install with --no-deps leaves it out)"
         ) from None
 
 
@@ -347,9 +348,10 @@ def position_loss_figure(curves: list[tuple[str, dict]], title: str):
         else:
             style = "-" if i < len(BUILD_COLOURS) else "--"
             ax.plot(t, loss, style, color=BUILD_COLOURS[i % len(BUILD_COLOURS)], lw=1.3, label=label, zorder=2)
-    uniform = sorted({round(u, 6) for u in (data.number(r.get("uniform_loss")) for _, r in curves) if math.isfinite(u)})
-    for u in uniform:
-        ax.axhline(u, color="#555555", lw=0.9, ls="--", label=f"uniform ln V = {u:.2f}")
+    # one line per vocabulary: a stored baseline's ln V (6 significant digits) and a live one's are one entry
+    uniform = {f"{u:.2f}": u for u in (data.number(r.get("uniform_loss")) for _, r in curves) if math.isfinite(u)}
+    for shown, u in sorted(uniform.items(), key=lambda item: item[1]):
+        ax.axhline(u, color="#555555", lw=0.9, ls="--", label=f"uniform ln V = {shown}")
     for L in sorted(lengths):
         ax.axvline(L, color="#888888", lw=0.8, ls=":")
         ax.annotate(

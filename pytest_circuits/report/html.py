@@ -6,6 +6,7 @@ import base64
 from collections.abc import Sequence
 from html import escape
 
+from ..gate.invariants import guarded
 from . import data
 from .sections import FOLD_MAX_HEADS, Figure, Section
 
@@ -109,7 +110,10 @@ def _banner(sections: list[Section], extra_results: list[dict]) -> str:
     if results:
         held = sum(r["passed"] for r in results)
         skipped = data.said_skips(results, label=lambda r: f"{r['build']} {r['invariant']}")
-        note = f"<p>Skipped: {escape(skipped)}</p>" if skipped else ""
+        said_guarded = guarded(results)
+        note = (f"<p><b>{escape(data.sentence(said_guarded))}.</b></p>" if said_guarded else "") + (
+            f"<p>Skipped: {escape(skipped)}</p>" if skipped else ""
+        )
         said = (
             f"All {held} invariants held" if not skipped else f"{held} of {len(results)} invariants held, none broken"
         )

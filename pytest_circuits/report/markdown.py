@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..gate.invariants import guarded
 from . import data
 from .sections import Figure, Section
 
@@ -31,7 +32,9 @@ def summary(
             f"**{len(failed)} of {len(results)} invariants "
             + ("broken or not gated" if any(r["status"] == "error" for r in failed) else "broken")
             + ":** "
-            + ", ".join(f"`{r['invariant']}` ({r['build']})" for r in failed)
+            + ", ".join(
+                f"`{r['invariant']}` ({r['build']}" + (f" vs {r['against']})" if r["against"] else ")") for r in failed
+            )
         )
     elif results:
         held = sum(r["passed"] for r in results)
@@ -40,6 +43,8 @@ def summary(
             if held == len(results)
             else f"{held} of {len(results)} invariants held, none broken; skipped: {data.said_skips(results)}."
         )
+        if guarded(results):
+            lines.append(f"**{data.sentence(guarded(results))}.**")
     else:
         lines.append("No gate verdicts: scan results only.")
     lines.append("")

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ..gate.invariants import guarded
 from . import data
 
 REPORT_PAGE = "report.html"
@@ -34,7 +35,7 @@ def summary_lines(
         verdict = (
             f"FAIL ({len(failed)} of {len(build_results)} invariants broken)"
             if failed
-            else f"pass ({held} {'invariant' if held == 1 else 'invariants'} held)"
+            else f"pass ({held} {'invariant' if held == 1 else 'invariants'} held{_clause(guarded(build_results))})"
         )
         lines.append(f"{head}: {verdict}")
         for r in failed:
@@ -58,6 +59,10 @@ def summary_lines(
     if report_dir is not None:
         lines.append(f"circuits report: {_page(Path(report_dir))}")
     return lines
+
+
+def _clause(text: str) -> str:
+    return f"; {text}" if text else ""
 
 
 def _moved(m: dict) -> str:

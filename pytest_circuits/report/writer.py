@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -12,10 +11,9 @@ from ..errors import CircuitsError
 from ..fsio import atomic_write_bytes, atomic_write_text, ensure_dir, fs_error
 from ..gate.store import read_baseline
 from . import data, figures, html, markdown
+from .arguments import report_parser
 from .sections import build_section, failing_first, overview_figures
 from .summary import REPORT_PAGE, SUMMARY_PAGE, summary_lines
-
-DEFAULT_OUT = "circuits-report"
 
 
 def write_report(
@@ -97,16 +95,7 @@ def report_command(argv: Sequence[str] | None = None) -> int:
     (as ``circuits diff`` does) and the verdicts lead the page; the exit status stays 0 (the
     report was drawn): ``circuits gate`` is the command whose status is the verdict.
     """
-    parser = argparse.ArgumentParser(
-        prog="circuits report", description="Draw the circuits report again from baseline files, without the model."
-    )
-    parser.add_argument("baseline", help="baseline JSON file of the build to show")
-    parser.add_argument(
-        "--against",
-        help="baseline JSON file of the reference: gate against it (default tolerances) and draw differences",
-    )
-    parser.add_argument("--out", "-o", default=DEFAULT_OUT, help=f"report folder (default: {DEFAULT_OUT})")
-    args = parser.parse_args(argv)
+    args = report_parser().parse_args(argv)
     try:
         record = read_baseline(args.baseline)
         results = None

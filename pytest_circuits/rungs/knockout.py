@@ -39,7 +39,7 @@ from ..model.builds import LoadedBuild
 from ..model.dense import weight_of
 from ..model.families import flattens_batch_with_heads, head_label, layer_modules, tail_logits
 from ..options import KNOCKOUT_MODES, SCREEN_METHODS, flag
-from ..progress import Progress
+from ..progress import Progress, phase
 from .ablation import ZMeans, ablated, parse_heads, z_observed
 from .figures import sequences_key
 from .repeat import RepeatSettings, bos_offset, check_fits, copy_slices, next_token_losses, repeat_losses, repeat_tokens
@@ -412,14 +412,19 @@ def knockout_scan(
     screen = screen_top_k is not None
     if screen_top_k is not None and screen_top_k < 0:
         raise CircuitsError(f"screen_top_k={screen_top_k} must be 0 or more ({flag('knockout-screen')})")
-    with attention_implementation(build.model):
+    with attention_implementation(build.model), phase(f"knockout intact pass {build.label}", write, enabled=progress):
         intact = _intact_pass(build, ids, settings.L, batch_size, record=cached)
     estimate = score = None
     if screen:
         from .screen import screen_estimate
 
+        chunks = -(-ids.shape[0] // max(batch_size, 1))
+        label = f"screen ({screen_method}) {build.label}"
         try:
-            estimate, score = screen_estimate(build, ids, settings.L, mode, intact.means, screen_method, batch_size)
+            with Progress(chunks, label, unit="chunk", enabled=progress, write=write) as bar:
+                estimate, score = screen_estimate(
+                    build, ids, settings.L, mode, intact.means, screen_method, batch_size, bar
+                )
         except (RuntimeError, NotImplementedError, TypeError) as error:
             warnings.warn(
                 f"{build.label}: attribution screening needs a backward pass, which failed here "

@@ -147,7 +147,7 @@ def _dz(z: torch.Tensor, means: torch.Tensor | None, layer: int, n_heads: int, d
     return means[layer].to(z.dtype) - z
 
 
-def plain_atp(build, ids, L, mode, means, batch_size) -> np.ndarray:
+def plain_atp(build, ids, L, mode, means, batch_size, bar=None) -> np.ndarray:
     """``(n_layers, n_heads)``: ``sum dz_h . dCL/dz_h`` from one forward and one backward per chunk."""
     geo, n = build.geometry, ids.shape[0]
     est = torch.zeros(geo.n_layers, geo.n_heads, dtype=torch.float64)
@@ -158,6 +158,8 @@ def plain_atp(build, ids, L, mode, means, batch_size) -> np.ndarray:
             dz = _dz(z, means if mode == "mean" else None, layer, geo.n_heads, geo.d_head).double()
             g = _reached(leaf.grad, layer).reshape(dz.shape).double()
             est[layer] += (dz * g).sum(dim=(0, 1, 3)).cpu()
+        if bar is not None:
+            bar.update(1)
     return est.numpy()
 
 
@@ -183,9 +185,12 @@ def _output_change(build, layer: int, dz: torch.Tensor) -> torch.Tensor:
     return proj(placed) - proj(torch.zeros_like(placed[:1]))
 
 
-def atp_star(build, ids, L, mode, means, batch_size, grad_drop: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def atp_star(
+    build, ids, L, mode, means, batch_size, grad_drop: bool = False, bar=None
+) -> tuple[np.ndarray, np.ndarray]:
     """``(estimate, rank_score)``, each ``(n_layers, n_heads)``: the AtP* estimate (AtP + QK fix)
-    and the score heads are ranked by (GradDrop's ``mean_j |.|``, or ``|estimate|``)."""
+    and the score heads are ranked by (GradDrop's ``mean_j |.|``, or ``|estimate|``). ``bar``: a
+    `progress.Progress` told of each chunk of ``batch_size`` sequences."""
     _register()
     model, geo, n = build.model, build.geometry, ids.shape[0]
     blocks = layer_modules(model)
@@ -251,6 +256,8 @@ def atp_star(build, ids, L, mode, means, batch_size, grad_drop: bool = False) ->
             with torch.no_grad():
                 _qk_fix(build, qk_term, dzs, residual, calls, norms, attn, rows)
             state.patterns, state.leaves, state.grads = {}, {}, {}
+            if bar is not None:
+                bar.update(1)
     finally:
         state.mode = "off"
         model.set_attn_implementation(before)
@@ -338,9 +345,12 @@ def _call(module, call, hidden, rows: int, k: int) -> None:
     raise RuntimeError(f"{type(module).__name__} did not call its attention function: no pattern to read")
 
 
-def screen_estimate(build, ids, L, mode, means, method: str, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(estimate, rank_score)`` of every head by ``method``: "atp*", "atp*gd" (with GradDrop) or "atp"."""
+def screen_estimate(
+    build, ids, L, mode, means, method: str, batch_size: int, bar=None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(estimate, rank_score)`` of every head by ``method``: "atp*", "atp*gd" (with GradDrop) or "atp";
+    ``bar`` (a `progress.Progress`) counts the chunks of ``batch_size`` sequences."""
     if method == "atp":
-        est = plain_atp(build, ids, L, mode, means, batch_size)
+        est = plain_atp(build, ids, L, mode, means, batch_size, bar)
         return est, np.abs(est)
-    return atp_star(build, ids, L, mode, means, batch_size, grad_drop=method == "atp*gd")
+    return atp_star(build, ids, L, mode, means, batch_size, grad_drop=method == "atp*gd", bar=bar)
