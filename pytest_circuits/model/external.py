@@ -18,6 +18,7 @@ import torch
 
 from ..errors import CircuitsError, RecipeError
 from .builds import BuildIdentity, LoadedBuild, finish_build, from_pretrained, read_config, resolve_device
+from .compressed import decompress, identity_fields, is_compressed_tensors, require_compressed_tensors
 from .families import Geometry, family_for_config, geometry_of
 from .loading import ModelSource, check_finite_weights, quiet_transformers, sha256_of, weight_files
 from .recipes import BuildSpec
@@ -84,7 +85,9 @@ def _backend_version(package: str) -> str:
         return package
 
 
-def external_identity(spec: BuildSpec, source: ModelSource, quant: dict | None, device) -> BuildIdentity:
+def external_identity(
+    spec: BuildSpec, source: ModelSource, quant: dict | None, device, **quantized: str
+) -> BuildIdentity:
     """Identity of an external build: NAME, its file, format, sha256 and stored tensor types.
 
     sha256: of the GGUF file; of a folder, its single weight file's, or `weight_fingerprint`
@@ -116,6 +119,8 @@ def external_identity(spec: BuildSpec, source: ModelSource, quant: dict | None, 
         format=fmt,
         sha256=digest,
         tensor_types=types,
+        quantization=quantized.get("quantization"),
+        forward=quantized.get("forward"),
     )
 
 
@@ -147,7 +152,8 @@ def load_external_build(
 
     The probe tokens are the model's (``tokens``, else read from ``model``), so the build sees
     exactly the sequences the model's recipe builds see. A quantized checkpoint loads through its
-    own ``quantization_config``; any other weights load as float32.
+    own ``quantization_config`` (a compressed-tensors one decompressed to float32 by its own
+    decompressor, `compressed`); any other weights load as float32.
     """
     from .loading import resolve_model
 
@@ -173,13 +179,17 @@ def load_external_build(
         tokens = token_info(model.folder, model_config, trust_remote_code)
     check_finite_weights(source)
     quant = quantization_of(config)
+    compressed = is_compressed_tensors(quant)
+    if compressed:
+        require_compressed_tensors(f"external build {spec} (a compressed-tensors checkpoint)")
     if quant is None:
         kwargs: dict = dict(dtype=torch.float32)
-    else:
-        kwargs = dict(device_map={"": str(device)})
+    else:  # compressed-tensors: float32 scales and dense layers, so W = (q - z) s comes out in float32
+        kwargs = dict(device_map={"": str(device)}) | (dict(dtype=torch.float32) if compressed else {})
     net = from_pretrained(source.folder, str(spec), device, trust_remote_code, **kwargs)
     if quant is None:
         net = net.to(device=device, dtype=torch.float32)
-    identity = external_identity(spec, source, quant, device)
+    quantized = identity_fields(decompress(net), quant) if compressed and quant is not None else {}
+    identity = external_identity(spec, source, quant, device, **quantized)
     llm_int8 = bool(quant and quant.get("quant_method") == "bitsandbytes" and quant.get("load_in_8bit"))
     return finish_build(net, model, identity, family, tokens, llm_int8=llm_int8)

@@ -37,7 +37,9 @@ Tolerances (relative, Frobenius), from what each compute path guarantees:
   V and output products are float16-rounded (4.9e-4 each) and where our float64 V and the
   module's float32 V round to neighbouring float16 values, z and then a code of o_proj's input
   can differ by one step, ``max|z_i| / 127`` in one entry: float16's 1e-2, or the compute
-  dtype's where that is looser. 4-bit bitsandbytes and RTN layers compute with
+  dtype's where that is looser. A compressed-tensors layer with dynamic per-token input
+  quantization (FP8 or int8 W8A8, `compressed.ActivationQuant`) is recomputed the same way, with
+  its own quantizer, under the same 1e-2. 4-bit bitsandbytes and RTN layers compute with
   exactly the dequantized weights the read returns, so their compute dtype decides; on a CPU
   with AVX512-BF16, bitsandbytes computes 4-bit matmuls in bfloat16 (`dense.bnb_4bit_compute_dtype`).
 A wrong read (wrong Q/K/V layout, swapped heads, a missed bias or residual) leaves an error
@@ -54,6 +56,7 @@ from typing import Any
 import torch
 
 from ..errors import CircuitsError
+from .compressed import quantizes_activations
 from .dense import bnb_4bit_compute_dtype, bnb_kind
 from .families import (
     Family,
@@ -108,6 +111,8 @@ def tolerance_for(model, dtype: torch.dtype) -> float:
     if dtype == torch.float32 and on_cuda and torch.backends.cuda.matmul.allow_tf32:
         tol = TF32_TOLERANCE
     if "int8" in kinds:  # its activation quantization is recomputed: float16's rounding is left
+        tol = max(tol, INT8_TOLERANCE)
+    if quantizes_activations(model):  # likewise; a code of o_proj's input may flip on z's float64 rounding
         tol = max(tol, INT8_TOLERANCE)
     return tol
 
@@ -292,9 +297,8 @@ def measure_decomposition(
         lw = _layer_weights(block, fam, geo, False, model.config, x.device, qk=False)
         attn = get_module(block, fam.attn)
         v_proj = get_module(attn, fam.qkv[-1])  # the module that computes V (the fused QKV, or v_proj)
-        expected = _head_sum(
-            lw, geo, x, seen["pattern"], int8_layer(v_proj), int8_layer(get_module(attn, fam.out_proj))
-        )
+        o_proj = get_module(attn, fam.out_proj)
+        expected = _head_sum(lw, geo, x, seen["pattern"], _input_quant(v_proj), _input_quant(o_proj))
         if fam.attn_adds_residual:
             expected = expected + seen["residual"].double()
         check.errors.append(_relative(expected, seen["y"]))
@@ -316,6 +320,13 @@ def measure_decomposition(
             assert lw.post_norm_scale is not None, "a hooked post-attention norm has a scale in the read"
             check.post_norm_errors.append(_norm_error(post, fam, lw.post_norm_scale, *seen["post"]))
     return check
+
+
+def _input_quant(module):
+    """What quantizes a projection's input: LLM.int8() or a compressed-tensors dynamic quantizer."""
+    from .compressed import activation_quant
+
+    return int8_layer(module) or activation_quant(module)
 
 
 def _geometry(model, fam: Family):
