@@ -277,3 +277,77 @@ def test_smollm2_w4a16_checkpoint_loads_as_a_build(tmp_path):
     codes = unpack_by_hand(tensors[f"{prefix}.weight_packed"], 4, 576).float()
     expected = codes * tensors[f"{prefix}.weight_scale"].float().repeat_interleave(64, dim=1)
     torch.testing.assert_close(build.model.model.layers[7].self_attn.o_proj.weight, expected, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- gptq-int4 / awq-int4 (llm-compressor)
+
+
+def test_calibrated_recipe_names_carry_method_and_group_size():
+    from pytest_circuits.model.recipes import get_recipe
+
+    assert (get_recipe("gptq-int4").method, get_recipe("gptq-int4").group_size) == ("gptq", 128)
+    awq = get_recipe("awq-int4-g64")
+    assert (awq.name, awq.method, awq.group_size, awq.backend) == ("awq-int4-g64", "awq", 64, "llm-compressor")
+    assert "group 64" in awq.summary
+    for bad in ("gptq-int4-g0", "gptq-int8", "awq-int4-gx"):
+        with pytest.raises(RecipeError) as error:
+            get_recipe(bad)
+        one_line(error)
+
+
+def test_calibrated_recipe_without_llmcompressor_is_one_line(monkeypatch, capsys):
+    from pytest_circuits.cli import main
+    from pytest_circuits.model.calibrated import LLMC_PYTHON
+
+    monkeypatch.delenv(LLMC_PYTHON, raising=False)
+    assert main(["scan", "tiny-induction", "--build", "gptq-int4", "--no-knockout", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and LLMC_PYTHON in err and "llmcompressor==" in err
+
+
+def test_calibration_data_is_made_here_and_is_not_the_probe():
+    """Seeded ids for a model without a tokenizer (same every time); ordinary text otherwise,
+    disjoint from the held-out text."""
+    from pytest_circuits.model.builds import read_config
+    from pytest_circuits.model.calibrated import CALIBRATION_MODULES, HELD_OUT_MODULES, calibration_ids, stdlib_text
+    from pytest_circuits.model.loading import resolve_model
+
+    source = resolve_model("tiny-induction")
+    (a, what), (b, _) = (
+        calibration_ids(source, read_config(source.folder)),
+        calibration_ids(source, read_config(source.folder)),
+    )
+    assert torch.equal(a, b) and a.shape == (32, 256) and "seeded uniform token ids" in what and "sha256" in what
+    assert not set(CALIBRATION_MODULES) & set(HELD_OUT_MODULES)
+    text, held_out = stdlib_text(CALIBRATION_MODULES), stdlib_text(HELD_OUT_MODULES)
+    assert len(text.split()) > 15_000 and text[:2000] not in held_out
+
+
+needs_llmc = pytest.mark.skipif(
+    "PYTEST_CIRCUITS_LLMCOMPRESSOR_PYTHON" not in __import__("os").environ,
+    reason="gptq-int4/awq-int4 run llm-compressor in its own environment: set PYTEST_CIRCUITS_LLMCOMPRESSOR_PYTHON",
+)
+
+
+@pytest.mark.slow
+@needs_llmc
+def test_gptq_recipe_is_llm_compressors_checkpoint_read_exactly(tmp_path, monkeypatch):
+    """gptq-int4-g64 loads llm-compressor's checkpoint: the read is its codes times its scales,
+    and GPTQ's weights are not round-to-nearest's on the same grid."""
+    from pytest_circuits.model.builds import load_build, read_config
+    from pytest_circuits.model.calibrated import calibrated_checkpoint
+    from pytest_circuits.model.compressed import write_checkpoint
+    from pytest_circuits.model.loading import resolve_model
+
+    monkeypatch.setenv("PYTEST_CIRCUITS_CACHE", str(tmp_path / "cache"))
+    source = resolve_model("tiny-induction")
+    build = load_build(source, "gptq-int4-g64", "cpu")
+    assert "int4 group 64" in build.identity.quantization and "calibration 32 x 256" in build.identity.quantization
+    folder, _ = calibrated_checkpoint(source, read_config(source.folder), "gptq", 64, "gptq-int4-g64")  # cached
+    tensors, _ = stored(folder)
+    rtn, _ = stored(write_checkpoint(source.folder, tmp_path / "rtn", "W4A16", 64))
+    prefix = "model.layers.0.self_attn.v_proj"
+    codes = unpack_by_hand(tensors[f"{prefix}.weight_packed"], 4, 128).float()
+    expected = codes * tensors[f"{prefix}.weight_scale"].float().repeat_interleave(64, dim=1)
+    torch.testing.assert_close(build.model.model.layers[0].self_attn.v_proj.weight, expected, rtol=0, atol=0)
+    assert not torch.equal(tensors[f"{prefix}.weight_packed"], rtn[f"{prefix}.weight_packed"])

@@ -29,7 +29,7 @@ from .compressed import (
 from .dense import is_projection, weight_of
 from .families import Family, Geometry, family_for_config, geometry_of, modules_at
 from .loading import ModelSource, check_finite_weights, nonfinite_line, nonfinite_of, quiet_transformers
-from .recipes import CT, EXTERNAL_KEYS, RECIPES, BuildSpec, Recipe, get_recipe, parse_builds  # noqa: F401  (re-exported)
+from .recipes import CT, EXTERNAL_KEYS, LLMC, RECIPES, BuildSpec, Recipe, get_recipe, parse_builds  # noqa: F401  (re-exported)
 from .selfcheck import check_decomposition
 from .vocab import TokenInfo, token_info
 
@@ -154,6 +154,10 @@ def _backend_version(recipe: Recipe) -> str:
         import compressed_tensors
 
         return f"compressed-tensors {compressed_tensors.__version__}"
+    if recipe.backend == LLMC:
+        from .calibrated import llmc_python, llmc_version
+
+        return llmc_version(llmc_python(recipe.name))
     return f"torch {torch.__version__}"
 
 
@@ -304,14 +308,24 @@ def load_build(
         kwargs = dict(dtype=torch_dtype(recipe), device_map=device_map)
     else:
         kwargs = dict(dtype=torch.float32)
+    folder, calibration = source.folder, None
+    if recipe.backend == LLMC:  # llm-compressor's checkpoint of the float weights, made out of process
+        from .calibrated import calibrated_checkpoint
+
+        if recipe.method is None or recipe.group_size is None:
+            raise RecipeError(f"build {recipe.name}: an llm-compressor recipe needs its method and group size")
+        folder, calibration = calibrated_checkpoint(source, config, recipe.method, recipe.group_size, recipe.name)
+        config = read_config(folder, trust_remote_code, recipe.name)
     quant = getattr(config, "quantization_config", None)
     released = quant if isinstance(quant, dict) else None if quant is None else quant.to_dict()
     if recipe.backend == CT or is_compressed_tensors(released):
         require_compressed_tensors(f"build {recipe.name} of {source.name} (compressed-tensors)")
-    model = from_pretrained(source.folder, f"{recipe.name} of {source.name}", device, trust_remote_code, **kwargs)
+    model = from_pretrained(folder, f"{recipe.name} of {source.name}", device, trust_remote_code, **kwargs)
     quantized: dict[str, str] = {}
-    if is_compressed_tensors(released) and released is not None:  # the model itself is a compressed-tensors release
+    if is_compressed_tensors(released) and released is not None:  # a compressed-tensors release or llm-compressor's
         quantized = identity_fields(decompress(model), released)
+    if calibration is not None:
+        quantized["quantization"] += f"; calibration {calibration}"
     if recipe.backend == CT:
         if recipe.quant_type is None:
             raise RecipeError(

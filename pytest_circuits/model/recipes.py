@@ -4,7 +4,8 @@
 ``BitsAndBytesConfig``; ``rtn-int8``/``rtn-int4`` simulate symmetric per-output-channel
 round-to-nearest of every attention and MLP weight (`builds.rtn_quantize_`); ``fp8-e4m3``,
 ``fp8-e4m3-dyn`` and ``int8-w8a8`` are compressed-tensors schemes applied in memory
-(`compressed.quantize_in_memory_`).
+(`compressed.quantize_in_memory_`); ``gptq-int4`` and ``awq-int4`` (``-g<N>``: group size N)
+are made by llm-compressor out of process (`calibrated`).
 
 A build typed on the command line is a `BuildSpec`: a recipe name, or ``NAME=PATH`` for an
 external build (a GGUF file or checkpoint someone else produced), parsed once here.
@@ -30,9 +31,14 @@ class Recipe:
     summary: str  # shown in the option's help and in errors
     bits: int | None = None
     quant_type: str | None = None  # bitsandbytes 4-bit: "nf4" or "fp4"; compressed-tensors: the scheme
+    method: str | None = None  # llm-compressor: "gptq" or "awq"
+    group_size: int | None = None  # llm-compressor: input columns per weight scale
 
 
 CT = "compressed-tensors"
+LLMC = "llm-compressor"
+GROUP_SIZE = 128  # the calibrated recipes' default; ``gptq-int4-g64`` sets another
+CALIBRATED = re.compile(r"(gptq|awq)-int4(?:-g(\d+))?")
 FP8W = "FP8_WEIGHT_ONLY"  # compressed.FP8_WEIGHTS
 
 RECIPES: dict[str, Recipe] = {
@@ -63,6 +69,19 @@ RECIPES: dict[str, Recipe] = {
             8,
             "W8A8",
         ),
+        Recipe(
+            "gptq-int4",
+            LLMC,
+            "float32",
+            "GPTQ int4, group 128 (llm-compressor; -g<N> for group N)",
+            4,
+            None,
+            "gptq",
+            128,
+        ),
+        Recipe(
+            "awq-int4", LLMC, "float32", "AWQ int4, group 128 (llm-compressor; -g<N> for group N)", 4, None, "awq", 128
+        ),
     )
 }
 
@@ -70,6 +89,14 @@ RECIPES: dict[str, Recipe] = {
 def get_recipe(name: str) -> Recipe:
     """The recipe called ``name``, or a one-line error listing the known ones."""
     recipe = RECIPES.get(name.strip())
+    calibrated = CALIBRATED.fullmatch(name.strip())
+    if recipe is None and calibrated and calibrated.group(2):
+        base = RECIPES[f"{calibrated.group(1)}-int4"]
+        group = int(calibrated.group(2))
+        if group < 1:
+            raise RecipeError(f"recipe {name!r}: the group size must be a positive number of columns, e.g. -g64")
+        summary = base.summary.replace(f"group {GROUP_SIZE}", f"group {group}")
+        recipe = Recipe(name.strip(), LLMC, "float32", summary, 4, None, base.method, group)
     if recipe is None:
         known = "; ".join(f"{r.name} ({r.summary})" for r in RECIPES.values())
         raise RecipeError(
