@@ -351,3 +351,74 @@ def test_gptq_recipe_is_llm_compressors_checkpoint_read_exactly(tmp_path, monkey
     expected = codes * tensors[f"{prefix}.weight_scale"].float().repeat_interleave(64, dim=1)
     torch.testing.assert_close(build.model.model.layers[0].self_attn.v_proj.weight, expected, rtol=0, atol=0)
     assert not torch.equal(tensors[f"{prefix}.weight_packed"], rtn[f"{prefix}.weight_packed"])
+
+
+# ---------------------------------------------------------------- torchao and optimum-quanto checkpoints
+
+
+@pytest.fixture(scope="module")
+def other_formats(tmp_path_factory) -> dict[str, Path]:
+    """torchao (int8 weight-only, int8 dynamic) and optimum-quanto (int8, int4) checkpoints of the
+    embedded model, each saved by its own library."""
+    pytest.importorskip("torchao", reason='torchao is not installed: pip install "pytest-circuits[formats]"')
+    pytest.importorskip(
+        "optimum.quanto", reason='optimum-quanto is not installed: pip install "pytest-circuits[formats]"'
+    )
+    from optimum.quanto import QuantizedModelForCausalLM, qint4, qint8
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    from pytest_circuits.model.loading import resolve_model
+
+    folder, root = resolve_model("tiny-induction").folder, tmp_path_factory.mktemp("formats")
+    for name, config in (("ao8", Int8WeightOnlyConfig()), ("ao8dyn", Int8DynamicActivationInt8WeightConfig())):
+        quantization = TorchAoConfig(quant_type=config)
+        AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, quantization_config=quantization
+        ).save_pretrained(root / name)
+    for name, qtype in (("quanto8", qint8), ("quanto4", qint4)):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        QuantizedModelForCausalLM.quantize(model, weights=qtype, exclude="lm_head").save_pretrained(root / name)
+    return {name: root / name for name in ("ao8", "ao8dyn", "quanto8", "quanto4")}
+
+
+def by_hand(folder: Path, prefix: str) -> torch.Tensor:
+    """The weight as each format stores it: torchao ``qdata * scale``; quanto int8 ``data * scale``,
+    int4 ``q * scale - shift`` with two codes per byte (rows of the first half in the low nibble)."""
+    from safetensors.torch import load_file
+
+    t = load_file(folder / "model.safetensors")
+    if f"{prefix}._weight_qdata" in t:
+        return t[f"{prefix}._weight_qdata"].float() * t[f"{prefix}._weight_scale"]
+    if f"{prefix}.weight._data._data" in t:
+        packed = t[f"{prefix}.weight._data._data"]
+        codes = torch.cat([packed & 0xF, packed >> 4], dim=0).float()
+        return codes * t[f"{prefix}.weight._scale"] - t[f"{prefix}.weight._shift"]
+    return t[f"{prefix}.weight._data"].float() * t[f"{prefix}.weight._scale"]
+
+
+@pytest.mark.parametrize(
+    "name, fmt, says",
+    [
+        ("ao8", "torchao", "float x int8 matmul"),
+        ("ao8dyn", "torchao", "input quantized per token to int8"),
+        ("quanto8", "optimum-quanto", "QLinear forward"),
+        ("quanto4", "optimum-quanto", "QLinear forward"),
+    ],
+)
+def test_torchao_and_quanto_checkpoints_load_and_read_exactly(other_formats, name, fmt, says):
+    from pytest_circuits.model.external import load_external_build
+    from pytest_circuits.model.loading import resolve_model
+    from pytest_circuits.model.recipes import BuildSpec
+    from pytest_circuits.model.selfcheck import measure_decomposition
+    from pytest_circuits.model.weights import layer_weights
+
+    build = load_external_build(resolve_model("tiny-induction"), BuildSpec(name, str(other_formats[name])), "cpu")
+    identity = build.identity
+    assert identity.format == fmt and says in identity.forward and "quantized 14 Linear" in identity.quantization
+    lw = layer_weights(build.model, 1)
+    o = by_hand(other_formats[name], "model.layers.1.self_attn.o_proj")
+    d = build.geometry.d_head
+    for h in range(build.geometry.n_heads):
+        torch.testing.assert_close(lw.W_O[h], o[:, h * d : (h + 1) * d].T, rtol=0, atol=0)
+    assert measure_decomposition(build).worst < 1e-3  # torchao's dynamic int8 input is recomputed too

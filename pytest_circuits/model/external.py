@@ -22,6 +22,7 @@ from .compressed import decompress, identity_fields, is_compressed_tensors, requ
 from .families import Geometry, family_for_config, geometry_of
 from .loading import ModelSource, check_finite_weights, quiet_transformers, sha256_of, weight_files
 from .recipes import BuildSpec
+from .serialized import is_quanto_folder, load_quanto, quanto_fields, torchao_fields
 from .vocab import TokenInfo, token_info
 
 GEOMETRY_FIELDS = ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "vocab")
@@ -97,9 +98,10 @@ def external_identity(
         fmt, backend = "gguf", _backend_version("gguf")
         digest, types = sha256_of(source.origin), gguf_tensor_types(source.origin)
     else:
-        fmt = checkpoint_format(quant)
-        method = None if quant is None else str(quant.get("quant_method"))
-        package = {"bitsandbytes": "bitsandbytes", "compressed-tensors": "compressed-tensors", "torchao": "torchao"}
+        quanto = is_quanto_folder(source.folder)
+        fmt = "optimum-quanto" if quanto else checkpoint_format(quant)
+        method = "optimum-quanto" if quanto else None if quant is None else str(quant.get("quant_method"))
+        package = {m: m for m in ("bitsandbytes", "compressed-tensors", "torchao", "optimum-quanto")}
         backend = _backend_version(package.get(method or "", "torch")) if method else f"torch {torch.__version__}"
         files = weight_files(source.folder)
         if len(files) == 1:
@@ -112,7 +114,7 @@ def external_identity(
     return BuildIdentity(
         recipe=spec.name,
         dtype="float32" if quant is None else str(quant.get("bnb_4bit_compute_dtype") or "float32"),
-        backend=fmt if quant is None else str(quant.get("quant_method")),
+        backend=fmt if quant is None else str(quant.get("quant_method")),  # optimum-quanto: its format
         backend_version=backend,
         device=str(device),
         source=spec.path,
@@ -186,10 +188,20 @@ def load_external_build(
         kwargs: dict = dict(dtype=torch.float32)
     else:  # compressed-tensors: float32 scales and dense layers, so W = (q - z) s comes out in float32
         kwargs = dict(device_map={"": str(device)}) | (dict(dtype=torch.float32) if compressed else {})
-    net = from_pretrained(source.folder, str(spec), device, trust_remote_code, **kwargs)
-    if quant is None:
+    quanto = is_quanto_folder(source.folder)
+    if quanto:
+        net = load_quanto(source.folder, f"external build {spec}").to(device)
+    else:
+        net = from_pretrained(source.folder, str(spec), device, trust_remote_code, **kwargs)
+    if quant is None and not quanto:
         net = net.to(device=device, dtype=torch.float32)
-    quantized = identity_fields(decompress(net), quant) if compressed and quant is not None else {}
+    quantized: dict[str, str] = {}
+    if compressed and quant is not None:
+        quantized = identity_fields(decompress(net), quant)
+    elif quant is not None and quant.get("quant_method") == "torchao":
+        quantized = torchao_fields(net, quant)
+    elif quanto:
+        quantized = quanto_fields(net, getattr(net, "quanto_qmap", {}))
     identity = external_identity(spec, source, quant, device, **quantized)
     llm_int8 = bool(quant and quant.get("quant_method") == "bitsandbytes" and quant.get("load_in_8bit"))
     return finish_build(net, model, identity, family, tokens, llm_int8=llm_int8)

@@ -47,7 +47,7 @@ def main(method: str, folder: str, out: str, calibration: str, group_size: str) 
 
         # AWQ pins its cached activations for faster host-to-GPU copies; a CPU-only torch cannot
         # pin (llm-compressor 0.14 raises), and pinning never changes a value: skip it
-        IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None  # type: ignore[method-assign]
+        IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
     ids = load_file(calibration)["input_ids"]
     data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)

@@ -38,7 +38,8 @@ Tolerances (relative, Frobenius), from what each compute path guarantees:
   module's float32 V round to neighbouring float16 values, z and then a code of o_proj's input
   can differ by one step, ``max|z_i| / 127`` in one entry: float16's 1e-2, or the compute
   dtype's where that is looser. A compressed-tensors layer with dynamic per-token input
-  quantization (FP8 or int8 W8A8, `compressed.ActivationQuant`) is recomputed the same way, with
+  quantization (FP8 or int8 W8A8, `compressed.ActivationQuant`), or torchao's int8 one
+  (`serialized.TorchaoActivationQuant`), is recomputed the same way, with
   its own quantizer, under the same 1e-2. 4-bit bitsandbytes and RTN layers compute with
   exactly the dequantized weights the read returns, so their compute dtype decides; on a CPU
   with AVX512-BF16, bitsandbytes computes 4-bit matmuls in bfloat16 (`dense.bnb_4bit_compute_dtype`).
@@ -68,6 +69,7 @@ from .families import (
     post_attn_norm_module,
 )
 from .llm_int8 import Int8Layer, int8_layer
+from .serialized import torchao_activation_quant
 from .weights import _layer_weights
 
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
@@ -112,7 +114,9 @@ def tolerance_for(model, dtype: torch.dtype) -> float:
         tol = TF32_TOLERANCE
     if "int8" in kinds:  # its activation quantization is recomputed: float16's rounding is left
         tol = max(tol, INT8_TOLERANCE)
-    if quantizes_activations(model):  # likewise; a code of o_proj's input may flip on z's float64 rounding
+    if quantizes_activations(model) or any(
+        map(torchao_activation_quant, model.modules())
+    ):  # likewise; a code of o_proj's input may flip on z's float64 rounding
         tol = max(tol, INT8_TOLERANCE)
     return tol
 
@@ -323,10 +327,11 @@ def measure_decomposition(
 
 
 def _input_quant(module):
-    """What quantizes a projection's input: LLM.int8() or a compressed-tensors dynamic quantizer."""
+    """What quantizes a projection's input: LLM.int8(), or a compressed-tensors or torchao dynamic quantizer."""
     from .compressed import activation_quant
+    from .serialized import torchao_activation_quant
 
-    return int8_layer(module) or activation_quant(module)
+    return int8_layer(module) or activation_quant(module) or torchao_activation_quant(module)
 
 
 def _geometry(model, fam: Family):
