@@ -89,7 +89,7 @@ def dequantized_by_hand(tensors: dict, prefix: str, scheme: str) -> torch.Tensor
     if f"{prefix}.weight_packed" in tensors:
         out, columns = tensors[f"{prefix}.weight_shape"].tolist()
         codes = unpack_by_hand(tensors[f"{prefix}.weight_packed"], 4 if scheme == "W4A16" else 8, columns).float()
-        return codes * scale.repeat_interleave(group, dim=1)
+        return codes * scale.repeat_interleave(group, dim=1)[:, :columns]
     return tensors[f"{prefix}.weight"].float() * scale  # int8 or float8 codes, per-channel scales
 
 
@@ -422,3 +422,43 @@ def test_torchao_and_quanto_checkpoints_load_and_read_exactly(other_formats, nam
     for h in range(build.geometry.n_heads):
         torch.testing.assert_close(lw.W_O[h], o[:, h * d : (h + 1) * d].T, rtol=0, atol=0)
     assert measure_decomposition(build).worst < 1e-3  # torchao's dynamic int8 input is recomputed too
+
+
+@pytest.mark.parametrize("name, module", [("ao8", "torchao"), ("quanto8", "optimum.quanto")])
+def test_missing_format_library_is_one_line(other_formats, monkeypatch, name, module):
+    import sys
+
+    from pytest_circuits.model.external import load_external_build
+    from pytest_circuits.model.loading import resolve_model
+    from pytest_circuits.model.recipes import BuildSpec
+
+    monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(RecipeError) as error:
+        load_external_build(resolve_model("tiny-induction"), BuildSpec(name, str(other_formats[name])), "cpu")
+    assert 'pip install "pytest-circuits[formats]"' in one_line(error)
+
+
+# ---------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="the formats' CUDA path (decompression and torchao's int8 kernels on the GPU) needs a CUDA device; none here",
+)
+@pytest.mark.parametrize("name", ["fp8-dynamic", "w4a16"])
+def test_compressed_checkpoint_on_cuda_matches_the_cpu(session, checkpoints, name):
+    """The same checkpoint on the GPU: the read is the same W, and the copy loss moves only by float32 noise."""
+    from pytest_circuits.model.external import load_external_build
+    from pytest_circuits.model.loading import resolve_model
+    from pytest_circuits.model.recipes import BuildSpec
+    from pytest_circuits.rungs.probe import run_repeat_probe
+
+    scheme = {"fp8-dynamic": "FP8_DYNAMIC", "w4a16": "W4A16"}[name]
+    gpu = load_external_build(resolve_model("tiny-induction"), BuildSpec(name, str(checkpoints[scheme])), "cuda")
+    assert gpu.identity.device.startswith("cuda") and "reference on cuda" in gpu.identity.forward
+    cpu = session.build(name)
+    q = "model.layers.0.self_attn.q_proj"
+    assert torch.equal(gpu.model.get_submodule(q).weight.cpu(), cpu.model.get_submodule(q).weight)
+    ours = run_repeat_probe(gpu, session.settings.probe).model_figures()["copy_loss"]
+    assert ours == pytest.approx(session.repeat_probe(name).model_figures()["copy_loss"], abs=1e-3)

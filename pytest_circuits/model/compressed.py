@@ -42,12 +42,19 @@ FP8_WEIGHTS = (
 IGNORED = ("lm_head",)  # llm-compressor's examples leave the unembedding dense; so do the recipes
 
 
+def require(module: str, package: str, what: str) -> None:
+    """Import ``module`` (of ``package``) or refuse ``what`` in one line naming the extra."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise RecipeError(f"{what} needs {package}: {FORMATS_EXTRA}") from None
+
+
 def require_compressed_tensors(what: str) -> None:
     """Import compressed-tensors or refuse ``what`` in one line naming the extra."""
-    try:
-        import compressed_tensors  # noqa: F401
-    except ImportError:
-        raise RecipeError(f"{what} needs compressed-tensors: {FORMATS_EXTRA}") from None
+    require("compressed_tensors", PACKAGE, what)
 
 
 def is_compressed_tensors(quant: dict | None) -> bool:
@@ -223,9 +230,9 @@ def quantize_(model: torch.nn.Module, scheme, ignore: tuple[str, ...] = IGNORED)
         if args is None:
             continue
         w = layer.weight.detach()
-        if args.strategy == "group":
-            w = w.reshape(w.shape[0], -1, args.group_size)
-            low, high = w.amin(-1), w.amax(-1)
+        if args.strategy == "group":  # a last group narrower than group_size where it does not divide
+            groups = w.split(args.group_size, dim=1)
+            low, high = torch.stack([g.amin(1) for g in groups], 1), torch.stack([g.amax(1) for g in groups], 1)
         elif args.strategy == "channel":
             low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
         else:

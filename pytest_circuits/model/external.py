@@ -18,7 +18,7 @@ import torch
 
 from ..errors import CircuitsError, RecipeError
 from .builds import BuildIdentity, LoadedBuild, finish_build, from_pretrained, read_config, resolve_device
-from .compressed import decompress, identity_fields, is_compressed_tensors, require_compressed_tensors
+from .compressed import decompress, identity_fields, is_compressed_tensors, require, require_compressed_tensors
 from .families import Geometry, family_for_config, geometry_of
 from .loading import ModelSource, check_finite_weights, quiet_transformers, sha256_of, weight_files
 from .recipes import BuildSpec
@@ -184,6 +184,8 @@ def load_external_build(
     compressed = is_compressed_tensors(quant)
     if compressed:
         require_compressed_tensors(f"external build {spec} (a compressed-tensors checkpoint)")
+    elif quant is not None and quant.get("quant_method") == "torchao":
+        require("torchao", "torchao", f"external build {spec} (a torchao checkpoint)")
     if quant is None:
         kwargs: dict = dict(dtype=torch.float32)
     else:  # compressed-tensors: float32 scales and dense layers, so W = (q - z) s comes out in float32
