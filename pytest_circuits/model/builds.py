@@ -11,6 +11,7 @@ itself a compressed-tensors release is decompressed by its own decompressor.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from .compressed import (
     identity_fields,
     is_compressed_tensors,
     quantize_in_memory_,
+    quiet,
     require_compressed_tensors,
     scheme_config,
 )
@@ -320,7 +322,8 @@ def load_build(
     released = quant if isinstance(quant, dict) else None if quant is None else quant.to_dict()
     if recipe.backend == CT or is_compressed_tensors(released):
         require_compressed_tensors(f"build {recipe.name} of {source.name} (compressed-tensors)")
-    model = from_pretrained(folder, f"{recipe.name} of {source.name}", device, trust_remote_code, **kwargs)
+    with quiet() if is_compressed_tensors(released) else nullcontext():
+        model = from_pretrained(folder, f"{recipe.name} of {source.name}", device, trust_remote_code, **kwargs)
     quantized: dict[str, str] = {}
     if is_compressed_tensors(released) and released is not None:  # a compressed-tensors release or llm-compressor's
         quantized = identity_fields(decompress(model), released)

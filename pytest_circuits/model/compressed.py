@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,28 @@ def require(module: str, package: str, what: str) -> None:
 def require_compressed_tensors(what: str) -> None:
     """Import compressed-tensors or refuse ``what`` in one line naming the extra."""
     require("compressed_tensors", PACKAGE, what)
+
+
+@contextmanager
+def quiet() -> Iterator[None]:
+    """compressed-tensors' own progress bars (applying, compressing, decompressing) off; ours stay."""
+    import importlib
+
+    from tqdm import tqdm
+
+    def silent(*args, **kwargs):
+        return tqdm(*args, **(kwargs | {"disable": True}))
+
+    names = ("compressors.model_compressors.model_compressor", "quantization.lifecycle.apply", "offload.dispatch")
+    modules: list[Any] = [importlib.import_module(f"compressed_tensors.{name}") for name in names]
+    saved = [module.tqdm for module in modules]
+    for module in modules:
+        module.tqdm = silent
+    try:
+        yield
+    finally:
+        for module, bar in zip(modules, saved):
+            module.tqdm = bar
 
 
 def is_compressed_tensors(quant: dict | None) -> bool:
@@ -145,7 +169,8 @@ def decompress(model: torch.nn.Module) -> torch.nn.Module:
     compressor = getattr(quantizer, "compressor", None)
     if compressor is None:
         compressor = ModelCompressor.from_pretrained_model(model)
-    compressor.decompress_model(model)
+    with quiet():
+        compressor.decompress_model(model)
     return model
 
 
@@ -223,7 +248,8 @@ def quantize_(model: torch.nn.Module, scheme, ignore: tuple[str, ...] = IGNORED)
     )
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore)))
+    with quiet():
+        apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore)))
     layer: Any  # a compressed-tensors layer: its qparams are attributes torch types Tensor | Module
     for layer in model.modules():
         args = getattr(getattr(layer, "quantization_scheme", None), "weights", None)
@@ -243,7 +269,8 @@ def quantize_(model: torch.nn.Module, scheme, ignore: tuple[str, ...] = IGNORED)
             layer.weight_zero_point.data.copy_(zero_point.reshape(layer.weight_zero_point.shape))
         layer.quantization_status = QuantizationStatus.FROZEN
     compressor = ModelCompressor.from_pretrained_model(model)
-    compressor.compress_model(model)
+    with quiet():
+        compressor.compress_model(model)
     return compressor
 
 
@@ -258,7 +285,8 @@ def scheme_config(model: torch.nn.Module) -> dict:
 def quantize_in_memory_(model: torch.nn.Module, scheme_name: str, group_size: int | None = None) -> torch.nn.Module:
     """A recipe build: `quantize_` then decompress, as loading the saved checkpoint would."""
     compressor = quantize_(model, scheme_for(scheme_name, group_size))
-    compressor.decompress_model(model)
+    with quiet():
+        compressor.decompress_model(model)
     return model
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +19,7 @@ import torch
 
 from ..errors import CircuitsError, RecipeError
 from .builds import BuildIdentity, LoadedBuild, finish_build, from_pretrained, read_config, resolve_device
-from .compressed import decompress, identity_fields, is_compressed_tensors, require, require_compressed_tensors
+from .compressed import decompress, identity_fields, is_compressed_tensors, quiet, require, require_compressed_tensors
 from .families import Geometry, family_for_config, geometry_of
 from .loading import ModelSource, check_finite_weights, quiet_transformers, sha256_of, weight_files
 from .recipes import BuildSpec
@@ -194,7 +195,8 @@ def load_external_build(
     if quanto:
         net = load_quanto(source.folder, f"external build {spec}").to(device)
     else:
-        net = from_pretrained(source.folder, str(spec), device, trust_remote_code, **kwargs)
+        with quiet() if compressed else nullcontext():
+            net = from_pretrained(source.folder, str(spec), device, trust_remote_code, **kwargs)
     if quant is None and not quanto:
         net = net.to(device=device, dtype=torch.float32)
     quantized: dict[str, str] = {}
