@@ -46,24 +46,29 @@ def main() -> None:
     parser.add_argument("--model", default="tiny-induction")
     parser.add_argument("--builds", default="fp32,fp8-e4m3,fp8-e4m3-dyn,int8-w8a8,rtn-int4")
     parser.add_argument("--knockout-screen", default=None, help="screen of N heads (SmolLM2: 12)")
+    parser.add_argument("--no-knockout", action="store_true", help="skip rung 2 (knockout deltas)")
     args = parser.parse_args()
     raw = {"model": args.model, "builds": args.builds, "baselines": None, "knockout-screen": args.knockout_screen}
     session = CircuitsSession(build_settings({k: v for k, v in raw.items() if v}, Path("baselines"), device="cpu"))
-    fp32 = session.record("fp32")
+    knockout = not args.no_knockout
+    fp32 = session.record("fp32", knockout=knockout)
     induction = key_heads(fp32, "prefix_matching", 3, 0.0)
     knocked = key_heads(fp32, "knockout_delta", 1, 0.0)
     head = {r["head"]: r for r in fp32["heads"]}
     listed = ", ".join(f"{h} {head[h]['prefix_matching']:.3f}" for h in induction)
     print(f"{args.model}: fp32 induction heads (prefix matching) {listed}")
-    print("| build | copy loss [interval] | induction heads | top knockout delta | held-out text loss | gate vs fp32 | s |")
+    print(
+        "| build | copy loss [interval] | induction heads | top knockout delta | held-out text loss | gate vs fp32 | s |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name in session.settings.builds:
         start = time.perf_counter()
-        record = fp32 if name == "fp32" else session.record(name)
+        record = fp32 if name == "fp32" else session.record(name, knockout=knockout)
         rows = {r["head"]: r for r in record["heads"]}
         low, high = record["copy_loss_interval"]
         scores = " ".join(f"{rows[h]['prefix_matching']:.3f}" for h in induction)
         deltas = " ".join(f"{h} {rows[h]['knockout_delta']:.3f}" for h in knocked if rows[h].get("knockout_delta"))
+        deltas = deltas or "not measured"
         loss = held_out_loss(session, name)
         if name == "fp32":
             verdict = "reference"

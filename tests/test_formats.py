@@ -59,8 +59,8 @@ def session(checkpoints):
     builds = ",".join(
         ["fp32", "fp8-e4m3-dyn", "int8-w8a8", *(f"{k.lower().replace('_', '-')}={v}" for k, v in checkpoints.items())]
     )
-    s = build_settings({"builds": builds, "reference": "fp32", "baselines": None}, Path("baselines"), device="cpu")
-    return CircuitsSession(s)
+    raw = {"builds": builds, "reference": "fp32", "baselines": None, "probe-n": 4, "probe-length": 32}  # small: CI time
+    return CircuitsSession(build_settings(raw, Path("baselines"), device="cpu"))
 
 
 def build_name(scheme: str) -> str:
