@@ -462,3 +462,39 @@ def test_compressed_checkpoint_on_cuda_matches_the_cpu(session, checkpoints, nam
     assert torch.equal(gpu.model.get_submodule(q).weight.cpu(), cpu.model.get_submodule(q).weight)
     ours = run_repeat_probe(gpu, session.settings.probe).model_figures()["copy_loss"]
     assert ours == pytest.approx(session.repeat_probe(name).model_figures()["copy_loss"], abs=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.real
+@needs_smollm2
+@pytest.mark.parametrize("name", ["torchao-int8", "quanto-int8"])
+def test_smollm2_torchao_and_quanto_checkpoints_load_as_builds(tmp_path, name):
+    pytest.importorskip("torchao", reason='torchao is not installed: pip install "pytest-circuits[formats]"')
+    pytest.importorskip(
+        "optimum.quanto", reason='optimum-quanto is not installed: pip install "pytest-circuits[formats]"'
+    )
+    from transformers import AutoModelForCausalLM
+
+    from pytest_circuits.model.external import load_external_build
+    from pytest_circuits.model.loading import resolve_model
+    from pytest_circuits.model.recipes import BuildSpec
+
+    source = resolve_model("smollm2-135m")
+    model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32)
+    if name == "torchao-int8":
+        from torchao.quantization import Int8WeightOnlyConfig
+        from transformers import TorchAoConfig
+
+        config = TorchAoConfig(quant_type=Int8WeightOnlyConfig())
+        model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32, quantization_config=config)
+        model.save_pretrained(tmp_path / name)
+    else:
+        from optimum.quanto import QuantizedModelForCausalLM, qint8
+
+        QuantizedModelForCausalLM.quantize(model, weights=qint8, exclude="lm_head").save_pretrained(tmp_path / name)
+    build = load_external_build(source, BuildSpec(name, str(tmp_path / name)), "cpu")
+    assert "quantized 210 Linear" in build.identity.quantization
+    prefix = "model.layers.29.self_attn.v_proj"
+    torch.testing.assert_close(
+        build.model.get_submodule(prefix).weight.dequantize(), by_hand(tmp_path / name, prefix), rtol=0, atol=0
+    )
