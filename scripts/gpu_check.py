@@ -7,6 +7,11 @@
 2. The full exact knockout scan (all 270 heads, n 4, L 32, zero ablation) against the plain loop
    (one full forward per head), both on the GPU: wall times and the largest delta difference.
 3. Peak GPU memory of each row (``torch.cuda.max_memory_allocated``).
+4. Every serving format (`FORMATS`: the compressed-tensors recipes, a compressed-tensors W4A16,
+   a torchao int8 and an optimum-quanto int8 checkpoint written here; with
+   ``$PYTEST_CIRCUITS_LLMCOMPRESSOR_PYTHON`` set also gptq-int4-g64 and awq-int4-g64), which ship
+   no baseline: recorded on the CPU and on the GPU in this run (no knockouts) and gated GPU
+   against CPU. ``--formats none`` skips them.
 
 Printed as one table. Run: ``python scripts/gpu_check.py`` (``--device cuda:1``, ``--recipes fp32,bnb-nf4``).
 
@@ -28,12 +33,15 @@ import time
 
 NO_GPU_EXIT = 3
 HELD_OUT = {"seed": 1, "n": 4, "L": 32}  # the benchmarks' full-scan setting (docs/speed.md)
+FORMATS = ("fp8-e4m3", "fp8-e4m3-dyn", "int8-w8a8", "ct-w4a16", "torchao-int8", "quanto-int8")
+LLMC_FORMATS = ("gptq-int4-g64", "awq-int4-g64")  # with $PYTEST_CIRCUITS_LLMCOMPRESSOR_PYTHON set
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda:0", help="the CUDA device (default cuda:0)")
-    parser.add_argument("--recipes", default=None, help="comma list of recipes (default: every recipe)")
+    parser.add_argument("--recipes", default=None, help="comma list of recipes (default: every shipped baseline's)")
+    parser.add_argument("--formats", default=",".join(FORMATS), help="comma list of formats (or none)")
     args = parser.parse_args(argv)
 
     import torch
@@ -78,8 +86,9 @@ def run(args, torch) -> int:
     device = torch.device(args.device)
     if device.type != "cuda":
         raise CircuitsError(f"--device {args.device}: the GPU check runs on a CUDA device (cuda or cuda:N)")
-    recipes = parse_builds(args.recipes) if args.recipes else [r.name for r in RECIPES]
     store = BaselineStore(SHIPPED_BASELINES)
+    shipped = set(store.builds("smollm2-135m"))
+    recipes = parse_builds(args.recipes) if args.recipes else [r.name for r in RECIPES.values() if r.name in shipped]
     rows, failed = [], False
     for recipe in recipes:
         baseline = store.read("smollm2-135m", recipe)
@@ -127,6 +136,11 @@ def run(args, torch) -> int:
     )
     rows.append((f"plain loop, {heads} heads", f"{plain_s:.1f}", f"{plain_mb:.0f}", "", f"max |delta diff| {gap:.1e}"))
 
+    if args.formats != "none":
+        format_rows, format_failed = formats_rows(args.formats.split(","), torch, device)
+        rows += format_rows
+        failed |= format_failed
+
     name = torch.cuda.get_device_name(device)
     print(f"gpu_check: SmolLM2-135M on {device} ({name}), torch {torch.__version__}")
     header = ("what", "seconds", "peak MiB", "copy loss", "against the CPU baseline")
@@ -136,6 +150,74 @@ def run(args, torch) -> int:
     for row in rows:
         print("| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |")
     return 1 if failed else 0
+
+
+def format_spec(name: str, folder) -> str:
+    """A recipe name, or ``NAME=DIR`` for a checkpoint written here by the format's own library."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pytest_circuits.model.compressed import write_checkpoint
+    from pytest_circuits.model.loading import resolve_model
+
+    source = resolve_model("smollm2-135m").folder
+    out = folder / name
+    if name == "ct-w4a16":
+        write_checkpoint(source, out, "W4A16", 64)
+    elif name == "torchao-int8":
+        from torchao.quantization import Int8WeightOnlyConfig
+        from transformers import TorchAoConfig
+
+        config = TorchAoConfig(quant_type=Int8WeightOnlyConfig())
+        AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, quantization_config=config).save_pretrained(
+            out
+        )
+    elif name == "quanto-int8":
+        from optimum.quanto import QuantizedModelForCausalLM, qint8
+
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        QuantizedModelForCausalLM.quantize(model, weights=qint8, exclude="lm_head").save_pretrained(out)
+    else:
+        return name
+    return f"{name}={out}"
+
+
+def formats_rows(names: list[str], torch, device) -> tuple[list[tuple], bool]:
+    """Each format recorded on the CPU and on ``device`` (no knockouts), GPU gated against CPU."""
+    import tempfile
+    from pathlib import Path
+
+    from pytest_circuits.gate.invariants import gate_all
+    from pytest_circuits.gate.tolerances import Tolerances
+    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.settings import build_settings
+
+    if os.environ.get("PYTEST_CIRCUITS_LLMCOMPRESSOR_PYTHON"):
+        names = [*names, *(n for n in LLMC_FORMATS if n not in names)]
+    rows, failed = [], False
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            spec = format_spec(name.strip(), Path(tmp))
+            records = {}
+            for where in ("cpu", str(device)):
+                raw = {"model": "smollm2-135m", "builds": spec, "baselines": None}
+                session = CircuitsSession(build_settings(raw, Path(tmp), device=where))
+                _peak_reset(torch, device)
+                start = time.perf_counter()
+                records[where] = session.record(name.strip(), knockout=False)
+                seconds = time.perf_counter() - start
+                del session
+            results = gate_all(records["cpu"], records[str(device)], Tolerances(), name, "CPU record")
+            broken = [r.invariant for r in results if r.status == "failed"]
+            ok = any(r.passed for r in results) and not broken
+            failed |= not ok
+            verdict = "pass" if ok else ("FAIL " + ", ".join(broken) if broken else "FAIL nothing compared")
+            copy = records[str(device)]["copy_loss"]
+            rows.append(
+                (f"{name} (format)", f"{seconds:.1f}", f"{_peak_mb(torch, device):.0f}", f"{copy:.3f}", verdict)
+            )
+            torch.cuda.empty_cache()
+    return rows, failed
 
 
 if __name__ == "__main__":

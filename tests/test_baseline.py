@@ -316,8 +316,10 @@ def test_baselines_ship_for_every_cpu_recipe_of_both_models():
     from pytest_circuits.model.builds import RECIPES
 
     names = {path.name for path in SHIPPED_FILES}
+    # gptq-int4/awq-int4 run llm-compressor in an environment of its own (docs/formats.md): not shipped
+    here = [name for name, recipe in RECIPES.items() if recipe.backend != "llm-compressor"]
     for model in ("tiny-induction", "smollm2-135m"):
-        missing = sorted(r for r in RECIPES if f"{model}--{r}.json" not in names)
+        missing = sorted(r for r in here if f"{model}--{r}.json" not in names)
         assert not missing, f"{model}: no shipped baseline for {missing}"
 
 

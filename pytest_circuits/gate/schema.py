@@ -77,6 +77,8 @@ class BuildInfo(BaseModel):
     format: str | None = None  # "gguf", "safetensors", "bnb-8bit-serialized", ...
     sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     tensor_types: dict[str, Annotated[int, Field(ge=1)]] | None = None  # stored type -> tensor count
+    quantization: str | None = None  # a quantized format's scheme and modules (compressed-tensors)
+    forward: str | None = None  # its forward path: the format's own kernel, or its reference
 
 
 class ProbeInfo(BaseModel):

@@ -3,13 +3,16 @@
 ``fp32``/``bf16``/``fp16`` cast the weights; ``bnb-*`` quantize through
 transformers' ``BitsAndBytesConfig``; ``rtn-int8``/``rtn-int4`` simulate symmetric
 per-output-channel round-to-nearest of every attention and MLP weight:
-``w <- s * clamp(round(w / s), -2^(b-1), 2^(b-1) - 1)`` with ``s = max|w_row| / (2^(b-1) - 1)``.
+``w <- s * clamp(round(w / s), -2^(b-1), 2^(b-1) - 1)`` with ``s = max|w_row| / (2^(b-1) - 1)``;
+``fp8-*`` and ``int8-w8a8`` apply a compressed-tensors scheme (`compressed`). A model that is
+itself a compressed-tensors release is decompressed by its own decompressor.
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -18,10 +21,19 @@ import torch
 from ..errors import CircuitsError, ModelLoadError, RecipeError, first_line, one_line
 from ..options import flag
 from .checkpoint_keys import check_loading_info
+from .compressed import (
+    decompress,
+    identity_fields,
+    is_compressed_tensors,
+    quantize_in_memory_,
+    quiet,
+    require_compressed_tensors,
+    scheme_config,
+)
 from .dense import is_projection, weight_of
 from .families import Family, Geometry, bind_family, family_and_geometry, geometry_for, modules_at
 from .loading import ModelSource, check_finite_weights, nonfinite_line, nonfinite_of, quiet_transformers
-from .recipes import EXTERNAL_KEYS, RECIPES, BuildSpec, Recipe, get_recipe, parse_builds  # noqa: F401  (re-exported)
+from .recipes import CT, EXTERNAL_KEYS, LLMC, RECIPES, BuildSpec, Recipe, get_recipe, parse_builds  # noqa: F401  (re-exported)
 from .selfcheck import check_decomposition
 from .vocab import TokenInfo, token_info
 
@@ -30,7 +42,8 @@ from .vocab import TokenInfo, token_info
 class BuildIdentity:
     """What travels with every figure: recipe (an external build: its NAME), dtype, backend and
     its version, device; an external build adds the file it came from, its format, sha256 and
-    how many tensors of each stored type it holds (`external.external_identity`)."""
+    how many tensors of each stored type it holds (`external.external_identity`); a quantized
+    format (compressed-tensors) adds its scheme, its quantized and dense modules and its forward path."""
 
     recipe: str
     dtype: str
@@ -41,6 +54,8 @@ class BuildIdentity:
     format: str | None = None
     sha256: str | None = None
     tensor_types: dict[str, int] | None = None
+    quantization: str | None = None  # a quantized format's scheme and modules (`compressed.identity_fields`)
+    forward: str | None = None  # which forward it runs: the format's own kernel or a reference
 
     def as_dict(self) -> dict:
         """The identity as stored; a recipe build's keeps the five keys older baselines hold."""
@@ -143,6 +158,14 @@ def _backend_version(recipe: Recipe) -> str:
         import bitsandbytes
 
         return f"bitsandbytes {bitsandbytes.__version__}"
+    if recipe.backend == CT:
+        import compressed_tensors
+
+        return f"compressed-tensors {compressed_tensors.__version__}"
+    if recipe.backend == LLMC:
+        from .calibrated import llmc_python, llmc_version
+
+        return llmc_version(llmc_python(recipe.name))
     return f"torch {torch.__version__}"
 
 
@@ -303,7 +326,32 @@ def load_build(
         kwargs = dict(dtype=torch_dtype(recipe), device_map=device_map)
     else:
         kwargs = dict(dtype=torch.float32)
-    model = from_pretrained(source.folder, f"{recipe.name} of {source.name}", device, trust_remote_code, **kwargs)
+    folder, calibration = source.folder, None
+    if recipe.backend == LLMC:  # llm-compressor's checkpoint of the float weights, made out of process
+        from .calibrated import calibrated_checkpoint
+
+        if recipe.method is None or recipe.group_size is None:
+            raise RecipeError(f"build {recipe.name}: an llm-compressor recipe needs its method and group size")
+        folder, calibration = calibrated_checkpoint(source, config, recipe.method, recipe.group_size, recipe.name)
+        config = read_config(folder, trust_remote_code, recipe.name)
+    quant = getattr(config, "quantization_config", None)
+    released = quant if isinstance(quant, dict) else None if quant is None else quant.to_dict()
+    if recipe.backend == CT or is_compressed_tensors(released):
+        require_compressed_tensors(f"build {recipe.name} of {source.name} (compressed-tensors)")
+    with quiet() if is_compressed_tensors(released) else nullcontext():
+        model = from_pretrained(folder, f"{recipe.name} of {source.name}", device, trust_remote_code, **kwargs)
+    quantized: dict[str, str] = {}
+    if is_compressed_tensors(released) and released is not None:  # a compressed-tensors release or llm-compressor's
+        quantized = identity_fields(decompress(model), released)
+    if calibration is not None:
+        quantized["quantization"] += f"; calibration {calibration}"
+    if recipe.backend == CT:
+        if recipe.quant_type is None:
+            raise RecipeError(
+                f"build {recipe.name}: a compressed-tensors recipe needs its scheme; set Recipe.quant_type"
+            )
+        quantize_in_memory_(model, recipe.quant_type)
+        quantized = identity_fields(model, scheme_config(model))
     if recipe.backend == "rtn":
         if recipe.bits is None:
             raise RecipeError(f"build {recipe.name}: an rtn recipe needs its bits (e.g. 8 or 4); set Recipe.bits")
@@ -322,6 +370,8 @@ def load_build(
         backend=recipe.backend,
         backend_version=_backend_version(recipe),
         device=str(device),
+        quantization=quantized.get("quantization"),
+        forward=quantized.get("forward"),
     )
     llm_int8 = recipe.backend == "bitsandbytes" and recipe.bits == 8
     return finish_build(model, source, identity, family, tokens, llm_int8=llm_int8)

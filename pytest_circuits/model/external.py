@@ -10,6 +10,7 @@ gives it an identity that names the file: its sha256, format and stored tensor t
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -17,9 +18,11 @@ import torch
 from ..errors import CircuitsError, RecipeError
 from ..fsio import parse_json
 from .builds import BuildIdentity, LoadedBuild, finish_build, from_pretrained, read_config, resolve_device
+from .compressed import decompress, identity_fields, is_compressed_tensors, quiet, require, require_compressed_tensors
 from .families import Geometry, family_and_geometry
 from .loading import ModelSource, check_finite_weights, quiet_transformers, sha256_of, weight_files
 from .recipes import BuildSpec
+from .serialized import is_quanto_folder, load_quanto, quanto_fields, torchao_fields
 from .vocab import TokenInfo, token_info
 
 GEOMETRY_FIELDS = ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "vocab")
@@ -83,7 +86,9 @@ def _backend_version(package: str) -> str:
         return package
 
 
-def external_identity(spec: BuildSpec, source: ModelSource, quant: dict | None, device) -> BuildIdentity:
+def external_identity(
+    spec: BuildSpec, source: ModelSource, quant: dict | None, device, **quantized: str
+) -> BuildIdentity:
     """Identity of an external build: NAME, its file, format, sha256 and stored tensor types.
 
     sha256: of the GGUF file; of a folder, its single weight file's, or `weight_fingerprint`
@@ -93,9 +98,10 @@ def external_identity(spec: BuildSpec, source: ModelSource, quant: dict | None, 
         fmt, backend = "gguf", _backend_version("gguf")
         digest, types = sha256_of(source.origin), gguf_tensor_types(source.origin)
     else:
-        fmt = checkpoint_format(quant)
-        method = None if quant is None else str(quant.get("quant_method"))
-        package = {"bitsandbytes": "bitsandbytes", "compressed-tensors": "compressed-tensors", "torchao": "torchao"}
+        quanto = is_quanto_folder(source.folder)
+        fmt = "optimum-quanto" if quanto else checkpoint_format(quant)
+        method = "optimum-quanto" if quanto else None if quant is None else str(quant.get("quant_method"))
+        package = {m: m for m in ("bitsandbytes", "compressed-tensors", "torchao", "optimum-quanto")}
         backend = _backend_version(package.get(method or "", "torch")) if method else f"torch {torch.__version__}"
         files = weight_files(source.folder)
         if len(files) == 1:
@@ -108,13 +114,15 @@ def external_identity(spec: BuildSpec, source: ModelSource, quant: dict | None, 
     return BuildIdentity(
         recipe=spec.name,
         dtype="float32" if quant is None else str(quant.get("bnb_4bit_compute_dtype") or "float32"),
-        backend=fmt if quant is None else str(quant.get("quant_method")),
+        backend=fmt if quant is None else str(quant.get("quant_method")),  # optimum-quanto: its format
         backend_version=backend,
         device=str(device),
         source=spec.path,
         format=fmt,
         sha256=digest,
         tensor_types=types,
+        quantization=quantized.get("quantization"),
+        forward=quantized.get("forward"),
     )
 
 
@@ -146,7 +154,8 @@ def load_external_build(
 
     The probe tokens are the model's (``tokens``, else read from ``model``), so the build sees
     exactly the sequences the model's recipe builds see. A quantized checkpoint loads through its
-    own ``quantization_config``; any other weights load as float32.
+    own ``quantization_config`` (a compressed-tensors one decompressed to float32 by its own
+    decompressor, `compressed`); any other weights load as float32.
     """
     from .loading import resolve_model
 
@@ -172,13 +181,30 @@ def load_external_build(
         tokens = token_info(model.folder, model_config, trust_remote_code)
     check_finite_weights(source)
     quant = quantization_of(config)
+    compressed = is_compressed_tensors(quant)
+    if compressed:
+        require_compressed_tensors(f"external build {spec} (a compressed-tensors checkpoint)")
+    elif quant is not None and quant.get("quant_method") == "torchao":
+        require("torchao", "torchao", f"external build {spec} (a torchao checkpoint)")
     if quant is None:
         kwargs: dict = dict(dtype=torch.float32)
+    else:  # compressed-tensors: float32 scales and dense layers, so W = (q - z) s comes out in float32
+        kwargs = dict(device_map={"": str(device)}) | (dict(dtype=torch.float32) if compressed else {})
+    quanto = is_quanto_folder(source.folder)
+    if quanto:
+        net = load_quanto(source.folder, f"external build {spec}").to(device)
     else:
-        kwargs = dict(device_map={"": str(device)})
-    net = from_pretrained(source.folder, str(spec), device, trust_remote_code, **kwargs)
-    if quant is None:
+        with quiet() if compressed else nullcontext():
+            net = from_pretrained(source.folder, str(spec), device, trust_remote_code, **kwargs)
+    if quant is None and not quanto:
         net = net.to(device=device, dtype=torch.float32)
-    identity = external_identity(spec, source, quant, device)
+    quantized: dict[str, str] = {}
+    if compressed and quant is not None:
+        quantized = identity_fields(decompress(net), quant)
+    elif quant is not None and quant.get("quant_method") == "torchao":
+        quantized = torchao_fields(net, quant)
+    elif quanto:
+        quantized = quanto_fields(net, getattr(net, "quanto_qmap", {}))
+    identity = external_identity(spec, source, quant, device, **quantized)
     llm_int8 = bool(quant and quant.get("quant_method") == "bitsandbytes" and quant.get("load_in_8bit"))
     return finish_build(net, model, identity, family, tokens, llm_int8=llm_int8)

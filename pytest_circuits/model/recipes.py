@@ -2,7 +2,10 @@
 
 ``fp32``/``bf16``/``fp16`` cast the weights; ``bnb-*`` quantize through transformers'
 ``BitsAndBytesConfig``; ``rtn-int8``/``rtn-int4`` simulate symmetric per-output-channel
-round-to-nearest of every attention and MLP weight (`builds.rtn_quantize_`).
+round-to-nearest of every attention and MLP weight (`builds.rtn_quantize_`); ``fp8-e4m3``,
+``fp8-e4m3-dyn`` and ``int8-w8a8`` are compressed-tensors schemes applied in memory
+(`compressed.quantize_in_memory_`); ``gptq-int4`` and ``awq-int4`` (``-g<N>``: group size N)
+are made by llm-compressor out of process (`calibrated`).
 
 A build typed on the command line is a `BuildSpec`: a recipe name, or ``NAME=PATH`` for an
 external build (a GGUF file or checkpoint someone else produced), parsed once here.
@@ -23,12 +26,20 @@ class Recipe:
     """How to turn the float32 checkpoint into one build."""
 
     name: str
-    backend: str  # "torch", "bitsandbytes" or "rtn"
+    backend: str  # "torch", "bitsandbytes", "rtn" or "compressed-tensors"
     dtype: str  # torch dtype name of the float parameters / compute
     summary: str  # shown in the option's help and in errors
     bits: int | None = None
-    quant_type: str | None = None  # bitsandbytes 4-bit: "nf4" or "fp4"
+    quant_type: str | None = None  # bitsandbytes 4-bit: "nf4" or "fp4"; compressed-tensors: the scheme
+    method: str | None = None  # llm-compressor: "gptq" or "awq"
+    group_size: int | None = None  # llm-compressor: input columns per weight scale
 
+
+CT = "compressed-tensors"
+LLMC = "llm-compressor"
+GROUP_SIZE = 128  # the calibrated recipes' default; ``gptq-int4-g64`` sets another
+CALIBRATED = re.compile(r"(gptq|awq)-int4(?:-g(\d+))?")
+FP8W = "FP8_WEIGHT_ONLY"  # compressed.FP8_WEIGHTS
 
 RECIPES: dict[str, Recipe] = {
     r.name: r
@@ -41,6 +52,36 @@ RECIPES: dict[str, Recipe] = {
         Recipe("bnb-fp4", "bitsandbytes", "float32", "bitsandbytes 4-bit FP4", 4, "fp4"),
         Recipe("rtn-int8", "rtn", "float32", "simulated per-channel round-to-nearest int8", 8),
         Recipe("rtn-int4", "rtn", "float32", "simulated per-channel round-to-nearest int4", 4),
+        Recipe("fp8-e4m3", CT, "float32", "float8 e4m3 weights, per-channel scales (compressed-tensors)", 8, FP8W),
+        Recipe(
+            "fp8-e4m3-dyn",
+            CT,
+            "float32",
+            "float8 e4m3 weights per channel, activations per token at run time (compressed-tensors FP8_DYNAMIC)",
+            8,
+            "FP8_DYNAMIC",
+        ),
+        Recipe(
+            "int8-w8a8",
+            CT,
+            "float32",
+            "int8 weights per channel, activations per token at run time (compressed-tensors W8A8)",
+            8,
+            "W8A8",
+        ),
+        Recipe(
+            "gptq-int4",
+            LLMC,
+            "float32",
+            "GPTQ int4, group 128 (llm-compressor; -g<N> for group N)",
+            4,
+            None,
+            "gptq",
+            128,
+        ),
+        Recipe(
+            "awq-int4", LLMC, "float32", "AWQ int4, group 128 (llm-compressor; -g<N> for group N)", 4, None, "awq", 128
+        ),
     )
 }
 
@@ -48,6 +89,14 @@ RECIPES: dict[str, Recipe] = {
 def get_recipe(name: str) -> Recipe:
     """The recipe called ``name``, or a one-line error listing the known ones."""
     recipe = RECIPES.get(name.strip())
+    calibrated = CALIBRATED.fullmatch(name.strip())
+    if recipe is None and calibrated and calibrated.group(2):
+        base = RECIPES[f"{calibrated.group(1)}-int4"]
+        group = int(calibrated.group(2))
+        if group < 1:
+            raise RecipeError(f"recipe {name!r}: the group size must be a positive number of columns, e.g. -g64")
+        summary = base.summary.replace(f"group {GROUP_SIZE}", f"group {group}")
+        recipe = Recipe(name.strip(), LLMC, "float32", summary, 4, None, base.method, group)
     if recipe is None:
         known = "; ".join(f"{r.name} ({r.summary})" for r in RECIPES.values())
         raise RecipeError(
@@ -137,8 +186,9 @@ def reference_spec(text: str, builds: list[BuildSpec]) -> BuildSpec:
     return spec
 
 
-EXTERNAL_KEYS = ("source", "format", "sha256", "tensor_types")
-"""What the build identity of an external build adds (gate/schema.py `BuildInfo` types them)."""
+EXTERNAL_KEYS = ("source", "format", "sha256", "tensor_types", "quantization", "forward")
+"""What the build identity of an external build adds (gate/schema.py `BuildInfo` types them); the
+last two also on a recipe build of a quantized format, absent elsewhere."""
 
 
 def describe_identity(build: dict) -> str | None:
@@ -149,6 +199,5 @@ def describe_identity(build: dict) -> str | None:
     types = build.get("tensor_types") or {}
     counts = ", ".join(f"{kind} x{n}" for kind, n in sorted(types.items(), key=lambda kv: (-kv[1], kv[0])))
     digest = str(build.get("sha256") or "?").removeprefix("sha256:")[:12]
-    return (
-        f"{build.get('recipe')} = {build.get('source')} ({build['format']}, sha256 {digest}, tensors {counts or '?'})"
-    )
+    scheme = f"; {build['quantization']}" if build.get("quantization") else ""
+    return f"{build.get('recipe')} = {build.get('source')} ({build['format']}, sha256 {digest}, tensors {counts or '?'}{scheme})"

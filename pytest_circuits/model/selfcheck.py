@@ -37,7 +37,10 @@ Tolerances (relative, Frobenius), from what each compute path guarantees:
   V and output products are float16-rounded (4.9e-4 each) and where our float64 V and the
   module's float32 V round to neighbouring float16 values, z and then a code of o_proj's input
   can differ by one step, ``max|z_i| / 127`` in one entry: float16's 1e-2, or the compute
-  dtype's where that is looser. 4-bit bitsandbytes and RTN layers compute with
+  dtype's where that is looser. A compressed-tensors layer with dynamic per-token input
+  quantization (FP8 or int8 W8A8, `compressed.ActivationQuant`), or torchao's int8 one
+  (`serialized.TorchaoActivationQuant`), is recomputed the same way, with
+  its own quantizer, under the same 1e-2. 4-bit bitsandbytes and RTN layers compute with
   exactly the dequantized weights the read returns, so their compute dtype decides; on a CPU
   with AVX512-BF16, bitsandbytes computes 4-bit matmuls in bfloat16 (`dense.bnb_4bit_compute_dtype`).
 A wrong read (wrong Q/K/V layout, swapped heads, a missed bias or residual) leaves an error
@@ -54,6 +57,7 @@ from typing import Any
 import torch
 
 from ..errors import CircuitsError, first_line
+from .compressed import quantizes_activations
 from .dense import bnb_4bit_compute_dtype, bnb_kind, dense_bias, dense_weight, weight_of
 from .families import (
     Family,
@@ -67,6 +71,7 @@ from .families import (
     post_attn_norm_module,
 )
 from .llm_int8 import Int8Layer, int8_layer
+from .serialized import torchao_activation_quant
 from .weights import _layer_weights, embedding_matrix, norm_scale
 
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
@@ -114,6 +119,10 @@ def tolerance_for(model, dtype: torch.dtype) -> float:
     if dtype == torch.float32 and on_cuda and torch.backends.cuda.matmul.allow_tf32:
         tol = TF32_TOLERANCE
     if "int8" in kinds:  # its activation quantization is recomputed: float16's rounding is left
+        tol = max(tol, INT8_TOLERANCE)
+    if quantizes_activations(model) or any(
+        map(torchao_activation_quant, model.modules())
+    ):  # likewise; a code of o_proj's input may flip on z's float64 rounding
         tol = max(tol, INT8_TOLERANCE)
     return tol
 
@@ -439,7 +448,9 @@ def _check_layer(check: DecompositionCheck, layer: int, block, seen, fam: Family
         lw = _layer_weights(block, fam, geo, False, config, x.device, qk=False)
         attn = get_module(block, fam.attn)
         v_proj = get_module(attn, fam.qkv[-1])  # the module that computes V (the fused QKV, or v_proj)
-        heads = _head_sum(lw, geo, x, seen["pattern"], int8_layer(v_proj), int8_layer(get_module(attn, fam.out_proj)))
+        heads = _head_sum(
+            lw, geo, x, seen["pattern"], _input_quant(v_proj), _input_quant(get_module(attn, fam.out_proj))
+        )
     except (RuntimeError, ValueError, IndexError, AttributeError, TypeError) as error:
         raise DecompositionError(
             f"model type {check.model_type!r} ({check.layout} layout): the per-head read of layer {layer} fails: "
@@ -474,6 +485,14 @@ def _check_layer(check: DecompositionCheck, layer: int, block, seen, fam: Family
     else:
         actual = seen["mid"].double() - seen["pre"].double()
     check.write_errors.append(_relative(write, actual))
+
+
+def _input_quant(module):
+    """What quantizes a projection's input: LLM.int8(), or a compressed-tensors or torchao dynamic quantizer."""
+    from .compressed import activation_quant
+    from .serialized import torchao_activation_quant
+
+    return int8_layer(module) or activation_quant(module) or torchao_activation_quant(module)
 
 
 def _geometry(model, fam: Family):

@@ -150,7 +150,9 @@ def _section(s: Section) -> str:
 def _identity(s: Section) -> str:
     build = s.record.get("build") or {}
     rows = [(k, build.get(k)) for k in ("recipe", "dtype", "backend", "backend_version", "device")]
-    rows += [(k, build[k]) for k in ("source", "format", "sha256", "tensor_types") if build.get(k)]  # external builds
+    rows += [
+        (k, build[k]) for k in ("source", "format", "sha256", "tensor_types", "quantization", "forward") if build.get(k)
+    ]  # external builds
     probe = s.record.get("probe") or {}
     if probe:
         rows.append(("probe", f"seed {probe.get('seed')}, n {probe.get('n')}, L {probe.get('L')}"))
