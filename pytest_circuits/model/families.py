@@ -221,6 +221,7 @@ _FALCON = Family(
 )
 _RMS_OFFSET: dict[str, Any] = dict(norm_weight_offset=1.0, embed_scale="sqrt_d_model")
 _SEP_LAYERNORM = dict(norm_kind="layernorm")
+_POST_NORM_ONLY: dict[str, Any] = dict(attn_norm=None, post_attn_norm="post_attention_layernorm", resid_mid="mlp")
 
 FAMILIES: tuple[Family, ...] = (
     GPT2,
@@ -367,16 +368,12 @@ FAMILIES: tuple[Family, ...] = (
     ),
     LLAMA.for_type(
         "olmo2",
-        attn_norm=None,
-        post_attn_norm="post_attention_layernorm",
-        resid_mid="mlp",
+        **_POST_NORM_ONLY,
         quirks=("grouped_query", "rotary", "post_norm_only", "sandwich_norm", "qk_norm_full"),
     ),
     LLAMA.for_type(
         "olmo3",
-        attn_norm=None,
-        post_attn_norm="post_attention_layernorm",
-        resid_mid="mlp",
+        **_POST_NORM_ONLY,
         quirks=("grouped_query", "rotary", "post_norm_only", "sandwich_norm", "qk_norm_full", "sliding_window"),
     ),
     LLAMA.for_type("olmoe", quirks=("grouped_query", "rotary", "qk_norm_full", "moe")),
@@ -455,9 +452,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     LLAMA.for_type(
         "exaone4",
-        attn_norm=None,
-        post_attn_norm="post_attention_layernorm",
-        resid_mid="mlp",
+        **_POST_NORM_ONLY,
         quirks=("grouped_query", "rotary", "post_norm_only", "sandwich_norm", "qk_norm", "sliding_window"),
     ),
     LLAMA.for_type(
