@@ -84,6 +84,7 @@ def test_scan_on_a_type_without_a_table_entry(model_type, tmp_path):
         warnings.simplefilter("ignore")
         assert main(["scan", str(folder), "--json", str(out), *SMALL]) == 0
     record = json.loads(out.read_text())
+    assert (record["model"]["model_type"], record["model"]["family"]) == (model_type, "llama")  # type and layout
     geometry = record["model"]["geometry"]
     assert len(record["heads"]) == geometry["n_layers"] * geometry["n_heads"] == 8
 
@@ -343,3 +344,16 @@ def test_kappa_of_a_hand_built_copying_head(model_type):
     assert hand_kappa > 0.99
     assert kappa[head].item() == pytest.approx(hand_kappa, abs=1e-6)
     assert check_decomposition(model).ok
+
+
+def test_quirk_tags_are_the_ones_the_config_enables():
+    """Gemma 3 declares soft caps its default config does not set; Gemma 2's sets both."""
+    from transformers import CONFIG_MAPPING
+
+    gemma3, gemma2 = CONFIG_MAPPING["gemma3_text"](), CONFIG_MAPPING["gemma2"]()
+    tags3 = families.active_quirks(families.family_for_config(gemma3), gemma3)
+    tags2 = families.active_quirks(families.family_for_config(gemma2), gemma2)
+    assert "logit_softcap" not in tags3 and "attn_softcap" not in tags3 and "sandwich_norm" in tags3
+    assert {"logit_softcap", "attn_softcap", "sandwich_norm"} <= set(tags2)
+    no_window = CONFIG_MAPPING["mistral"](sliding_window=None)
+    assert "sliding_window" not in families.active_quirks(families.family_for_config(no_window), no_window)
