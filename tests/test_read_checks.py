@@ -285,7 +285,17 @@ def _entries() -> list[tuple[str, str]]:
     return out
 
 
-@pytest.mark.parametrize("entry, model_type", _entries())
+MUTATED_BY_DEFAULT = {
+    *("gpt2", "gptj", "bloom", "falcon-new-decoder", "gpt_bigcode", "gemma2", "olmo2", "granite", "cohere"),
+    *("glm4", "nemotron", "exaone4", "hyperclovax", "nanochat"),
+}
+"""Entries mutated in the default suite (one per mechanism, and the added types); all with --run-slow."""
+
+
+@pytest.mark.parametrize(
+    "entry, model_type",
+    [e if e[1] in MUTATED_BY_DEFAULT else pytest.param(*e, marks=pytest.mark.slow) for e in _entries()],
+)
 def test_every_declared_quirk_dropped_is_refused(entry, model_type):
     assert model_type, f"no tiny model builds family entry {entry}"
     model = make_tiny_model(model_type, seed=5, initializer_range=0.2, **VISIBLE.get(model_type, {}))
