@@ -84,6 +84,7 @@ def test_scan_on_a_type_without_a_table_entry(model_type, tmp_path):
         warnings.simplefilter("ignore")
         assert main(["scan", str(folder), "--json", str(out), *SMALL]) == 0
     record = json.loads(out.read_text())
+    assert (record["model"]["model_type"], record["model"]["family"]) == (model_type, "llama")  # type and layout
     geometry = record["model"]["geometry"]
     assert len(record["heads"]) == geometry["n_layers"] * geometry["n_heads"] == 8
 
@@ -284,7 +285,17 @@ def _entries() -> list[tuple[str, str]]:
     return out
 
 
-@pytest.mark.parametrize("entry, model_type", _entries())
+MUTATED_BY_DEFAULT = {
+    *("gpt2", "gptj", "bloom", "falcon-new-decoder", "gpt_bigcode", "gemma2", "olmo2", "granite", "cohere"),
+    *("glm4", "nemotron", "exaone4", "hyperclovax", "nanochat"),
+}
+"""Entries mutated in the default suite (one per mechanism, and the added types); all with --run-slow."""
+
+
+@pytest.mark.parametrize(
+    "entry, model_type",
+    [e if e[1] in MUTATED_BY_DEFAULT else pytest.param(*e, marks=pytest.mark.slow) for e in _entries()],
+)
 def test_every_declared_quirk_dropped_is_refused(entry, model_type):
     assert model_type, f"no tiny model builds family entry {entry}"
     model = make_tiny_model(model_type, seed=5, initializer_range=0.2, **VISIBLE.get(model_type, {}))
@@ -343,3 +354,16 @@ def test_kappa_of_a_hand_built_copying_head(model_type):
     assert hand_kappa > 0.99
     assert kappa[head].item() == pytest.approx(hand_kappa, abs=1e-6)
     assert check_decomposition(model).ok
+
+
+def test_quirk_tags_are_the_ones_the_config_enables():
+    """Gemma 3 declares soft caps its default config does not set; Gemma 2's sets both."""
+    from transformers import CONFIG_MAPPING
+
+    gemma3, gemma2 = CONFIG_MAPPING["gemma3_text"](), CONFIG_MAPPING["gemma2"]()
+    tags3 = families.active_quirks(families.family_for_config(gemma3), gemma3)
+    tags2 = families.active_quirks(families.family_for_config(gemma2), gemma2)
+    assert "logit_softcap" not in tags3 and "attn_softcap" not in tags3 and "sandwich_norm" in tags3
+    assert {"logit_softcap", "attn_softcap", "sandwich_norm"} <= set(tags2)
+    no_window = CONFIG_MAPPING["mistral"](sliding_window=None)
+    assert "sliding_window" not in families.active_quirks(families.family_for_config(no_window), no_window)

@@ -186,14 +186,19 @@ def _rung1_info(spectrum, settings, folded: bool, method) -> dict:
 
 
 def model_info(session, build) -> dict:
-    """Name, spec, family, weight fingerprint and geometry of the session's model."""
+    """Name, spec, layout (``family``), model type, the quirks its config enables, weight fingerprint and
+    geometry of the session's model."""
+    from ..model.families import active_quirks
     from ..model.loading import weight_fingerprint
 
     geo = build.geometry
+    config = build.model.config
     return {
         "name": session.model_name,
         "spec": session.source.spec,
         "family": build.family.name,
+        "model_type": str(getattr(config, "model_type", "")),
+        "quirks": active_quirks(build.family, config),
         "fingerprint": weight_fingerprint(session.source.folder),  # exactly the files loaded
         "geometry": {k: getattr(geo, k) for k in ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "vocab")},
     }

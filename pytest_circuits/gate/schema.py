@@ -60,7 +60,9 @@ class ModelInfo(BaseModel):
     model_config = _STRICT
     name: str
     spec: str
-    family: str
+    family: str  # the layout read (older records: the only name)
+    model_type: str | None = None  # config.model_type (records from before it was kept have none)
+    quirks: list[str] | None = None  # the quirk tags this config enables (`families.active_quirks`)
     fingerprint: str | None = None
     geometry: Geometry
 

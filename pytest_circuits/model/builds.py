@@ -268,8 +268,9 @@ def from_pretrained(folder, what: str, device, trust_remote_code: bool = False, 
     )
     try:
         # typed as the Module it is: transformers' functools.wraps on .to hides the bound self from mypy
+        loaded: Any = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, **kwargs)
         model: torch.nn.Module
-        model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, **kwargs)
+        model, info = loaded
     except CircuitsError:
         raise
     except Exception as error:

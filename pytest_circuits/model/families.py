@@ -221,6 +221,7 @@ _FALCON = Family(
 )
 _RMS_OFFSET: dict[str, Any] = dict(norm_weight_offset=1.0, embed_scale="sqrt_d_model")
 _SEP_LAYERNORM = dict(norm_kind="layernorm")
+_POST_NORM_ONLY: dict[str, Any] = dict(attn_norm=None, post_attn_norm="post_attention_layernorm", resid_mid="mlp")
 
 FAMILIES: tuple[Family, ...] = (
     GPT2,
@@ -367,16 +368,12 @@ FAMILIES: tuple[Family, ...] = (
     ),
     LLAMA.for_type(
         "olmo2",
-        attn_norm=None,
-        post_attn_norm="post_attention_layernorm",
-        resid_mid="mlp",
+        **_POST_NORM_ONLY,
         quirks=("grouped_query", "rotary", "post_norm_only", "sandwich_norm", "qk_norm_full"),
     ),
     LLAMA.for_type(
         "olmo3",
-        attn_norm=None,
-        post_attn_norm="post_attention_layernorm",
-        resid_mid="mlp",
+        **_POST_NORM_ONLY,
         quirks=("grouped_query", "rotary", "post_norm_only", "sandwich_norm", "qk_norm_full", "sliding_window"),
     ),
     LLAMA.for_type("olmoe", quirks=("grouped_query", "rotary", "qk_norm_full", "moe")),
@@ -455,9 +452,7 @@ FAMILIES: tuple[Family, ...] = (
     ),
     LLAMA.for_type(
         "exaone4",
-        attn_norm=None,
-        post_attn_norm="post_attention_layernorm",
-        resid_mid="mlp",
+        **_POST_NORM_ONLY,
         quirks=("grouped_query", "rotary", "post_norm_only", "sandwich_norm", "qk_norm", "sliding_window"),
     ),
     LLAMA.for_type(
@@ -930,6 +925,26 @@ def tail_logits(model, hidden: torch.Tensor, family: Family | None = None) -> to
     return logits
 
 
+_CONFIG_QUIRKS = {"logit_softcap": "logit_softcap", "logit_scale": "logit_scale"}
+"""Quirk tags that hold only when the family's config attribute of that name is set (not None, not 0)."""
+
+
+def active_quirks(family: Family, config) -> list[str]:
+    """The family's quirk tags that this config enables: a soft cap or logit scale only when set, a sliding
+    window only when some layer slides, attention soft-capping only when ``attn_logit_softcapping`` is set."""
+    active = []
+    for tag in family.quirks:
+        field = _CONFIG_QUIRKS.get(tag)
+        if field is not None and not getattr(config, getattr(family, field) or "", None):
+            continue
+        if tag == "sliding_window" and not attention_windows(config):
+            continue
+        if tag == "attn_softcap" and not getattr(config, "attn_logit_softcapping", None):
+            continue
+        active.append(tag)
+    return active
+
+
 SLIDING_LAYER_TYPES = ("sliding_attention", "local")  # layer_types / attention_layers entries that slide
 
 
@@ -1041,13 +1056,18 @@ def qkv_rows(layout: str, geo: Geometry) -> tuple[list[list[int]], list[list[int
 # ---------------------------------------------------------------- the documented table
 
 
+def _tag_cell(family: Family, tag: str) -> str:
+    """A quirk tag, marked ``(if set)`` where only a config value enables it (`active_quirks`)."""
+    return f"{tag} (if set)" if tag in ("sliding_window", "attn_softcap", "logit_softcap") else tag
+
+
 def _cell(family: Family) -> str:
     norm = family.norm_kind if family.attn_norm is not None else f"{family.norm_kind} (none before attention)"
     when = ", ".join(f"{a}={v}" for a, v in family.when)
     return (
         f"| `{', '.join(family.model_types)}`{f' ({when})' if when else ''} | {family.name} | "
         f"`{family.layers}.N.{family.attn}` | {family.qkv_layout} (`{'`, `'.join(family.qkv)}`) | {norm} | "
-        f"{', '.join(family.quirks) or '-'} |"
+        f"{', '.join(_tag_cell(family, tag) for tag in family.quirks) or '-'} |"
     )
 
 
