@@ -151,6 +151,7 @@ class CircuitsSession:
         ``method`` (a `rungs.kappa_method.KappaMethod`; default: the settings')."""
         import torch
 
+        from .model.weights import StreamedWeights
         from .rungs.kappa import ov_spectrum
 
         s = self.settings
@@ -158,7 +159,7 @@ class CircuitsSession:
         return self._memo(
             ("ov_spectrum", recipe, m),
             lambda: ov_spectrum(
-                self.weights(recipe),
+                StreamedWeights.of(self.build(recipe).model),  # one layer at a time: nothing held after
                 n_rotations=m.n_rotations,
                 q=s.fdr_q,
                 seed=0,

@@ -134,6 +134,22 @@ def test_cached_and_batched_scan_equals_naive_loop(fp32_builds, family, mode):
     assert max(abs(plain.set_index("head")["knockout_delta"][h] - naive[h]) for h in naive) <= 1e-6
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bounded_record_recomputes_to_the_same_deltas(fp32_builds, family):
+    """With room for fewer block inputs than layers, the replay recomputes the missing ones from
+    the nearest kept input: the same deltas, bit for bit, as with every input kept."""
+    build = fp32_builds[family]
+    full = knockout_scan(build, HELD_OUT, batch_size=3, progress=False)
+    n_tokens = HELD_OUT.n * (2 * HELD_OUT.L + bos_offset(build.tokens))
+    one_block = n_tokens * build.geometry.d_model * 4
+    assert knockout.record_stride(build, n_tokens, record_bytes=10**12) == 1
+    assert knockout.record_stride(build, n_tokens, record_bytes=one_block) == build.geometry.n_layers
+    for budget in (one_block, 2 * one_block):
+        bounded = knockout_scan(build, HELD_OUT, batch_size=3, progress=False, record_bytes=budget)
+        assert bounded["knockout_delta"].tolist() == full["knockout_delta"].tolist(), budget
+        assert bounded.attrs["cached"] and bounded.attrs["copy_loss"] == full.attrs["copy_loss"]
+
+
 def test_dataframe_contract(fp32_builds):
     build = fp32_builds["llama"]
     df = knockout_scan(build, HELD_OUT, progress=False)
