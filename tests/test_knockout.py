@@ -534,3 +534,47 @@ def test_smollm2_strongest_induction_head_knockout(smollm2):
     print(report)
     assert deltas[label] > 0.5, report
     assert deltas[label] > 5 * max(abs(d) for d in control_deltas), report
+
+
+def _session_of(folder, **settings):
+    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.settings import CircuitsSettings
+
+    probe = RepeatSettings(seed=0, n=2, L=6)
+    base = dict(model=str(folder), builds=("fp32",), reference="fp32", device="cpu", probe=probe)
+    return CircuitsSession(CircuitsSettings(**{**base, **settings}))
+
+
+def test_default_plan_screens_past_300_heads_and_says_so_first(tmp_path):
+    """More than 300 heads: rung 2 screens by default (top 12 exact), printing the plan and its
+    counted time before it starts; --knockout-full asks for every head; 300 or fewer stay exact."""
+    from pytest_circuits.rungs.plan import exact_flops, screen_flops
+
+    wide = save_tiny_model(
+        "llama",
+        tmp_path / "wide",
+        num_hidden_layers=4,
+        num_attention_heads=76,
+        num_key_value_heads=4,
+        hidden_size=304,
+        intermediate_size=64,
+    )
+    session = _session_of(wide, knockout_screen_method="atp")
+    assert session.screen_top_k() == session.AUTO_SCREEN_TOP_K == 12
+    lines: list[str] = []
+    session.progress_write = lines.append
+    frame = session.head_knockout("fp32")
+    plan = [line for line in lines if line.startswith("circuits: rung 2 of")]
+    assert len(plan) == 1 and "304 heads" in plan[0] and "the atp screen over every head" in plan[0]
+    assert "the full exact scan only with --circuits-knockout-full" in plan[0] and "GFLOP/s" in plan[0]
+    assert lines.index(plan[0]) == 0  # before any progress of the scan
+    assert frame.attrs["screened"] and len(frame.attrs["exact_heads"]) == 12
+    assert frame["knockout_delta"].notna().sum() == 12
+    build, probe = session.build("fp32"), session.settings.knockout_probe
+    assert screen_flops(build, probe, "atp") + exact_flops(build, probe, 12) < exact_flops(build, probe) / 5
+    assert _session_of(wide, knockout_full=True).screen_top_k() is None
+    assert _session_of(wide, knockout_screen=5).screen_top_k() == 5
+    with pytest.raises(CircuitsError, match="contradict each other; give one"):
+        _session_of(wide, knockout_full=True, knockout_screen=5).screen_top_k()
+    narrow = save_tiny_model("llama", tmp_path / "narrow")
+    assert _session_of(narrow).screen_top_k() is None  # the embedded model, SmolLM2: every head exactly

@@ -214,8 +214,8 @@ def build_record(session, recipe: str, knockout: bool = True, method=None, knock
         ko_info = {
             **s.knockout_probe.as_dict(),
             "mode": ko_frame.attrs.get("mode", s.knockout_mode),
-            "screened": s.knockout_screen,
-            "screen_method": s.knockout_screen_method if s.knockout_screen is not None else None,
+            "screened": session.screen_top_k(),
+            "screen_method": s.knockout_screen_method if session.screen_top_k() is not None else None,
         }
     return assemble_record(
         model=model_info(session, build),

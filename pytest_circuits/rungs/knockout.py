@@ -251,7 +251,9 @@ def _replay(build, chunk: _Chunk, layer: int, k: int, L: int) -> torch.Tensor:
             _NOT_POSITIONWISE[build.model] = True
             out = blocks[index](*args, **kwargs)
         hidden = out[0] if isinstance(out, (tuple, list)) else out
-    return _tail_copy_losses(build, hidden, chunk.ids.repeat(k, 1), L).reshape(k, rows)
+    ids = chunk.ids.repeat(k, 1)
+    per_copy = [_tail_copy_losses(build, h, i, L) for h, i in zip(hidden.split(rows), ids.split(rows))]
+    return torch.cat(per_copy).reshape(k, rows)  # unembedded one copy at a time: logits of one chunk at once
 
 
 def block_devices(model) -> list[torch.device] | None:
