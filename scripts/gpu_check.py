@@ -7,6 +7,10 @@
 2. The full exact knockout scan (all 270 heads, n 4, L 32, zero ablation) against the plain loop
    (one full forward per head), both on the GPU: wall times and the largest delta difference.
 3. Peak GPU memory of each row (``torch.cuda.max_memory_allocated``).
+4. One random-weight shape above 1B (``--size``, default Llama-3.2-1B's; seeded, built into a
+   temporary folder by ``scripts/measure_sizes.py``, no download) scanned in bf16 as the default
+   plan at size runs it (the atp screen, its top 8 exactly, n 8, L 64): its time and peak GPU
+   memory, and that every head was screened and 8 knocked out exactly. ``--size none`` skips it.
 
 Printed as one table. Run: ``python scripts/gpu_check.py`` (``--device cuda:1``, ``--recipes fp32,bnb-nf4``).
 
@@ -34,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda:0", help="the CUDA device (default cuda:0)")
     parser.add_argument("--recipes", default=None, help="comma list of recipes (default: every recipe)")
+    parser.add_argument(
+        "--size",
+        default="llama-3.2-1b",
+        help="a random-weight shape above 1B to scan in bf16 (scripts/measure_sizes.py; none: skip)",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -127,6 +136,11 @@ def run(args, torch) -> int:
     )
     rows.append((f"plain loop, {heads} heads", f"{plain_s:.1f}", f"{plain_mb:.0f}", "", f"max |delta diff| {gap:.1e}"))
 
+    if args.size != "none":
+        row, ok = size_row(args.size, device, torch)
+        rows.append(row)
+        failed |= not ok
+
     name = torch.cuda.get_device_name(device)
     print(f"gpu_check: SmolLM2-135M on {device} ({name}), torch {torch.__version__}")
     header = ("what", "seconds", "peak MiB", "copy loss", "against the CPU baseline")
@@ -136,6 +150,47 @@ def run(args, torch) -> int:
     for row in rows:
         print("| " + " | ".join(str(c).ljust(w) for c, w in zip(row, widths)) + " |")
     return 1 if failed else 0
+
+
+SIZE_SCREEN = 8  # exact knockouts after the screen in the size row
+
+
+def size_row(shape: str, device, torch) -> tuple[tuple, bool]:
+    """Scan a random-weight checkpoint of ``shape`` in bf16 on ``device`` (screen + top 8 exactly): the table row, ok."""
+    import importlib.util
+    import tempfile
+    from pathlib import Path
+
+    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.settings import CircuitsSettings
+
+    spec = importlib.util.spec_from_file_location("measure_sizes", Path(__file__).with_name("measure_sizes.py"))
+    assert spec is not None and spec.loader is not None
+    sizes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sizes)
+    with tempfile.TemporaryDirectory(prefix="gpu-check-size-") as tmp:
+        folder = Path(tmp) / shape
+        gigabytes = sizes.build_checkpoint(shape, folder, seed=0) / 1e9
+        settings = CircuitsSettings(
+            model=str(folder),
+            builds=("bf16",),
+            reference="bf16",
+            device=str(device),
+            knockout_screen=SIZE_SCREEN,
+            knockout_screen_method="atp",
+        )
+        session = CircuitsSession(settings)
+        _peak_reset(torch, device)
+        start = time.perf_counter()
+        record = session.record("bf16")
+        seconds = time.perf_counter() - start
+        heads = record["heads"]
+        exact = sum(h.get("knockout_delta") is not None for h in heads)
+        screened = sum(h.get("knockout_estimate") is not None for h in heads)
+        ok = exact == SIZE_SCREEN and screened == len(heads)
+        verdict = f"{exact} exact, {screened}/{len(heads)} screened" + ("" if ok else ": FAIL")
+        label = f"{shape} bf16 ({gigabytes:.1f} GB, random), scan"
+        return (label, f"{seconds:.1f}", f"{_peak_mb(torch, device):.0f}", f"{record['copy_loss']:.3f}", verdict), ok
 
 
 if __name__ == "__main__":
