@@ -332,7 +332,8 @@ def table(rows: list[dict], options) -> str:
             result = row["rungs"][rung]
             label = {"load": "load + self-check"}.get(rung, rung)
             if "error" in result:
-                lines.append(f"| {row['shape']} | | | | {label} | failed: {result['error']} | | | | |")
+                why = result["error"].split(":")[0]  # "exit N": the process's own lines are in its log
+                lines.append(f"| {row['shape']} | | | | {label} | not completed ({why}) | | | | |")
                 continue
             rss = result["rss"]
             mark = "" if rss <= goal else " (over the goal)"
@@ -352,9 +353,7 @@ def gathered_rows(path: Path) -> list[dict]:
     by_shape: dict[str, dict] = {}
     for line in path.read_text().splitlines():
         row = json.loads(line)
-        kept = by_shape.setdefault(
-            row["shape"], {"shape": row["shape"], "weights_bytes": row["weights_bytes"], "rungs": {}}
-        )
+        kept = by_shape.setdefault(row["shape"], {**row, "rungs": {}})
         for rung, result in row["rungs"].items():
             if "error" not in result or rung not in kept["rungs"]:
                 kept["rungs"][rung] = result
@@ -388,6 +387,7 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints")
     parser.add_argument("--write-docs", action="store_true", help="write the table into docs/scale.md")
     parser.add_argument("--results", type=Path, default=None, help="append each shape's JSON here")
+    parser.add_argument("--table-only", action="store_true", help="run nothing: the table of --results only")
     parser.add_argument("--stage", choices=RUNGS, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json-out", type=Path, default=Path(os.devnull), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(stage(args)), flush=True)
         return 0
     rows = []
-    for shape in args.shapes.split(","):
+    for shape in [] if args.table_only else args.shapes.split(","):
         if shape not in SHAPES:
             print(f"measure_sizes: unknown shape {shape!r}; use one of {', '.join(SHAPES)}", file=sys.stderr)
             return 2
@@ -429,6 +429,12 @@ def main(argv: list[str] | None = None) -> int:
             f"--probe-length {args.probe_length} --screen {args.screen} --screen-method {args.screen_method} --write-docs` "
             f"({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores shared with other jobs):"
         )
+        if args.table_only:
+            note = (
+                f"Gathered from the runs `python scripts/measure_sizes.py --shapes SHAPE --rungs RUNGS --results "
+                f"{args.results}` made so far, each rung in its own process ({time.strftime('%Y-%m-%d')}, "
+                f"{os.cpu_count()} cores shared with other jobs); a rung not in the table was not run:"
+            )
         write_docs(text, note)
     return 0
 
