@@ -70,7 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("record", help="write the baselines of builds (atomically)")
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--build", required=True, help="build recipes or NAME=PATH external builds, comma-separated")
+    p.add_argument(
+        "--shard",
+        default=None,
+        metavar="I/K",
+        help="measure only shard I of K of the knockout scan (a separate job each; see circuits merge); needs --out",
+    )
+    p.add_argument("--out", type=Path, default=None, metavar="FILE", help="with --shard: write the part here")
     _shared_options(p, "record")
+
+    p = sub.add_parser("merge", help="merge the parts of a sharded record into the unsharded record")
+    p.add_argument("parts", nargs="+", type=Path, metavar="PART", help="every part (circuits record --shard I/K --out)")
+    p.add_argument("-o", "--output", required=True, type=Path, metavar="FILE", help="write the merged record here")
 
     p = sub.add_parser("gate", help="gate one build against a baseline file (exit 1 if an invariant broke)")
     p.add_argument("model", help=MODEL_HELP)
@@ -197,6 +208,10 @@ def cmd_scan(args) -> int:
 
 
 def cmd_record(args) -> int:
+    if args.shard is not None:
+        return _record_shard(args)
+    if args.out is not None:
+        raise CircuitsError("--out writes a shard's part: give --shard I/K too (or drop --out)")
     session = _session(args, update=True)  # compares with and writes to --baselines (./baselines), never the shipped
     for recipe in session.settings.builds:
         path = session.write_baseline(recipe)
@@ -207,6 +222,34 @@ def cmd_record(args) -> int:
             f"{verb} {path}: copy loss {record['copy_loss']:.4f}, copy gain {record['copy_gain']:.4f}, "
             f"{sum(bool(h.get('copying')) for h in record['heads'])} copying heads"
         )
+    return EXIT_OK
+
+
+def _record_shard(args) -> int:
+    """One shard of one build's record, as its own job: ``--shard I/K --out FILE`` (`gate.shards`)."""
+    from .fsio import atomic_write_text
+    from .gate.shards import dumps_part, parse_shard, part_of
+
+    index, total = parse_shard(args.shard)
+    if args.out is None:
+        raise CircuitsError(f"--shard {args.shard} needs --out FILE: where this job writes its part")
+    args.knockout_shards = str(total)
+    session = _session(args)
+    recipe = _one_build(session, "record --shard")
+    part = part_of(session, recipe, index, total)
+    atomic_write_text(args.out, dumps_part(part))
+    print(f"wrote {args.out}: shard {index}/{total} of {recipe} (layers {', '.join(map(str, part['part']['layers']))})")
+    return EXIT_OK
+
+
+def cmd_merge(args) -> int:
+    from .gate.shards import merge_parts, read_part
+    from .gate.store import validate, write_baseline
+
+    parts = [(str(path), read_part(path)) for path in args.parts]
+    merged = validate(merge_parts(parts), "the merged record")
+    write_baseline(args.output, merged)
+    print(f"wrote {args.output}: {len(parts)} parts merged")
     return EXIT_OK
 
 
@@ -374,7 +417,7 @@ def cmd_diff(args) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"scan": cmd_scan, "record": cmd_record, "gate": cmd_gate, "diff": cmd_diff}
+COMMANDS = {"scan": cmd_scan, "record": cmd_record, "gate": cmd_gate, "diff": cmd_diff, "merge": cmd_merge}
 
 
 def main(argv=None) -> int:

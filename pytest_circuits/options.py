@@ -189,6 +189,14 @@ OPTIONS: tuple[Option, ...] = (
         cli=_SCAN_LIKE,
     ),
     Option(
+        "knockout-full",
+        "bool",
+        False,
+        "knock out every head exactly even on a model of more than 300 heads, where the default plan "
+        "screens (docs/scale.md)",
+        cli=_SCAN_LIKE,
+    ),
+    Option(
         "knockout-screen-method",
         "choice",
         "atp*",

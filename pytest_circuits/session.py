@@ -143,13 +143,14 @@ class CircuitsSession:
         ``method`` (a `rungs.kappa_method.KappaMethod`; default: the settings')."""
         import torch
 
+        from .model.weights import StreamedWeights
         from .rungs.kappa import ov_spectrum
 
         s = self.settings
         m = s.kappa_method if method is None else method
 
         def measure():
-            weights = self.weights(recipe)
+            weights = StreamedWeights.of(self.build(recipe).model)  # one layer at a time: nothing held after
             with self._phase(f"rung 1 (kappa, {m.n_rotations} rotations) {self.model_name}:{recipe}"):
                 return ov_spectrum(
                     weights,
@@ -198,18 +199,57 @@ class CircuitsSession:
             )
         return self._memo(("head_knockout", recipe, chosen), lambda: self._knockout_scan(recipe, chosen, None))
 
+    AUTO_SCREEN_HEADS = 300  # above this many heads the default rung-2 plan screens (SmolLM2-135M: 270, exact)
+    AUTO_SCREEN_TOP_K = 12  # ... and knocks out the screen's top 12 exactly, plus the baselines' key heads
+
+    def screen_top_k(self) -> int | None:
+        """The rung-2 plan: exact knockouts of the screen's top K heads (and the baselines' key heads),
+        or None for every head exactly. ``--knockout-screen K`` and ``--knockout-full`` choose; by
+        default a model of more than `AUTO_SCREEN_HEADS` heads screens (its full exact scan is hours
+        on a CPU: docs/scale.md), a smaller one is scanned exactly."""
+        s = self.settings
+        if s.knockout_screen is not None and s.knockout_full:
+            from .errors import CircuitsError
+
+            raise CircuitsError(
+                f"{flag('knockout-full')} (every head exactly) and {flag('knockout-screen')} {s.knockout_screen} "
+                "contradict each other; give one"
+            )
+        if s.knockout_screen is not None or s.knockout_full:
+            return s.knockout_screen
+        geometry = self.preflight()
+        return self.AUTO_SCREEN_TOP_K if geometry.n_layers * geometry.n_heads > self.AUTO_SCREEN_HEADS else None
+
+    def _announce_plan(self, recipe: str, top_k: int, must_include) -> None:
+        """Print the plan chosen by size and its counted cost before it starts (`rungs.plan.plan_line`)."""
+        import sys
+
+        from .rungs.plan import plan_line
+
+        s = self.settings
+        line = plan_line(self.build(recipe), s.knockout_probe, top_k, len(must_include), s.knockout_screen_method)
+        line += f"; the full exact scan only with {flag('knockout-full')}"
+        if self.progress_write is not None:
+            self.progress_write(line)
+        else:
+            print(line, file=sys.stderr)
+
     def _knockout_scan(self, recipe: str, heads, layers):
         from .rungs.knockout import knockout_scan
 
         s = self.settings
+        top_k = self.screen_top_k()
+        must_include = self.baseline_key_heads() if top_k is not None else ()
+        if top_k is not None and s.knockout_screen is None and heads is None:
+            self._announce_plan(recipe, top_k, must_include)
         return knockout_scan(
             self.build(recipe),
             s.knockout_probe,
             mode=s.knockout_mode,
             heads=None if heads is None else list(heads),
-            screen_top_k=s.knockout_screen,
+            screen_top_k=top_k,
             screen_method=s.knockout_screen_method,
-            must_include=self.baseline_key_heads() if s.knockout_screen is not None else (),
+            must_include=must_include,
             batch_size=s.batch_size,
             write=self.progress_write,
             layers=layers,

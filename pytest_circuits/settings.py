@@ -46,6 +46,7 @@ class CircuitsSettings:
     knockout_seed: int = 1  # held out: differs from the probe's seed
     knockout_mode: str = "zero"  # or "mean"
     knockout_screen: int | None = None  # exact knockouts only on the top k of an attribution screen
+    knockout_full: bool = False  # every head exactly, whatever the model's size (session.screen_top_k)
     knockout_screen_method: str = "atp*"  # how the screen ranks heads (rungs/screen.py)
     # How new records measure kappa (centred W_U, 32-draw t null); the gate measures a build the
     # way its baseline was measured (rungs/kappa_method.py, gate/verdict.candidate_record).
@@ -102,6 +103,7 @@ def build_settings(raw: dict, baselines: Path, front_end: str | None = None, **f
         probe=RepeatSettings(seed=get("probe-seed"), n=get("probe-n"), L=get("probe-length")),
         knockout_mode=get("knockout-mode"),
         knockout_screen=get("knockout-screen"),
+        knockout_full=get("knockout-full"),
         knockout_screen_method=get("knockout-screen-method"),
         knockout_shards=get("knockout-shards"),
         batch_size=get("batch-size"),
@@ -115,6 +117,7 @@ def recording_words(s: CircuitsSettings, front_end: str) -> list[str]:
     values = {
         "name": s.name,
         "knockout-screen": s.knockout_screen,
+        "knockout-full": s.knockout_full,
         "knockout-screen-method": s.knockout_screen_method,
         "knockout-mode": s.knockout_mode,
         "trust-remote-code": s.trust_remote_code,

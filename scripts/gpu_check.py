@@ -12,6 +12,10 @@
    ``$PYTEST_CIRCUITS_LLMCOMPRESSOR_PYTHON`` set also gptq-int4-g64 and awq-int4-g64), which ship
    no baseline: recorded on the CPU and on the GPU in this run (no knockouts) and gated GPU
    against CPU. ``--formats none`` skips them.
+5. One random-weight shape above 1B (``--size``, default Llama-3.2-1B's; seeded, built into a
+   temporary folder by ``scripts/measure_sizes.py``, no download) scanned in bf16 as the default
+   plan at size runs it (the atp screen, its top 8 exactly, n 8, L 64): its time and peak GPU
+   memory, and that every head was screened and 8 knocked out exactly. ``--size none`` skips it.
 
 Printed as one table. Run: ``python scripts/gpu_check.py`` (``--device cuda:1``, ``--recipes fp32,bnb-nf4``).
 
@@ -42,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda:0", help="the CUDA device (default cuda:0)")
     parser.add_argument("--recipes", default=None, help="comma list of recipes (default: every shipped baseline's)")
     parser.add_argument("--formats", default=",".join(FORMATS), help="comma list of formats (or none)")
+    parser.add_argument("--recipes", default=None, help="comma list of recipes (default: every recipe)")
+    parser.add_argument(
+        "--size",
+        default="llama-3.2-1b",
+        help="a random-weight shape above 1B to scan in bf16 (scripts/measure_sizes.py; none: skip)",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -140,6 +150,10 @@ def run(args, torch) -> int:
         format_rows, format_failed = formats_rows(args.formats.split(","), torch, device)
         rows += format_rows
         failed |= format_failed
+    if args.size != "none":
+        row, ok = size_row(args.size, device, torch)
+        rows.append(row)
+        failed |= not ok
 
     name = torch.cuda.get_device_name(device)
     print(f"gpu_check: SmolLM2-135M on {device} ({name}), torch {torch.__version__}")
@@ -218,6 +232,47 @@ def formats_rows(names: list[str], torch, device) -> tuple[list[tuple], bool]:
             )
             torch.cuda.empty_cache()
     return rows, failed
+
+
+SIZE_SCREEN = 8  # exact knockouts after the screen in the size row
+
+
+def size_row(shape: str, device, torch) -> tuple[tuple, bool]:
+    """Scan a random-weight checkpoint of ``shape`` in bf16 on ``device`` (screen + top 8 exactly): the table row, ok."""
+    import importlib.util
+    import tempfile
+    from pathlib import Path
+
+    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.settings import CircuitsSettings
+
+    spec = importlib.util.spec_from_file_location("measure_sizes", Path(__file__).with_name("measure_sizes.py"))
+    assert spec is not None and spec.loader is not None
+    sizes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sizes)
+    with tempfile.TemporaryDirectory(prefix="gpu-check-size-") as tmp:
+        folder = Path(tmp) / shape
+        gigabytes = sizes.build_checkpoint(shape, folder, seed=0) / 1e9
+        settings = CircuitsSettings(
+            model=str(folder),
+            builds=("bf16",),
+            reference="bf16",
+            device=str(device),
+            knockout_screen=SIZE_SCREEN,
+            knockout_screen_method="atp",
+        )
+        session = CircuitsSession(settings)
+        _peak_reset(torch, device)
+        start = time.perf_counter()
+        record = session.record("bf16")
+        seconds = time.perf_counter() - start
+        heads = record["heads"]
+        exact = sum(h.get("knockout_delta") is not None for h in heads)
+        screened = sum(h.get("knockout_estimate") is not None for h in heads)
+        ok = exact == SIZE_SCREEN and screened == len(heads)
+        verdict = f"{exact} exact, {screened}/{len(heads)} screened" + ("" if ok else ": FAIL")
+        label = f"{shape} bf16 ({gigabytes:.1f} GB, random), scan"
+        return (label, f"{seconds:.1f}", f"{_peak_mb(torch, device):.0f}", f"{record['copy_loss']:.3f}", verdict), ok
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from pytest_circuits.errors import CircuitsError
 from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.families import get_module, layer_modules, out_proj_module
 from pytest_circuits.model.loading import resolve_model
-from pytest_circuits.model.weights import extract_weights
+from pytest_circuits.model.weights import StreamedWeights, extract_weights
 from pytest_circuits.rungs.kappa import (
     COLUMNS,
     EXTRA_COLUMNS,
@@ -38,6 +38,7 @@ from pytest_circuits.rungs.kappa import (
     reduced_ov_reference,
     shared_unembed_embed,
     symmetric_t,
+    unembed_embed_pair,
     without_attrs,
 )
 from pytest_circuits.testing import make_tiny_model, requires_embedded_model, requires_smollm2
@@ -283,6 +284,38 @@ def test_uncentred_unembedding_is_the_stored_one():
     np.testing.assert_allclose(raw["kappa"], raw["kappa_uncentred"], atol=0)
     with pytest.raises(SpectrumError, match="unknown unembedding 'mean'; use one of: centred, uncentred"):
         ov_spectrum(w, unembedding="mean")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_blocked_unembed_embed_equals_the_direct_product(family):
+    """``W_U W_E`` summed over vocabulary blocks (any size, the last one short) equals the one
+    product of the whole matrices, and the centred one equals ``W_U (I - 11^T / V) W_E`` formed
+    explicitly (float64, numpy): blocking changes the rounding, nothing else."""
+    weights = extract_weights(make_tiny_model(family, seed=4))
+    W_U, W_E = weights.W_U.double().numpy(), weights.W_E.double().numpy()
+    V = W_E.shape[0]
+    expected = {"uncentred": W_U @ W_E, "centred": W_U @ (np.eye(V) - np.ones((V, V)) / V) @ W_E}
+    direct = unembed_embed_pair(weights)
+    for rows in (1, 7, V - 1, V, V + 3):
+        blocked = unembed_embed_pair(weights, rows=rows)
+        for name in expected:
+            np.testing.assert_allclose(blocked[name].numpy(), expected[name], rtol=1e-10, atol=1e-12)
+            np.testing.assert_allclose(blocked[name].numpy(), direct[name].numpy(), rtol=1e-12, atol=1e-13)
+    streamed = unembed_embed_pair(StreamedWeights.of(make_tiny_model(family, seed=4)), rows=5)
+    for name in expected:  # its folded W_U blocks differ from the whole matrix's by float32 rounding
+        scale = np.abs(expected[name]).max()
+        np.testing.assert_allclose(streamed[name].numpy(), expected[name], rtol=0, atol=1e-6 * scale)
+
+
+def test_streamed_spectrum_equals_the_all_at_once_spectrum():
+    """Rung 1 read one layer at a time (the session's way) gives the figures of the all-at-once read."""
+    model = make_tiny_model("llama", seed=6)
+    whole = ov_spectrum(extract_weights(model), n_rotations=16)
+    streamed = ov_spectrum(StreamedWeights.of(model), n_rotations=16)
+    np.testing.assert_allclose(streamed[NUMERIC].to_numpy(), whole[NUMERIC].to_numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(streamed.attrs["eigenvalues"], whole.attrs["eigenvalues"], rtol=1e-9, atol=1e-12)
+    assert streamed[["copying", "suppression"]].equals(whole[["copying", "suppression"]])
+    assert streamed.attrs["summary"] == whole.attrs["summary"]
 
 
 # ---------------------------------------------------------------- the gate measures a build the baseline's way

@@ -134,6 +134,22 @@ def test_cached_and_batched_scan_equals_naive_loop(fp32_builds, family, mode):
     assert max(abs(plain.set_index("head")["knockout_delta"][h] - naive[h]) for h in naive) <= 1e-6
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bounded_record_recomputes_to_the_same_deltas(fp32_builds, family):
+    """With room for fewer block inputs than layers, the replay recomputes the missing ones from
+    the nearest kept input: the same deltas, bit for bit, as with every input kept."""
+    build = fp32_builds[family]
+    full = knockout_scan(build, HELD_OUT, batch_size=3, progress=False)
+    n_tokens = HELD_OUT.n * (2 * HELD_OUT.L + bos_offset(build.tokens))
+    one_block = n_tokens * build.geometry.d_model * 4
+    assert knockout.record_stride(build, n_tokens, record_bytes=10**12) == 1
+    assert knockout.record_stride(build, n_tokens, record_bytes=one_block) == build.geometry.n_layers
+    for budget in (one_block, 2 * one_block):
+        bounded = knockout_scan(build, HELD_OUT, batch_size=3, progress=False, record_bytes=budget)
+        assert bounded["knockout_delta"].tolist() == full["knockout_delta"].tolist(), budget
+        assert bounded.attrs["cached"] and bounded.attrs["copy_loss"] == full.attrs["copy_loss"]
+
+
 def test_dataframe_contract(fp32_builds):
     build = fp32_builds["llama"]
     df = knockout_scan(build, HELD_OUT, progress=False)
@@ -518,3 +534,47 @@ def test_smollm2_strongest_induction_head_knockout(smollm2):
     print(report)
     assert deltas[label] > 0.5, report
     assert deltas[label] > 5 * max(abs(d) for d in control_deltas), report
+
+
+def _session_of(folder, **settings):
+    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.settings import CircuitsSettings
+
+    probe = RepeatSettings(seed=0, n=2, L=6)
+    base = dict(model=str(folder), builds=("fp32",), reference="fp32", device="cpu", probe=probe)
+    return CircuitsSession(CircuitsSettings(**{**base, **settings}))
+
+
+def test_default_plan_screens_past_300_heads_and_says_so_first(tmp_path):
+    """More than 300 heads: rung 2 screens by default (top 12 exact), printing the plan and its
+    counted time before it starts; --knockout-full asks for every head; 300 or fewer stay exact."""
+    from pytest_circuits.rungs.plan import exact_flops, screen_flops
+
+    wide = save_tiny_model(
+        "llama",
+        tmp_path / "wide",
+        num_hidden_layers=4,
+        num_attention_heads=76,
+        num_key_value_heads=4,
+        hidden_size=304,
+        intermediate_size=64,
+    )
+    session = _session_of(wide, knockout_screen_method="atp")
+    assert session.screen_top_k() == session.AUTO_SCREEN_TOP_K == 12
+    lines: list[str] = []
+    session.progress_write = lines.append
+    frame = session.head_knockout("fp32")
+    plan = [line for line in lines if line.startswith("circuits: rung 2 of")]
+    assert len(plan) == 1 and "304 heads" in plan[0] and "the atp screen over every head" in plan[0]
+    assert "the full exact scan only with --circuits-knockout-full" in plan[0] and "GFLOP/s" in plan[0]
+    assert lines.index(plan[0]) == 0  # before any progress of the scan
+    assert frame.attrs["screened"] and len(frame.attrs["exact_heads"]) == 12
+    assert frame["knockout_delta"].notna().sum() == 12
+    build, probe = session.build("fp32"), session.settings.knockout_probe
+    assert screen_flops(build, probe, "atp") + exact_flops(build, probe, 12) < exact_flops(build, probe) / 5
+    assert _session_of(wide, knockout_full=True).screen_top_k() is None
+    assert _session_of(wide, knockout_screen=5).screen_top_k() == 5
+    with pytest.raises(CircuitsError, match="contradict each other; give one"):
+        _session_of(wide, knockout_full=True, knockout_screen=5).screen_top_k()
+    narrow = save_tiny_model("llama", tmp_path / "narrow")
+    assert _session_of(narrow).screen_top_k() is None  # the embedded model, SmolLM2: every head exactly

@@ -8,7 +8,7 @@ import torch
 from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.families import attention_module, family_of, get_module, layer_modules
 from pytest_circuits.model.loading import resolve_model
-from pytest_circuits.model.weights import extract_weights
+from pytest_circuits.model.weights import StreamedWeights, extract_weights
 from pytest_circuits.testing import make_tiny_model
 
 from .conftest import FAMILIES
@@ -249,3 +249,55 @@ def test_embeddings_and_unembedding_shapes():
     assert weights.W_U.shape == (geo.d_model, geo.vocab)
     assert weights.W_OV(1, 2).shape == (geo.d_model, geo.d_model)
     assert weights.W_QK(1, 2).shape == (geo.d_model, geo.d_model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streamed_weights_read_what_extract_weights_holds(family):
+    """One layer at a time and the vocabulary in blocks: each read equals the same slice of the
+    all-at-once read, bit for bit (W_V, W_O per layer; W_E over any block size); the folded W_U
+    to float32 rounding (its fold is a matmul, whose kernel rounds by the block's width)."""
+    model = make_tiny_model(family, seed=3)
+    whole = extract_weights(model, fold=True)
+    streamed = StreamedWeights.of(model, fold=True)
+    assert streamed.n_layers == whole.n_layers and streamed.family == whole.family
+    for layer in range(whole.n_layers):
+        read = streamed.layer(layer)
+        assert read.W_Q is None and read.W_K is None  # rung 1 reads no QK
+        assert torch.equal(read.W_V, whole.layers[layer].W_V)
+        assert torch.equal(read.W_O, whole.layers[layer].W_O)
+    for rows in (None, 1, 7, whole.geometry.vocab + 5):
+        blocks = list(streamed.vocab_blocks(rows))
+        torch.testing.assert_close(torch.cat([u for u, _ in blocks], dim=1), whole.W_U, rtol=1e-6, atol=1e-7)
+        assert torch.equal(torch.cat([e for _, e in blocks]), whole.W_E), rows
+    unfolded = list(StreamedWeights.of(model, fold=False).vocab_blocks(7))
+    assert torch.equal(torch.cat([u for u, _ in unfolded], dim=1), extract_weights(model, fold=False).W_U)
+
+
+def test_streamed_weights_dequantize_per_block(tiny_folder):
+    """A quantized build read in blocks and per layer equals its all-at-once dequantized read."""
+    build = load_build(resolve_model(tiny_folder("llama")), "rtn-int4", "cpu")
+    whole = extract_weights(build.model)
+    streamed = StreamedWeights.of(build.model)
+    assert torch.equal(streamed.layer(1).W_V, whole.layers[1].W_V)
+    blocks = list(streamed.vocab_blocks(5))
+    torch.testing.assert_close(torch.cat([u for u, _ in blocks], dim=1), whole.W_U, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp16"])
+def test_half_builds_load_at_their_dtype_with_the_bits_of_a_cast(tiny_folder, recipe):
+    """A bf16/fp16 build loads straight at its dtype (no float32 copy of the model) and holds
+    exactly the parameters and buffers that loading float32 and casting gave."""
+    from pytest_circuits.model.builds import from_pretrained, get_recipe, torch_dtype
+
+    source = resolve_model(tiny_folder("llama"))
+    dtype = torch_dtype(get_recipe(recipe))
+    cast = from_pretrained(source.folder, "x", "cpu", dtype=torch.float32).to(dtype=dtype)
+    built = load_build(source, recipe, "cpu").model
+    for theirs, ours in (
+        (cast.named_parameters(), built.named_parameters()),
+        (cast.named_buffers(), built.named_buffers()),
+    ):
+        a, b = dict(theirs), dict(ours)
+        assert a.keys() == b.keys()
+        for name in a:
+            assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name

@@ -204,9 +204,10 @@ def model_info(session, build) -> dict:
     }
 
 
-def build_record(session, recipe: str, knockout: bool = True, method=None) -> dict:
+def build_record(session, recipe: str, knockout: bool = True, method=None, knockout_frame=None) -> dict:
     """The scan record of one build, computed (and cached) through ``session``; kappa measured by
-    ``method`` (a `KappaMethod`, default the settings')."""
+    ``method`` (a `KappaMethod`, default the settings'); ``knockout_frame``: these knockouts (one
+    shard's, `gate.shards`) instead of the session's scan."""
     s = session.settings
     method = s.kappa_method if method is None else method
     build = session.build(recipe)
@@ -214,12 +215,12 @@ def build_record(session, recipe: str, knockout: bool = True, method=None) -> di
     probe = session.repeat_probe(recipe)
     ko_frame, ko_info = None, None
     if knockout:
-        ko_frame = session.head_knockout(recipe)
+        ko_frame = session.head_knockout(recipe) if knockout_frame is None else knockout_frame
         ko_info = {
             **s.knockout_probe.as_dict(),
             "mode": ko_frame.attrs.get("mode", s.knockout_mode),
-            "screened": s.knockout_screen,
-            "screen_method": s.knockout_screen_method if s.knockout_screen is not None else None,
+            "screened": session.screen_top_k(),
+            "screen_method": s.knockout_screen_method if session.screen_top_k() is not None else None,
         }
     return assemble_record(
         model=model_info(session, build),

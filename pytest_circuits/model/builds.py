@@ -325,8 +325,10 @@ def load_build(
         kwargs = dict(quantization_config=_bnb_config(recipe), dtype=torch_dtype(recipe), device_map=placement)
     elif spread:  # each weight loads at the recipe's dtype straight onto its GPU (rtn rounds there)
         kwargs = dict(dtype=torch_dtype(recipe), device_map=device_map)
-    else:
+    elif recipe.backend == "rtn":  # rounds each weight in float32 from the checkpoint's values
         kwargs = dict(dtype=torch.float32)
+    else:  # straight to the recipe's dtype: a bf16 build never holds a float32 copy (same bits as casting after)
+        kwargs = dict(dtype=torch_dtype(recipe))
     folder, calibration = source.folder, None
     if recipe.backend == LLMC:  # llm-compressor's checkpoint of the float weights, made out of process
         from .calibrated import calibrated_checkpoint

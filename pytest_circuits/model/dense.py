@@ -71,6 +71,17 @@ def dense_weight(module: torch.nn.Module) -> torch.Tensor:
     return weight.detach().float()
 
 
+def dense_rows(module: torch.nn.Module, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of `dense_weight` (float32, CPU): a plain ``nn.Linear`` or
+    ``nn.Embedding`` weight is sliced before the cast, so only those rows are ever copied; any
+    other layer (quantized, ``Conv1D``) is dequantized whole and sliced."""
+    weight = weight_of(module)
+    plain = type(weight) in (torch.Tensor, torch.nn.Parameter) and bnb_kind(module) is None
+    if plain and type(module).__name__ != "Conv1D":
+        return weight.detach()[start:stop].float().cpu()
+    return dense_weight(module)[start:stop].cpu()
+
+
 CPU_PACK_BLOCK_N = 32  # rows per block of bitsandbytes' CPU-packed 4-bit layout
 
 

@@ -16,11 +16,12 @@ the logits before it; the cap is monotone per token).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from .dense import dense_bias, dense_weight, weight_of
+from .dense import dense_bias, dense_rows, dense_weight, weight_of
 from .families import (
     Family,
     Geometry,
@@ -89,6 +90,81 @@ class ModelWeights:
     def W_V_per_query_head(self, layer: int) -> torch.Tensor:
         """``W_V`` expanded to one entry per query head: (n_heads, d_model, d_head)."""
         return self.layers[layer].W_V.repeat_interleave(self.geometry.group_size, dim=0)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def layer(self, layer: int) -> LayerWeights:
+        """Layer ``layer``'s weights (the `StreamedWeights` interface)."""
+        return self.layers[layer]
+
+    def vocab_blocks(self, rows: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(W_U[:, a:b], W_E[a:b])`` over the vocabulary in blocks of ``rows`` (None: one block)."""
+        vocab = self.W_E.shape[0]
+        step = vocab if rows is None else rows
+        for start in range(0, vocab, step):
+            yield self.W_U[:, start : start + step], self.W_E[start : start + step]
+
+
+VOCAB_BLOCK_ELEMENTS = 1 << 22  # a vocabulary block of W_E holds about this many entries (32 MB in float64)
+
+
+@dataclass
+class StreamedWeights:
+    """The reads of `ModelWeights`, made from the model when asked and never kept: memory that
+    scales with one layer, not the model.
+
+    ``layer(l)``: layer ``l``'s ``W_V``, ``W_O`` (float32, dequantized, folded as
+    `extract_weights` folds them; ``W_Q``, ``W_K`` not read); ``vocab_blocks(rows)``:
+    ``(W_U[:, a:b], W_E[a:b])`` in blocks of vocabulary rows, so that no full float32 copy of
+    the embedding or unembedding is ever made. Each read equals the same slice of
+    `extract_weights` (tests/test_weights.py).
+    """
+
+    model: torch.nn.Module
+    family_table: Family
+    geometry: Geometry
+    folded: bool
+
+    @classmethod
+    def of(cls, model, fold: bool = True) -> StreamedWeights:
+        """The streamed weights of ``model`` (a CausalLM), folded by default."""
+        return cls(model, family_of(model), geometry_of(model), fold)
+
+    @property
+    def family(self) -> str:
+        return self.family_table.name
+
+    @property
+    def n_layers(self) -> int:
+        return self.geometry.n_layers
+
+    @torch.no_grad()
+    def layer(self, layer: int) -> LayerWeights:
+        """Layer ``layer``'s ``W_V``, ``W_O`` and biases (``W_Q``, ``W_K``: None)."""
+        block = modules_at(self.model, self.family_table.layers)[layer]
+        return _layer_weights(block, self.family_table, self.geometry, self.folded, self.model.config, qk=False)
+
+    def default_rows(self) -> int:
+        """Vocabulary rows per block: `VOCAB_BLOCK_ELEMENTS` entries of ``W_E``."""
+        return max(1, VOCAB_BLOCK_ELEMENTS // self.geometry.d_model)
+
+    @torch.no_grad()
+    def vocab_blocks(self, rows: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(W_U[:, a:b], W_E[a:b])`` (float32, CPU) in blocks of ``rows`` vocabulary rows (default `default_rows`)."""
+        fam, model = self.family_table, self.model
+        vocab = int(weight_of_embedding(model).shape[0])
+        step = self.default_rows() if rows is None else rows
+        read = None
+        if self.folded:
+            final = final_norm_module(model, fam)
+            scale = norm_scale(final, self.geometry.d_model, fam.norm_weight_offset)
+            read = _read_map(scale, fam.norm_kind if final is not None else "none")
+        for start in range(0, vocab, step):
+            stop = min(vocab, start + step)
+            W_U = _unembedding_columns(model, fam, start, stop)
+            yield (W_U if read is None else read @ W_U), _embedding_rows(model, fam, start, stop)
 
 
 def norm_scale(module: torch.nn.Module | None, d_model: int, offset: float = 0.0) -> torch.Tensor:
@@ -164,21 +240,20 @@ def layer_weights(model, layer: int, fold: bool = False, device=None) -> LayerWe
     return _layer_weights(block, fam, geometry_of(model), fold, model.config, device)
 
 
-@torch.no_grad()
-def embedding_matrix(model, fam: Family | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """``W_E`` (vocab x d_model, float32, CPU): what each token adds to the residual stream.
+def weight_of_embedding(model) -> torch.Tensor:
+    """The stored input embedding (vocab x d_model), as it is."""
+    return weight_of(model.get_input_embeddings())
 
-    ``embed_scale * E`` for the stored embedding ``E``; through the family's embedding norm,
-    row by row, where it has one (exact: a norm acts on each token alone). ``rows``: only
-    these token ids' rows, in that order (the self-check reads a few).
-    """
-    fam = fam or family_of(model)
+
+def _embedding_rows(model, fam: Family, start: int, stop: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``start:stop`` of `embedding_matrix` (float32, CPU); ``rows``: these token ids' rows instead."""
     embedding = model.get_input_embeddings()
-    stored = weight_of(embedding)
-    if rows is not None and stored.dtype.is_floating_point:
-        E = stored.detach()[rows.to(stored.device)].float()
+    if rows is None:
+        E = dense_rows(embedding, start, stop)
     else:
-        E = dense_weight(embedding) if rows is None else dense_weight(embedding)[rows.to(stored.device)]
+        stored = weight_of(embedding)
+        floating = stored.dtype.is_floating_point
+        E = (stored.detach() if floating else dense_weight(embedding))[rows.to(stored.device)].float()
     W_E = E * embed_scale_of(model, fam)
     if fam.embed_norm is not None:
         norm = get_module(model, fam.embed_norm)
@@ -188,6 +263,23 @@ def embedding_matrix(model, fam: Family | None = None, rows: torch.Tensor | None
         else:
             W_E = norm(W_E)
     return W_E.float().cpu()
+
+
+def _unembedding_columns(model, fam: Family, start: int, stop: int) -> torch.Tensor:
+    """Columns ``start:stop`` of the unfolded ``W_U`` (d_model x vocab, float32, CPU), logit factor included."""
+    return dense_rows(model.get_output_embeddings(), start, stop).T.contiguous() * logit_factor_of(model.config, fam)
+
+
+@torch.no_grad()
+def embedding_matrix(model, fam: Family | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``W_E`` (vocab x d_model, float32, CPU): what each token adds to the residual stream.
+
+    ``embed_scale * E`` for the stored embedding ``E``; through the family's embedding norm,
+    row by row, where it has one (exact: a norm acts on each token alone). ``rows``: only
+    these token ids' rows, in that order (the self-check reads a few).
+    """
+    fam = fam or family_of(model)
+    return _embedding_rows(model, fam, 0, int(weight_of_embedding(model).shape[0]), rows)
 
 
 @torch.no_grad()
@@ -202,7 +294,7 @@ def extract_weights(model, fold: bool = True) -> ModelWeights:
     blocks = modules_at(model, fam.layers)
     layers = [_layer_weights(block, fam, geo, fold, model.config) for block in blocks]
     W_E = embedding_matrix(model, fam)  # (vocab, d_model)
-    W_U = dense_weight(model.get_output_embeddings()).cpu().T.contiguous() * logit_factor_of(model.config, fam)
+    W_U = _unembedding_columns(model, fam, 0, int(weight_of(model.get_output_embeddings()).shape[0]))
     final = final_norm_module(model, fam)
     final_scale = norm_scale(final, geo.d_model, fam.norm_weight_offset)
     if fold:

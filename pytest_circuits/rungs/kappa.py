@@ -54,7 +54,7 @@ import torch
 
 from ..errors import CircuitsError
 from ..model.families import head_label
-from ..model.weights import ModelWeights, extract_weights
+from ..model.weights import ModelWeights, StreamedWeights
 from . import figures
 from .kappa_method import P_METHODS, UNEMBEDDINGS, KappaMethod
 
@@ -83,41 +83,72 @@ def _check_unembedding(unembedding: str) -> None:
         raise SpectrumError(f"unknown unembedding {unembedding!r}; use one of: {', '.join(UNEMBEDDINGS)}")
 
 
-def unembed_embed_pair(weights: ModelWeights) -> dict[str, torch.Tensor]:
+Weights = ModelWeights | StreamedWeights  # held whole, or read from the model one layer / vocabulary block at a time
+
+
+def unembed_embed_pair(weights: Weights, rows: int | None = None) -> dict[str, torch.Tensor]:
     """``W_U W_E`` (``d_model x d_model``, float64) on both unembeddings, from one product:
     ``"uncentred"`` as stored, ``"centred"`` ``W_U (I - 11^T / vocab) W_E = W_U W_E - (W_U 1)(1^T W_E) / vocab``
-    (each residual direction's mean over the vocabulary removed from ``W_U``)."""
-    W_U, W_E = weights.W_U.double(), weights.W_E.double()
-    raw = W_U @ W_E
-    return {"uncentred": raw, "centred": raw - torch.outer(W_U.sum(dim=1), W_E.sum(dim=0)) / W_U.shape[1]}
+    (each residual direction's mean over the vocabulary removed from ``W_U``).
+
+    Summed over blocks of ``rows`` vocabulary rows, ``W_U W_E = sum_b W_U[:, b] W_E[b]`` and
+    ``W_U 1 = sum_b W_U[:, b] 1`` (``weights.vocab_blocks``; None: `ModelWeights` in one block,
+    `StreamedWeights` in its default blocks): memory is two ``d_model x d_model`` matrices and
+    one block, never ``vocab x vocab`` nor a second full copy of the embedding.
+    """
+    raw = u_sum = e_sum = None
+    vocab = 0
+    for W_U_block, W_E_block in weights.vocab_blocks(rows):
+        W_U, W_E = W_U_block.double(), W_E_block.double()
+        part, u_part, e_part = W_U @ W_E, W_U.sum(dim=1), W_E.sum(dim=0)
+        if raw is None or u_sum is None or e_sum is None:
+            raw, u_sum, e_sum = part, u_part, e_part
+        else:
+            raw, u_sum, e_sum = raw + part, u_sum + u_part, e_sum + e_part
+        vocab += W_E.shape[0]
+    if raw is None or u_sum is None or e_sum is None:
+        raise SpectrumError("the model's embedding has no rows: no W_U W_E to form")
+    return {"uncentred": raw, "centred": raw - torch.outer(u_sum, e_sum) / vocab}
 
 
-def shared_unembed_embed(weights: ModelWeights, unembedding: str = DEFAULT.unembedding) -> torch.Tensor:
+def shared_unembed_embed(weights: Weights, unembedding: str = DEFAULT.unembedding) -> torch.Tensor:
     """``W_U W_E`` (``d_model x d_model``, float64) of the ``unembedding`` chosen: formed once, shared by every head."""
     _check_unembedding(unembedding)
     return unembed_embed_pair(weights)[unembedding]
 
 
-def reduced_ov_layer(weights: ModelWeights, layer: int, WUE: torch.Tensor | None = None) -> torch.Tensor:
+def reduced_ov_layer(weights: Weights, layer: int, WUE: torch.Tensor | None = None, lw=None) -> torch.Tensor:
     """``M_h = W_O[h] (W_U W_E) W_V[group(h)]`` for every head of ``layer``: ``(n_heads, d_head, d_head)``.
 
     ``(W_U W_E) W_V`` is formed once per key/value group, then batched over query heads;
-    ``WUE`` defaults to the centred ``shared_unembed_embed``.
+    ``WUE`` defaults to the centred ``shared_unembed_embed``; ``lw``: the layer's weights, already read.
     """
     WUE = shared_unembed_embed(weights) if WUE is None else WUE
-    lw = weights.layers[layer]
+    lw = weights.layer(layer) if lw is None else lw
     read = WUE @ lw.W_V.double()  # (n_kv_heads, d_model, d_head)
     read = read.repeat_interleave(weights.geometry.group_size, dim=0)
     return lw.W_O.double() @ read
 
 
+def reduced_ov_stacks(weights: Weights, WUEs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``M_h`` of every head for each ``W_U W_E`` in ``WUEs``, each ``(n_layers, n_heads, d_head, d_head)``,
+    float64; each layer is read once and dropped before the next (`StreamedWeights`)."""
+    stacks: list[list[torch.Tensor]] = [[] for _ in WUEs]
+    for layer in range(weights.n_layers):
+        lw = weights.layer(layer)
+        for stack, WUE in zip(stacks, WUEs):
+            stack.append(reduced_ov_layer(weights, layer, WUE, lw))
+        del lw
+    return [torch.stack(stack) for stack in stacks]
+
+
 def reduced_ov(
-    weights: ModelWeights, unembedding: str = DEFAULT.unembedding, WUE: torch.Tensor | None = None
+    weights: Weights, unembedding: str = DEFAULT.unembedding, WUE: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``M_h`` of every head of the model: ``(n_layers, n_heads, d_head, d_head)``, float64
     (``WUE``: an already formed ``shared_unembed_embed`` of ``unembedding``)."""
     WUE = shared_unembed_embed(weights, unembedding) if WUE is None else WUE
-    return torch.stack([reduced_ov_layer(weights, layer, WUE) for layer in range(len(weights.layers))])
+    return reduced_ov_stacks(weights, [WUE])[0]
 
 
 # ---------------------------------------------------------------- scores from eigenvalues
@@ -318,7 +349,7 @@ def ov_gain(eigenvalues: np.ndarray) -> np.ndarray:
 
 
 def spectrum_frame(
-    weights: ModelWeights,
+    weights: Weights,
     eigenvalues: np.ndarray,
     kappa: np.ndarray,
     kappa_trace: np.ndarray,
@@ -420,7 +451,7 @@ def _sorted_by_magnitude(lam: torch.Tensor) -> np.ndarray:
 
 @torch.no_grad()
 def ov_spectrum(
-    weights: ModelWeights,
+    weights: Weights,
     *,
     n_rotations: int = N_ROTATIONS,
     q: float = 0.05,
@@ -462,18 +493,21 @@ def ov_spectrum(
     before ``pd.concat`` or ``merge`` of two spectra.
     """
     _check_settings(n_rotations, q, seed, p_method, null_dtype, n_workers)
-    if not isinstance(weights, ModelWeights):
+    if not isinstance(weights, (ModelWeights, StreamedWeights)):
         raise SpectrumError(
-            f"ov_spectrum takes ModelWeights (from extract_weights), got {type(weights).__name__}; "
+            f"ov_spectrum takes ModelWeights (from extract_weights) or StreamedWeights, got {type(weights).__name__}; "
             "for a model use ov_spectrum_of_model"
         )
     _check_unembedding(unembedding)
     shared = unembed_embed_pair(weights)
-    M = reduced_ov(weights, WUE=shared[unembedding])
+    both = unembedding != "uncentred"
+    stacks = reduced_ov_stacks(weights, [shared[unembedding], shared["uncentred"]] if both else [shared[unembedding]])
+    del shared
+    M = stacks[0]
     lam, kappa, trace = kappa_scores(M)
     uncentred = None
-    if unembedding != "uncentred":
-        _, kappa_u, trace_u = kappa_scores(reduced_ov(weights, WUE=shared["uncentred"]))
+    if both:
+        _, kappa_u, trace_u = kappa_scores(stacks[1])
         uncentred = (kappa_u.numpy(), trace_u.numpy())
     null_k, null_t = null_distributions(M, n_rotations, int(seed), n_workers, null_dtype)
     return spectrum_frame(
@@ -493,11 +527,12 @@ def ov_spectrum(
 
 
 def ov_spectrum_of_model(model, fold: bool = True, **kw) -> pd.DataFrame:
-    """``ov_spectrum(extract_weights(model, fold), **kw)``; ``model`` may be a CausalLM or a LoadedBuild."""
+    """``ov_spectrum`` of a CausalLM or a LoadedBuild, its weights read one layer at a time
+    (`StreamedWeights`: the same figures as from ``extract_weights(model, fold)``)."""
     model = getattr(model, "model", model) if not isinstance(model, torch.nn.Module) else model
     if not isinstance(model, torch.nn.Module):
         raise SpectrumError(f"ov_spectrum_of_model takes a CausalLM or a LoadedBuild, got {type(model).__name__}")
-    return ov_spectrum(extract_weights(model, fold=fold), **kw)
+    return ov_spectrum(StreamedWeights.of(model, fold=fold), **kw)
 
 
 def without_attrs(frame: pd.DataFrame) -> pd.DataFrame:

@@ -16,6 +16,13 @@ that record, then the final norm and the unembedding on the copy positions only;
 knockouts share one replay as ``k`` copies stacked on the batch axis, copy ``j`` with its
 own head knocked out. Nothing here is per family beyond the family table.
 
+Bounded record: every block's input is ``n T d_model`` values in the build's dtype, ``n_layers``
+of them. When that exceeds `RECORD_SHARE` of the memory available (or ``record_bytes``), only
+every ``s``-th block's input is kept (``s`` the smallest stride that fits; the other blocks keep
+their kwargs alone), and a replay from layer ``l`` first recomputes blocks ``c..l-1`` from the
+nearest kept input ``c <= l`` (one copy, no knockout: the intact pass's own inputs again, bit for
+bit). The replays run in the build's dtype, like the intact pass.
+
 Screening (big models): attribution patching ranks every head from one forward and one
 backward, ``estimate_h = sum over sequences, positions of (z_h^ablated - z_h) . dL/dz_h``
 (zero ablation: ``-z_h . dL/dz_h``); exact knockouts then run only on the ``screen_top_k``
@@ -42,22 +49,34 @@ from ..options import KNOCKOUT_MODES, SCREEN_METHODS, flag
 from ..progress import Progress, phase
 from .ablation import ZMeans, ablated, parse_heads, z_observed
 from .figures import sequences_key
-from .repeat import RepeatSettings, bos_offset, check_fits, copy_slices, next_token_losses, repeat_losses, repeat_tokens
+from .repeat import (
+    KNOCKOUT_CPU_TOKENS,
+    RepeatSettings,
+    bos_offset,
+    check_fits,
+    copy_slices,
+    next_token_losses,
+    repeat_losses,
+    repeat_tokens,
+)
 
 MODES = KNOCKOUT_MODES
 ROWS_PER_PASS = 64  # default cap on sequences x knockouts in one replay on an accelerator
-CPU_TOKENS_PER_PASS = 2048  # on a CPU, stacking past about this many tokens runs slower per knockout
+CPU_TOKENS_PER_PASS = KNOCKOUT_CPU_TOKENS  # on a CPU, stacking past about this many tokens runs slower per knockout
 SEQUENCES = sequences_key("knockout_delta")  # the frame's column of per-sequence deltas
 FAST_ATTENTION = "sdpa"  # knockouts need no attention weights: the fused exact kernel
+RECORD_SHARE = 0.25  # the recorded block inputs may take this share of the memory available at the intact pass
 
 
 @dataclass
 class _Chunk:
-    """One batch of held-out sequences and every block's recorded call on it."""
+    """One batch of held-out sequences and every block's recorded call on it (its input kept
+    only at the blocks of ``kept``: the others' hidden state is None, recomputed on replay)."""
 
     ids: torch.Tensor
     calls: list[tuple[tuple, dict]] = field(default_factory=list)
     copy_losses: torch.Tensor | None = None  # intact, per sequence
+    stride: int = 1  # the input of every stride-th block is kept (1: every block's)
 
 
 @dataclass
@@ -128,20 +147,45 @@ def _copy_losses(build, logits, ids, L) -> torch.Tensor:
     return repeat_losses(next_token_losses(logits, ids), L, bos_offset(build.tokens))[1]
 
 
+def record_stride(build: LoadedBuild, n_tokens: int, record_bytes: int | None = None) -> int:
+    """Keep every ``s``-th block's input: the smallest ``s`` whose kept inputs (``n_tokens d_model``
+    values of the build's dtype each) fit in ``record_bytes`` (default `RECORD_SHARE` of the
+    memory available on the build's device); at most ``n_layers``."""
+    from .repeat import available_memory
+
+    geo = build.geometry
+    per_block = n_tokens * geo.d_model * getattr(build.model, "dtype", torch.float32).itemsize
+    budget = int(RECORD_SHARE * available_memory(build.device)) if record_bytes is None else int(record_bytes)
+    kept = max(1, min(geo.n_layers, budget // max(per_block, 1)))
+    return max(1, math.ceil(geo.n_layers / kept))
+
+
+def _without_hidden(args, kwargs) -> tuple[tuple, dict]:
+    """A recorded call with its hidden state dropped (recomputed on replay)."""
+    if args:
+        return (None, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": None}
+
+
 @torch.no_grad()
-def _intact_pass(build: LoadedBuild, ids: torch.Tensor, L: int, batch_size: int, record: bool):
-    """Run the intact model once: per-sequence copy loss, every block's call (``record``), z means."""
+def _intact_pass(
+    build: LoadedBuild, ids: torch.Tensor, L: int, batch_size: int, record: bool, record_bytes: int | None = None
+):
+    """Run the intact model once: per-sequence copy loss, every block's call (``record``; inputs
+    kept at every `record_stride`-th block), z means."""
     model, geo, n = build.model, build.geometry, ids.shape[0]
     blocks = layer_modules(model)
     z_means = ZMeans(geo)
     chunks, per_sequence = [], []
+    stride = record_stride(build, ids.numel(), record_bytes) if record else 1
     for batch in _chunks(ids, batch_size):
-        chunk = _Chunk(batch)
+        chunk = _Chunk(batch, stride=stride)
         handles = []
         if record:
 
-            def keep(module, args, kwargs, _calls=chunk.calls):
-                _calls.append((_detach(args), _detach(kwargs)))
+            def keep(module, args, kwargs, _calls=chunk.calls, _stride=stride):
+                call = (_detach(args), _detach(kwargs))
+                _calls.append(call if len(_calls) % _stride == 0 else _without_hidden(*call))
 
             handles = [b.register_forward_pre_hook(keep, with_kwargs=True) for b in blocks]
         try:
@@ -184,8 +228,15 @@ def _replay(build, chunk: _Chunk, layer: int, k: int, L: int) -> torch.Tensor:
     devices = block_devices(build.model)
     rows = chunk.ids.shape[0]
     memo: dict = {}
-    args, kwargs = chunk.calls[layer]
-    hidden = _tile(_recorded_hidden(args, kwargs), rows, k, memo)
+    start = layer - layer % chunk.stride  # the nearest block at or before ``layer`` whose input was kept
+    hidden = _recorded_hidden(*chunk.calls[start])
+    for index in range(start, layer):  # the intact blocks in between, recomputed once (not stacked)
+        args, kwargs = _call_args(*chunk.calls[index], rows, 1, {}, hidden)
+        if devices is not None:
+            args, kwargs = _moved(args, devices[index]), _moved(kwargs, devices[index])
+        out = blocks[index](*args, **kwargs)
+        hidden = out[0] if isinstance(out, (tuple, list)) else out
+    hidden = _tile(hidden, rows, k, memo)
     last = len(blocks) - 1
     for index in range(layer, len(blocks)):
         args, kwargs = _call_args(*chunk.calls[index], rows, k, memo, hidden)
@@ -200,7 +251,9 @@ def _replay(build, chunk: _Chunk, layer: int, k: int, L: int) -> torch.Tensor:
             _NOT_POSITIONWISE[build.model] = True
             out = blocks[index](*args, **kwargs)
         hidden = out[0] if isinstance(out, (tuple, list)) else out
-    return _tail_copy_losses(build, hidden, chunk.ids.repeat(k, 1), L).reshape(k, rows)
+    ids = chunk.ids.repeat(k, 1)
+    per_copy = [_tail_copy_losses(build, h, i, L) for h, i in zip(hidden.split(rows), ids.split(rows))]
+    return torch.cat(per_copy).reshape(k, rows)  # unembedded one copy at a time: logits of one chunk at once
 
 
 def block_devices(model) -> list[torch.device] | None:
@@ -379,6 +432,7 @@ def knockout_scan(
     knockouts_per_pass: int | None = None,
     cached: bool = True,
     layers=None,
+    record_bytes: int | None = None,
 ) -> pd.DataFrame:
     """Knockout delta of every head (or of ``heads``) on the held-out repeat sequences of ``settings``.
 
@@ -398,6 +452,8 @@ def knockout_scan(
     ``layers``: one shard (`layer_shards`): exact knockouts only of the chosen heads in these
     layers (the intact pass and the screen still see the whole model); `merge_knockout_shards`
     joins the shards into the unsharded scan.
+    ``record_bytes``: the most the recorded block inputs may hold (default `RECORD_SHARE` of the
+    memory available; `record_stride`); fewer kept inputs only add recomputed blocks, same figures.
     ``df.attrs``: ``copy_loss`` (intact), ``mode``, ``settings`` (dict), ``screened``,
     ``screen_top_k``, ``screen_method``, ``exact_heads``, ``cached`` (whether the replay ran),
     ``layers`` (the shard's layers, None for the whole model).
@@ -413,7 +469,7 @@ def knockout_scan(
     if screen_top_k is not None and screen_top_k < 0:
         raise CircuitsError(f"screen_top_k={screen_top_k} must be 0 or more ({flag('knockout-screen')})")
     with attention_implementation(build.model), phase(f"knockout intact pass {build.label}", write, enabled=progress):
-        intact = _intact_pass(build, ids, settings.L, batch_size, record=cached)
+        intact = _intact_pass(build, ids, settings.L, batch_size, record=cached, record_bytes=record_bytes)
     estimate = score = None
     if screen:
         from .screen import screen_estimate

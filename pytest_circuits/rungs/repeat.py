@@ -21,6 +21,7 @@ from ..settings import RepeatSettings  # noqa: F401  (re-exported: the probe's s
 CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
 MIN_ORDINARY_IDS = 2  # with one id every sequence is the same token: no copying to measure
 KNOCKOUT_REPLAY_ROWS = 64  # knockout.ROWS_PER_PASS: rows of one knockout replay pass (at most; fewer on a CPU)
+KNOCKOUT_CPU_TOKENS = 2048  # knockout.CPU_TOKENS_PER_PASS: tokens of one knockout replay pass on a CPU
 
 
 def bos_offset(tokens: TokenInfo) -> int:
@@ -54,7 +55,16 @@ def token_bytes(n: int, L: int, vocab: int) -> int:
     return 8 * n * (5 * L + 2) + 24 * vocab + 65536
 
 
-def probe_memory(geometry, n: int, L: int, batch_size: int, knockout: bool = True) -> dict[str, int]:
+def replay_rows(n: int, L: int, batch_size: int, n_heads: int, device="cpu") -> int:
+    """Rows of one knockout replay pass (`knockout._auto_per_pass`): on a CPU ``b`` rows times the
+    knockouts that fill `KNOCKOUT_CPU_TOKENS` tokens, on an accelerator ``min(max(b, 64), n H)``."""
+    b, T = min(batch_size, n), 2 * L + 1
+    if str(device).startswith("cpu"):
+        return b * max(1, round(KNOCKOUT_CPU_TOKENS / (b * T)))
+    return min(max(batch_size, KNOCKOUT_REPLAY_ROWS), n * n_heads)
+
+
+def probe_memory(geometry, n: int, L: int, batch_size: int, knockout: bool = True, device="cpu") -> dict[str, int]:
     """Estimated peak bytes of the repeat probe (and the knockout scan), by part.
 
     With ``T = 2L + 1`` (BOS counted), ``b`` = batch size, ``H`` heads, ``V`` vocab, ``d`` = d_model,
@@ -63,7 +73,8 @@ def probe_memory(geometry, n: int, L: int, batch_size: int, knockout: bool = Tru
     plus 64 KiB (draw, copy, BOS column and array; the ordinary ids), twice with knockouts. Probe pass: logits ``4 b T V`` plus one sequence's
     float copies ``8 T V``. Knockout pass: every block's recorded input ``4 n T d n_layers`` plus
     the larger of the intact pass (logits, float copy, log-softmax: ``12 b T V``) and a replay of
-    ``R = min(max(b, 64), n H)`` rows unembedding the ``L`` copy positions (``8 R L V``).
+    ``R`` rows (`replay_rows`: ``min(max(b, 64), n H)`` on an accelerator, about 2,048 tokens' worth
+    on a CPU) unembedding the ``L`` copy positions (``8 R L V``).
     """
     T = 2 * L + 1
     H, V, d, layers = geometry.n_heads, geometry.vocab, geometry.d_model, geometry.n_layers
@@ -77,7 +88,7 @@ def probe_memory(geometry, n: int, L: int, batch_size: int, knockout: bool = Tru
         "probe pass": forward(b) + 4 * b * T * V + 8 * T * V,
     }
     if knockout:
-        replay = min(max(batch_size, KNOCKOUT_REPLAY_ROWS), n * H)
+        replay = replay_rows(n, L, batch_size, H, device)
         intact = forward(b) + 12 * b * T * V
         parts["knockout pass"] = 4 * n * T * d * layers + max(intact, forward(replay) + 8 * replay * L * V)
     return parts
@@ -113,7 +124,7 @@ def check_probe_memory(
     for name, value, least in (("n", n, 1), ("L", L, 2), ("batch size", batch_size, 1)):
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise CircuitsError(f"probe {name} must be an integer >= {least}, got {value!r}")
-    parts = probe_memory(geometry, n, L, batch_size, knockout)
+    parts = probe_memory(geometry, n, L, batch_size, knockout, device)
     needed = probe_peak(parts)
     free = available_memory(device) if available is None else int(available)
     if needed > free:

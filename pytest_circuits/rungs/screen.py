@@ -345,11 +345,33 @@ def _call(module, call, hidden, rows: int, k: int) -> None:
     raise RuntimeError(f"{type(module).__name__} did not call its attention function: no pattern to read")
 
 
+SPLIT_FROM_BYTES = 1 << 30  # models with more weight bytes than this run the screen's backward in fewer rows
+ACTIVATION_FLOOR = 512 << 20  # ... keeping its saved activations under this plus an eighth of the weights
+
+
+def screen_rows(build, batch_size: int, L: int) -> int:
+    """Sequences per forward-and-backward of the screen: ``batch_size``, or fewer for a model of more
+    than `SPLIT_FROM_BYTES` of weights, so that the activations its backward keeps,
+    ``T n_layers (6 d_model + 4 d_ff)`` values of the build's dtype per row plus the copy positions'
+    float logits (``10 L V`` bytes), stay under ``ACTIVATION_FLOOR + weights / 8`` (at least one row).
+    Smaller models keep the batch: at SmolLM2's size the whole batch's activations are about 1.4 GB."""
+    model, geo = build.model, build.geometry
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if weights <= SPLIT_FROM_BYTES:
+        return batch_size
+    d_ff = int(getattr(model.config, "intermediate_size", None) or 4 * geo.d_model)
+    item = getattr(model, "dtype", torch.float32).itemsize
+    T = 2 * L + bos_offset(build.tokens)
+    per_row = T * geo.n_layers * (6 * geo.d_model + 4 * d_ff) * item + 10 * L * geo.vocab
+    return max(1, min(batch_size, (ACTIVATION_FLOOR + weights // 8) // per_row))
+
+
 def screen_estimate(
     build, ids, L, mode, means, method: str, batch_size: int, bar=None
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(estimate, rank_score)`` of every head by ``method``: "atp*", "atp*gd" (with GradDrop) or "atp";
     ``bar`` (a `progress.Progress`) counts the chunks of ``batch_size`` sequences."""
+    batch_size = screen_rows(build, batch_size, L)
     if method == "atp":
         est = plain_atp(build, ids, L, mode, means, batch_size, bar)
         return est, np.abs(est)

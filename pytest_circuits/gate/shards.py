@@ -1,0 +1,151 @@
+"""One build's scan as K separate jobs: each job writes the part of one knockout shard, one
+command merges the parts into the record the unsharded scan gives, bit for bit.
+
+A part is ``{"part": {"format", "index", "of", "layers"}, "record": <scan record>}``: the full
+scan record of the build (rung 1, the probe, the screen) with exact knockout deltas only for the
+heads of its shard's layers (`rungs.knockout.layer_shards`: contiguous layers of equal replay
+cost). The merge takes each head's ``knockout_delta*`` figures from the part that owns its layer
+and checks that everything else is the same in every part (one build, settings and weights);
+any difference is refused with one line naming the part and the field. Jobs share no folder:
+only the part files travel (a CI matrix's artifacts, a Slurm array's output directory).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from ..errors import CircuitsError
+
+PART_FORMAT = 1
+KNOCKOUT_PREFIX = "knockout_delta"  # a head row's figures that the part owning its layer measured
+# where two parts of one build may differ: the spec the model was typed as (a job's own path)
+JOB_LOCAL = (("model", "spec"),)
+
+
+class ShardError(CircuitsError):
+    """A bad ``--shard``, or parts that are not one build's shards."""
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"i/K"`` (1-based, as a CI matrix or ``SLURM_ARRAY_TASK_ID`` counts) -> ``(i, K)``."""
+    try:
+        index, total = (int(part) for part in str(text).split("/"))
+    except ValueError:
+        raise ShardError(f"--shard {text!r} is not i/K (e.g. 2/4: the second of four shards)") from None
+    if total < 1 or not 1 <= index <= total:
+        raise ShardError(f"--shard {text}: i must lie in 1..K and K be at least 1 (e.g. 2/4)")
+    return index, total
+
+
+def part_of(session, recipe: str, index: int, total: int) -> dict:
+    """Shard ``index`` of ``total`` (1-based) of the scan of ``recipe``: the part a job writes."""
+    from .record import build_record
+
+    if session.shards != total:
+        raise ShardError(f"the session splits the knockouts into {session.shards} shards, not {total}")
+    layers = session.shard_layers()
+    if index > len(layers):
+        raise ShardError(
+            f"--shard {index}/{total}: the model has {len(layers)} layers, so at most {len(layers)} shards; "
+            f"use K <= {len(layers)}"
+        )
+    frame = session.knockout_shard(recipe, index - 1)
+    record = build_record(session, recipe, knockout=True, knockout_frame=frame)
+    meta = {"format": PART_FORMAT, "index": index, "of": total, "layers": layers[index - 1]}
+    return {"part": meta, "record": record}
+
+
+def dumps_part(part: dict) -> str:
+    """A part's text: its record rounded as a baseline is (`store.round_sig`), so the merge writes the same bytes."""
+    from .store import round_sig
+
+    return json.dumps({"part": part["part"], "record": round_sig(part["record"])}, sort_keys=True, indent=1) + "\n"
+
+
+def read_part(path: Path) -> dict:
+    """A part file, or one line saying why it is not one."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ShardError(f"part {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ShardError(f"part {path} is not JSON ({str(error).splitlines()[0]}); write it again") from None
+    meta = data.get("part") if isinstance(data, dict) else None
+    if not isinstance(meta, dict) or not isinstance(data.get("record"), dict) or meta.get("format") != PART_FORMAT:
+        raise ShardError(f"{path} is not a shard part (circuits record --shard i/K --out FILE writes one)")
+    return data
+
+
+def _without_knockouts(record: dict) -> dict:
+    """The record less what only one part measures (its heads' knockout figures) and job-local fields."""
+    plain = copy.deepcopy(record)
+    for row in plain.get("heads") or []:
+        for key in [k for k in row if k.startswith(KNOCKOUT_PREFIX)]:
+            del row[key]
+    for section, key in JOB_LOCAL:
+        (plain.get(section) or {}).pop(key, None)
+    return plain
+
+
+def _first_difference(a, b, where: str = "") -> str | None:
+    """The dotted path of the first place two JSON values differ, else None."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(set(a) | set(b)):
+            if key not in a or key not in b:
+                return f"{where}{key}"
+            found = _first_difference(a[key], b[key], f"{where}{key}.")
+            if found:
+                return found
+        return None
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return where.rstrip(".")
+        for i, (x, y) in enumerate(zip(a, b)):
+            found = _first_difference(x, y, f"{where}{i}.")
+            if found:
+                return found
+        return None
+    return None if a == b else where.rstrip(".")
+
+
+WHY = {"model": "other weights or another model", "build": "another build", "probe": "other probe settings"}
+
+
+def merge_parts(parts: list[tuple[str, dict]]) -> dict:
+    """The unsharded record from every part of one build's scan (``(name, part)`` pairs, any order)."""
+    if not parts:
+        raise ShardError("no parts to merge")
+    name0, first = parts[0]
+    total = first["part"]["of"]
+    owners: dict[int, tuple[str, dict]] = {}
+    base = _without_knockouts(first["record"])
+    for name, part in parts:
+        meta = part["part"]
+        if meta["of"] != total:
+            raise ShardError(
+                f"{name} is shard {meta['index']}/{meta['of']}, {name0} one of {total}: parts of two splits"
+            )
+        if meta["index"] in owners:
+            raise ShardError(f"{owners[meta['index']][0]} and {name} are both shard {meta['index']}/{total}")
+        owners[meta["index"]] = (name, part)
+        where = _first_difference(base, _without_knockouts(part["record"]))
+        if where is not None:
+            why = WHY.get(where.split(".")[0], "other settings or figures")
+            raise ShardError(
+                f"{name} differs from {name0} in {where} ({why}): merge only the parts of one build, settings and weights"
+            )
+    missing = [i for i in range(1, total + 1) if i not in owners]
+    if missing:
+        raise ShardError(f"shard(s) {', '.join(f'{i}/{total}' for i in missing)} missing: merge all {total} parts")
+    layer_owner = {layer: part for _, part in owners.values() for layer in part["part"]["layers"]}
+    merged = copy.deepcopy(first["record"])
+    for i, row in enumerate(merged["heads"]):
+        owner = layer_owner.get(row["layer"])
+        if owner is None:
+            raise ShardError(f"no part holds layer {row['layer']}: the parts do not cover the model")
+        theirs = owner["record"]["heads"][i]
+        for key in [k for k in row if k.startswith(KNOCKOUT_PREFIX)]:
+            row[key] = theirs.get(key)
+    return merged

@@ -1,0 +1,92 @@
+"""The counted cost of a rung-2 plan (screen + exact knockouts, or every head exactly), and its time
+at the rate a matmul reaches on the build's device: the line printed before a plan chosen by size starts.
+
+Counts (multiply-add = 2), with ``forward`` = `knockout.knockout_flops`'s one forward:
+
+* exact knockouts of ``k`` heads: ``forward + k x`` the mean replay of one head
+  (``(scan(all) - forward) / heads``: the heads the screen will pick are not known before it runs);
+* screen ``atp``: one forward and one backward, ``3 forward``;
+* ``atp*`` adds the QK fix: for every pair of a source layer and a later layer, the later layer's
+  attention on ``n_heads`` stacked copies of every token (``n T n_heads x n_layers (n_layers - 1) / 2``
+  attention passes of ``2 x`` its matrix parameters ``+ 4 n_heads d_head (T+1)/2`` a token);
+* ``atp*gd`` adds ``n_layers - 1`` backward passes (``2 forward`` each).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..model.families import attention_module
+from .knockout import knockout_flops
+from .repeat import RepeatSettings, bos_offset
+
+RATE_ROWS = 512  # rows of the matmul that measures the device's rate
+
+
+def screen_flops(build, settings: RepeatSettings, method: str) -> float:
+    """Counted FLOPs of the screen ``method`` over every head (module docstring)."""
+    geo = build.geometry
+    forward = knockout_flops(build, settings, heads=[])["forward"]
+    flops = 3 * forward
+    if method.startswith("atp*"):
+        T = 2 * settings.L + bos_offset(build.tokens)
+        attn = attention_module(build.model, geo.n_layers - 1)
+        params = sum(p.numel() for p in attn.parameters() if p.dim() >= 2)
+        per_token = 2 * params + 4 * geo.n_heads * geo.d_head * (T + 1) / 2
+        pairs = geo.n_layers * (geo.n_layers - 1) / 2
+        flops += settings.n * T * geo.n_heads * pairs * per_token
+    if method == "atp*gd":
+        flops += 2 * forward * (geo.n_layers - 1)
+    return flops
+
+
+def exact_flops(build, settings: RepeatSettings, n_heads: int | None = None) -> float:
+    """Counted FLOPs of exact knockouts of ``n_heads`` heads (None: every head, the full exact scan)."""
+    counted = knockout_flops(build, settings)
+    if n_heads is None:
+        return counted["scan"]
+    total = build.geometry.n_layers * build.geometry.n_heads
+    return counted["forward"] + n_heads * (counted["scan"] - counted["forward"]) / total
+
+
+def measured_rate(build, repeats: int = 3) -> float:
+    """FLOP/s of a ``RATE_ROWS x d_model`` by ``d_model x d_model`` matmul in the build's dtype on its device."""
+    d = build.geometry.d_model
+    dtype = getattr(build.model, "dtype", torch.float32)
+    dtype = dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+    a = torch.randn(RATE_ROWS, d, dtype=dtype, device=build.device)
+    b = torch.randn(d, d, dtype=dtype, device=build.device)
+    a @ b  # warm up
+    if build.device.type == "cuda":
+        torch.cuda.synchronize(build.device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    if build.device.type == "cuda":
+        torch.cuda.synchronize(build.device)
+    return 2 * RATE_ROWS * d * d * repeats / max(time.perf_counter() - start, 1e-9)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def plan_line(build, settings: RepeatSettings, top_k: int, n_key: int, method: str) -> str:
+    """``circuits: rung 2 of L:bf16 (1024 heads, more than 300): the atp screen ... about 16 min ...``."""
+    geo = build.geometry
+    heads = geo.n_layers * geo.n_heads
+    rate = measured_rate(build)
+    planned = screen_flops(build, settings, method) + exact_flops(build, settings, min(heads, top_k + n_key))
+    full = exact_flops(build, settings)
+    return (
+        f"circuits: rung 2 of {build.label} ({heads} heads): the {method} screen over every head, then the top "
+        f"{top_k} and {n_key} key head(s) of the baselines exactly: counted {planned / 1e12:.3g} TFLOP, about "
+        f"{_duration(planned / rate)} at {rate / 1e9:.0f} GFLOP/s (a matmul measured here); the full exact scan "
+        f"would be {full / 1e12:.3g} TFLOP, about {_duration(full / rate)}"
+    )

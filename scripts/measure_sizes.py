@@ -1,0 +1,443 @@
+"""Time and memory of `circuits scan` at the sizes users ship, measured on random weights of real shapes.
+
+Builds seeded random-weight checkpoints with the exact shapes of Llama-3.2-1B, Llama-3.2-3B,
+Qwen3-4B and Llama-3-8B (bf16, written tensor by tensor, never the whole model in memory;
+no download), then runs each rung of the scan in a fresh process and reads, per rung, wall
+and CPU seconds, the process's peak resident memory (``ru_maxrss``: every page the process
+ever held, not tracemalloc's Python allocations), the FLOPs counted from the shapes and the
+rate achieved. Writes the table into ``docs/scale.md`` (between its ``measured`` markers).
+
+Run (about an hour for the four shapes on 2 cores):
+
+    python scripts/measure_sizes.py --shapes llama-3.2-1b,llama-3.2-3b,qwen3-4b,llama-3-8b --write-docs
+
+Checkpoints go to ``--folder`` (default ``/work/scratch/sizes``, or ``$CIRCUITS_SIZES_DIR``) and are
+deleted after their rows unless ``--keep``. ``--probe-n``/``--probe-length`` shrink the probe
+(the table says which was used). One rung alone: ``--rungs rung1,probe``. With ``--results FILE`` every
+run appends its rows there and the table is made from all of them (each shape's latest run of each rung).
+
+Rows (each a fresh process that loads the build first; its load is timed apart):
+
+* ``load``: the build loaded and its per-head decomposition self-checked;
+* ``rung 1``: kappa of every head and its 32-draw rotation null (W_U W_E in vocabulary blocks, one
+  layer's W_V, W_O at a time);
+* ``probe``: the seeded repeat probe (n x 2L tokens, attention patterns per layer);
+* ``screen + exact``: rung 2 as the default plan at size runs it: the AtP screen over every head, then
+  exact knockouts of its top ``--screen`` heads;
+* ``scan``: the whole ``circuits scan --knockout-screen K`` in one process (its peak is the goal's figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LLAMA_3_2 = dict(  # what Llama-3.2-1B and -3B share
+    model_type="llama",
+    intermediate_size=8192,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=True,
+    rope_theta=500000.0,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+)
+SHAPES: dict[str, dict] = {
+    "llama-3.2-1b": {
+        **LLAMA_3_2,
+        "hidden_size": 2048,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "head_dim": 64,
+    },
+    "llama-3.2-3b": {
+        **LLAMA_3_2,
+        "hidden_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 24,
+        "head_dim": 128,
+    },
+    "qwen3-4b": dict(
+        model_type="qwen3",
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+    ),
+    "llama-3-8b": dict(
+        model_type="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+    ),
+}
+RUNGS = ("load", "rung1", "probe", "screen", "scan")
+INIT_STD = 0.02  # transformers' initializer_range: the random weights' scale
+SHARD_BYTES = 2 * 1024**3  # a safetensors shard holds at most this many bytes
+ROW_CHUNK = 1 << 24  # entries drawn at once (float32 scratch of 64 MB)
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs" / "scale.md"
+BEGIN, END = "<!-- measured: begin (scripts/measure_sizes.py) -->", "<!-- measured: end -->"
+GIB = 1024**3
+
+
+# ---------------------------------------------------------------- random checkpoints
+
+
+def shape_config(name: str):
+    """The transformers config of shape ``name`` (bf16, eager attention)."""
+    from transformers import AutoConfig
+
+    spec = dict(SHAPES[name])
+    model_type = spec.pop("model_type")
+    return AutoConfig.for_model(model_type, dtype="bfloat16", **spec)
+
+
+def tensor_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Every stored tensor's name and shape, from the model built on the meta device (no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+def random_tensor(shape: tuple[int, ...], name: str, seed: int, index: int):
+    """A seeded bf16 tensor: ones for a norm's weight, else ``N(0, INIT_STD^2)`` drawn in row chunks."""
+    import torch
+
+    if len(shape) == 1:
+        return torch.ones(shape, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    out = torch.empty(shape, dtype=torch.bfloat16)
+    rows = max(1, ROW_CHUNK // int(math.prod(shape[1:])))
+    for start in range(0, shape[0], rows):
+        block = torch.randn((min(rows, shape[0] - start), *shape[1:]), generator=generator)
+        out[start : start + rows] = (block * INIT_STD).to(torch.bfloat16)
+    return out
+
+
+def build_checkpoint(name: str, folder: Path, seed: int = 0) -> int:
+    """Write shape ``name`` with seeded random bf16 weights into ``folder`` (``save_pretrained`` layout,
+    sharded safetensors with an index); at most one shard's tensors are in memory. Returns its bytes."""
+    from safetensors.torch import save_file
+
+    config = shape_config(name)
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    shapes = tensor_shapes(config)
+    weight_map, shard, shard_bytes, total, files = {}, {}, 0, 0, []
+
+    def flush():
+        nonlocal shard, shard_bytes
+        if shard:
+            file = f"model-{len(files) + 1:05d}.safetensors"
+            save_file(shard, str(folder / file), metadata={"format": "pt"})
+            files.append(file)
+            weight_map.update({key: file for key in shard})
+            shard, shard_bytes = {}, 0
+
+    for index, (key, shape) in enumerate(sorted(shapes.items())):
+        size = 2 * math.prod(shape)
+        if shard_bytes and shard_bytes + size > SHARD_BYTES:
+            flush()
+        shard[key] = random_tensor(shape, key, seed, index)
+        shard_bytes += size
+        total += size
+    flush()
+    index_file = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=1))
+    return total
+
+
+# ---------------------------------------------------------------- one rung in a fresh process
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size (``getrusage(RUSAGE_SELF).ru_maxrss``, KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process, every thread counted."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def rung1_flops(geometry) -> float:
+    """Counted FLOPs of rung 1: ``W_U W_E`` (``2 d^2 V``, float64), both reduced OV stacks per layer,
+    and the eigenvalues (``~25 d_head^3`` each: the head's two spectra and 32 null draws)."""
+    d, V, dh = geometry.d_model, geometry.vocab, geometry.d_head
+    heads, kv = geometry.n_layers * geometry.n_heads, geometry.n_layers * geometry.n_kv_heads
+    reduced = 2 * (kv * 2 * d * d * dh + heads * 2 * dh * d * dh)
+    return 2 * d * d * V + reduced + heads * (2 + 32) * (25 + 2) * dh**3
+
+
+def probe_flops(build, settings) -> float:
+    """One forward of the probe, every position unembedded (`knockout_flops`'s count, plus the rest)."""
+    from pytest_circuits.rungs.knockout import knockout_flops
+
+    counted = knockout_flops(build, settings, heads=[])["forward"]
+    T, L, n = 2 * settings.L, settings.L, settings.n
+    unembed = 2 * build.geometry.d_model * build.geometry.vocab
+    return counted + n * (T - L) * unembed
+
+
+def stage(args) -> dict:
+    """Run one rung after loading the build; report times, peak RSS and counted FLOPs as JSON."""
+    from pytest_circuits.rungs.knockout import knockout_flops, knockout_scan
+    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.settings import CircuitsSettings, RepeatSettings
+
+    probe = RepeatSettings(n=args.probe_n, L=args.probe_length)
+    settings = CircuitsSettings(
+        model=str(args.folder), builds=(args.build,), reference=args.build, device="cpu", probe=probe
+    )
+    session = CircuitsSession(settings)
+    wall, cpu = time.perf_counter(), cpu_seconds()
+    build = session.build(args.build)
+    out: dict = {"load_wall": time.perf_counter() - wall, "load_cpu": cpu_seconds() - cpu}
+    out["load_rss"] = peak_rss_bytes()
+    wall, cpu = time.perf_counter(), cpu_seconds()
+    flops = 0.0
+    if args.rung == "rung1":
+        session.ov_spectrum(args.build)
+        flops = rung1_flops(build.geometry)
+    elif args.rung == "probe":
+        session.repeat_probe(args.build)
+        flops = probe_flops(build, probe)
+    elif args.rung == "screen":
+        frame = knockout_scan(
+            build,
+            settings.knockout_probe,
+            screen_top_k=args.screen,
+            screen_method=args.screen_method,
+            progress=False,
+        )
+        exact = frame.attrs["exact_heads"]
+        counted = knockout_flops(build, settings.knockout_probe, heads=exact)
+        flops = counted["scan"] + 2 * counted["forward"]  # the screen: one forward and one backward (~2x)
+        out["exact_heads"] = exact
+    elif args.rung == "scan":
+        from pytest_circuits.cli import main
+
+        code = main(
+            [
+                "scan",
+                str(args.folder),
+                "--build",
+                args.build,
+                "--knockout-screen",
+                str(args.screen),
+                "--knockout-screen-method",
+                args.screen_method,
+                "--probe-n",
+                str(args.probe_n),
+                "--probe-length",
+                str(args.probe_length),
+                "--device",
+                "cpu",
+                "--json",
+                str(args.json_out),
+            ]
+        )
+        out["exit"] = code
+    out.update(wall=time.perf_counter() - wall, cpu=cpu_seconds() - cpu, rss=peak_rss_bytes(), flops=flops)
+    return out
+
+
+def run_stage(shape: str, folder: Path, rung: str, options) -> dict:
+    """`stage` in a fresh interpreter (its peak RSS is its own); the JSON it prints last."""
+    command = [
+        sys.executable,
+        __file__,
+        "--stage",
+        rung,
+        "--folder",
+        str(folder),
+        "--build",
+        options.build,
+        "--probe-n",
+        str(options.probe_n),
+        "--probe-length",
+        str(options.probe_length),
+        "--screen",
+        str(options.screen),
+        "--screen-method",
+        options.screen_method,
+    ]
+    print(f"[{time.strftime('%H:%M:%S')}] {shape}: {rung}", file=sys.stderr, flush=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(command, capture_output=True, text=True, env=env)  # this checkout's package
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return {"error": f"exit {done.returncode}: {' | '.join(tail)}"}
+    return json.loads(lines[-1])
+
+
+# ---------------------------------------------------------------- the table
+
+
+def probe_words(options) -> str:
+    """The probe and rung-2 plan a row was measured with."""
+    return f"n {options.probe_n}, L {options.probe_length}; {options.screen_method} + top {options.screen}"
+
+
+def table(rows: list[dict], options) -> str:
+    """The measured table in Markdown."""
+    head = (
+        "| shape | weights (bf16) | goal: weights x 1.25 + 1.5 GB | probe; rung 2 | rung | peak RSS | CPU s | wall s | "
+        "counted FLOP | achieved |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for row in rows:
+        weights = row["weights_bytes"]
+        goal = 1.25 * weights + 1.5e9
+        for rung in row["rungs"]:
+            result = row["rungs"][rung]
+            label = {"load": "load + self-check"}.get(rung, rung)
+            if "error" in result:
+                why = result["error"].split(":")[0]  # "exit N": the process's own lines are in its log
+                lines.append(f"| {row['shape']} | | | | {label} | not completed ({why}) | | | | |")
+                continue
+            rss = result["rss"]
+            mark = "" if rss <= goal else " (over the goal)"
+            wall, cpu = (result["load_wall"], result["load_cpu"]) if rung == "load" else (result["wall"], result["cpu"])
+            flops = result.get("flops") or 0.0
+            rate = f"{flops / wall / 1e9:.1f} GFLOP/s" if flops and wall > 0 else ""
+            shown_flops = f"{flops / 1e12:.2f} TFLOP" if flops else ""
+            lines.append(
+                f"| {row['shape']} | {weights / 1e9:.2f} GB | {goal / 1e9:.2f} GB | {row.get('probe', '')} | {label} | "
+                f"{rss / 1e9:.2f} GB{mark} | {cpu:.0f} | {wall:.0f} | {shown_flops} | {rate} |"
+            )
+    return "\n".join(lines)
+
+
+def gathered_rows(path: Path) -> list[dict]:
+    """The rows of a ``--results`` file, one per shape (in `SHAPES` order), each rung's latest run that did not fail."""
+    by_shape: dict[str, dict] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        kept = by_shape.setdefault(row["shape"], {**row, "rungs": {}})
+        for rung, result in row["rungs"].items():
+            if "error" not in result or rung not in kept["rungs"]:
+                kept["rungs"][rung] = result
+    order = {rung: i for i, rung in enumerate(RUNGS)}
+    for row in by_shape.values():
+        row["rungs"] = dict(sorted(row["rungs"].items(), key=lambda item: order[item[0]]))
+    return [by_shape[name] for name in SHAPES if name in by_shape]
+
+
+def write_docs(text: str, note: str) -> None:
+    """Replace the measured block of docs/scale.md (between its markers) with ``text``."""
+    page = DOCS.read_text()
+    start, end = page.index(BEGIN), page.index(END)
+    DOCS.write_text(page[: start + len(BEGIN)] + "\n\n" + note + "\n\n" + text + "\n\n" + page[end:])
+
+
+def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (`main`'s options; the benchmark reuses them)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="llama-3.2-1b", help=f"comma list of {', '.join(SHAPES)}")
+    parser.add_argument("--rungs", default=",".join(RUNGS), help="comma list of " + ", ".join(RUNGS))
+    parser.add_argument(
+        "--folder", type=Path, default=Path(os.environ.get("CIRCUITS_SIZES_DIR", "/work/scratch/sizes"))
+    )
+    parser.add_argument("--build", default="bf16")
+    parser.add_argument("--probe-n", type=int, default=8)
+    parser.add_argument("--probe-length", type=int, default=64)
+    parser.add_argument("--screen", type=int, default=8, help="exact knockouts after the screen (default 8)")
+    parser.add_argument("--screen-method", default="atp", help="the screen's method (default atp: see docs/scale.md)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    parser.add_argument("--write-docs", action="store_true", help="write the table into docs/scale.md")
+    parser.add_argument("--results", type=Path, default=None, help="append each shape's JSON here")
+    parser.add_argument("--table-only", action="store_true", help="run nothing: the table of --results only")
+    parser.add_argument("--stage", choices=RUNGS, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--json-out", type=Path, default=Path(os.devnull), help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_options(argv)
+    if args.stage is not None:
+        args.rung = args.stage
+        print(json.dumps(stage(args)), flush=True)
+        return 0
+    rows = []
+    for shape in [] if args.table_only else args.shapes.split(","):
+        if shape not in SHAPES:
+            print(f"measure_sizes: unknown shape {shape!r}; use one of {', '.join(SHAPES)}", file=sys.stderr)
+            return 2
+        folder = args.folder / shape
+        if not (folder / "model.safetensors.index.json").exists():
+            print(f"[{time.strftime('%H:%M:%S')}] {shape}: building into {folder}", file=sys.stderr, flush=True)
+            build_checkpoint(shape, folder, args.seed)
+        weights = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+        row = {"shape": shape, "weights_bytes": weights, "probe": probe_words(args), "rungs": {}}
+        for rung in args.rungs.split(","):
+            row["rungs"][rung] = run_stage(shape, folder, rung, args)
+            print(json.dumps({shape: {rung: row["rungs"][rung]}}), file=sys.stderr, flush=True)
+        rows.append(row)
+        if args.results is not None:
+            with open(args.results, "a") as handle:
+                handle.write(json.dumps(row) + "\n")
+        if not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+    if args.results is not None:  # every shape measured into this file so far, each rung's latest run
+        rows = gathered_rows(args.results)
+    text = table(rows, args)
+    print(text)
+    if args.write_docs:
+        note = (
+            f"`python scripts/measure_sizes.py --shapes {args.shapes} --probe-n {args.probe_n} "
+            f"--probe-length {args.probe_length} --screen {args.screen} --screen-method {args.screen_method} --write-docs` "
+            f"({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores shared with other jobs):"
+        )
+        if args.table_only:
+            note = (
+                f"Gathered from the runs `python scripts/measure_sizes.py --shapes SHAPE --rungs RUNGS --results "
+                f"{args.results}` made so far, each rung in its own process ({time.strftime('%Y-%m-%d')}, "
+                f"{os.cpu_count()} cores shared with other jobs); a rung not in the table was not run:"
+            )
+        write_docs(text, note)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
