@@ -307,9 +307,11 @@ def test_the_missing_baseline_hint_is_a_command_that_works(suite):
     result.assert_outcomes(passed=1, skipped=1)
 
 
-def test_xdist_workers_send_plain_data_and_the_report_is_written(suite, tmp_path):
+def test_xdist_workers_send_plain_data_and_the_report_is_written(suite, tmp_path, monkeypatch):
     """Under pytest-xdist every result a worker sends must be plain data (a torch version object
     once broke the run), and the controller writes the report."""
+    # the subprocess imports this checkout's package (the probes import pytest_circuits.probes.registered)
+    monkeypatch.setenv("PYTHONPATH", str(PROBES.parents[1]))
     pytest.importorskip("xdist")
     pytest.importorskip("matplotlib")
     pytester, intact, baselines = suite
