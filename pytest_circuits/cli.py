@@ -274,7 +274,8 @@ def _print_results(results, notes=()) -> bool:
     for note in notes:
         print(note)
     for r in results:
-        print(f"{STATUS_WORDS[r.status]} {r.invariant}: {r.message}")
+        message = r.message.removeprefix(f"{r.invariant}: ")  # a failure's message leads with its invariant
+        print(f"{STATUS_WORDS[r.status]} {r.invariant}: {message}")
     passed, line = verdict(results)
     print(line)
     return passed

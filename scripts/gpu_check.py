@@ -46,7 +46,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda:0", help="the CUDA device (default cuda:0)")
     parser.add_argument("--recipes", default=None, help="comma list of recipes (default: every shipped baseline's)")
     parser.add_argument("--formats", default=",".join(FORMATS), help="comma list of formats (or none)")
-    parser.add_argument("--recipes", default=None, help="comma list of recipes (default: every recipe)")
     parser.add_argument(
         "--size",
         default="llama-3.2-1b",

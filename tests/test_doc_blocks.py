@@ -10,6 +10,10 @@ the embedded model copied to ``my-model/`` and ``release/model/``, the folders t
   ``circuits`` run in the project on this checkout's package; ``pip install`` is resolved for
   real against the installed packages (``--dry-run --no-index``: nothing is downloaded or
   changed) from the clone; ``pip wheel`` builds the wheel;
+- a ``console`` block holds commands too big to run here (CPU-hours at 1B-8B, a Slurm cluster, a
+  GPU, llm-compressor's own venv): each ``pytest``, ``circuits`` and ``python scripts/*.py`` command in it is
+  checked against that command's own ``--help`` (every ``--flag`` it names must exist), so a renamed
+  flag still fails here; an untitled YAML fragment that no page holds in full is checked the same way;
 - a ``text`` block is generated output (tests/test_docs.py regenerates it); an untagged block
   is a formula and must not look like a command.
 
@@ -179,14 +183,47 @@ def run_page(page: Path, folder: Path) -> int:
         elif block.lang == "bash":
             for command in commands(block.body):
                 project.run(command, page.name)
-        elif block.lang == "yaml":  # a fragment of a workflow shown on another page in full
-            assert workflow_fragment_in_full(block), f"{page.name}: a CI fragment that no page holds in full"
+        elif block.lang == "yaml":  # a fragment of a workflow shown on another page in full, or flag-checked
+            assert workflow_fragment_in_full(block) or check_flags(workflow_commands(block), project.env), (
+                f"{page.name}: a CI fragment that no page holds in full and that runs no command of ours"
+            )
+        elif block.lang == "console":
+            check_flags(console_commands(block.body), project.env)
         elif block.lang == "python":
             subprocess.run([sys.executable, "-c", block.body], cwd=folder, env=project.env, check=True, timeout=600)
         else:
             raise AssertionError(f"{page.name}: no way to run a {block.lang!r} block")
         ran += 1
     return ran
+
+
+def check_flags(commands_: list[str], env: dict) -> int:
+    """Check each ``pytest``, ``circuits SUB`` and ``python scripts/X.py`` command's ``--flags`` against its ``--help``;
+    how many were checked (other programs, ``sbatch`` or ``export``, are left alone)."""
+    checked = 0
+    for command in commands_:
+        words = shlex.split(command)
+        if words[0] == "pytest":
+            argv = [sys.executable, "-m", "pytest", "--help"]
+        elif words[0] == "circuits" and len(words) > 1:
+            argv = [sys.executable, "-m", "pytest_circuits.cli", words[1], "--help"]
+        elif words[0] == "python" and len(words) > 1 and words[1].startswith("scripts/") and words[1].endswith(".py"):
+            argv = [sys.executable, str(ROOT / words[1]), "--help"]
+        else:
+            continue
+        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"`{' '.join(argv[1:])}` exited {done.returncode}: {done.stderr[-2000:]}"
+        for word in words:
+            if word.startswith("--"):
+                assert word.split("=")[0] in done.stdout, f"`{command}`: {word.split('=')[0]} is not a flag of it"
+        checked += 1
+    return checked
+
+
+def console_commands(body: str) -> list[str]:
+    """The commands of a ``console`` block: continuation lines joined, ``#`` lines (``#SBATCH``) left out."""
+    body = body.replace("\\\n", " ")
+    return commands("\n".join(line for line in body.splitlines() if not line.lstrip().startswith("#")))
 
 
 def workflow_fragment_in_full(fragment: Block) -> bool:
@@ -204,7 +241,7 @@ def test_every_block_is_one_the_harness_can_run():
     """Cheap: every block is classified, every Python block compiles, every workflow parses."""
     for page in PAGES:
         for block in blocks(page):
-            assert block.lang in ("", "text", "bash", "python", "toml", "yaml"), f"{page.name}: {block.lang}"
+            assert block.lang in ("", "text", "bash", "console", "python", "toml", "yaml"), f"{page.name}: {block.lang}"
             if block.lang == "python":
                 compile(block.body, f"{page.name}:{block.title}", "exec")
             if block.lang == "yaml":
