@@ -165,6 +165,7 @@ def head_table(record: dict) -> str:
 
 
 def model_lines(record: dict) -> list[str]:
+    from .gate.record import model_kind
     from .model.recipes import describe_identity
     from .rungs.figures import MODEL_FIGURES, interval_key
 
@@ -177,7 +178,7 @@ def model_lines(record: dict) -> list[str]:
 
     said = ", ".join(figure(f) for f in MODEL_FIGURES)
     return [
-        f"model {m['name']} ({m['family']}, {m['geometry']['n_layers']} layers x {m['geometry']['n_heads']} heads), "
+        f"model {m['name']} ({model_kind(m)}, {m['geometry']['n_layers']} layers x {m['geometry']['n_heads']} heads), "
         f"build {b['recipe']} ({b['backend_version']}, {b['device']})",
         *[f"external build {line}" for line in [describe_identity(b)] if line],
         f"probe seed {p['seed']} n {p['n']} L {p['L']}: {said} (nats; [95% t interval over the sequences])",

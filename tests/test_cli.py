@@ -236,3 +236,21 @@ def test_diff_rows_stay_aligned_for_the_longest_metric_name(capsys):
     table = [line for line in lines if line.startswith("head ") or line[:1] == "L" and line[1:2].isdigit()]
     assert any("kappa_trace_uncentred" in line for line in table)
     assert len({len(line) for line in table}) == 1  # every column right-aligned to one width
+
+
+def test_model_line_names_the_model_type_and_its_layout():
+    """A Qwen3 record says qwen3 (its model type) and llama (the layout its heads are read with),
+    not "llama" alone; an older record without a model type keeps the layout's name."""
+    from pytest_circuits.cli import model_lines
+
+    geometry = {"n_layers": 2, "n_heads": 4}
+    record = {
+        "model": {"name": "q", "family": "llama", "model_type": "qwen3", "geometry": geometry},
+        "build": {"recipe": "fp32", "backend_version": "torch", "device": "cpu"},
+        "probe": {"seed": 0, "n": 4, "L": 16},
+    }
+    assert model_lines(record)[0].startswith("model q (qwen3, llama layout, 2 layers x 4 heads)")
+    record["model"]["model_type"] = "llama"
+    assert model_lines(record)[0].startswith("model q (llama, 2 layers x 4 heads)")
+    del record["model"]["model_type"]
+    assert model_lines(record)[0].startswith("model q (llama, 2 layers x 4 heads)")

@@ -204,6 +204,13 @@ def model_info(session, build) -> dict:
     }
 
 
+def model_kind(model: dict) -> str:
+    """How a record's model is named to a reader: its model type and, where it differs, the layout its
+    heads are read with (``qwen3, llama layout``); an older record's layout alone."""
+    kind = model.get("model_type") or str(model.get("family") or "")
+    return kind + (f", {model['family']} layout" if model.get("family") and model["family"] != kind else "")
+
+
 def build_record(session, recipe: str, knockout: bool = True, method=None, knockout_frame=None) -> dict:
     """The scan record of one build, computed (and cached) through ``session``; kappa measured by
     ``method`` (a `KappaMethod`, default the settings'); ``knockout_frame``: these knockouts (one

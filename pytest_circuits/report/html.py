@@ -71,12 +71,14 @@ def _title(sections: list[Section]) -> str:
 
 
 def _model_line(sections: list[Section]) -> str:
-    """One line about the model: family, geometry, weight fingerprint."""
+    """One line about the model: model type and layout, geometry, weight fingerprint."""
+    from ..gate.record import model_kind
+
     if not sections:
         return ""
     model = sections[0].record.get("model") or {}
     g = model.get("geometry") or {}
-    bits = [str(model.get("family") or "")]
+    bits = [model_kind(model)]
     if g:
         bits.append(
             f"{g.get('n_layers')} layers × {g.get('n_heads')} heads "
