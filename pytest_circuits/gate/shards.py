@@ -66,12 +66,14 @@ def dumps_part(part: dict) -> str:
 
 def read_part(path: Path) -> dict:
     """A part file, or one line saying why it is not one."""
+    from ..fsio import JsonUnreadable, read_json
+
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ShardError(f"part {path} does not exist") from None
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise ShardError(f"part {path} is not JSON ({str(error).splitlines()[0]}); write it again") from None
+        data = read_json(path)
+    except JsonUnreadable as error:
+        if error.missing:
+            raise ShardError(f"part {path} does not exist") from None
+        raise ShardError(f"part {path} {error.reason}; write it again") from None
     meta = data.get("part") if isinstance(data, dict) else None
     if not isinstance(meta, dict) or not isinstance(data.get("record"), dict) or meta.get("format") != PART_FORMAT:
         raise ShardError(f"{path} is not a shard part (circuits record --shard i/K --out FILE writes one)")

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from ..errors import CircuitsError, first_line
-from .compressed import quantizes_activations
+from .compressed import activation_quant, quantizes_activations
 from .dense import bnb_4bit_compute_dtype, bnb_kind, dense_bias, dense_weight, weight_of
 from .families import (
     Family,
@@ -489,9 +489,6 @@ def _check_layer(check: DecompositionCheck, layer: int, block, seen, fam: Family
 
 def _input_quant(module):
     """What quantizes a projection's input: LLM.int8(), or a compressed-tensors or torchao dynamic quantizer."""
-    from .compressed import activation_quant
-    from .serialized import torchao_activation_quant
-
     return int8_layer(module) or activation_quant(module) or torchao_activation_quant(module)
 
 

@@ -81,7 +81,8 @@ def quanto_fields(model: torch.nn.Module, qmap: dict) -> dict[str, str]:
 
 def load_quanto(folder: Path, what: str) -> torch.nn.Module:
     """An optimum-quanto folder as quanto reloads it (``requantize``), eager attention, on the CPU."""
-    import json
+    from ..fsio import JsonUnreadable, read_json
+    from .builds import read_config
 
     try:
         from optimum.quanto import requantize
@@ -89,10 +90,13 @@ def load_quanto(folder: Path, what: str) -> torch.nn.Module:
         raise RecipeError(f"{what} (an optimum-quanto checkpoint) needs optimum-quanto: {FORMATS_EXTRA}") from None
     from accelerate import init_empty_weights
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    qmap = json.loads((folder / QUANTO_MAP).read_text())
-    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    try:
+        qmap = read_json(folder / QUANTO_MAP)
+    except JsonUnreadable as error:
+        raise RecipeError(f"{what}: {QUANTO_MAP} {error.reason}; save the quanto checkpoint again") from None
+    config = read_config(folder, what=what)  # the config errors of any other folder, in one line
     with init_empty_weights():
         model: Any = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     requantize(model, state_dict=load_file(folder / "model.safetensors"), quantization_map=qmap)
