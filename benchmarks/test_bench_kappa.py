@@ -25,7 +25,8 @@ import torch
 from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.model.weights import extract_weights
-from pytest_circuits.rungs.kappa import ov_spectrum, ov_spectrum_reference
+from pytest_circuits.rungs.kappa import ov_spectrum
+from pytest_circuits.rungs.reference import ov_spectrum_reference
 from pytest_circuits.testing import requires_smollm2
 
 pytestmark = [pytest.mark.real, pytest.mark.slow, requires_smollm2()]

@@ -23,15 +23,10 @@ import torch
 
 from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.loading import resolve_model
-from pytest_circuits.rungs.knockout import (
-    _plain_copy_losses,
-    attention_implementation,
-    held_out_ids,
-    knockout_flops,
-    knockout_scan,
-    naive_knockout_deltas,
-)
+from pytest_circuits.rungs.knockout import knockout_scan
+from pytest_circuits.rungs.reference import knockout_flops, naive_knockout_deltas
 from pytest_circuits.rungs.repeat import RepeatSettings, bos_offset
+from pytest_circuits.rungs.replay import attention_implementation, held_out_ids, plain_copy_losses
 from pytest_circuits.testing import requires_smollm2
 
 pytestmark = [pytest.mark.real, pytest.mark.slow, requires_smollm2()]
@@ -61,7 +56,7 @@ def forward_seconds(build, rounds: int = 3) -> float:
     with torch.no_grad(), attention_implementation(build.model):
         for _ in range(rounds):
             start = time.perf_counter()
-            _plain_copy_losses(build.model, ids, HELD_OUT.L, bos_offset(build.tokens), build.device)
+            plain_copy_losses(build.model, ids, HELD_OUT.L, bos_offset(build.tokens), build.device)
             best = min(best, time.perf_counter() - start)
     return best
 

@@ -191,7 +191,7 @@ class CircuitsSession:
         """
         chosen = None if heads is None else tuple(sorted(heads))
         if chosen is None and self.shards > 1:
-            from .rungs.knockout import merge_knockout_shards
+            from .rungs.knockout_shards import merge_knockout_shards
 
             return self._memo(
                 ("head_knockout", recipe, None),
@@ -275,8 +275,8 @@ class CircuitsSession:
         return self.workers if geometry.n_layers * geometry.n_heads >= self.AUTO_SHARD_HEADS else 1
 
     def shard_layers(self) -> list[list[int]]:
-        """The layers of each shard (`rungs.knockout.layer_shards`), from the model's config alone."""
-        from .rungs.knockout import layer_shards
+        """The layers of each shard (`rungs.knockout_shards.layer_shards`), from the model's config alone."""
+        from .rungs.knockout_shards import layer_shards
 
         return layer_shards(self.preflight().n_layers, self.shards)
 

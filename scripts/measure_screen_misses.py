@@ -23,8 +23,9 @@ def main(heads: list[str]) -> None:
     from pytest_circuits.model.families import out_proj_module
     from pytest_circuits.model.loading import resolve_model
     from pytest_circuits.rungs.figures import parse_label
-    from pytest_circuits.rungs.knockout import _plain_copy_losses, attention_implementation, held_out_ids, knockout_scan
+    from pytest_circuits.rungs.knockout import knockout_scan
     from pytest_circuits.rungs.repeat import RepeatSettings, bos_offset
+    from pytest_circuits.rungs.replay import attention_implementation, held_out_ids, plain_copy_losses
 
     torch.set_num_threads(1)
     build = load_build(resolve_model("smollm2-135m"), "fp32", "cpu")
@@ -44,7 +45,7 @@ def main(heads: list[str]) -> None:
         try:
             with torch.no_grad(), attention_implementation(build.model):
                 return float(
-                    _plain_copy_losses(build.model, ids, settings.L, bos_offset(build.tokens), build.device).mean()
+                    plain_copy_losses(build.model, ids, settings.L, bos_offset(build.tokens), build.device).mean()
                 )
         finally:
             if handle is not None:

@@ -23,7 +23,8 @@ def timed(what, rows, compute):
 
 
 def main() -> None:
-    from pytest_circuits.rungs.knockout import knockout_flops, knockout_scan
+    from pytest_circuits.rungs.knockout import knockout_scan
+    from pytest_circuits.rungs.reference import knockout_flops
     from pytest_circuits.rungs.screen import screen_estimate
     from pytest_circuits.session import CircuitsSession
     from pytest_circuits.settings import CircuitsSettings
@@ -35,11 +36,11 @@ def main() -> None:
     timed("rung 1: kappa, 32-draw t null, 270 heads", rows, lambda: session.ov_spectrum("fp32"))
     timed("rung 1/2: repeat probe, n 8, L 64", rows, lambda: session.repeat_probe("fp32"))
     settings = session.settings.knockout_probe
-    from pytest_circuits.rungs.knockout import _intact_pass, attention_implementation, held_out_ids
+    from pytest_circuits.rungs.replay import attention_implementation, held_out_ids, intact_pass
 
     ids = held_out_ids(build, settings)
     with attention_implementation(build.model):
-        intact = _intact_pass(build, ids, settings.L, 8, record=False)
+        intact = intact_pass(build, ids, settings.L, 8, record=False)
 
     def screen():
         with attention_implementation(build.model):

@@ -95,27 +95,27 @@ def test_a_device_map_on_the_cpu_gives_identical_figures(recipe):
 def test_the_replay_moves_each_recorded_call_to_its_blocks_device(monkeypatch):
     """The moves a spread model needs (every recorded tensor to its block's device) leave the deltas
     exactly as they were; here every block's device is the CPU, so the moves run and change nothing."""
-    from pytest_circuits.rungs import knockout
+    from pytest_circuits.rungs import knockout, replay
 
     session = CircuitsSession(CircuitsSettings(device="cpu", probe=SMALL))
     build = session.build("fp32")
     plain = knockout.knockout_scan(build, SMALL, progress=False)
     moved = []
-    real_moved = knockout._moved
+    real_moved = replay.moved
 
     def spy(obj, device):
         moved.append(device)
         return real_moved(obj, device)
 
-    monkeypatch.setattr(knockout, "block_devices", lambda model: [torch.device("cpu")] * build.geometry.n_layers)
-    monkeypatch.setattr(knockout, "_moved", spy)
+    monkeypatch.setattr(replay, "block_devices", lambda model: [torch.device("cpu")] * build.geometry.n_layers)
+    monkeypatch.setattr(replay, "moved", spy)
     spread = knockout.knockout_scan(build, SMALL, progress=False)
     assert moved and set(moved) == {torch.device("cpu")}
     assert spread["knockout_delta"].tolist() == plain["knockout_delta"].tolist()
 
 
 def test_block_devices_read_accelerates_placement():
-    from pytest_circuits.rungs.knockout import block_devices
+    from pytest_circuits.rungs.replay import block_devices
     from pytest_circuits.testing import make_tiny_model
 
     model = make_tiny_model("llama")
@@ -193,7 +193,8 @@ def test_a_device_map_on_gpus_gives_the_single_gpu_figures():
 @needs_two_gpus
 @requires_embedded_model()
 def test_a_model_spread_over_two_gpus_replays_on_each_blocks_device():
-    from pytest_circuits.rungs.knockout import block_devices, knockout_scan
+    from pytest_circuits.rungs.knockout import knockout_scan
+    from pytest_circuits.rungs.replay import block_devices
 
     spread = CircuitsSession(CircuitsSettings(device="auto", device_map="balanced", probe=SMALL)).build("fp32")
     devices = block_devices(spread.model)

@@ -35,9 +35,10 @@ from pytest_circuits.model.families import (
 from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.model.selfcheck import DecompositionError, check_decomposition, measure_decomposition
 from pytest_circuits.model.weights import extract_weights
-from pytest_circuits.rungs.kappa import kappa_reference, kappa_scores, reduced_ov_layer, reduced_ov_reference
+from pytest_circuits.rungs.kappa import kappa_scores, reduced_ov_layer
 from pytest_circuits.rungs.knockout import knockout_scan
 from pytest_circuits.rungs.probe import run_repeat_probe
+from pytest_circuits.rungs.reference import kappa_reference, reduced_ov_reference
 from pytest_circuits.rungs.repeat import RepeatSettings
 from pytest_circuits.testing import (
     TINY_VARIANTS,

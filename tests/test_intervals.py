@@ -19,8 +19,9 @@ from pytest_circuits.gate.tolerances import Tolerances
 from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.rungs.figures import SAMPLED_MODEL_FIGURES, interval_key, sequences_key
-from pytest_circuits.rungs.knockout import knockout_scan, naive_knockout_deltas
+from pytest_circuits.rungs.knockout import knockout_scan
 from pytest_circuits.rungs.probe import run_repeat_probe
+from pytest_circuits.rungs.reference import naive_knockout_deltas
 from pytest_circuits.rungs.repeat import RepeatSettings, bos_offset, repeat_tokens
 from pytest_circuits.testing import negate_head_ov
 

@@ -13,9 +13,10 @@ from pytest_circuits.errors import CircuitsError
 from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.families import out_proj_module
 from pytest_circuits.model.loading import resolve_model
-from pytest_circuits.rungs import knockout
+from pytest_circuits.rungs import knockout, replay
 from pytest_circuits.rungs.ablation import ablated, parse_heads
-from pytest_circuits.rungs.knockout import head_means, knockout_scan, naive_knockout_deltas
+from pytest_circuits.rungs.knockout import head_means, knockout_scan
+from pytest_circuits.rungs.reference import naive_knockout_deltas
 from pytest_circuits.rungs.repeat import RepeatSettings, bos_offset, repeat_tokens
 from pytest_circuits.testing import requires_embedded_model, requires_smollm2, save_tiny_model
 
@@ -142,8 +143,8 @@ def test_bounded_record_recomputes_to_the_same_deltas(fp32_builds, family):
     full = knockout_scan(build, HELD_OUT, batch_size=3, progress=False)
     n_tokens = HELD_OUT.n * (2 * HELD_OUT.L + bos_offset(build.tokens))
     one_block = n_tokens * build.geometry.d_model * 4
-    assert knockout.record_stride(build, n_tokens, record_bytes=10**12) == 1
-    assert knockout.record_stride(build, n_tokens, record_bytes=one_block) == build.geometry.n_layers
+    assert replay.record_stride(build, n_tokens, record_bytes=10**12) == 1
+    assert replay.record_stride(build, n_tokens, record_bytes=one_block) == build.geometry.n_layers
     for budget in (one_block, 2 * one_block):
         bounded = knockout_scan(build, HELD_OUT, batch_size=3, progress=False, record_bytes=budget)
         assert bounded["knockout_delta"].tolist() == full["knockout_delta"].tolist(), budget
@@ -184,13 +185,13 @@ def test_scan_runs_on_sdpa_and_restores_eager(fp32_builds, family, monkeypatch):
     """Knockout forwards need no attention weights: they run on SDPA, and the model is eager again after."""
     build = fp32_builds[family]
     seen = []
-    real = knockout._plain_copy_losses
+    real = replay.plain_copy_losses
 
     def spy(model, *args):
         seen.append(model.config._attn_implementation)
         return real(model, *args)
 
-    monkeypatch.setattr(knockout, "_plain_copy_losses", spy)
+    monkeypatch.setattr(replay, "plain_copy_losses", spy)
     knockout_scan(build, HELD_OUT, heads=["L1H0"], batch_size=3, progress=False)
     assert seen and set(seen) == {"sdpa"}
     assert build.model.config._attn_implementation == "eager"
@@ -221,7 +222,7 @@ def test_inexact_replay_falls_back_to_the_plain_loop(fp32_builds):
 
 def test_int8_is_not_stacked_by_default(tiny_folders):
     build = load_build(resolve_model(str(tiny_folders["gpt2"])), "bnb-int8", "cpu")
-    assert not knockout.batch_invariant(build)
+    assert not replay.batch_invariant(build)
     assert knockout._auto_per_pass(build, None, 8, 8, 25) == 1
 
 

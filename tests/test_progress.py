@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pytest_circuits.progress import Progress, format_seconds
-from pytest_circuits.rungs.knockout import replay_cost
+from pytest_circuits.rungs.replay import replay_cost
 
 
 class FakeClock:

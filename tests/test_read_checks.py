@@ -32,7 +32,8 @@ from pytest_circuits.model.families import LLAMA, Family, family_and_geometry, f
 from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.model.selfcheck import DecompositionError, check_decomposition
 from pytest_circuits.model.weights import extract_weights
-from pytest_circuits.rungs.kappa import kappa_reference, kappa_scores, reduced_ov_layer
+from pytest_circuits.rungs.kappa import kappa_scores, reduced_ov_layer
+from pytest_circuits.rungs.reference import kappa_reference
 from pytest_circuits.testing import make_tiny_model, save_tiny_model, tiny_config, tiny_model_types
 
 ROOT = Path(__file__).resolve().parents[1]

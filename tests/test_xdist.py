@@ -145,7 +145,7 @@ def _best_max_cost(n_layers: int, shards: int) -> int:
 
 @pytest.mark.parametrize("n_layers, shards", [(2, 2), (5, 2), (10, 3), (12, 4), (9, 9), (3, 5), (7, 1)])
 def test_layer_shards_are_contiguous_cover_every_layer_and_balance_the_replay_cost(n_layers, shards):
-    from pytest_circuits.rungs.knockout import layer_shards
+    from pytest_circuits.rungs.knockout_shards import layer_shards
 
     runs = layer_shards(n_layers, shards)
     assert len(runs) == min(shards, n_layers) and all(runs)
@@ -156,7 +156,7 @@ def test_layer_shards_are_contiguous_cover_every_layer_and_balance_the_replay_co
 
 def test_layer_shards_refuse_zero():
     from pytest_circuits.errors import CircuitsError
-    from pytest_circuits.rungs.knockout import layer_shards
+    from pytest_circuits.rungs.knockout_shards import layer_shards
 
     with pytest.raises(CircuitsError, match="--circuits-knockout-shards"):
         layer_shards(4, 0)
@@ -173,7 +173,8 @@ def embedded_fp32():
 @requires_embedded_model()
 @pytest.mark.parametrize("mode, screen", [("zero", None), ("mean", None), ("zero", 2)])
 def test_merged_shards_equal_the_unsharded_scan(embedded_fp32, mode, screen):
-    from pytest_circuits.rungs.knockout import knockout_scan, layer_shards, merge_knockout_shards
+    from pytest_circuits.rungs.knockout import knockout_scan
+    from pytest_circuits.rungs.knockout_shards import layer_shards, merge_knockout_shards
     from pytest_circuits.rungs.repeat import RepeatSettings
 
     settings = RepeatSettings(1, 2, 16)
@@ -190,7 +191,8 @@ def test_merged_shards_equal_the_unsharded_scan(embedded_fp32, mode, screen):
 @requires_embedded_model()
 def test_shards_that_overlap_or_disagree_are_refused(embedded_fp32):
     from pytest_circuits.errors import CircuitsError
-    from pytest_circuits.rungs.knockout import knockout_scan, merge_knockout_shards
+    from pytest_circuits.rungs.knockout import knockout_scan
+    from pytest_circuits.rungs.knockout_shards import merge_knockout_shards
     from pytest_circuits.rungs.repeat import RepeatSettings
 
     a = knockout_scan(embedded_fp32, RepeatSettings(1, 2, 16), layers=[0, 1], progress=False)
@@ -255,7 +257,8 @@ def test_shards_are_automatic_only_under_xdist_for_big_models(monkeypatch):
 def test_two_shards_of_smollm2_equal_one():
     """SmolLM2-135M, the heads of six layers across the depth, n 2, L 16: the two-shard scan
     (layer_shards(30, 2) = layers 0-8 and 9-29) merges into the one-shard scan exactly."""
-    from pytest_circuits.rungs.knockout import knockout_scan, layer_shards, merge_knockout_shards
+    from pytest_circuits.rungs.knockout import knockout_scan
+    from pytest_circuits.rungs.knockout_shards import layer_shards, merge_knockout_shards
     from pytest_circuits.rungs.repeat import RepeatSettings
     from pytest_circuits.session import CircuitsSession
     from pytest_circuits.settings import CircuitsSettings

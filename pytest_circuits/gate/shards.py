@@ -3,7 +3,7 @@ command merges the parts into the record the unsharded scan gives, bit for bit.
 
 A part is ``{"part": {"format", "index", "of", "layers"}, "record": <scan record>}``: the full
 scan record of the build (rung 1, the probe, the screen) with exact knockout deltas only for the
-heads of its shard's layers (`rungs.knockout.layer_shards`: contiguous layers of equal replay
+heads of its shard's layers (`rungs.knockout_shards.layer_shards`: contiguous layers of equal replay
 cost). The merge takes each head's ``knockout_delta*`` figures from the part that owns its layer
 and checks that everything else is the same in every part (one build, settings and weights);
 any difference is refused with one line naming the part and the field. Jobs share no folder:

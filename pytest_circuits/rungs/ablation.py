@@ -16,7 +16,13 @@ import torch
 
 from ..errors import CircuitsError
 from ..model.families import Geometry, head_label, out_proj_module
+from ..options import KNOCKOUT_MODES, flag
 from .figures import parse_label
+
+
+def check_mode(mode: str) -> None:
+    if mode not in KNOCKOUT_MODES:
+        raise CircuitsError(f"knockout mode {mode!r} is unknown; use zero or mean ({flag('knockout-mode')})")
 
 
 def parse_heads(heads, geo: Geometry) -> list[tuple[int, int]]:

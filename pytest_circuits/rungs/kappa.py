@@ -78,7 +78,7 @@ def analytic_floor(d_head: int) -> float:
 # ---------------------------------------------------------------- reduced OV matrices
 
 
-def _check_unembedding(unembedding: str) -> None:
+def check_unembedding(unembedding: str) -> None:
     if unembedding not in UNEMBEDDINGS:
         raise SpectrumError(f"unknown unembedding {unembedding!r}; use one of: {', '.join(UNEMBEDDINGS)}")
 
@@ -113,7 +113,7 @@ def unembed_embed_pair(weights: Weights, rows: int | None = None) -> dict[str, t
 
 def shared_unembed_embed(weights: Weights, unembedding: str = DEFAULT.unembedding) -> torch.Tensor:
     """``W_U W_E`` (``d_model x d_model``, float64) of the ``unembedding`` chosen: formed once, shared by every head."""
-    _check_unembedding(unembedding)
+    check_unembedding(unembedding)
     return unembed_embed_pair(weights)[unembedding]
 
 
@@ -325,7 +325,7 @@ def benjamini_hochberg(p: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------- the frame
 
 
-def _check_settings(
+def check_settings(
     n_rotations: int, q: float, seed: int, p_method: str, null_dtype=torch.float64, n_workers=None
 ) -> None:
     if isinstance(n_rotations, bool) or not isinstance(n_rotations, int) or n_rotations < 2:
@@ -492,13 +492,13 @@ def ov_spectrum(
     The attrs hold numpy arrays, which pandas cannot compare: drop them (``without_attrs``)
     before ``pd.concat`` or ``merge`` of two spectra.
     """
-    _check_settings(n_rotations, q, seed, p_method, null_dtype, n_workers)
+    check_settings(n_rotations, q, seed, p_method, null_dtype, n_workers)
     if not isinstance(weights, (ModelWeights, StreamedWeights)):
         raise SpectrumError(
             f"ov_spectrum takes ModelWeights (from extract_weights) or StreamedWeights, got {type(weights).__name__}; "
             "for a model use ov_spectrum_of_model"
         )
-    _check_unembedding(unembedding)
+    check_unembedding(unembedding)
     shared = unembed_embed_pair(weights)
     both = unembedding != "uncentred"
     stacks = reduced_ov_stacks(weights, [shared[unembedding], shared["uncentred"]] if both else [shared[unembedding]])
@@ -540,102 +540,3 @@ def without_attrs(frame: pd.DataFrame) -> pd.DataFrame:
     plain = frame.copy(deep=False)
     plain.attrs = {}
     return plain
-
-
-# ---------------------------------------------------------------- slow per-head reference
-
-
-def unembedding_reference(weights: ModelWeights, unembedding: str = DEFAULT.unembedding) -> np.ndarray:
-    """``W_U`` (float64 numpy) by the definition: centred as ``W_U (I - 11^T / vocab)``, formed explicitly."""
-    _check_unembedding(unembedding)
-    W_U = weights.W_U.double().numpy()
-    if unembedding == "uncentred":
-        return W_U
-    return W_U - (W_U @ np.ones((W_U.shape[1], 1))) @ np.ones((1, W_U.shape[1])) / W_U.shape[1]
-
-
-def reduced_ov_reference(
-    weights: ModelWeights,
-    layer: int,
-    head: int,
-    W_E: np.ndarray | None = None,
-    W_U: np.ndarray | None = None,
-    unembedding: str = DEFAULT.unembedding,
-) -> np.ndarray:
-    """``M_h = (W_O W_U)(W_E W_V)`` of one head, float64, without sharing ``W_U W_E`` (slow).
-
-    ``W_E``/``W_U`` may be passed already in float64, so a loop converts them once; ``W_U``
-    defaults to `unembedding_reference` of ``unembedding``.
-    """
-    W_O = weights.layers[layer].W_O[head].double().numpy()
-    W_V = weights.W_V_of(layer, head).double().numpy()
-    W_E = weights.W_E.double().numpy() if W_E is None else W_E
-    W_U = unembedding_reference(weights, unembedding) if W_U is None else W_U
-    return (W_O @ W_U) @ (W_E @ W_V)
-
-
-def kappa_reference(M, rel_tol: float = EIG_REL_TOL) -> tuple[float, float]:
-    """``(kappa, kappa_trace)`` of one matrix by a plain loop over ``numpy.linalg.eigvals``."""
-    lam = np.linalg.eigvals(np.asarray(M, dtype=np.float64))
-    largest = max(abs(x) for x in lam)
-    total_f, total_re, total_abs = 0.0, 0.0, 0.0
-    for x in lam:
-        if abs(x) > rel_tol * largest:
-            total_f += x.real / abs(x)
-        total_re += x.real
-        total_abs += abs(x)
-    return total_f / len(lam), (total_re / total_abs if total_abs > 0 else 0.0)
-
-
-def ov_spectrum_reference(
-    weights: ModelWeights,
-    *,
-    n_rotations: int = N_ROTATIONS,
-    q: float = 0.05,
-    seed: int = 0,
-    p_method: str = "t",
-    heads: list[tuple[int, int]] | None = None,
-    unembedding: str = DEFAULT.unembedding,
-) -> pd.DataFrame:
-    """The naive scan: per head, ``M_h`` from scratch, ``kappa_reference``, then one rotation at a time.
-
-    Same rotations as ``ov_spectrum`` (``layer_rotations``), so the same numbers to float64
-    round-off. ``heads`` restricts it to some ``(layer, head)`` pairs (for timing); the frame
-    then holds only those rows, with BH over them only.
-    """
-    _check_settings(n_rotations, q, seed, p_method)
-    geo = weights.geometry
-    n_layers, n_heads, d = len(weights.layers), geo.n_heads, geo.d_head
-    chosen = heads if heads is not None else [(l, h) for l in range(n_layers) for h in range(n_heads)]
-    lam = np.zeros((len(chosen), d), dtype=np.complex128)
-    kappa, trace = np.zeros(len(chosen)), np.zeros(len(chosen))
-    null_k, null_t = np.zeros((len(chosen), n_rotations)), np.zeros((len(chosen), n_rotations))
-    W_E = weights.W_E.double().numpy()
-    W_U, W_U_raw = unembedding_reference(weights, unembedding), unembedding_reference(weights, "uncentred")
-    kappa_u, trace_u = np.zeros(len(chosen)), np.zeros(len(chosen))
-    for i, (layer, head) in enumerate(chosen):
-        M = reduced_ov_reference(weights, layer, head, W_E, W_U)
-        lam[i] = np.linalg.eigvals(M)
-        kappa[i], trace[i] = kappa_reference(M)
-        kappa_u[i], trace_u[i] = kappa_reference(reduced_ov_reference(weights, layer, head, W_E, W_U_raw))
-        rotations = layer_rotations(n_rotations, d, seed, layer).numpy()  # drawn again per head
-        for r in range(n_rotations):
-            null_k[i, r], null_t[i, r] = kappa_reference(M @ rotations[r])
-    frame = spectrum_frame(
-        weights,
-        lam[None],
-        kappa[None],
-        trace[None],
-        null_k[None],
-        null_t[None],
-        q=q,
-        seed=seed,
-        p_method=p_method,
-        unembedding=unembedding,
-        uncentred=(kappa_u[None], trace_u[None]),
-    )
-    frame["layer"] = [l for l, _ in chosen]
-    frame["head_index"] = [h for _, h in chosen]
-    frame["head"] = [head_label(l, h) for l, h in chosen]
-    frame["kv_group"] = [geo.kv_group(h) for _, h in chosen]
-    return frame

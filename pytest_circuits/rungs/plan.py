@@ -1,7 +1,7 @@
 """The counted cost of a rung-2 plan (screen + exact knockouts, or every head exactly), and its time
 at the rate a matmul reaches on the build's device: the line printed before a plan chosen by size starts.
 
-Counts (multiply-add = 2), with ``forward`` = `knockout.knockout_flops`'s one forward:
+Counts (multiply-add = 2), with ``forward`` = `reference.knockout_flops`'s one forward:
 
 * exact knockouts of ``k`` heads: ``forward + k x`` the mean replay of one head
   (``(scan(all) - forward) / heads``: the heads the screen will pick are not known before it runs);
@@ -19,7 +19,7 @@ import time
 import torch
 
 from ..model.families import attention_module
-from .knockout import knockout_flops
+from .reference import knockout_flops
 from .repeat import RepeatSettings, bos_offset
 
 RATE_ROWS = 512  # rows of the matmul that measures the device's rate

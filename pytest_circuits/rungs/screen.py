@@ -43,8 +43,8 @@ import torch
 
 from ..model.families import attention_module, get_module, layer_modules, out_proj_module
 from .ablation import z_differentiable
-from .knockout import _recorded_hidden, _tile
 from .repeat import bos_offset, copy_slices
+from .replay import recorded_hidden, tile
 
 ATTN_NAME = "circuits_atp"
 
@@ -213,13 +213,13 @@ def atp_star(
             gates = torch.ones(geo.n_layers, dtype=torch.float64)
 
             def keep_block(module, args, kwargs, *, m: int, residual=residual):
-                residual[m] = _recorded_hidden(args, kwargs).detach()
+                residual[m] = recorded_hidden(args, kwargs).detach()
 
             def keep_attn(module, args, kwargs, *, m: int, calls=calls):
                 calls[m] = (args, {k: v.detach() if torch.is_tensor(v) else v for k, v in kwargs.items()})
 
             def drop_block(module, args, kwargs, out, *, m: int, gates=gates):
-                inp = _recorded_hidden(args, kwargs)
+                inp = recorded_hidden(args, kwargs)
                 hidden = out[0] if isinstance(out, (tuple, list)) else out
                 gated = inp + _Drop.apply(hidden - inp, gates, m)
                 return (gated, *out[1:]) if isinstance(out, (tuple, list)) else gated
@@ -334,10 +334,10 @@ def _call(module, call, hidden, rows: int, k: int) -> None:
     ``k`` times, up to its attention function (in "qkfix" or "linear" mode), which reads the pattern."""
     args, kwargs = call
     memo: dict = {}
-    kwargs = _tile(kwargs, rows, k, memo)
+    kwargs = tile(kwargs, rows, k, memo)
     try:
         if args:
-            module(hidden, *_tile(tuple(args[1:]), rows, k, memo), **kwargs)
+            module(hidden, *tile(tuple(args[1:]), rows, k, memo), **kwargs)
         else:
             module(**{**kwargs, "hidden_states": hidden})
     except _PatternRead:
