@@ -25,7 +25,8 @@ from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.rungs.knockout import knockout_scan
 from pytest_circuits.rungs.reference import knockout_flops, naive_knockout_deltas
-from pytest_circuits.rungs.repeat import RepeatSettings, bos_offset
+from pytest_circuits.rungs.repeat import bos_offset
+from pytest_circuits.rungs.repeat_settings import RepeatSettings
 from pytest_circuits.rungs.replay import attention_implementation, held_out_ids, plain_copy_losses
 from pytest_circuits.testing import requires_smollm2
 

@@ -26,7 +26,8 @@ from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.families import attention_module
 from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.rungs.probe import run_repeat_probe
-from pytest_circuits.rungs.repeat import RepeatSettings, repeat_tokens
+from pytest_circuits.rungs.repeat import repeat_tokens
+from pytest_circuits.rungs.repeat_settings import RepeatSettings
 from pytest_circuits.testing import requires_embedded_model, requires_smollm2
 
 BATCH = 8

@@ -21,7 +21,8 @@ import torch
 from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.model.selfcheck import N_TOKENS, check_decomposition
-from pytest_circuits.rungs.repeat import RepeatSettings, repeat_tokens
+from pytest_circuits.rungs.repeat import repeat_tokens
+from pytest_circuits.rungs.repeat_settings import RepeatSettings
 from pytest_circuits.testing import requires_smollm2
 
 pytestmark = [pytest.mark.real, pytest.mark.slow, requires_smollm2()]

@@ -30,7 +30,7 @@ _LAZY = {  # the supported names (docs/api.md), each loaded from its module on f
     "extract_weights": "model.weights",
     # scanning: one run's settings and every figure of its builds
     "CircuitsSettings": "settings",
-    "RepeatSettings": "settings",
+    "RepeatSettings": "rungs.repeat_settings",
     "build_settings": "settings",
     "CircuitsSession": "session",
     "RepeatProbe": "rungs.probe",

@@ -13,7 +13,6 @@ try:  # Ctrl-C while the command is still importing: one line and status 130, ne
     import argparse
     import contextlib
     import math
-    import shlex
     from pathlib import Path
 
     from .errors import CircuitsError
@@ -283,10 +282,9 @@ def _print_results(results, notes=()) -> bool:
 
 
 def cmd_gate(args) -> int:
-    from .gate.invariants import gate_all, key_heads
-    from .gate.record import has_figures
-    from .gate.store import compatibility, geometry_difference, read_baseline
-    from .gate.verdict import candidate_record
+    from .gate.fixes import file_fix_line
+    from .gate.store import compatibility, geometry_difference, geometry_record, read_baseline
+    from .gate.verdict import gate_file
     from .model.recipes import describe_identity
 
     tol = _tolerances(args.tol)
@@ -294,48 +292,18 @@ def cmd_gate(args) -> int:
     session = _session(args, probe=baseline.get("probe"))
     build = _one_build(session, "gate")
     # refuse other probe settings before any figure is computed; another geometry is another base model
-    preflight = {"model": {"geometry": session.preflight().__dict__}, "probe": session.settings.probe.as_dict()}
+    preflight = geometry_record(session.preflight().__dict__, probe=session.settings.probe.as_dict())
     compatibility(baseline, preflight, f"baseline {args.baseline.name}")
     across = args.across_models or bool(geometry_difference(baseline, preflight))
-    if not across:  # another model's key heads are not this model's heads
-        session.pinned_key_heads = set(key_heads(baseline, "knockout_delta", tol.top_k, tol.min_delta))
-    candidate = candidate_record(session, build, baseline, knockout=has_figures(baseline, "knockout"))
     label = f"baseline {args.baseline.name}"
-    notes = [
+    fix = file_fix_line(session.settings, baseline, args.baseline, across)
+    candidate, notes, results = gate_file(session, build, baseline, label, tol, fix, across)
+    identities = [
         f"{who} external build {line}"
         for who, record in (("candidate", candidate), ("baseline", baseline))
         if (line := describe_identity(record["build"]))
     ]
-    notes += compatibility(baseline, candidate, label, across=across)
-    if across:
-        fix = (
-            f"if the new model may differ this much from {baseline['model']['name']}, loosen the swap_* "
-            "tolerance (--tol NAME=VALUE)"
-        )
-    else:
-        fix = "if the change is intended, record the baseline again: " + _record_command(
-            session, _build_word(baseline["build"]), args.baseline
-        )
-    results = gate_all(baseline, candidate, tol, build, label, fix, across=across)
-    return EXIT_OK if _print_results(results, notes) else EXIT_BROKEN
-
-
-def _build_word(build: dict) -> str:
-    """How ``--build`` names a record's build: its recipe, or NAME=PATH for an external build."""
-    return f"{build['recipe']}={build['source']}" if build.get("source") else str(build["recipe"])
-
-
-def _record_command(session, recipe: str, baseline: Path) -> str:
-    """``circuits record`` that rewrites ``baseline`` itself (its folder, its model name) from this build."""
-    from dataclasses import replace
-
-    from .gate.store import SEPARATOR, SUFFIX
-    from .settings import recording_words
-
-    name = baseline.name.removesuffix(SUFFIX).rsplit(SEPARATOR, 1)[0]
-    s = replace(session.settings, name=name)
-    words = ["circuits", "record", s.model, "--build", recipe, "--baselines", str(baseline.parent)]
-    return shlex.join(words + recording_words(s, "cli"))
+    return EXIT_OK if _print_results(results, identities + notes) else EXIT_BROKEN
 
 
 def _rung1_diffed() -> tuple[str, ...]:

@@ -14,17 +14,23 @@ deep, every failure a `JsonUnreadable` whose ``reason`` completes "FILE ...".
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import stat
 import tempfile
 import time
+import unicodedata
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import FileSystemError
+
+T = TypeVar("T")
 
 TEMP_SUFFIX = ".tmp"
 JSON_MAX_BYTES = 256 * 2**20  # a baseline of an 80-layer, 64-head model is about 30 MB
@@ -323,3 +329,37 @@ def read_json(path: str | os.PathLike, max_bytes: int = JSON_MAX_BYTES) -> Any:
     if len(data) > max_bytes:
         raise JsonUnreadable(path, f"holds more than the {max_bytes} bytes a JSON file may")
     return parse_json(data, path)
+
+
+def safe_name(text: str) -> str:
+    """A file-name-safe form of a model name: letters (any script), digits, ``.``, ``_``, ``-``.
+
+    Anything else becomes ``_``; when that changed the name, a short hash of the original is
+    appended, so two names that differ only in such characters never share a baseline.
+    """
+    original = unicodedata.normalize("NFC", str(text))
+    cleaned = re.sub(r"[^\w.-]+", "_", original).strip("._") or "model"
+    if cleaned == original:
+        return cleaned
+    return f"{cleaned}-{hashlib.sha256(original.encode()).hexdigest()[:8]}"
+
+
+class RunFolder:
+    """The folder every process of one run shares (pytest-xdist): file locks and results computed once per run."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+
+    def once(self, name: str, compute: Callable[[], T], dump: Callable[[T], str], load: Callable[[str], T]) -> T:
+        """``compute()`` once per run, however many processes ask: under the file lock ``name.lock``
+        the first process computes it and writes ``dump(value)`` atomically to the file ``name``;
+        every later one (this process or another) finds the file and returns ``load(its text)``."""
+        from filelock import FileLock
+
+        path = self.path / name
+        with FileLock(str(self.path / f"{name}.lock")):
+            if path.exists():
+                return load(path.read_text(encoding="utf-8"))
+            value = compute()
+            atomic_write_text(path, dump(value))
+            return value

@@ -6,7 +6,6 @@ the layer it needs when first called.
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
@@ -22,8 +21,6 @@ class CircuitsSession:
     def __init__(self, settings: CircuitsSettings):
         self.settings = settings
         self._cache: dict[tuple, Any] = {}
-        self.events: list[dict] = []  # baseline events: written, compared, missing, corrupt (for the summary)
-        self.pinned_key_heads: set[str] = set()
         self.loads: list[dict] = []  # {"recipe", "worker"}: each build this process loaded
         self.worker: str | None = None  # the pytest-xdist worker id (gw0, ...), None in a plain run
         # the folder every process of one run shares (pytest-xdist): file locks, written-once markers,
@@ -36,10 +33,19 @@ class CircuitsSession:
             None  # always knocked out exactly (e.g. a baseline file's key heads)
         )
 
-    def _memo(self, key: tuple, compute) -> Any:
+    def memo(self, key: tuple, compute) -> Any:
+        """``compute()`` once per session under ``key``. The one memo rule: a failure is remembered
+        too and raised again (one message per session, no retries: a build that cannot load, or a
+        baseline that is missing, is not loaded or logged a second time by every test that needs it)."""
         if key not in self._cache:
-            self._cache[key] = compute()
-        return self._cache[key]
+            try:
+                self._cache[key] = compute()
+            except Exception as error:
+                self._cache[key] = _Failed(error)
+        value = self._cache[key]
+        if isinstance(value, _Failed):
+            raise value.error
+        return value
 
     @cached_property
     def source(self):
@@ -67,8 +73,8 @@ class CircuitsSession:
         """
 
         def check():
-            from .model.builds import read_config
             from .model.families import check_geometry, family_and_geometry
+            from .model.loading import read_config
             from .model.vocab import token_info
             from .rungs.repeat import check_fits, check_probe_memory, check_vocabulary
 
@@ -86,7 +92,7 @@ class CircuitsSession:
             check_probe_memory(geometry, s.probe.n, s.probe.L, s.batch_size, knockout=True, device=str(self.device))
             return geometry
 
-        return self._memo(("preflight",), check)
+        return self.memo(("preflight",), check)
 
     def build(self, recipe: str):
         """The loaded build ``recipe`` (`model.builds.LoadedBuild`) of the session's model: a recipe,
@@ -111,7 +117,7 @@ class CircuitsSession:
             self.loads.append({"recipe": recipe, "worker": self.worker, "for": self._loading_for})
             return build
 
-        return self._memo(("build", recipe), load)
+        return self.memo(("build", recipe), load)
 
     def identity_lines(self, recipe: str) -> list[str]:
         """``"external build q8 = dist/model-Q8_0.gguf (gguf, sha256 ..., tensors Q8_0 x12, F32 x5)"``
@@ -136,7 +142,7 @@ class CircuitsSession:
         """Per-head weights of a build (float32, dequantized, folded by default)."""
         from .model.weights import extract_weights
 
-        return self._memo(("weights", recipe, fold), lambda: extract_weights(self.build(recipe).model, fold))
+        return self.memo(("weights", recipe, fold), lambda: extract_weights(self.build(recipe).model, fold))
 
     def ov_spectrum(self, recipe: str, method=None):
         """Rung 1: kappa of every head against the rotation null (DataFrame), measured by
@@ -162,7 +168,7 @@ class CircuitsSession:
                     unembedding=m.unembedding,
                 )
 
-        return self._memo(("ov_spectrum", recipe, m), measure)
+        return self.memo(("ov_spectrum", recipe, m), measure)
 
     def repeat_probe(self, recipe: str):
         """Rung 1/2: copy losses and per-head routing scores on the seeded repeat probe."""
@@ -175,7 +181,7 @@ class CircuitsSession:
             with self._phase(f"repeat probe (n={s.probe.n}, L={s.probe.L}) {self.model_name}:{recipe}"):
                 return run_repeat_probe(build, s.probe, batch_size=s.batch_size)
 
-        return self._memo(("repeat_probe", recipe), measure)
+        return self.memo(("repeat_probe", recipe), measure)
 
     def _phase(self, label: str):
         """A heartbeat line every few seconds while a long step runs (`progress.phase`)."""
@@ -193,11 +199,11 @@ class CircuitsSession:
         if chosen is None and self.shards > 1:
             from .rungs.knockout_shards import merge_knockout_shards
 
-            return self._memo(
+            return self.memo(
                 ("head_knockout", recipe, None),
                 lambda: merge_knockout_shards([self.knockout_shard(recipe, i) for i in range(self.shards)]),
             )
-        return self._memo(("head_knockout", recipe, chosen), lambda: self._knockout_scan(recipe, chosen, None))
+        return self.memo(("head_knockout", recipe, chosen), lambda: self._knockout_scan(recipe, chosen, None))
 
     AUTO_SCREEN_HEADS = 300  # above this many heads the default rung-2 plan screens (SmolLM2-135M: 270, exact)
     AUTO_SCREEN_TOP_K = 12  # ... and knocks out the screen's top 12 exactly, plus the baselines' key heads
@@ -297,28 +303,12 @@ class CircuitsSession:
                 self._loading_for = before
 
         def once():
-            if self.shared_dir is None:
+            if self.run_folder is None:
                 return measure()
-            import json
+            name = f"{self.baseline_path(recipe).stem}.knockout-{index + 1}-of-{self.shards}.json"
+            return self.run_folder.once(name, measure, dump=_frame_json, load=_json_frame)
 
-            import pandas as pd
-            from filelock import FileLock
-
-            from .fsio import atomic_write_text
-
-            stem = f"{self.baseline_path(recipe).stem}.knockout-{index + 1}-of-{self.shards}"
-            path = self.shared_dir / f"{stem}.json"
-            with FileLock(str(self.shared_dir / f"{stem}.lock")):
-                if path.exists():
-                    saved = json.loads(path.read_text())
-                    frame = pd.DataFrame(saved["rows"])
-                    frame.attrs.update(saved["attrs"])
-                    return frame
-                frame = measure()
-                atomic_write_text(path, json.dumps({"rows": frame.to_dict("records"), "attrs": frame.attrs}))
-                return frame
-
-        return self._memo(("knockout_shard", recipe, index), once)
+        return self.memo(("knockout_shard", recipe, index), once)
 
     # ------------------------------------------------------------ baselines (gate/record.py, gate/store.py)
 
@@ -328,139 +318,54 @@ class CircuitsSession:
         from .gate.record import build_record
 
         m = self.settings.kappa_method if method is None else method
-        if not knockout and ("record", recipe, True, m) in self._cache:
-            return self._cache[("record", recipe, True, m)]
-        return self._memo(("record", recipe, knockout, m), lambda: build_record(self, recipe, knockout, m))
+        full = self._cache.get(("record", recipe, True, m))
+        if not knockout and full is not None and not isinstance(full, _Failed):  # the full record serves too
+            return full
+        return self.memo(("record", recipe, knockout, m), lambda: build_record(self, recipe, knockout, m))
 
     @cached_property
+    def baselines(self):
+        """This run's baseline book-keeping (`gate.baselines.RunBaselines`)."""
+        from .gate.baselines import RunBaselines
+
+        return RunBaselines(self)
+
+    @property
+    def run_folder(self):
+        """The run's shared folder (`fsio.RunFolder`) under pytest-xdist, else None."""
+        from .fsio import RunFolder
+
+        return None if self.shared_dir is None else RunFolder(self.shared_dir)
+
+    @property
     def store(self):
-        """The baselines folder (`gate.store.BaselineStore`): the one given, else the default one,
-        else, for a named model whose baselines ship with the package and the default folder holds
-        none of them, the shipped folder (read only: recording writes to the default folder)."""
-        from .gate.store import BaselineStore
-        from .model.named import NAMED_MODELS, SHIPPED_BASELINES
+        return self.baselines.store
 
-        s = self.settings
-        store = BaselineStore(s.baselines)
-        if s.baselines_given or s.update or s.model not in NAMED_MODELS or store.builds(self.model_name):
-            return store
-        shipped = BaselineStore(SHIPPED_BASELINES)
-        return shipped if shipped.builds(self.model_name) else store
+    @property
+    def events(self) -> list[dict]:
+        return self.baselines.events
 
-    def baseline_path(self, recipe: str):
-        """Where the baseline of ``recipe`` for this model lives."""
-        return self.store.path(self.model_name, recipe)
+    def baseline_path(self, recipe: str) -> Path:
+        return self.baselines.path(recipe)
 
     def record_command(self, recipe: str) -> str:
-        """The shell command that (re)records the baseline of ``recipe``, with every setting it was gated with."""
-        from .settings import recording_words
+        return self.baselines.record_command(recipe)
 
-        s = self.settings
-        words = ["circuits", "record", s.model, "--build", str(s.spec(recipe)), "--baselines", str(s.baselines)]
-        return shlex.join(words + recording_words(s, "cli"))
-
-    def write_baseline(self, recipe: str):
-        """Record ``recipe`` (with knockouts) and write its baseline atomically, once per run.
-
-        Under pytest-xdist the write runs under a file lock in the run's shared folder and leaves a
-        marker: the first worker that needs the file records and writes it, every other one waits
-        for the lock, finds the marker and reads the file (no second load, no second writer).
-        """
-
-        def write():
-            path, written = self.store.write(
-                self.model_name, recipe, self.record(recipe, knockout=True), force=self.settings.update_all
-            )
-            self.events.append({"event": "written" if written else "unchanged", "recipe": recipe, "path": str(path)})
-            return path
-
-        def write_once():
-            if self.shared_dir is None:
-                return write()
-            from filelock import FileLock
-
-            stem = self.baseline_path(recipe).name  # one file, one lock
-            marker = self.shared_dir / f"{stem}.written"
-            with FileLock(str(self.shared_dir / f"{stem}.lock")):
-                if marker.exists():
-                    return Path(marker.read_text())
-                path = write()
-                marker.write_text(str(path))
-                return path
-
-        return self._memo(("written", recipe), write_once)
+    def write_baseline(self, recipe: str) -> Path:
+        return self.baselines.write(recipe)
 
     def load_baseline(self, recipe: str) -> dict:
-        """The baseline record of ``recipe``: written first under ``update``; a typed BaselineError
-        (`BaselineMissing`, `BaselineCorrupt`) if there is none or it is unreadable."""
-        from .errors import BaselineCorrupt, BaselineMissing
-
-        def load():
-            if self.settings.update and (recipe in self.settings.builds or recipe == self.settings.reference):
-                self.write_baseline(recipe)
-            path = self.baseline_path(recipe)
-            try:
-                record = self.store.read(self.model_name, recipe)
-            except BaselineMissing:
-                self.events.append({"event": "missing", "recipe": recipe, "path": str(path)})
-                raise BaselineMissing(self.missing_message(recipe, path)) from None
-            except BaselineCorrupt:
-                self.events.append({"event": "corrupt", "recipe": recipe, "path": str(path)})
-                raise
-            self.events.append({"event": "compared", "recipe": recipe, "path": str(path)})
-            return record
-
-        key = ("baseline", recipe)
-        if key not in self._cache:
-            try:
-                self._cache[key] = load()
-            except Exception as error:  # remember the failure: one message per session, no retries
-                self._cache[key] = error
-        value = self._cache[key]
-        if isinstance(value, Exception):
-            raise value
-        return value
+        return self.baselines.load(recipe)
 
     def missing_message(self, recipe: str, path: Path) -> str:
-        """Why ``recipe`` has no baseline, and what to do: gate against a baseline of the same
-        geometry in the folder (``--circuits-name``) first, when there is one; recording makes this
-        build the reference its later builds are gated against."""
-        from .gate.store import same_geometry
+        return self.baselines.missing_message(recipe, path)
 
-        record = f"record it with: {self.record_command(recipe)} (or add {flag('update')} to this pytest command)"
-        try:
-            others = same_geometry(path.parent, recipe, self.preflight().__dict__, self.model_name)
-        except Exception:  # the model does not resolve: its own error says so
-            others = {}
-        if not others:
-            return f"baseline {path} does not exist; {record}"
-        names = ", ".join(p.name for p in others.values())
-        return (
-            f"baseline {path} does not exist, but {path.parent} holds a baseline of the same geometry ({names}): "
-            f"if {self.settings.model} is a build of that model, gate it against it with "
-            f"{flag('name')} {next(iter(others))}. Recording instead makes this build the reference every later "
-            f"build is gated against, a broken one included; only if it is known good, {record}"
-        )
+    def pin_key_heads(self, heads) -> None:
+        """Knock ``heads`` out exactly in every later screened scan of this session (`circuits gate`: the gated file's key heads)."""
+        self.baselines.pinned_key_heads.update(heads)
 
     def baseline_key_heads(self) -> list[str]:
-        """The key knockout heads of this run's baselines (reference and each build's own), which a
-        screened scan always knocks out exactly."""
-        from .errors import BaselineError
-        from .gate.invariants import key_heads
-        from .gate.store import geometry_difference
-
-        heads: set[str] = set(self.pinned_key_heads)
-        tol = self.tolerances
-        geometry = {"model": {"geometry": self.preflight().__dict__}}
-        for recipe in dict.fromkeys((self.settings.reference, *self.settings.builds)):
-            try:
-                record = self.store.read(self.model_name, recipe)
-            except BaselineError:
-                continue  # missing or corrupt: the gate reports it
-            if geometry_difference(record, geometry):
-                continue  # another base model's heads: compared across models, never by label
-            heads.update(key_heads(record, "knockout_delta", tol.top_k, tol.min_delta))
-        return sorted(heads)
+        return self.baselines.key_heads(self.tolerances)
 
     @cached_property
     def tolerances(self):
@@ -468,3 +373,28 @@ class CircuitsSession:
         from .gate.tolerances import Tolerances
 
         return Tolerances().updated(self.settings.tolerances)
+
+
+class _Failed:
+    """A memoised failure (`CircuitsSession.memo`)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _frame_json(frame) -> str:
+    """A knockout frame as JSON (exact floats): its rows and its attrs."""
+    import json
+
+    return json.dumps({"rows": frame.to_dict("records"), "attrs": frame.attrs})
+
+
+def _json_frame(text: str):
+    import json
+
+    import pandas as pd
+
+    saved = json.loads(text)
+    frame = pd.DataFrame(saved["rows"])
+    frame.attrs.update(saved["attrs"])
+    return frame

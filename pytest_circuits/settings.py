@@ -10,18 +10,7 @@ from pathlib import Path
 
 from .options import BY_NAME, DEFAULT_BUILDS, DEFAULT_MODEL, DEFAULT_REFERENCE, parse_value
 from .rungs.kappa_method import KappaMethod
-
-
-@dataclass(frozen=True)
-class RepeatSettings:
-    """Probe settings that fix its tokens: seed, sequences ``n``, segment length ``L``."""
-
-    seed: int = 0
-    n: int = 8
-    L: int = 64
-
-    def as_dict(self) -> dict:
-        return {"seed": self.seed, "n": self.n, "L": self.L}
+from .rungs.repeat_settings import RepeatSettings
 
 
 @dataclass

@@ -89,7 +89,7 @@ def run(args, torch) -> int:
     from pytest_circuits.model.recipes import RECIPES, parse_builds
     from pytest_circuits.rungs.knockout import knockout_scan
     from pytest_circuits.rungs.reference import naive_knockout_deltas
-    from pytest_circuits.rungs.repeat import RepeatSettings
+    from pytest_circuits.rungs.repeat_settings import RepeatSettings
     from pytest_circuits.session import CircuitsSession
     from pytest_circuits.settings import CircuitsSettings
 

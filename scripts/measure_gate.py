@@ -20,7 +20,7 @@ import torch
 
 from pytest_circuits.gate.invariants import REGISTRY, gate_all, key_heads, negligible_heads, runnable
 from pytest_circuits.gate.tolerances import Tolerances
-from pytest_circuits.rungs.repeat import RepeatSettings
+from pytest_circuits.rungs.repeat_settings import RepeatSettings
 from pytest_circuits.session import CircuitsSession
 from pytest_circuits.settings import CircuitsSettings
 from pytest_circuits.testing import add_weight_noise, flatten_head_qk, negate_head_ov

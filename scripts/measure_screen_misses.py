@@ -24,7 +24,8 @@ def main(heads: list[str]) -> None:
     from pytest_circuits.model.loading import resolve_model
     from pytest_circuits.rungs.figures import parse_label
     from pytest_circuits.rungs.knockout import knockout_scan
-    from pytest_circuits.rungs.repeat import RepeatSettings, bos_offset
+    from pytest_circuits.rungs.repeat import bos_offset
+    from pytest_circuits.rungs.repeat_settings import RepeatSettings
     from pytest_circuits.rungs.replay import attention_implementation, held_out_ids, plain_copy_losses
 
     torch.set_num_threads(1)

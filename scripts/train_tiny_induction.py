@@ -172,7 +172,7 @@ def evaluate(folder: Path) -> dict:
     from pytest_circuits.rungs.kappa import ov_spectrum
     from pytest_circuits.rungs.knockout import knockout_scan
     from pytest_circuits.rungs.probe import run_repeat_probe
-    from pytest_circuits.rungs.repeat import RepeatSettings
+    from pytest_circuits.rungs.repeat_settings import RepeatSettings
 
     build = load_build(resolve_model(str(folder)), "fp32", "cpu")
     probe = run_repeat_probe(build, RepeatSettings(seed=0, n=64, L=64))

@@ -313,7 +313,7 @@ def embedded(tmp_path_factory):
     """The fp32 record of tiny-induction plus a maker of sabotaged copies' records."""
     from transformers import AutoModelForCausalLM
 
-    from pytest_circuits.rungs.repeat import RepeatSettings
+    from pytest_circuits.rungs.repeat_settings import RepeatSettings
     from pytest_circuits.session import CircuitsSession
     from pytest_circuits.settings import CircuitsSettings
 

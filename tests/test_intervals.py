@@ -22,7 +22,8 @@ from pytest_circuits.rungs.figures import SAMPLED_MODEL_FIGURES, interval_key, s
 from pytest_circuits.rungs.knockout import knockout_scan
 from pytest_circuits.rungs.probe import run_repeat_probe
 from pytest_circuits.rungs.reference import naive_knockout_deltas
-from pytest_circuits.rungs.repeat import RepeatSettings, bos_offset, repeat_tokens
+from pytest_circuits.rungs.repeat import bos_offset, repeat_tokens
+from pytest_circuits.rungs.repeat_settings import RepeatSettings
 from pytest_circuits.testing import negate_head_ov
 
 from .conftest import LEGACY_BASELINE, needs_embedded

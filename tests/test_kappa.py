@@ -565,7 +565,7 @@ def test_smollm2_rung1_finds_copying_heads_and_its_induction_head_copies():
     """Rung 1 on the real model: many heads copy (kappa near +1), the flags respect the null,
     and the strongest induction head (found by the repeat probe, not by kappa) copies."""
     from pytest_circuits.rungs.probe import run_repeat_probe
-    from pytest_circuits.rungs.repeat import RepeatSettings
+    from pytest_circuits.rungs.repeat_settings import RepeatSettings
 
     build = load_build(resolve_model("smollm2-135m"), "fp32")
     spectrum = ov_spectrum_of_model(build, n_rotations=64).set_index("head")

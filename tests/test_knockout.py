@@ -17,7 +17,8 @@ from pytest_circuits.rungs import knockout, replay
 from pytest_circuits.rungs.ablation import ablated, parse_heads
 from pytest_circuits.rungs.knockout import head_means, knockout_scan
 from pytest_circuits.rungs.reference import naive_knockout_deltas
-from pytest_circuits.rungs.repeat import RepeatSettings, bos_offset, repeat_tokens
+from pytest_circuits.rungs.repeat import bos_offset, repeat_tokens
+from pytest_circuits.rungs.repeat_settings import RepeatSettings
 from pytest_circuits.testing import requires_embedded_model, requires_smollm2, save_tiny_model
 
 FAMILIES = ("gpt2", "gpt_neox", "llama")

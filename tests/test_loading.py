@@ -174,7 +174,7 @@ def test_hub_cache_id_resolves_offline(tmp_path, monkeypatch):
 def test_cuda_builds_match_cpu(tiny_folder, recipe):
     """The CUDA path (bitsandbytes on GPU included) gives the CPU's figures within the recipe's noise."""
     from pytest_circuits.rungs.probe import run_repeat_probe
-    from pytest_circuits.rungs.repeat import RepeatSettings
+    from pytest_circuits.rungs.repeat_settings import RepeatSettings
 
     source = resolve_model(tiny_folder("llama"))
     settings = RepeatSettings(seed=0, n=4, L=16)

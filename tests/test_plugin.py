@@ -39,7 +39,7 @@ def warm(tmp_path_factory):
 
     (pytester drops the modules an inner run imported; torch refuses to register some twice.)
     """
-    from pytest_circuits.rungs.repeat import RepeatSettings
+    from pytest_circuits.rungs.repeat_settings import RepeatSettings
     from pytest_circuits.session import CircuitsSession
     from pytest_circuits.settings import CircuitsSettings
 

@@ -16,7 +16,8 @@ from pytest_circuits.model.families import attention_module
 from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.model.vocab import TokenInfo
 from pytest_circuits.rungs.probe import SCORES, RepeatProbe, routing_hooks, routing_scores, run_repeat_probe
-from pytest_circuits.rungs.repeat import RepeatSettings, repeat_tokens
+from pytest_circuits.rungs.repeat import repeat_tokens
+from pytest_circuits.rungs.repeat_settings import RepeatSettings
 from pytest_circuits.testing import make_tiny_model
 
 from .conftest import FAMILIES, needs_embedded, needs_smollm2

@@ -97,7 +97,7 @@ def test_the_attribution_screen_reports_its_chunks(monkeypatch, tiny_folder):
     from pytest_circuits.model.builds import load_build
     from pytest_circuits.model.loading import resolve_model
     from pytest_circuits.rungs.knockout import knockout_scan
-    from pytest_circuits.rungs.repeat import RepeatSettings
+    from pytest_circuits.rungs.repeat_settings import RepeatSettings
 
     monkeypatch.setattr(progress, "INTERVAL", 0.0)  # every step a line
     build = load_build(resolve_model(str(tiny_folder("llama"))), "fp32", "cpu")

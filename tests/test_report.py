@@ -563,7 +563,7 @@ def embedded_fp32():
     """tiny-induction's fp32 build scanned on a small probe (no knockouts), with its session."""
     if not has_embedded_model():
         pytest.skip("embedded model missing: python scripts/train_tiny_induction.py")
-    from pytest_circuits.rungs.repeat import RepeatSettings
+    from pytest_circuits.rungs.repeat_settings import RepeatSettings
     from pytest_circuits.session import CircuitsSession
     from pytest_circuits.settings import CircuitsSettings
 

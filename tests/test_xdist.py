@@ -175,7 +175,7 @@ def embedded_fp32():
 def test_merged_shards_equal_the_unsharded_scan(embedded_fp32, mode, screen):
     from pytest_circuits.rungs.knockout import knockout_scan
     from pytest_circuits.rungs.knockout_shards import layer_shards, merge_knockout_shards
-    from pytest_circuits.rungs.repeat import RepeatSettings
+    from pytest_circuits.rungs.repeat_settings import RepeatSettings
 
     settings = RepeatSettings(1, 2, 16)
     kw = dict(mode=mode, screen_top_k=screen, progress=False)
@@ -193,7 +193,7 @@ def test_shards_that_overlap_or_disagree_are_refused(embedded_fp32):
     from pytest_circuits.errors import CircuitsError
     from pytest_circuits.rungs.knockout import knockout_scan
     from pytest_circuits.rungs.knockout_shards import merge_knockout_shards
-    from pytest_circuits.rungs.repeat import RepeatSettings
+    from pytest_circuits.rungs.repeat_settings import RepeatSettings
 
     a = knockout_scan(embedded_fp32, RepeatSettings(1, 2, 16), layers=[0, 1], progress=False)
     b = knockout_scan(embedded_fp32, RepeatSettings(1, 2, 16), layers=[1], progress=False)
@@ -259,7 +259,7 @@ def test_two_shards_of_smollm2_equal_one():
     (layer_shards(30, 2) = layers 0-8 and 9-29) merges into the one-shard scan exactly."""
     from pytest_circuits.rungs.knockout import knockout_scan
     from pytest_circuits.rungs.knockout_shards import layer_shards, merge_knockout_shards
-    from pytest_circuits.rungs.repeat import RepeatSettings
+    from pytest_circuits.rungs.repeat_settings import RepeatSettings
     from pytest_circuits.session import CircuitsSession
     from pytest_circuits.settings import CircuitsSettings
 

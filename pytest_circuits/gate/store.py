@@ -13,17 +13,15 @@ write and list baselines. Its errors are typed (`BaselineMissing`, `BaselineCorr
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
-import unicodedata
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from ..errors import BaselineCorrupt, BaselineMissing, FileSystemError, ForeignBaseline
-from ..fsio import JsonUnreadable, atomic_write_text, read_json, remove_stale_temps
+from ..fsio import JsonUnreadable, atomic_write_text, read_json, remove_stale_temps, safe_name
 from ..options import FRONT_END, flag
 from .schema import SCHEMA_VERSION, Record, problem
 
@@ -33,17 +31,10 @@ SEPARATOR = "--"
 GEOMETRY_KEYS = ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "vocab")
 
 
-def safe_name(text: str) -> str:
-    """A file-name-safe form of a model name: letters (any script), digits, ``.``, ``_``, ``-``.
-
-    Anything else becomes ``_``; when that changed the name, a short hash of the original is
-    appended, so two names that differ only in such characters never share a baseline.
-    """
-    original = unicodedata.normalize("NFC", str(text))
-    cleaned = re.sub(r"[^\w.-]+", "_", original).strip("._") or "model"
-    if cleaned == original:
-        return cleaned
-    return f"{cleaned}-{hashlib.sha256(original.encode()).hexdigest()[:8]}"
+def geometry_record(geometry: dict, probe: dict | None = None) -> dict:
+    """A stand-in record that holds only a model's geometry (and ``probe``): what `compatibility` and
+    `geometry_difference` read of a build that has not been measured yet."""
+    return {"model": {"geometry": geometry}} | ({} if probe is None else {"probe": probe})
 
 
 def baseline_path(folder: str | Path, model_name: str, recipe: str) -> Path:
@@ -254,9 +245,7 @@ def same_geometry(folder: str | Path, recipe: str, geometry: dict, exclude: str)
             record = read_baseline(path)
         except BaselineError:
             continue
-        if (record.get("model") or {}).get("geometry") and not geometry_difference(
-            record, {"model": {"geometry": geometry}}
-        ):
+        if (record.get("model") or {}).get("geometry") and not geometry_difference(record, geometry_record(geometry)):
             found[path.name[: -len(ending)]] = path
     return found
 

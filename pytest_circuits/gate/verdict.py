@@ -1,6 +1,7 @@
 """Gate one build against its baselines: the reference build's (the precision-swap gate) and
 its own (drift), or, for the cross-model invariants, the baseline of the model it replaces (a
-base-model swap). Used by the pytest plugin; the CLI gates one file with `invariants.gate_all`."""
+base-model swap). `gate_against` is the one flow against one baseline: the plugin (`gate_build`)
+and ``circuits gate`` (`gate_file`) both run it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from ..errors import BaselineError, BaselineMissing
 from ..options import flag
 from ..rungs import kappa_method
 from . import invariants
-from .store import compatibility, geometry_difference, read_baseline
+from .record import has_figures
+from .store import compatibility, geometry_difference, geometry_record, read_baseline
 from .tolerances import Tolerances
 
 
@@ -96,15 +98,41 @@ def gate_build(session, recipe: str, invariant: str, tol: Tolerances, fixes: dic
         except BaselineError as error:
             outcome.problems.append(str(error))
             continue
-        candidate = candidate_record(session, recipe, baseline, knockout="knockout" in inv.needs)
+        fix = fixes.get("own" if own else "reference")
         try:
-            outcome.notes.extend(n for n in compatibility(baseline, candidate, label) if n not in outcome.notes)
+            _, notes, results = gate_against(session, recipe, baseline, label, tol, fix, invariant=inv)
         except BaselineError as error:  # another geometry or probe
             outcome.problems.append(str(error))
             continue
-        fix = fixes.get("own" if own else "reference")
-        outcome.results.append(invariants.evaluate(inv, baseline, candidate, tol, recipe, label, fix))
+        outcome.notes.extend(n for n in notes if n not in outcome.notes)
+        outcome.results += results
     return outcome
+
+
+def gate_against(
+    session, recipe: str, baseline: dict, label: str, tol: Tolerances, fix: str | None, *, invariant=None, across=False
+) -> tuple[dict, list[str], list[invariants.InvariantResult]]:
+    """The gate's one flow against one baseline: ``(candidate, notes, results)``. The candidate is
+    measured the baseline's way (`candidate_record`), checked against it (`store.compatibility`:
+    another probe raises a `BaselineError`), then ``invariant`` is evaluated (default: every one the
+    candidate has figures for, `invariants.gate_all`), each failure ending with ``fix``."""
+    inv = None if invariant is None else invariants.get(invariant) if isinstance(invariant, str) else invariant
+    knockout = "knockout" in inv.needs if inv is not None else has_figures(baseline, "knockout")
+    candidate = candidate_record(session, recipe, baseline, knockout=knockout)
+    notes = compatibility(baseline, candidate, label, across=across)
+    if inv is None:
+        return candidate, notes, invariants.gate_all(baseline, candidate, tol, recipe, label, fix, across=across)
+    evaluated = invariants.evaluate(inv, baseline, candidate, tol, recipe, label, fix, across=True if across else None)
+    return candidate, notes, [evaluated]
+
+
+def gate_file(session, recipe: str, baseline: dict, label: str, tol: Tolerances, fix: str, across: bool):
+    """``circuits gate``: `gate_against` one baseline file with every invariant; on the same model
+    its key heads are knocked out exactly even when the scan is screened (another model's key heads
+    are not this model's heads)."""
+    if not across:
+        session.pin_key_heads(invariants.key_heads(baseline, "knockout_delta", tol.top_k, tol.min_delta))
+    return gate_against(session, recipe, baseline, label, tol, fix, across=across)
 
 
 def swap_baseline(session) -> tuple[dict | None, str, str]:
@@ -127,7 +155,7 @@ def swap_baseline(session) -> tuple[dict | None, str, str]:
         reference = session.load_baseline(s.reference)
     except BaselineMissing:
         return None, "", f"no base-model swap to gate: no {s.reference} baseline, and no {flag('swap-baseline')}"
-    candidate_geometry = {"model": {"geometry": session.preflight().__dict__}}
+    candidate_geometry = geometry_record(session.preflight().__dict__)
     if geometry_difference(reference, candidate_geometry):
         return reference, f"{s.reference} baseline", ""
     return None, "", f"no base-model swap to gate: the {s.reference} baseline is of this model's geometry; {hint}"
@@ -145,13 +173,13 @@ def gate_swap(session, recipe: str, inv, tol: Tolerances, fixes: dict[str, str])
     if baseline is None:
         outcome.absent = why_none
         return outcome
-    candidate = candidate_record(session, recipe, baseline, knockout="knockout" in inv.needs)
     try:
-        outcome.notes.extend(compatibility(baseline, candidate, label, across=True))
+        _, notes, results = gate_against(
+            session, recipe, baseline, label, tol, fixes.get("swap"), invariant=inv, across=True
+        )
     except BaselineError as error:
         outcome.problems.append(str(error))
         return outcome
-    outcome.results.append(
-        invariants.evaluate(inv, baseline, candidate, tol, recipe, label, fixes.get("swap"), across=True)
-    )
+    outcome.notes.extend(notes)
+    outcome.results += results
     return outcome

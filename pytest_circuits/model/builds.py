@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CircuitsError, ModelLoadError, RecipeError, first_line, one_line
+from ..errors import CircuitsError, RecipeError, first_line
 from ..options import flag
 from .checkpoint_keys import check_loading_info
 from .compressed import (
@@ -32,7 +32,7 @@ from .compressed import (
 )
 from .dense import is_projection, weight_of
 from .families import Family, Geometry, bind_family, family_and_geometry, geometry_for, modules_at
-from .loading import ModelSource, check_finite_weights, nonfinite_line, nonfinite_of, quiet_transformers
+from .loading import ModelSource, check_finite_weights, nonfinite_line, nonfinite_of, quiet_transformers, read_config
 from .recipes import CT, EXTERNAL_KEYS, LLMC, RECIPES, BuildSpec, Recipe, get_recipe, parse_builds  # noqa: F401  (re-exported)
 from .selfcheck import check_decomposition
 from .vocab import TokenInfo, token_info
@@ -232,24 +232,6 @@ def check_not_offloaded(model, what: str) -> None:
             f"{what} does not fit the visible GPUs: accelerate offloaded part of it to {' and '.join(offloaded)}; "
             "make more GPUs visible (CUDA_VISIBLE_DEVICES) or gate a 4-bit recipe"
         )
-
-
-def read_config(folder, trust_remote_code: bool = False, what: str | None = None):
-    """The transformers config of a weights folder; an unknown architecture, or a config transformers'
-    own checks refuse (``StrictDataclassFieldValidationError``, ``TypeError``, ``ZeroDivisionError``), is one line."""
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
-    except ValueError as error:
-        raise ModelLoadError(
-            f"model {what or str(folder)!r}: {first_line(error)} (pass {flag('trust-remote-code')} only if you trust it)"
-        ) from None
-    except Exception as error:
-        raise ModelLoadError(
-            f"model {what or str(folder)!r}: transformers refuses its config.json ({type(error).__name__}: "
-            f"{one_line(error)}); fix config.json or save the model again"
-        ) from None
 
 
 def from_pretrained(folder, what: str, device, trust_remote_code: bool = False, **kwargs) -> torch.nn.Module:

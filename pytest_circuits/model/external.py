@@ -17,10 +17,10 @@ import torch
 
 from ..errors import CircuitsError, RecipeError
 from ..fsio import parse_json
-from .builds import BuildIdentity, LoadedBuild, finish_build, from_pretrained, read_config, resolve_device
+from .builds import BuildIdentity, LoadedBuild, finish_build, from_pretrained, resolve_device
 from .compressed import decompress, identity_fields, is_compressed_tensors, quiet, require, require_compressed_tensors
 from .families import Geometry, family_and_geometry
-from .loading import ModelSource, check_finite_weights, quiet_transformers, sha256_of, weight_files
+from .loading import ModelSource, check_finite_weights, quiet_transformers, read_config, sha256_of, weight_files
 from .recipes import BuildSpec
 from .serialized import is_quanto_folder, load_quanto, quanto_fields, torchao_fields
 from .vocab import TokenInfo, token_info
@@ -129,13 +129,13 @@ def external_identity(
 def check_external_path(spec: BuildSpec) -> None:
     """Refuse, in one line and before anything loads, an external build whose PATH names nothing:
     not a file, a folder, a named model, or an id in the local Hugging Face cache."""
-    from .loading import _hub_cache_folder
+    from .loading import hub_cache_folder
     from .named import NAMED_MODELS
 
     text = str(spec.path)
     if text in NAMED_MODELS or Path(text).expanduser().exists():
         return
-    if text.count("/") == 1 and not text.startswith(".") and _hub_cache_folder(text) is not None:
+    if text.count("/") == 1 and not text.startswith(".") and hub_cache_folder(text) is not None:
         return
     raise RecipeError(
         f"external build {spec}: {text} does not exist (not a .gguf file, a model folder, a named model "

@@ -6,7 +6,7 @@ MXFP4); its k-quants and IQ types only dequantize (`quantizable_types` asks the 
 one type, ``w <- quantize(dequantize(w))`` (llama.cpp's ``--pure``: norms and biases stay F32,
 as does a tensor whose rows are not whole blocks of the type); `write_gguf` does it for any
 model ``--circuits-model`` accepts (a folder is first written as a float32 GGUF file by
-`testing.write_tiny_gguf`). Files are written atomically; `cached_gguf` keeps one per
+`gguf_write.write_float_gguf`). Files are written atomically; `cached_gguf` keeps one per
 (model, type) in the cache, for tests and for ``--circuits-builds q8=FILE``.
 
 Run: ``python -m pytest_circuits.model.gguf_quant smollm2-135m Q8_0 dist/smollm2-Q8_0.gguf``.
@@ -128,21 +128,21 @@ def requantize_gguf(src: str | Path, dst: str | Path, tensor_type: str, blocks: 
 
 def float_gguf_of(model: str, dst: str | Path) -> Path:
     """``model`` (anything ``--circuits-model`` takes) as a GGUF file: its own file when it is one,
-    else its float32 weights written by `testing.write_tiny_gguf` (ids only, no tokenizer)."""
+    else its float32 weights written by `gguf_write.write_float_gguf` (ids only, no tokenizer)."""
     source = resolve_model(model)
     if source.origin.suffix == ".gguf":
         return source.origin
     import torch
     from transformers import AutoModelForCausalLM
 
-    from ..testing import write_tiny_gguf
+    from .gguf_write import write_float_gguf
     from .loading import quiet_transformers
 
     quiet_transformers()
     net = AutoModelForCausalLM.from_pretrained(
         source.folder, dtype=torch.float32, local_files_only=True, use_safetensors=True
     )
-    return write_tiny_gguf(net, dst)
+    return write_float_gguf(net, dst)
 
 
 def write_gguf(model: str, tensor_type: str, dst: str | Path) -> Path:
@@ -156,7 +156,7 @@ def write_gguf(model: str, tensor_type: str, dst: str | Path) -> Path:
 
 def cached_gguf(model: str, tensor_type: str) -> Path:
     """`write_gguf` once per (model weights, type): ``<cache>/quantized/<name>-<sha256[:16]>-<type>.gguf``."""
-    from ..gate.store import safe_name
+    from ..fsio import safe_name
 
     source = resolve_model(model)
     key = sha256_of(source.origin) if source.origin.is_file() else _folder_key(source.folder)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..errors import CircuitsError, FileSystemError, ModelLoadError, first_line
+from ..errors import CircuitsError, FileSystemError, ModelLoadError, first_line, one_line
 from ..fsio import (
     OWNER_FILE,
     JsonUnreadable,
@@ -33,6 +33,7 @@ from ..fsio import (
     read_json,
     remove_stale_staging,
 )
+from ..options import flag
 from .named import named_model_path
 
 
@@ -540,7 +541,7 @@ def _temporary_cache() -> Path:
     return folder
 
 
-def _hub_cache_folder(repo_id: str) -> Path | None:
+def hub_cache_folder(repo_id: str) -> Path | None:
     """The newest local snapshot of a hub id, looked up with the hub forced offline."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
@@ -570,7 +571,7 @@ def resolve_model(spec: str | os.PathLike) -> ModelSource:
         return ModelSource(text, "gguf", gguf_to_folder(path), path)
     looks_like_path = os.sep in text or text.startswith(".")
     if not looks_like_path or text.count("/") == 1:
-        cached = _hub_cache_folder(text)
+        cached = hub_cache_folder(text)
         if cached is not None:
             return ModelSource(text, "cache", check_folder(cached), cached)
     from .named import NAMED_MODELS
@@ -579,3 +580,21 @@ def resolve_model(spec: str | os.PathLike) -> ModelSource:
         f"model {text!r} not found: not a folder, a .gguf file, a named model "
         f"({', '.join(NAMED_MODELS)}), or an id in the local Hugging Face cache"
     )
+
+
+def read_config(folder, trust_remote_code: bool = False, what: str | None = None):
+    """The transformers config of a weights folder; an unknown architecture, or a config transformers'
+    own checks refuse (``StrictDataclassFieldValidationError``, ``TypeError``, ``ZeroDivisionError``), is one line."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
+    except ValueError as error:
+        raise ModelLoadError(
+            f"model {what or str(folder)!r}: {first_line(error)} (pass {flag('trust-remote-code')} only if you trust it)"
+        ) from None
+    except Exception as error:
+        raise ModelLoadError(
+            f"model {what or str(folder)!r}: transformers refuses its config.json ({type(error).__name__}: "
+            f"{one_line(error)}); fix config.json or save the model again"
+        ) from None

@@ -72,7 +72,7 @@ from .families import (
 )
 from .llm_int8 import Int8Layer, int8_layer
 from .serialized import torchao_activation_quant
-from .weights import _layer_weights, embedding_matrix, norm_scale
+from .weights import block_weights, embedding_matrix, norm_scale
 
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 TF32_TOLERANCE = 5e-3
@@ -445,7 +445,7 @@ def _check_layer(check: DecompositionCheck, layer: int, block, seen, fam: Family
         )
     x = seen["x"]
     try:
-        lw = _layer_weights(block, fam, geo, False, config, x.device, qk=False)
+        lw = block_weights(block, fam, geo, False, config, x.device, qk=False)
         attn = get_module(block, fam.attn)
         v_proj = get_module(attn, fam.qkv[-1])  # the module that computes V (the fused QKV, or v_proj)
         heads = _head_sum(

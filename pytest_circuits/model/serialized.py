@@ -82,7 +82,7 @@ def quanto_fields(model: torch.nn.Module, qmap: dict) -> dict[str, str]:
 def load_quanto(folder: Path, what: str) -> torch.nn.Module:
     """An optimum-quanto folder as quanto reloads it (``requantize``), eager attention, on the CPU."""
     from ..fsio import JsonUnreadable, read_json
-    from .builds import read_config
+    from .loading import read_config
 
     try:
         from optimum.quanto import requantize

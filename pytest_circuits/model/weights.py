@@ -144,7 +144,7 @@ class StreamedWeights:
     def layer(self, layer: int) -> LayerWeights:
         """Layer ``layer``'s ``W_V``, ``W_O`` and biases (``W_Q``, ``W_K``: None)."""
         block = modules_at(self.model, self.family_table.layers)[layer]
-        return _layer_weights(block, self.family_table, self.geometry, self.folded, self.model.config, qk=False)
+        return block_weights(block, self.family_table, self.geometry, self.folded, self.model.config, qk=False)
 
     def default_rows(self) -> int:
         """Vocabulary rows per block: `VOCAB_BLOCK_ELEMENTS` entries of ``W_E``."""
@@ -185,7 +185,7 @@ def _read_map(scale: torch.Tensor, norm_kind: str) -> torch.Tensor:
     return read
 
 
-def _layer_weights(block, fam: Family, geo: Geometry, fold: bool, config, device=None, qk: bool = True) -> LayerWeights:
+def block_weights(block, fam: Family, geo: Geometry, fold: bool, config, device=None, qk: bool = True) -> LayerWeights:
     """One block's per-head weights; ``qk=False`` skips ``W_Q``/``W_K`` (None), for the self-check."""
     device = torch.device("cpu") if device is None else device
     attn = get_module(block, fam.attn)
@@ -237,7 +237,7 @@ def layer_weights(model, layer: int, fold: bool = False, device=None) -> LayerWe
     """One layer's per-head weights (float32, dequantized) on ``device`` (default CPU); unfolded by default."""
     fam = family_of(model)
     block = modules_at(model, fam.layers)[layer]
-    return _layer_weights(block, fam, geometry_of(model), fold, model.config, device)
+    return block_weights(block, fam, geometry_of(model), fold, model.config, device)
 
 
 def weight_of_embedding(model) -> torch.Tensor:
@@ -292,7 +292,7 @@ def extract_weights(model, fold: bool = True) -> ModelWeights:
     fam = family_of(model)
     geo = geometry_of(model)
     blocks = modules_at(model, fam.layers)
-    layers = [_layer_weights(block, fam, geo, fold, model.config) for block in blocks]
+    layers = [block_weights(block, fam, geo, fold, model.config) for block in blocks]
     W_E = embedding_matrix(model, fam)  # (vocab, d_model)
     W_U = _unembedding_columns(model, fam, 0, int(weight_of(model.get_output_embeddings()).shape[0]))
     final = final_norm_module(model, fam)

@@ -57,46 +57,9 @@ class Collected:
                 self.attention[recipe] = attention
 
 
-def fix_lines(session, recipe: str, command: str) -> dict[str, str]:
-    """The closing line of a failure message: how to accept the change if it is intended.
-    ``command``: this run's command with the update flag added (`update_command`)."""
-    s = session.settings
-    own = f"if the change is intended, record the baseline again: {command}"
-    return {
-        "own": own,
-        "reference": own  # the build is the reference: its own baseline is the one it missed
-        if recipe == s.reference
-        else (
-            f"if {recipe} may differ this much from {s.reference}, loosen the tolerance "
-            "(@pytest.mark.circuits_tolerance(...) or circuits_tol_* in [tool.pytest.ini_options]); "
-            f"if the {s.reference} build changed on purpose, record its baseline again: {command}"
-        ),
-        "swap": (
-            f"if {recipe} of the new model may differ this much from the model it replaces, loosen the swap_* "
-            "tolerance (@pytest.mark.circuits_tolerance(...) or circuits_tol_swap_* in [tool.pytest.ini_options])"
-        ),
-    }
-
-
-def update_command(config: pytest.Config) -> str:
-    """The command this run was started with, its arguments as given (``--pyargs``, paths relative
-    to the folder it was started in), with the update flag added: pasted there, it records the
-    baselines that changed (unchanged ones are not rewritten). ``python -m pytest`` or ``pytest``
-    as the run was started; under pytest-xdist the controller's command line."""
-    import shlex
-    import sys
-
-    worker = getattr(config, "workerinput", None)
-    argv = list(worker["mainargv"]) if worker and "mainargv" in worker else None
-    args = argv[1:] if argv else list(config.invocation_params.args)
-    program = (argv or sys.argv or ["pytest"])[0]
-    words = ["python", "-m", "pytest"] if program.endswith("__main__.py") else ["pytest"]
-    update = flag("update")
-    return shlex.join(words + [str(a) for a in args] + ([] if update in args else [update]))
-
-
 def gate_for_test(request, session, recipe: str, invariant: str, tol):
     """`gate_build` for one pytest item; results travel as user properties (pytest-xdist safe)."""
+    from ..gate.fixes import fix_lines, update_command
     from ..gate.verdict import gate_build
 
     if session.settings.update:  # record own baseline first: the reference's owner takes its lock before anyone waits
@@ -104,7 +67,7 @@ def gate_for_test(request, session, recipe: str, invariant: str, tol):
     props = request.node.user_properties
     try:
         outcome = gate_build(
-            session, recipe, invariant, tol, fix_lines(session, recipe, update_command(request.config))
+            session, recipe, invariant, tol, fix_lines(session.settings, recipe, update_command(request.config))
         )
     except CircuitsError as error:  # the build could not be gated: the report names it among what broke
         props.append(("circuits_results", [error_row(recipe, invariant, str(error))]))
@@ -148,7 +111,7 @@ def attention_for_report(session, recipe: str, reference: dict | None) -> dict |
     if label is None:
         return {"note": "no head has a prefix-matching score: no attention map"}
     try:
-        return session._memo(
+        return session.memo(
             ("report_attention", recipe, label),
             lambda: head_attention(session.build(recipe), session.settings.probe, label),
         )

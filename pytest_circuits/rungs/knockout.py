@@ -36,7 +36,8 @@ from ..progress import Progress, phase
 from .ablation import ablated, check_mode, parse_heads
 from .figures import sequences_key
 from .reference import naive_losses
-from .repeat import KNOCKOUT_CPU_TOKENS, RepeatSettings
+from .repeat import KNOCKOUT_CPU_TOKENS
+from .repeat_settings import RepeatSettings
 from .replay import (
     Intact,
     attention_implementation,

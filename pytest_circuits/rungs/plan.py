@@ -20,7 +20,8 @@ import torch
 
 from ..model.families import attention_module
 from .reference import knockout_flops
-from .repeat import RepeatSettings, bos_offset
+from .repeat import bos_offset
+from .repeat_settings import RepeatSettings
 
 RATE_ROWS = 512  # rows of the matmul that measures the device's rate
 

@@ -29,7 +29,8 @@ from ..model.builds import LoadedBuild
 from ..model.families import attention_module, head_label
 from ..options import flag
 from .figures import SAMPLED_MODEL_FIGURES, sequences_key
-from .repeat import RepeatSettings, bos_offset, check_fits, next_token_losses, repeat_losses, repeat_tokens
+from .repeat import bos_offset, check_fits, next_token_losses, repeat_losses, repeat_tokens
+from .repeat_settings import RepeatSettings
 
 SCORES = ("prefix_matching", "previous_token", "duplicate_token")
 

@@ -27,7 +27,8 @@ from .kappa import (
     layer_rotations,
     spectrum_frame,
 )
-from .repeat import RepeatSettings, bos_offset
+from .repeat import bos_offset
+from .repeat_settings import RepeatSettings
 from .replay import (
     attention_implementation,
     batches,

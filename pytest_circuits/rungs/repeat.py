@@ -16,7 +16,6 @@ import torch
 from ..errors import CircuitsError
 from ..model.vocab import TokenInfo
 from ..options import flag
-from ..settings import RepeatSettings  # noqa: F401  (re-exported: the probe's settings)
 
 CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
 MIN_ORDINARY_IDS = 2  # with one id every sequence is the same token: no copying to measure

@@ -29,7 +29,8 @@ from ..model.builds import LoadedBuild
 from ..model.families import layer_modules, tail_logits
 from ..options import flag
 from .ablation import ZMeans, z_observed
-from .repeat import RepeatSettings, available_memory, bos_offset, check_fits, copy_slices, repeat_tokens
+from .repeat import available_memory, bos_offset, check_fits, copy_slices, repeat_tokens
+from .repeat_settings import RepeatSettings
 
 FAST_ATTENTION = "sdpa"  # knockouts need no attention weights: the fused exact kernel
 RECORD_SHARE = 0.25  # the recorded block inputs may take this share of the memory available at the intact pass

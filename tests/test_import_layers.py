@@ -1,0 +1,148 @@
+"""The package's import layers: every import points down, none forms a cycle, none takes a private name.
+
+Read from the source with ``ast`` (imports inside functions count too), so it needs no third-party
+linter. The layers, highest first; a module may import its own layer and any layer below:
+
+1. front ends: the package root, ``plugin``, ``cli``, ``probes``
+2. ``session``, ``assertions``, ``testing``
+3. ``report``
+4. ``gate``
+5. ``settings``
+6. ``rungs``
+7. ``model``
+8. base: ``errors``, ``options``, ``fsio``, ``progress``
+
+The one exception: ``from pytest_circuits import __version__`` (package metadata, no code) is
+allowed from any layer.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest_circuits
+
+PACKAGE = Path(pytest_circuits.__file__).resolve().parent
+ROOT = "pytest_circuits"
+LAYERS = (
+    (ROOT, "plugin", "cli", "probes"),
+    ("session", "assertions", "testing"),
+    ("report",),
+    ("gate",),
+    ("settings",),
+    ("rungs",),
+    ("model",),
+    ("errors", "options", "fsio", "progress"),
+)
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(name: str) -> list[tuple[str, list[str]]]:
+    """``(module imported, names taken from it)`` for every import of the package's own modules in ``name``."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            if target == ROOT or target.startswith(ROOT + "."):
+                names = [alias.name for alias in node.names]
+                submodules = [f"{target}.{n}" for n in names if f"{target}.{n}" in MODULES]
+                found += [(sub, []) for sub in submodules]
+                rest = [n for n in names if f"{target}.{n}" not in MODULES]
+                if rest or not submodules:
+                    found.append((target, rest))
+        elif isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names if alias.name.split(".")[0] == ROOT]
+    return found
+
+
+def layer_of(name: str) -> int:
+    """Index in `LAYERS` of a module (0 highest): by its first component below the package."""
+    top = name.split(".")[1] if "." in name else ROOT
+    for index, layer in enumerate(LAYERS):
+        if top in layer:
+            return index
+    raise AssertionError(f"{name} is in no layer: add its package to LAYERS in {Path(__file__).name}")
+
+
+def test_every_module_has_a_layer():
+    for name in MODULES:
+        layer_of(name)
+
+
+def test_imports_point_down():
+    upward = []
+    for name in MODULES:
+        for target, names in imports_of(name):
+            if target == ROOT and names == ["__version__"]:
+                continue
+            if layer_of(target) < layer_of(name):
+                upward.append(f"{name} imports {target} ({LAYERS[layer_of(target)][0]} is above)")
+    assert not upward, "\n".join(upward)
+
+
+def test_no_private_names_cross_modules():
+    private = [
+        f"{name} takes {n} from {target}"
+        for name in MODULES
+        for target, names in imports_of(name)
+        for n in names
+        if n.startswith("_") and not n.startswith("__")
+    ]
+    assert not private, "\n".join(private)
+
+
+def find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (module -> modules it imports) as a path that returns to its start, or None."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(name: str) -> list[str] | None:
+        if name in path:
+            return [*path[path.index(name) :], name]
+        if name in done:
+            return None
+        path.append(name)
+        for target in graph.get(name, []):
+            cycle = visit(target)
+            if cycle is not None:
+                return cycle
+        path.pop()
+        done.add(name)
+        return None
+
+    for name in graph:
+        cycle = visit(name)
+        if cycle is not None:
+            return cycle
+    return None
+
+
+def test_no_import_cycle():
+    """No cycle among the modules (a package's ``__init__`` counts as one module)."""
+    graph = {name: sorted({t for t, _ in imports_of(name) if t in MODULES and t != name}) for name in MODULES}
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_checks_see_a_cycle_and_an_upward_import():
+    """The checks themselves: a hand-made cycle is found, a lower layer ranks below a higher one."""
+    assert find_cycle({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": ["b"], "b": ["c"], "d": ["a", "c"]}) is None
+    assert layer_of("pytest_circuits.model.families") > layer_of("pytest_circuits.gate.store")
+    assert layer_of("pytest_circuits.errors") == len(LAYERS) - 1
+    screen_imports = dict(imports_of("pytest_circuits.rungs.screen"))
+    assert "pytest_circuits.rungs.replay" in screen_imports  # relative imports resolve to full names
