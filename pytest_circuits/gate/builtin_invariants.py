@@ -1,0 +1,376 @@
+"""The built-in invariants of one model's builds (registered in gate order) and their shared helpers.
+
+- ``copying_heads``: every head flagged copying or suppression keeps ``|kappa' - kappa|``
+  and ``|kappa_trace' - kappa_trace|`` within ``kappa``; every head keeps kappa_trace within
+  ``kappa``; the Spearman rank correlation of kappa over the heads the baseline tells apart
+  from the null (``|kappa_z| >= 2``) stays ``>= rank``.
+- ``kappa_distribution``: the mean over heads of ``kappa_z' - kappa_z`` (and of the trace
+  twin) stays within ``+-shift`` null standard deviations.
+- Both kappa invariants leave out heads whose OV gain ``sum_i |lambda_i|`` is below
+  ``min_ov_gain`` x the baseline's largest, and say how many.
+- ``copy_loss``: copy loss and copy gain each within ``copy_loss`` / ``copy_gain`` nats.
+- ``induction_heads``: the baseline's top-``top_k`` prefix-matching and previous-token heads
+  scoring at least ``min_score`` keep their score within ``+-prefix``.
+- ``knockout_deltas``: the baseline's top-``top_k`` knockout heads (delta at least
+  ``min_delta`` nats) keep ``|delta' - delta| <= knockout * |delta|``.
+- Both of these compare sampled figures (`sampled_within`): each row carries the 95% paired t
+  interval of its change over the probe's sequences, and with ``outside_interval`` (default)
+  a change beyond its tolerance breaks only when that interval excludes 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .invariant_api import Comparison, Invariant, Row, format_interval, register, signed, within
+from .record import record_eigenvalues
+from .stats import LEVEL, excludes_zero, implausible_spread, paired_interval, spearman
+from .tolerances import Tolerances
+
+RANK_MIN_Z = 2.0  # heads in the rank correlation: those the baseline tells apart from the null
+
+
+# ---------------------------------------------------------------- shared helpers of the built-in invariants
+
+
+def num(value) -> float:
+    """A float, NaN for None (a figure that was not measured)."""
+    return float("nan") if value is None else float(value)
+
+
+def heads_by_label(record: dict) -> dict[str, dict]:
+    return {row["head"]: row for row in record.get("heads", [])}
+
+
+def head_pairs(before: dict, after: dict) -> list[tuple[str, dict, dict]]:
+    """Heads present in both records, in the baseline's order."""
+    b, a = heads_by_label(before), heads_by_label(after)
+    return [(name, b[name], a[name]) for name in b if name in a]
+
+
+NO_INTERVAL = (
+    "interval not available ({side} recorded without per-sequence figures; re-record); plain tolerance applies"
+)
+
+
+def sampled_within(
+    subject: str, metric: str, before: dict, after: dict, limit: float, tol: Tolerances, note: str = ""
+) -> Row:
+    """A row of a sampled figure (a mean over the probe's sequences; rungs/figures.py), read from
+    ``before`` / ``after`` (a record, or one of its head rows) with its per-sequence values.
+
+    Its interval is the 95% paired t interval of the change (`stats.paired_interval`). It breaks
+    when ``|after - before| > limit`` and, with ``tol.outside_interval`` (the default), the
+    interval excludes 0; without per-sequence values on both sides the plain tolerance applies
+    and the note says so.
+    """
+    from ..rungs.figures import sequences_key
+
+    x, y = num(before.get(metric)), num(after.get(metric))
+    key = sequences_key(metric)
+    xs, ys = before.get(key), after.get(key)
+    interval = paired_interval(xs, ys) if xs is not None and ys is not None else None
+    beyond = not abs(y - x) <= limit
+    said = [note] if note else []
+    if interval is None:
+        if math.isfinite(y) and (xs is None or ys is None):
+            said.append(NO_INTERVAL.format(side="baseline" if xs is None else "build"))
+        elif math.isfinite(y) and xs is not None and ys is not None:
+            said.append(f"interval not available ({len(xs)} vs {len(ys)} sequences); plain tolerance applies")
+        broken = beyond
+    elif tol.outside_interval:
+        broken = beyond and excludes_zero(interval)
+        ratio = implausible_spread(xs, ys) if beyond and not broken else None
+        if ratio is not None:
+            broken = True  # only the baseline's implausible spread held the interval over 0
+            said.append(NO_EVIDENCE.format(ratio=ratio, n=len(xs or ())))
+        elif beyond and not broken:
+            said.append(f"beyond {limit:.3g} but {SPARED} (the {LEVEL:.0%} interval holds 0)")
+    else:
+        broken = beyond
+    return Row(subject, metric, x, y, limit, broken, " ".join(said), interval)
+
+
+# A baseline whose per-sequence values spread implausibly for its n (`stats.implausible_spread`) cannot
+# say a change is noise: its interval would hold 0 whatever the build did (docs/definitions.md).
+NO_EVIDENCE = (
+    "the baseline's per-sequence values carry no evidence (their spread is {ratio:.3g}x the build's on the "
+    "same {n} sequences, beyond F({n}-1, {n}-1) at 99.9%); plain tolerance applies: record the baseline again"
+)
+SPARED = "within sampling noise"  # the note of a row the interval rule kept from breaking
+
+
+def spared(rows: list[Row]) -> list[Row]:
+    """Rows beyond their tolerance that the interval rule kept (shown under a failure as context)."""
+    return [r for r in rows if SPARED in r.note]
+
+
+def interval_detail(rows: list[Row], shown: list[Row] | None = None) -> str:
+    """Pass-line words for sampled rows: the changes of ``shown`` (default all) with their intervals,
+    how many rows the interval rule spared, and why an interval was not available."""
+    parts = []
+    for r in rows if shown is None else shown:
+        subject = "" if r.subject == "model" else f"{r.subject} "
+        parts.append(
+            f"{subject}d{r.metric} {signed(r.after - r.before)} {format_interval(r.interval) or '(no interval)'}"
+        )
+    kept = len(spared(rows))
+    missing = {r.note[r.note.index("interval not available") :] for r in rows if "interval not available" in r.note}
+    said = [", ".join(parts)] if parts else []
+    said += [f"{kept} beyond tolerance but {SPARED}"] if kept else []
+    return "; ".join(said + sorted(missing))
+
+
+def ov_gains(record: dict) -> dict[str, float]:
+    """Each head's OV gain ``sum_i |lambda_i|``: the ``ov_gain`` column, or from the stored
+    eigenvalues for records written before that column existed; empty when neither is there."""
+    from ..rungs.kappa import ov_gain
+
+    heads = heads_by_label(record)
+    if heads and all(row.get("ov_gain") is not None for row in heads.values()):
+        return {name: float(row["ov_gain"]) for name, row in heads.items()}
+    return {name: float(ov_gain(lam)) for name, lam in record_eigenvalues(record).items() if lam.size}
+
+
+def negligible_heads(record: dict, min_ov_gain: float) -> set[str]:
+    """Heads whose OV gain is below ``min_ov_gain`` x the record's largest."""
+    gains = ov_gains(record)
+    if not gains or min_ov_gain <= 0:
+        return set()
+    largest = max(gains.values())
+    return {name for name, gain in gains.items() if gain < min_ov_gain * largest}
+
+
+def compared_pairs(before: dict, after: dict, tol: Tolerances) -> tuple[list, str]:
+    """``(pairs, left_out)``: the heads the kappa invariants compare, and a note naming how many
+    negligible heads were left out ("" when none)."""
+    negligible = negligible_heads(before, tol.min_ov_gain)
+    pairs = [(name, b, a) for name, b, a in head_pairs(before, after) if name not in negligible]
+    if not negligible:
+        return pairs, ""
+    return pairs, f"; {len(negligible)} heads with OV gain < {tol.min_ov_gain:g} x the largest not compared"
+
+
+def kappa_pairs(before: dict, after: dict, figures: tuple[str, ...]) -> tuple[dict[str, tuple[str, str]], str]:
+    """``({figure: (figure of before, figure of after)}, why)``: the figures of two records that
+    measure the same thing (`rungs.kappa_method.paired_figures`); ``why`` names the two ways of
+    measuring kappa when some figure has no pair ("" when all do)."""
+    from ..rungs.kappa_method import of_record, paired_figures
+
+    mb, ma = of_record(before), of_record(after)
+    pairs = {f: p for f in figures if (p := paired_figures(f, mb, ma)) is not None}
+    if len(pairs) == len(figures):
+        return pairs, ""
+    return pairs, (
+        f"the {{against}} measured kappa with {mb.describe()}, {{build}} with {ma.describe()}: "
+        f"{', '.join(f for f in figures if f not in pairs)} of two methods are not compared "
+        "(a live gate measures the build the baseline's way)"
+    )
+
+
+def key_heads(record: dict, metric: str, top_k: int, minimum: float) -> list[str]:
+    """The record's heads scoring at least ``minimum`` on ``metric``, best first; the top ``top_k``
+    of them when ``top_k`` is positive, every one when it is 0."""
+    rows = [(r["head"], num(r.get(metric))) for r in record.get("heads", [])]
+    rows = [(h, v) for h, v in rows if not math.isnan(v) and v >= minimum]
+    rows.sort(key=lambda hv: -hv[1])
+    return [h for h, _ in (rows[:top_k] if top_k > 0 else rows)]
+
+
+def other_knockout_settings(before: dict, after: dict) -> list[str]:
+    """``["mode zero vs mean", ...]``: the knockout settings (mode, seed, n, L) both records name
+    and name differently; deltas of another ablation or other sequences are other figures."""
+    settings = [
+        (k, (before.get("knockout") or {}).get(k), (after.get("knockout") or {}).get(k))
+        for k in ("mode", "seed", "n", "L")
+    ]
+    return [f"{k} {x} vs {y}" for k, x, y in settings if x is not None and y is not None and x != y]
+
+
+def _role(row: dict) -> str:
+    return "copying" if row.get("copying") else "suppression" if row.get("suppression") else ""
+
+
+# ---------------------------------------------------------------- the built-in invariants
+
+
+@register
+class CopyingHeads(Invariant):
+    """Copying/suppression heads keep kappa and kappa_trace; kappa keeps its rank order."""
+
+    name = "copying_heads"
+    suite_test = "test_copying_heads_survive"
+    suite_module = "test_rung1_weights"
+    guards = "the copying heads"
+    tolerances = ("kappa", "rank", "min_ov_gain")
+    held = "copying heads of {build} survive against the {against}"
+    moved = "copying heads of {build} moved against the {against}"
+
+    def compare(self, before, after, tol):
+        same, mismatch = kappa_pairs(before, after, ("kappa", "kappa_trace"))
+        if mismatch:
+            return Comparison(nothing=mismatch)
+        (kb, ka), (tb, ta) = same["kappa"], same["kappa_trace"]  # the uncentred twin across unembeddings
+        pairs, left_out = compared_pairs(before, after, tol)
+        rows = []
+        for name, b, a in pairs:
+            for metric, x, y in [("kappa", kb, ka), ("kappa_trace", tb, ta)] if _role(b) else [("kappa_trace", tb, ta)]:
+                paired = "" if x == y else f" ({x} -> {y})"
+                rows.append(within(name, metric, num(b.get(x)), num(a.get(y)), tol.kappa, _role(b) + paired))
+        ranked = [(b, a) for _, b, a in pairs if abs(num(b.get("kappa_z"))) >= RANK_MIN_Z]
+        if len(ranked) >= 3:
+            rho = spearman([num(b.get(kb)) for b, _ in ranked], [num(a.get(ka)) for _, a in ranked])
+            undefined = " undefined: kappa is constant on one side" if math.isnan(rho) else ""
+            rows.append(
+                Row(
+                    f"{len(ranked)} heads",
+                    "rank corr",
+                    1.0,
+                    rho,
+                    tol.rank,
+                    not rho >= tol.rank,
+                    f"(Spearman of kappa over heads with |kappa_z| >= {RANK_MIN_Z:g}){undefined}",
+                )
+            )
+        return Comparison(
+            rows, left_out=left_out, nothing=f"no head of the {{against}} is compared{left_out}; check the baseline"
+        )
+
+
+@register
+class KappaDistribution(Invariant):
+    """Mean shift across heads of kappa_z (and kappa_trace_z when recorded) within +-shift null sds."""
+
+    name = "kappa_distribution"
+    suite_test = "test_kappa_distribution_not_shifted"
+    suite_module = "test_rung1_weights"
+    guards = "the kappa distribution"
+    tolerances = ("shift", "min_ov_gain")
+    held = "kappa distribution of {build} not shifted against the {against}"
+    moved = "kappa distribution of {build} shifted against the null, compared with the {against}"
+
+    def compare(self, before, after, tol):
+        _, mismatch = kappa_pairs(before, after, ("kappa_z", "kappa_trace_z"))
+        if mismatch:
+            return Comparison(nothing=mismatch)
+        pairs, left_out = compared_pairs(before, after, tol)
+        rows, context, said = [], [], []
+        for metric in ("kappa_z", "kappa_trace_z"):
+            dz = np.array([num(a.get(metric)) - num(b.get(metric)) for _, b, a in pairs], float)
+            if not np.isfinite(dz).any():
+                continue
+            shift = float(dz[np.isfinite(dz)].mean()) if np.isfinite(dz).all() else math.nan
+            mean_b = float(np.nanmean([num(b.get(metric)) for _, b, _ in pairs]))
+            row = within("all heads", f"mean {metric}", mean_b, mean_b + shift, tol.shift)
+            rows.append(row)
+            said.append(f"mean d{metric} {shift:+.2f}")
+            if row.broken:  # the heads that drive the shift: moved the same way at least as far, largest first
+                drivers = sorted(
+                    (p for p, d in zip(pairs, dz) if np.sign(d) == np.sign(shift) and abs(d) >= abs(shift)),
+                    key=lambda p: -abs(num(p[2].get(metric)) - num(p[1].get(metric))),
+                )
+                context += [
+                    Row(name, metric, num(b.get(metric)), num(a.get(metric)), tol.shift, True, "(drives the shift)")
+                    for name, b, a in drivers[:5]
+                ]
+        return Comparison(
+            rows,
+            context,
+            left_out,
+            ", ".join(said),
+            nothing=f"no kappa z-scores to compare in the {{against}}{left_out}; check the baseline",
+        )
+
+
+@register
+class CopyLoss(Invariant):
+    """Copy loss and copy gain (nats) within tolerance, both directions."""
+
+    name = "copy_loss"
+    suite_test = "test_copy_loss_within_tolerance"
+    suite_module = "test_rung12_repeat"
+    guards = "the copy loss"
+    per_head = False
+    tolerances = ("copy_loss", "copy_gain", "outside_interval")
+    held = "copy behaviour of {build} within tolerance of the {against}"
+    moved = "copy behaviour of {build} moved against the {against}"
+
+    def compare(self, before, after, tol):
+        rows = [
+            sampled_within("model", metric, before, after, limit, tol)
+            for metric, limit in (("copy_loss", tol.copy_loss), ("copy_gain", tol.copy_gain))
+        ]
+        detail = f"copy loss {num(after.get('copy_loss')):.3f}, gain {num(after.get('copy_gain')):.3f}; "
+        return Comparison(rows, spared(rows), detail=detail + interval_detail(rows))
+
+
+@register
+class InductionHeads(Invariant):
+    """Top prefix-matching (and previous-token) heads of the baseline keep their scores."""
+
+    name = "induction_heads"
+    suite_test = "test_induction_heads_survive"
+    suite_module = "test_rung12_repeat"
+    guards = "the induction and previous-token heads"
+    tolerances = ("prefix", "top_k", "min_score")
+    held = "induction heads of {build} survive against the {against}"
+    moved = "induction heads of {build} moved against the {against}"
+
+    def compare(self, before, after, tol):
+        b, a = heads_by_label(before), heads_by_label(after)
+        rows = []
+        for metric, role in (("prefix_matching", "induction"), ("previous_token", "previous-token")):
+            for name in key_heads(before, metric, tol.top_k, tol.min_score):
+                rows.append(
+                    within(name, metric, num(b[name].get(metric)), num(a.get(name, {}).get(metric)), tol.prefix, role)
+                )
+        return Comparison(
+            rows,
+            nothing_is_skip=True,
+            nothing=(
+                f"the {{against}} has no induction or previous-token head scoring >= {tol.min_score:g}; nothing to check"
+            ),
+        )
+
+
+@register
+class KnockoutDeltas(Invariant):
+    """Key heads' knockout deltas keep their size: ``|d' - d| <= knockout * |d|``."""
+
+    name = "knockout_deltas"
+    suite_test = "test_knockout_deltas_keep_size"
+    suite_module = "test_rung2_knockout"
+    guards = "the key knockout heads"
+    needs = frozenset({"knockout"})
+    tolerances = ("knockout", "top_k", "min_delta", "outside_interval")
+    held = "knockout deltas of {build}'s key heads keep their size against the {against}"
+    moved = "knockout deltas of {build}'s key heads changed against the {against}"
+
+    def compare(self, before, after, tol):
+        other = other_knockout_settings(before, after)
+        if other:  # deltas of another ablation or other sequences are other figures, not a change
+            return Comparison(
+                nothing=f"the {{against}} was knocked out with other settings ({', '.join(other)}); "
+                "record it again with this run's knockout settings"
+            )
+        b, a = heads_by_label(before), heads_by_label(after)
+        rows = []
+        for name in key_heads(before, "knockout_delta", tol.top_k, tol.min_delta):
+            x, y = num(b[name].get("knockout_delta")), num(a.get(name, {}).get("knockout_delta"))
+            note = (
+                f"({tol.knockout:.0%} of its size)"
+                if not math.isnan(y)
+                else "NOT MEASURED in this build (screened out): an error, not a change; measure it exactly"
+            )
+            rows.append(
+                sampled_within(name, "knockout_delta", b[name], a.get(name, {}), tol.knockout * abs(x), tol, note)
+            )
+        return Comparison(
+            rows,
+            spared(rows),
+            detail=interval_detail(rows, spared(rows)[:5]),
+            nothing_is_skip=True,
+            nothing=(f"the {{against}} has no head with knockout delta >= {tol.min_delta:g} nats; nothing to check"),
+        )

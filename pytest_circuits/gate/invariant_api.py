@@ -1,0 +1,372 @@
+"""The invariants of the gate, one registry entry each (docs/definitions.md, "The gate").
+
+An `Invariant` reads two scan records (``before``: the baseline, ``after``: the build under
+test) and returns a `Comparison`: one `Row` per figure it compared (subject, metric,
+before, after, limit, broken?). Everything else derives from those rows in one flow,
+`evaluate`: pass or fail, the failure table, the CLI verdict, ``circuits diff``, the
+report's broken list and ``scripts/measure_gate.py``. An invariant that compared nothing
+never passes: it fails with its reason, or is skipped when the baseline model has none of
+the mechanism it guards (a random model has no induction head).
+
+The extension API: `Row`, `Comparison`, `Invariant`, `register`, `within` and the one flow
+(`evaluate`, `gate_all`, `verdict`). The built-in invariants: `builtin_invariants.py`, those
+across base models: `swap_invariants.py`; `invariants.py` is the registry with all of them.
+A user adds one with `register` (docs/invariants.md, "Your own invariant").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import ClassVar
+
+from ..errors import CircuitsError
+from ..options import flag
+from . import tolerances as tolerances_module
+from .record import has_figures
+from .store import geometry_difference
+from .tolerances import Tolerances
+
+__all__ = [
+    "Row",
+    "Comparison",
+    "Invariant",
+    "InvariantResult",
+    "REGISTRY",
+    "STATUSES",
+    "MAX_ROWS",
+    "register",
+    "get",
+    "own_tolerance_defaults",
+    "evaluate",
+    "gate_all",
+    "runnable",
+    "across_models",
+    "per_build_invariants",
+    "guarded",
+    "verdict",
+    "format_rows",
+    "format_interval",
+    "within",
+    "model_name",
+    "scope_skip",
+    "signed",
+]
+
+MAX_ROWS = 20
+STATUSES = ("passed", "failed", "skipped")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One compared figure: ``subject`` (a head ``L1H0``, ``model``, ``all heads``) and its numbers."""
+
+    subject: str
+    metric: str
+    before: float
+    after: float
+    limit: float
+    broken: bool
+    note: str = ""
+    interval: tuple[float, float] | None = None  # 95% paired interval of after - before (sampled figures)
+
+    def as_dict(self) -> dict:
+        return {
+            "head": self.subject,
+            "metric": self.metric,
+            "before": self.before,
+            "after": self.after,
+            "change": self.after - self.before,
+            "interval": None if self.interval is None else [self.interval[0], self.interval[1]],
+            "tolerance": self.limit,
+            "broken": self.broken,
+            "note": self.note,
+        }
+
+
+@dataclass
+class Comparison:
+    """What one invariant compared: its rows, and why some or all heads were left out."""
+
+    rows: list[Row] = field(default_factory=list)
+    context: list[Row] = field(default_factory=list)  # shown under a failure (e.g. the heads driving a shift)
+    left_out: str = ""  # "; 4 heads with OV gain < 0.01 x the largest not compared"
+    detail: str = ""  # appended to the pass line (e.g. the mean shifts)
+    nothing: str = ""  # why nothing was compared
+    nothing_is_skip: bool = False  # the baseline model has none of this mechanism: skip, not fail
+
+    @property
+    def broken(self) -> list[Row]:
+        return [r for r in self.rows if r.broken]
+
+
+class Invariant:
+    """One check of a build against a baseline. Subclass, set the class fields, write `compare`."""
+
+    name: ClassVar[str]
+    needs: ClassVar[frozenset[str]] = frozenset()  # record figures both sides must hold ("knockout")
+    tolerances: ClassVar[tuple[str, ...]] = ()  # the `Tolerances` fields it reads
+    held: ClassVar[str] = "{name} of {build} holds against the {against}"
+    moved: ClassVar[str] = "{name} of {build} broke against the {against}"
+    # False: compares two builds of one model (skipped across models, `evaluate`); True: compares
+    # two base models on model-level figures (gate/profile.py), never two builds of one model
+    across_models: ClassVar[bool] = False
+    per_head: ClassVar[bool] = True  # reads heads by label (the words of its cross-model skip)
+    # the gate suite's test that runs it (pytest_circuits/probes), and the module holding it;
+    # empty: ``test_<name>`` in ``test_registered`` (cross-model ones: all in test_base_model_swap)
+    suite_test: ClassVar[str] = ""
+    suite_module: ClassVar[str] = ""
+    # tolerances of its own, name -> default (a float, int or bool): like the built-ins each is an
+    # ini key ``circuits_tol_<name>``, a marker keyword and a ``--tol`` name, read as ``tol.<name>``
+    own_tolerances: ClassVar[dict[str, float | int | bool]] = {}
+    guards: ClassVar[str] = ""  # what it guards, in the verdict line's words (default: its name)
+
+    def compare(self, before: dict, after: dict, tol: Tolerances) -> Comparison:
+        raise NotImplementedError
+
+
+REGISTRY: dict[str, Invariant] = {}
+
+
+def register(invariant):
+    """Add an invariant (an instance, or a subclass to instantiate) to the gate; returns it.
+
+    Usable as a class decorator. Its ``name`` is what ``circuits_gate(name)`` runs.
+    """
+    instance = invariant() if isinstance(invariant, type) else invariant
+    if not getattr(instance, "name", ""):
+        raise CircuitsError(f"invariant {type(instance).__name__} has no name; set the class field `name`")
+    for name, default in instance.own_tolerances.items():
+        taken = name in Tolerances.names() or any(
+            name in other.own_tolerances for key, other in REGISTRY.items() if key != instance.name
+        )
+        if taken or not isinstance(default, (int, float)):
+            why = "is taken" if taken else f"needs a number or bool default, got {default!r}"
+            raise CircuitsError(f"invariant {instance.name}: own tolerance {name} {why}")
+    REGISTRY[instance.name] = instance
+    return invariant
+
+
+def own_tolerance_defaults() -> dict[str, float | int | bool]:
+    """Every registered invariant's own tolerances, name -> default."""
+    return {name: default for inv in REGISTRY.values() for name, default in inv.own_tolerances.items()}
+
+
+tolerances_module.OWN_DEFAULTS = own_tolerance_defaults
+
+
+def get(name: str) -> Invariant:
+    """The registered invariant called ``name``, or a one-line error listing the known ones."""
+    if name not in REGISTRY:
+        raise CircuitsError(f"unknown invariant {name!r}; known: {', '.join(REGISTRY)}")
+    return REGISTRY[name]
+
+
+# ---------------------------------------------------------------- the one flow: rows -> result
+
+
+@dataclass
+class InvariantResult:
+    """One invariant of one build against one baseline."""
+
+    invariant: str
+    build: str
+    against: str  # "fp32 baseline" or "own baseline"
+    status: str  # one of STATUSES
+    message: str
+    compared: int = 0  # figures compared
+    moved: list[dict] = field(default_factory=list)  # broken rows (and context), as dicts
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    @property
+    def skipped(self) -> bool:
+        return self.status == "skipped"
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "passed": self.passed}
+
+
+def evaluate(
+    invariant: Invariant | str,
+    before: dict,
+    after: dict,
+    tol: Tolerances,
+    build: str,
+    against: str,
+    fix: str | None = None,
+    across: bool | None = None,
+) -> InvariantResult:
+    """Run one invariant; a failure's message is a table of what broke and ends with ``fix``.
+
+    ``across``: compare the records as two base models (None: when their geometries differ).
+    Across models only the `Invariant.across_models` invariants run, and the others are skipped
+    saying why; between builds of one model it is the other way round.
+    """
+    inv = get(invariant) if isinstance(invariant, str) else invariant
+    words = dict(
+        name=inv.name, build=build, against=against, model=model_name(after), baseline_model=model_name(before)
+    )
+    other = geometry_difference(before, after)
+    scope = scope_skip(inv, bool(other) if across is None else across, other, words)
+    if scope:
+        return InvariantResult(inv.name, build, against, "skipped", scope)
+    missing = [need for need in sorted(inv.needs) if not has_figures(before, need)]
+    if missing:
+        comparison = Comparison(
+            nothing=f"the {against} holds no {', '.join(missing)} figures; record it again with them"
+        )
+    else:
+        comparison = inv.compare(before, after, tol)
+    if not comparison.rows:
+        status = "skipped" if comparison.nothing_is_skip else "failed"
+        message = (comparison.nothing or "{name} compared nothing for {build} against the {against}").format(**words)
+    elif comparison.broken:
+        status = "failed"
+        shown = comparison.broken + comparison.context
+        # the invariant and its worst row lead (pytest's short summary shows the first line), the table after
+        worst = " ".join(format_rows([max(comparison.broken, key=_moved_size)]).split())
+        message = f"{inv.name}: {worst} ({inv.moved.format(**words)}{comparison.left_out})"
+        if len(shown) > 1:
+            message += f":\n{format_rows(shown)}"
+    else:
+        status = "passed"
+        detail = f" ({comparison.detail})" if comparison.detail else ""
+        message = f"{inv.held.format(**words)}{detail}{comparison.left_out} ({len(comparison.rows)} compared)"
+    if status == "failed" and fix:
+        message = f"{message}\n{fix}"
+    moved = [r.as_dict() for r in comparison.broken + (comparison.context if comparison.broken else [])]
+    return InvariantResult(inv.name, build, against, status, message, len(comparison.rows), moved)
+
+
+def model_name(record: dict) -> str:
+    return str((record.get("model") or {}).get("name") or "the model")
+
+
+def scope_skip(inv: Invariant, across: bool, other: str, words: dict) -> str:
+    """Why ``inv`` is not compared in this pairing ("" when it is): a build invariant across two
+    base models, or a cross-model invariant between builds of one model."""
+    geometry = f"geometry {other}" if other else "the same geometry, compared as two models"
+    if across and not inv.across_models:
+        what = "per-head invariants are" if inv.per_head else f"{inv.name} (builds of one model) is"
+        return f"{what} not compared across models ({geometry}); the swap_* invariants compare the models"
+    if not across and inv.across_models:
+        return (
+            f"{inv.name} compares two base models; the {words['against']} is of {words['model']}'s own geometry "
+            f"(to gate a base-model swap, pass {flag('swap-baseline')} FILE, the baseline of the model it replaces)"
+        )
+    return ""
+
+
+def across_models() -> list[str]:
+    """The registered invariants that compare two base models."""
+    return [name for name, inv in REGISTRY.items() if inv.across_models]
+
+
+def per_build_invariants() -> list[str]:
+    """The registered invariants that compare builds of one model (one gate-suite test each)."""
+    return [name for name, inv in REGISTRY.items() if not inv.across_models]
+
+
+def runnable(after: dict, names=None, across: bool = False) -> list[str]:
+    """The invariants (all registered, or ``names``) whose figures the candidate record holds;
+    the cross-model ones only ``across`` models (the others then report why they were skipped)."""
+    chosen = list(REGISTRY) if names is None else list(names)
+    chosen = [n for n in chosen if across or not get(n).across_models]
+    return [n for n in chosen if all(has_figures(after, need) for need in get(n).needs)]
+
+
+def gate_all(
+    before: dict,
+    after: dict,
+    tol: Tolerances,
+    build: str,
+    against: str,
+    fix: str | None = None,
+    names=None,
+    across: bool | None = None,
+) -> list[InvariantResult]:
+    """`evaluate` every invariant the candidate has figures for (``across``: see `evaluate`)."""
+    across = bool(geometry_difference(before, after)) if across is None else across
+    return [evaluate(n, before, after, tol, build, against, fix, across) for n in runnable(after, names, across)]
+
+
+def guarded(results) -> str:
+    """What a gate that skipped something checked, for its verdict line: ``"guarded: the copy loss,
+    the copying heads; NOT guarded: the induction and previous-token heads (skipped)"``; "" when
+    nothing was skipped. ``results``: objects or dicts with ``invariant`` and ``status``; an
+    invariant held against one baseline is guarded."""
+
+    def field(r, key):
+        return r[key] if isinstance(r, dict) else getattr(r, key)
+
+    pairs = [(field(r, "invariant"), field(r, "status")) for r in results]
+    held = list(dict.fromkeys(n for n, status in pairs if status == "passed"))
+    skipped = list(dict.fromkeys(n for n, status in pairs if status == "skipped" and n not in held))
+
+    def words(names: list[str]) -> str:
+        return ", ".join((REGISTRY[n].guards if n in REGISTRY else "") or n for n in names)
+
+    if not skipped:
+        return ""
+    return (f"guarded: {words(held)}" if held else "nothing guarded") + f"; NOT guarded: {words(skipped)} (skipped)"
+
+
+def verdict(results: list[InvariantResult]) -> tuple[bool, str]:
+    """``(passed, line)`` of a whole gate: it passes when nothing broke and something was compared."""
+    broken = [r.invariant for r in results if r.status == "failed"]
+    held = [r for r in results if r.passed]
+    skipped = [r.invariant for r in results if r.skipped]
+    said = f"{len(held)} of {len(results)} invariants hold" + (
+        f", {len(skipped)} skipped ({', '.join(skipped)})" if skipped else ""
+    )
+    if broken:
+        return False, f"gate failed: {', '.join(broken)} ({said})"
+    if not held:
+        return False, f"gate compared nothing ({said}); a gate that compared nothing has not passed"
+    said_guarded = guarded(results)
+    return True, f"gate passed ({said})" + (f"; {said_guarded}" if said_guarded else "")
+
+
+# ---------------------------------------------------------------- the message table
+
+
+def signed(x: float) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "nan"
+    return f"{x:+.3g}" if abs(x) < 1e-3 and x != 0 else f"{x:+.3f}"
+
+
+def _moved_size(row: Row) -> float:
+    """How far a row moved in tolerances (``|after - before| / limit``; inf where not finite)."""
+    size = abs(row.after - row.before) / row.limit if row.limit > 0 else abs(row.after - row.before)
+    return size if math.isfinite(size) else math.inf
+
+
+def format_rows(rows: list[Row], max_rows: int = MAX_ROWS) -> str:
+    """``L1H2 kappa +0.910 -> -0.880 (tolerance 0.10)`` lines, at most ``max_rows``."""
+    lines = []
+    width = max((len(r.subject) for r in rows), default=4)
+    mwidth = max((len(r.metric) for r in rows), default=6)
+    for r in rows[:max_rows]:
+        note = f" {r.note}" if r.note else ""
+        change = f": {signed(r.after - r.before)} {format_interval(r.interval)}" if r.interval is not None else ""
+        lines.append(
+            f"  {r.subject:<{width}} {r.metric:<{mwidth}} {signed(r.before)} -> "
+            f"{signed(r.after)}{change} (tolerance {r.limit:.3g}){note}"
+        )
+    if len(rows) > max_rows:
+        lines.append(f"  ... and {len(rows) - max_rows} more")
+    return "\n".join(lines)
+
+
+def format_interval(interval: tuple[float, float] | None) -> str:
+    """``[+0.21, +0.37]``; "" without one."""
+    return "" if interval is None else f"[{signed(interval[0])}, {signed(interval[1])}]"
+
+
+def within(subject: str, metric: str, before: float, after: float, limit: float, note: str = "") -> Row:
+    """A row that holds when ``|after - before| <= limit`` (NaN never holds)."""
+    return Row(subject, metric, before, after, limit, not abs(after - before) <= limit, note)
