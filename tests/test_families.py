@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pytest_circuits.errors import UnknownFamilyError
-from pytest_circuits.model import families
+from pytest_circuits.model import families, family_resolution, family_table
 from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.families import (
     LLAMA,
@@ -39,7 +39,7 @@ from pytest_circuits.rungs.kappa import kappa_scores, reduced_ov_layer
 from pytest_circuits.rungs.knockout import knockout_scan
 from pytest_circuits.rungs.probe import run_repeat_probe
 from pytest_circuits.rungs.reference import kappa_reference, reduced_ov_reference
-from pytest_circuits.rungs.repeat import RepeatSettings
+from pytest_circuits.rungs.repeat_settings import RepeatSettings
 from pytest_circuits.testing import (
     TINY_VARIANTS,
     make_tiny_model,
@@ -283,7 +283,7 @@ def test_load_build_runs_the_self_check(tmp_path, monkeypatch):
         dataclasses.replace(f, qkv_layout="fused_split") if "gpt_neox" in f.model_types else f
         for f in families.FAMILIES
     )
-    monkeypatch.setattr(families, "FAMILIES", wrong)
+    monkeypatch.setattr(family_table, "FAMILIES", wrong)
     with pytest.raises(DecompositionError, match="'gpt_neox'"):
         load_build(resolve_model(str(folder)), "fp32", "cpu")
 
@@ -339,7 +339,7 @@ def test_unlisted_type_with_a_known_layout_is_recognised():
             )
         }
     )
-    families._WARNED.discard("arcee")
+    family_resolution._WARNED.discard("arcee")
     with pytest.warns(UserWarning, match="assumed the 'llama' layout"):
         family = family_for_config(config)
     assert family.assumed and family.name == "llama" and family.model_types == ("arcee",)
@@ -369,18 +369,18 @@ def test_entry_point_families_are_loaded(monkeypatch):
 
     point = importlib.metadata.EntryPoint(name="acme", value=f"{__name__}:ACME", group=families.ENTRY_POINT_GROUP)
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [point] if group == point.group else [])
-    monkeypatch.setattr(families, "_PLUGINS", None)
+    monkeypatch.setattr(family_resolution, "_PLUGINS", None)
     assert "acme_llama" in supported_model_types()
     model = make_tiny_model("llama", seed=8)
     model.config.model_type = "acme_llama"
     assert family_of(model) is ACME
     assert check_decomposition(model).ok
-    monkeypatch.setattr(families, "_PLUGINS", None)
+    monkeypatch.setattr(family_resolution, "_PLUGINS", None)
     broken = importlib.metadata.EntryPoint(name="broken", value=f"{__name__}:NOT_THERE", group=point.group)
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [broken])
     with pytest.raises(UnknownFamilyError, match="family plugin 'broken'"):
         supported_model_types()
-    monkeypatch.setattr(families, "_PLUGINS", None)
+    monkeypatch.setattr(family_resolution, "_PLUGINS", None)
 
 
 def test_variant_names_are_types_plus_variants():
@@ -442,7 +442,9 @@ def test_recognised_layout_that_reads_wrong_is_refused(monkeypatch):
     refused by the self-check."""
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-    monkeypatch.setattr(families, "FAMILIES", tuple(f for f in families.FAMILIES if "nemotron" not in f.model_types))
+    monkeypatch.setattr(
+        family_table, "FAMILIES", tuple(f for f in families.FAMILIES if "nemotron" not in f.model_types)
+    )
 
     config = CONFIG_MAPPING["nemotron"](
         num_hidden_layers=2,

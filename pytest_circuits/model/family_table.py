@@ -1,0 +1,544 @@
+"""The declarative family table: the one place that maps model types to where their weights live, and what they do to them.
+
+Declarative, in the style of pyvene's and TransformerLens's adapters: a `Family` names the
+module paths of one layout (decoder blocks, attention, Q/K/V and output projections,
+norms), its Q/K/V packing (`QKV_LAYOUTS`) and the quirks that bear on a read as data
+(`norm_weight_offset`, `embed_scale`, `post_attn_norm`, ...). One entry per model type
+(or per config variant, `when`); a model type that merely reuses a layout is one entry.
+
+Resolution (`family_for_config`, `family_of`): the table, then entry points of other
+packages (group ``pytest_circuits.families``, each a `Family` or a sequence of them),
+then, for a model type nobody listed, a layout recognised from the module names and
+weight shapes (`infer_family`); the self-check (`selfcheck.py`) confirms the read on
+every load. Model types with no per-head OV map get a one-line refusal that says why.
+All per-head slicing works on dense ``(out, in)`` weights (`dense.py`), so float,
+bitsandbytes and Conv1D layers share one code path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+ENTRY_POINT_GROUP = "pytest_circuits.families"
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where one model type keeps its modules (dotted paths) and what it does around attention.
+
+    Structure: ``layers`` (ModuleList of decoder blocks, from the CausalLM root); ``attn``,
+    ``attn_norm`` (pre-attention norm; a tuple lists alternatives, the first present wins;
+    ``None``: the attention reads the raw residual), ``post_attn_norm`` (a norm on the
+    attention output, sandwich style) inside a block; ``qkv`` and ``out_proj`` (its input
+    is the concatenated head outputs z) inside the attention module; ``final_norm`` from the
+    root. Quirks, as data: ``norm_weight_offset`` (norms scale by ``offset + w``: Gemma's
+    ``1 + w``), ``embed_scale`` (``"sqrt_d_model"`` or a config attribute: the residual gets
+    ``scale * W_E[token]``), ``embed_norm`` (a norm applied to each embedding row),
+    ``attn_adds_residual`` (name of the attention forward's argument that it adds to its
+    output: BLOOM), ``attn_out_multiplier`` (config attribute scaling the attention output
+    in the block: Granite), ``logit_scale`` / ``logit_divisor`` / ``logit_softcap`` (config
+    attributes of the tail: ``logits = cap * tanh(scale * l / div / cap)``), ``quirks``
+    (tags of `QUIRKS`, shown in the table), ``when`` (config ``(attribute, value)`` pairs this
+    variant needs), ``requires_equal`` (config attribute pairs that must be equal, else the
+    variant is refused with ``unsupported``). The block around the attention, for the
+    self-check of what it writes into the residual stream: ``resid_mid`` (a block submodule whose
+    input is the residual after the attention sublayer: the pre-MLP norm, or the MLP itself),
+    ``parallel`` (True, or a config flag that makes it so: attention and MLP both read the
+    block's input, and ``resid_out = resid_pre + attention write + output of mlp_out``).
+    """
+
+    name: str  # the layout
+    model_types: tuple[str, ...]
+    layers: str
+    attn: str
+    out_proj: str
+    qkv: tuple[str, ...]
+    qkv_layout: str  # key into QKV_LAYOUTS
+    attn_norm: str | tuple[str, ...] | None
+    final_norm: str | None
+    norm_kind: str  # "layernorm" centres its input, "rmsnorm" does not
+    n_heads_attr: str = "num_attention_heads"
+    n_kv_heads_attr: str | None = "num_key_value_heads"
+    d_model_attr: str = "hidden_size"
+    n_layers_attr: str = "num_hidden_layers"
+    multi_query_attr: str | None = None  # config flag: one K/V head for all query heads
+    norm_weight_offset: float = 0.0
+    norm_eps: float | None = None  # eps of norms that keep it hard-coded (no attribute): OLMo's 1e-5
+    embed_scale: str | None = None
+    embed_norm: str | None = None
+    post_attn_norm: str | None = None
+    attn_adds_residual: str | None = None
+    attn_out_multiplier: str | None = None
+    logit_scale: str | None = None
+    logit_divisor: str | None = None
+    logit_softcap: str | None = None
+    quirks: tuple[str, ...] = ()
+    when: tuple[tuple[str, object], ...] = ()
+    requires_equal: tuple[tuple[str, str], ...] = ()
+    unsupported: str = ""
+    assumed: bool = False  # recognised by `infer_family`, not listed
+    resid_mid: str = "post_attention_layernorm"
+    parallel: bool | str = False
+    mlp_out: str = "mlp"
+
+    def matches(self, config) -> bool:
+        """True when every ``when`` condition holds on ``config``."""
+        return all(getattr(config, attr, None) == value for attr, value in self.when)
+
+    def is_parallel(self, config) -> bool:
+        """True when the block adds attention and MLP outputs of the same input (``parallel``)."""
+        return bool(getattr(config, self.parallel, False)) if isinstance(self.parallel, str) else self.parallel
+
+    def for_type(self, model_type: str, **changes) -> Family:
+        """This layout for another model type (one table entry)."""
+        return dataclasses.replace(self, model_types=(model_type,), **changes)
+
+
+QUIRKS = {
+    "fused_qkv": "one projection holds Q, K and V; split by the layout named in the table",
+    "conv1d": "projections stored (in, out) (GPT-2 Conv1D); read transposed",
+    "multi_query": "one K/V head shared by every query head; W_OV = W_V[0] W_O[h]",
+    "grouped_query": "K/V heads shared by groups of query heads; W_OV = W_V[h // group] W_O[h]",
+    "qkv_bias": "biases on Q/K/V (b_V enters the attention output, not W_OV)",
+    "learned_positions": "learned absolute position embeddings added to the residual",
+    "rotary": "rotary positions on Q and K: change A only, not W_OV",
+    "partial_rotary": "rotary on part of each head's Q/K only: changes A only",
+    "alibi": "ALiBi position bias added to the scores: changes A only (the self-check uses the A used)",
+    "parallel_block": "attention and MLP read the same normed residual; the attention read is unchanged",
+    "qk_norm": "a norm on each head's Q and K: changes A only",
+    "qk_norm_full": "a norm across all heads of Q and of K (OLMo 2): changes A only",
+    "sandwich_norm": "a norm on the attention output: per position one positive factor for all heads, its weight folds into W_O",
+    "post_norm_only": "no pre-attention norm: heads read the raw residual, nothing folds on the read side",
+    "norm_offset": "the norm scales by (1 + w), w stored (Gemma's RMSNorm, Nemotron's LayerNorm1P): the fold uses g = 1 + w",
+    "embed_scale": "embedding multiplied by a positive scalar (sqrt(d_model) or a multiplier): kappa unchanged, W_E carries it",
+    "embed_norm": "a LayerNorm on the embedding: W_E is read through it row by row (exact, per token)",
+    "sliding_window": "some or all layers attend within a window; a probe longer than it is refused in one line",
+    "local_attention": "alternate layers attend within a local window; a probe longer than it is refused",
+    "no_score_scaling": "scores not divided by sqrt(d_head): changes A only",
+    "attn_softcap": "attention logits soft-capped: changes A only",
+    "logit_softcap": "final logits soft-capped (monotone per token); kappa reads the logits before the cap",
+    "logit_scale": "logits multiplied or divided by a positive scalar: kappa unchanged, W_U carries it",
+    "multipliers": "embedding, attention, residual and logit multipliers (positive scalars): kappa unchanged",
+    "attention_sinks": "a learned per-head sink logit joins each softmax: rows of A sum to < 1; W_OV unchanged",
+    "moe": "mixture-of-experts MLP: not part of the OV read; routing is replayed per call in knockouts",
+    "nope_layers": "some layers use no positional encoding: changes A only",
+    "lm_head_bias": "the unembedding has a bias: a constant per token, outside W_U",
+    "nonparametric_norm": "LayerNorm without weight or bias: g = 1",
+    "no_norm_bias": "LayerNorm without bias (centres, scales by w)",
+    "attn_output_residual": "the attention module adds the residual to its own output (BLOOM); the self-check subtracts it",
+}
+
+
+def _split_qkv(**kw) -> Family:
+    """Llama-style: separate q_proj, k_proj, v_proj and o_proj under ``model.layers.N.self_attn``."""
+    base: dict[str, Any] = dict(
+        name="llama",
+        model_types=("llama",),
+        layers="model.layers",
+        attn="self_attn",
+        out_proj="o_proj",
+        qkv=("q_proj", "k_proj", "v_proj"),
+        qkv_layout="separate",
+        attn_norm="input_layernorm",
+        final_norm="model.norm",
+        norm_kind="rmsnorm",
+    )
+    base.update(kw)
+    return Family(**base)
+
+
+LLAMA = _split_qkv(quirks=("grouped_query", "rotary"))
+GPT2 = Family(
+    name="gpt2",
+    model_types=("gpt2",),
+    layers="transformer.h",
+    attn="attn",
+    out_proj="c_proj",
+    qkv=("c_attn",),
+    qkv_layout="fused_split",
+    attn_norm="ln_1",
+    final_norm="transformer.ln_f",
+    norm_kind="layernorm",
+    n_kv_heads_attr=None,
+    resid_mid="ln_2",
+    quirks=("fused_qkv", "conv1d", "qkv_bias", "learned_positions"),
+)
+GPT_NEOX = Family(
+    name="gpt_neox",
+    model_types=("gpt_neox",),
+    layers="gpt_neox.layers",
+    attn="attention",
+    out_proj="dense",
+    qkv=("query_key_value",),
+    qkv_layout="fused_per_head",
+    attn_norm="input_layernorm",
+    final_norm="gpt_neox.final_layer_norm",
+    norm_kind="layernorm",
+    n_kv_heads_attr=None,
+    parallel="use_parallel_residual",
+    quirks=("fused_qkv", "qkv_bias", "partial_rotary", "parallel_block"),
+)
+_TRANSFORMER_H: dict[str, Any] = dict(
+    layers="transformer.h", final_norm="transformer.ln_f", norm_kind="layernorm", n_kv_heads_attr=None
+)
+_BIGCODE = Family(
+    name="gpt_bigcode",
+    model_types=("gpt_bigcode",),
+    attn="attn",
+    out_proj="c_proj",
+    qkv=("c_attn",),
+    qkv_layout="fused_split",
+    attn_norm="ln_1",
+    multi_query_attr="multi_query",
+    resid_mid="ln_2",
+    quirks=("fused_qkv", "multi_query", "qkv_bias", "learned_positions"),
+    when=(("multi_query", True),),
+    **_TRANSFORMER_H,
+)
+_FALCON = Family(
+    name="falcon",
+    model_types=("falcon",),
+    attn="self_attention",
+    out_proj="dense",
+    qkv=("query_key_value",),
+    qkv_layout="fused_split",
+    attn_norm=("ln_attn", "input_layernorm"),
+    multi_query_attr="multi_query",
+    parallel="parallel_attn",
+    quirks=("fused_qkv", "multi_query", "rotary", "parallel_block"),
+    when=(("new_decoder_architecture", False), ("multi_query", True)),
+    **_TRANSFORMER_H,
+)
+_RMS_OFFSET: dict[str, Any] = dict(norm_weight_offset=1.0, embed_scale="sqrt_d_model")
+_SEP_LAYERNORM = dict(norm_kind="layernorm")
+_POST_NORM_ONLY: dict[str, Any] = dict(attn_norm=None, post_attn_norm="post_attention_layernorm", resid_mid="mlp")
+
+FAMILIES: tuple[Family, ...] = (
+    GPT2,
+    Family(
+        name="gpt_neo",
+        model_types=("gpt_neo",),
+        attn="attn.attention",
+        out_proj="out_proj",
+        qkv=("q_proj", "k_proj", "v_proj"),
+        qkv_layout="separate",
+        attn_norm="ln_1",
+        resid_mid="ln_2",
+        quirks=("learned_positions", "local_attention", "no_score_scaling"),
+        **_TRANSFORMER_H,
+    ),
+    Family(
+        name="gptj",
+        model_types=("gptj",),
+        attn="attn",
+        out_proj="out_proj",
+        qkv=("q_proj", "k_proj", "v_proj"),
+        qkv_layout="separate",
+        attn_norm="ln_1",
+        parallel=True,
+        quirks=("partial_rotary", "parallel_block", "lm_head_bias"),
+        **_TRANSFORMER_H,
+    ),
+    _BIGCODE,
+    dataclasses.replace(
+        _BIGCODE,
+        qkv_layout="fused_per_head",
+        when=(("multi_query", False),),
+        quirks=("fused_qkv", "qkv_bias", "learned_positions"),
+    ),
+    GPT_NEOX,
+    Family(
+        name="opt",
+        model_types=("opt",),
+        layers="model.decoder.layers",
+        attn="self_attn",
+        out_proj="out_proj",
+        qkv=("q_proj", "k_proj", "v_proj"),
+        qkv_layout="separate",
+        attn_norm="self_attn_layer_norm",
+        final_norm="model.decoder.final_layer_norm",
+        norm_kind="layernorm",
+        n_kv_heads_attr=None,
+        resid_mid="final_layer_norm",
+        quirks=("qkv_bias", "learned_positions"),
+        when=(("do_layer_norm_before", True),),
+        requires_equal=(("word_embed_proj_dim", "hidden_size"),),
+        unsupported="projections between a narrower embedding and the residual (word_embed_proj_dim) are not read yet",
+    ),
+    Family(
+        name="bloom",
+        model_types=("bloom",),
+        attn="self_attention",
+        out_proj="dense",
+        qkv=("query_key_value",),
+        qkv_layout="fused_per_head",
+        attn_norm="input_layernorm",
+        embed_norm="transformer.word_embeddings_layernorm",
+        attn_adds_residual="residual",
+        quirks=("fused_qkv", "qkv_bias", "alibi", "embed_norm", "attn_output_residual"),
+        **_TRANSFORMER_H,
+    ),
+    _FALCON,
+    dataclasses.replace(
+        _FALCON,
+        qkv_layout="fused_per_head",
+        multi_query_attr=None,
+        when=(("new_decoder_architecture", False), ("multi_query", False)),
+        quirks=("fused_qkv", "rotary", "parallel_block"),
+    ),
+    dataclasses.replace(
+        _FALCON,
+        qkv_layout="fused_grouped",
+        multi_query_attr=None,
+        n_kv_heads_attr="num_kv_heads",
+        parallel=True,
+        when=(("new_decoder_architecture", True),),
+        quirks=("fused_qkv", "grouped_query", "rotary", "parallel_block"),
+    ),
+    LLAMA,
+    LLAMA.for_type("mistral", quirks=("grouped_query", "rotary", "sliding_window")),
+    LLAMA.for_type("mixtral", quirks=("grouped_query", "rotary", "sliding_window", "moe")),
+    LLAMA.for_type("ministral", quirks=("grouped_query", "rotary", "sliding_window")),
+    LLAMA.for_type("qwen2", quirks=("grouped_query", "qkv_bias", "rotary", "sliding_window")),
+    LLAMA.for_type("qwen2_moe", quirks=("grouped_query", "qkv_bias", "rotary", "sliding_window", "moe")),
+    LLAMA.for_type("qwen3", quirks=("grouped_query", "rotary", "qk_norm", "sliding_window")),
+    LLAMA.for_type("qwen3_moe", quirks=("grouped_query", "rotary", "qk_norm", "sliding_window", "moe")),
+    LLAMA.for_type("gemma", quirks=("grouped_query", "rotary", "norm_offset", "embed_scale"), **_RMS_OFFSET),
+    LLAMA.for_type(
+        "gemma2",
+        post_attn_norm="post_attention_layernorm",
+        resid_mid="pre_feedforward_layernorm",
+        logit_softcap="final_logit_softcapping",
+        quirks=(
+            "grouped_query",
+            "rotary",
+            "norm_offset",
+            "embed_scale",
+            "sandwich_norm",
+            "sliding_window",
+            "attn_softcap",
+            "logit_softcap",
+        ),
+        **_RMS_OFFSET,
+    ),
+    LLAMA.for_type(
+        "gemma3_text",
+        post_attn_norm="post_attention_layernorm",
+        resid_mid="pre_feedforward_layernorm",
+        logit_softcap="final_logit_softcapping",
+        quirks=(
+            "grouped_query",
+            "rotary",
+            "norm_offset",
+            "embed_scale",
+            "sandwich_norm",
+            "qk_norm",
+            "sliding_window",
+            "attn_softcap",
+            "logit_softcap",
+        ),
+        **_RMS_OFFSET,
+    ),
+    LLAMA.for_type(
+        "phi",
+        out_proj="dense",
+        final_norm="model.final_layernorm",
+        norm_kind="layernorm",
+        parallel=True,
+        quirks=("grouped_query", "qkv_bias", "partial_rotary", "parallel_block", "lm_head_bias"),
+    ),
+    LLAMA.for_type(
+        "phi3",
+        qkv=("qkv_proj",),
+        qkv_layout="fused_split",
+        quirks=("fused_qkv", "grouped_query", "rotary", "sliding_window"),
+    ),
+    LLAMA.for_type(
+        "olmo", norm_kind="layernorm", norm_eps=1e-5, quirks=("grouped_query", "rotary", "nonparametric_norm")
+    ),
+    LLAMA.for_type(
+        "olmo2",
+        **_POST_NORM_ONLY,
+        quirks=("grouped_query", "rotary", "post_norm_only", "sandwich_norm", "qk_norm_full"),
+    ),
+    LLAMA.for_type(
+        "olmo3",
+        **_POST_NORM_ONLY,
+        quirks=("grouped_query", "rotary", "post_norm_only", "sandwich_norm", "qk_norm_full", "sliding_window"),
+    ),
+    LLAMA.for_type("olmoe", quirks=("grouped_query", "rotary", "qk_norm_full", "moe")),
+    LLAMA.for_type(
+        "stablelm",
+        norm_kind="layernorm",
+        parallel="use_parallel_residual",
+        quirks=("grouped_query", "qkv_bias", "partial_rotary"),
+    ),
+    LLAMA.for_type(
+        "cohere",
+        norm_kind="layernorm",
+        logit_scale="logit_scale",
+        parallel=True,
+        quirks=("grouped_query", "rotary", "parallel_block", "no_norm_bias", "logit_scale"),
+    ),
+    LLAMA.for_type(
+        "granite",
+        embed_scale="embedding_multiplier",
+        attn_out_multiplier="residual_multiplier",
+        logit_divisor="logits_scaling",
+        quirks=("grouped_query", "rotary", "multipliers"),
+    ),
+    LLAMA.for_type(
+        "starcoder2",
+        norm_kind="layernorm",
+        quirks=("grouped_query", "qkv_bias", "rotary", "sliding_window"),
+    ),
+    LLAMA.for_type("smollm3", quirks=("grouped_query", "rotary", "nope_layers")),
+    LLAMA.for_type("helium", quirks=("grouped_query", "rotary")),
+    LLAMA.for_type("glm", quirks=("grouped_query", "qkv_bias", "partial_rotary")),
+    LLAMA.for_type("internlm3", quirks=("grouped_query", "rotary")),
+    LLAMA.for_type(
+        "glm4",
+        post_attn_norm="post_self_attn_layernorm",
+        quirks=("grouped_query", "qkv_bias", "partial_rotary", "sandwich_norm"),
+    ),
+    LLAMA.for_type(
+        "kolibri1",
+        post_attn_norm="post_self_attn_layernorm",
+        quirks=("grouped_query", "rotary", "sandwich_norm"),
+    ),
+    *(
+        LLAMA.for_type(
+            model_type,
+            norm_kind="layernorm",
+            logit_scale="logit_scale",
+            parallel=True,
+            quirks=("grouped_query", "rotary", "parallel_block", "no_norm_bias", "logit_scale", "sliding_window"),
+        )
+        for model_type in ("cohere2", "cohere2_moe")
+    ),
+    *(
+        LLAMA.for_type(
+            "hyperclovax",
+            embed_scale="embedding_multiplier",
+            attn_out_multiplier="residual_multiplier",
+            logit_scale="logits_scaling",
+            when=(("use_post_norm", post),),
+            quirks=("grouped_query", "rotary", "multipliers", *(("sandwich_norm",) if post else ())),
+            **({"post_attn_norm": "post_norm1"} if post else {}),
+        )
+        for post in (True, False)
+    ),
+    LLAMA.for_type(
+        "nanochat",
+        embed_norm="model.norm",
+        logit_softcap="final_logit_softcapping",
+        quirks=("rotary", "qk_norm", "nonparametric_norm", "embed_norm", "logit_softcap"),
+    ),
+    LLAMA.for_type(
+        "nemotron",
+        norm_kind="layernorm",
+        norm_weight_offset=1.0,
+        quirks=("grouped_query", "partial_rotary", "norm_offset"),
+    ),
+    LLAMA.for_type(
+        "exaone4",
+        **_POST_NORM_ONLY,
+        quirks=("grouped_query", "rotary", "post_norm_only", "sandwich_norm", "qk_norm", "sliding_window"),
+    ),
+    LLAMA.for_type(
+        "gpt_oss",
+        quirks=("grouped_query", "qkv_bias", "rotary", "sliding_window", "attention_sinks", "moe"),
+    ),
+)
+
+NO_PER_HEAD_OV = {
+    "deepseek_v2": "multi-head latent attention: values come from a shared low-rank latent, no per-head W_V",
+    "deepseek_v3": "multi-head latent attention: values come from a shared low-rank latent, no per-head W_V",
+    "deepseek_v32": "multi-head latent attention with sparse selection: no per-head W_V",
+    "minicpm3": "multi-head latent attention: no per-head W_V",
+    "longcat_flash": "multi-head latent attention: no per-head W_V",
+    "glm4_moe_lite": "multi-head latent attention: no per-head W_V",
+    "mamba": "state-space layers: no attention pattern, no per-head OV map",
+    "mamba2": "state-space layers: no attention pattern, no per-head OV map",
+    "falcon_mamba": "state-space layers: no attention pattern, no per-head OV map",
+    "rwkv": "linear attention (RWKV time mixing): no softmax pattern, no per-head OV map",
+    "xlstm": "recurrent xLSTM cells: no attention pattern",
+    "kimi_linear": "hybrid of linear attention and latent attention: no per-head OV map",
+    "recurrent_gemma": "hybrid of RG-LRU recurrences and local attention (hybrid stacks are not covered yet)",
+    "jamba": "hybrid of Mamba and attention layers (hybrid stacks are not covered yet)",
+    "zamba": "hybrid of Mamba and shared attention layers (hybrid stacks are not covered yet)",
+    "zamba2": "hybrid of Mamba and shared attention layers (hybrid stacks are not covered yet)",
+    "bamba": "hybrid of Mamba and attention layers (hybrid stacks are not covered yet)",
+    "falcon_h1": "each layer runs Mamba beside attention (hybrid stacks are not covered yet)",
+    "granitemoehybrid": "hybrid of Mamba and attention layers (hybrid stacks are not covered yet)",
+    "nemotron_h": "hybrid of Mamba and attention layers (hybrid stacks are not covered yet)",
+    "lfm2": "hybrid of short convolutions and attention layers (hybrid stacks are not covered yet)",
+    "lfm2_moe": "hybrid of short convolutions and attention layers (hybrid stacks are not covered yet)",
+    "qwen3_next": "hybrid of gated linear attention and gated attention layers (hybrid stacks are not covered yet)",
+    "minimax": "hybrid of lightning (linear) attention and softmax attention layers (hybrid stacks are not covered yet)",
+}
+HYBRID_LAYER_ATTRS = ("layer_types", "layers_block_type", "block_types")
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Shape of a model: what a baseline must match before any figure is compared."""
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_model: int
+    d_head: int
+    vocab: int
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value group."""
+        return self.n_heads // self.n_kv_heads
+
+    def kv_group(self, head: int) -> int:
+        """Key/value group read by query head ``head``: ``h // (n_heads // n_kv_heads)``."""
+        return head // self.group_size
+
+
+def head_label(layer: int, head: int) -> str:
+    """``L{layer}H{head}``, zero-based."""
+    return f"L{layer}H{head}"
+
+
+# ---------------------------------------------------------------- the documented table
+
+
+def _tag_cell(family: Family, tag: str) -> str:
+    """A quirk tag, marked ``(if set)`` where only a config value enables it (`active_quirks`)."""
+    return f"{tag} (if set)" if tag in ("sliding_window", "attn_softcap", "logit_softcap") else tag
+
+
+def _cell(family: Family) -> str:
+    norm = family.norm_kind if family.attn_norm is not None else f"{family.norm_kind} (none before attention)"
+    when = ", ".join(f"{a}={v}" for a, v in family.when)
+    return (
+        f"| `{', '.join(family.model_types)}`{f' ({when})' if when else ''} | {family.name} | "
+        f"`{family.layers}.N.{family.attn}` | {family.qkv_layout} (`{'`, `'.join(family.qkv)}`) | {norm} | "
+        f"{', '.join(_tag_cell(family, tag) for tag in family.quirks) or '-'} |"
+    )
+
+
+def families_markdown() -> str:
+    """The table of supported model types and their quirks (docs/families.md embeds it verbatim)."""
+    lines = [
+        "| model type | layout | attention module | Q/K/V layout | norm | quirks |",
+        "|---|---|---|---|---|---|",
+        *(_cell(f) for f in FAMILIES),
+        "",
+        "| quirk | what it does, and how it bears on the figures |",
+        "|---|---|",
+        *(f"| {tag} | {meaning} |" for tag, meaning in QUIRKS.items()),
+        "",
+        "| model type | why it has no per-head OV map |",
+        "|---|---|",
+        *(f"| `{t}` | {why} |" for t, why in NO_PER_HEAD_OV.items()),
+    ]
+    return "\n".join(lines) + "\n"
