@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 
 from pytest_circuits.gate.invariants import per_build_invariants
+from pytest_circuits.probes.registered import gate_tests
 from pytest_circuits.testing import make_tiny_model, negate_head_ov, save_tiny_model
+
+RUNG1 = len(gate_tests("test_rung1_weights"))  # the suite's rung-1 tests (copying_heads, kappa_distribution)
+RUNG12 = len(gate_tests("test_rung12_repeat"))  # its probe tests (copy_loss, induction_heads)
+# induction_heads skips on the tiny random model (it has no induction head); the other rung-1/2 tests run
+RUNG12_PASS, RUNG12_SKIP = RUNG12 - 1, 1
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBES = ROOT / "pytest_circuits" / "probes"  # the packaged gate suite
@@ -145,7 +151,7 @@ def test_record_gate_and_sabotage(suite, tmp_path_factory):
     assert args == ["-p", "no:cacheprovider", args[2], "--circuits-update"]  # this run's command, updating
     assert args[2].startswith("--basetemp=")
     pytester.runpytest(*args)
-    pytester.runpytest("-p", "no:cacheprovider", "test_rung1_weights.py").assert_outcomes(passed=2)
+    pytester.runpytest("-p", "no:cacheprovider", "test_rung1_weights.py").assert_outcomes(passed=RUNG1)
 
     # a per-test marker loosens it
     pytester.makepyfile(
@@ -164,7 +170,7 @@ def test_record_gate_and_sabotage(suite, tmp_path_factory):
 def test_ini_tolerance_and_bad_values(suite):
     pytester, intact, baselines = suite
     pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "test_rung12_repeat.py").assert_outcomes(
-        passed=1, skipped=1
+        passed=RUNG12_PASS, skipped=RUNG12_SKIP
     )
     pytester.makeini(ini(intact, baselines) + "circuits_tol_copy_loss = -1\n")
     result = pytester.runpytest("-p", "no:cacheprovider", "test_rung12_repeat.py")
@@ -190,7 +196,7 @@ def test_corrupt_baselines_are_one_line_foreign_ones_not_compared_per_head(suite
     baselines.mkdir(parents=True, exist_ok=True)
     (baselines / "m--fp32.json").write_text("{not json")
     result = pytester.runpytest("-p", "no:cacheprovider", "test_rung12_repeat.py")
-    result.assert_outcomes(failed=2)
+    result.assert_outcomes(failed=RUNG12)
     out = text_of(result)
     assert f"baseline {baselines / 'm--fp32.json'} is not valid JSON (line 1); delete it and record it again" in out
     assert "Traceback" not in out
@@ -199,11 +205,11 @@ def test_corrupt_baselines_are_one_line_foreign_ones_not_compared_per_head(suite
     other = save_tiny_model("gpt2", tmp_path_factory.mktemp("other") / "m", seed=0, n_embd=32)
     pytester.makeini(ini(other, baselines))
     pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "test_rung12_repeat.py").assert_outcomes(
-        passed=1, skipped=1
+        passed=RUNG12_PASS, skipped=RUNG12_SKIP
     )
     pytester.makeini(ini(intact, baselines))
     result = pytester.runpytest("-p", "no:cacheprovider", "-rs", "test_rung12_repeat.py")
-    result.assert_outcomes(skipped=2)  # another base model: not compared per head, never passed
+    result.assert_outcomes(skipped=RUNG12)  # another base model: not compared per head, never passed
     out = text_of(result)
     assert "per-head invariants are not compared across models (geometry d_model 32 vs 64, d_head 8 vs 16)" in out
     assert "copy_loss (builds of one model) is not compared across models (geometry d_model 32 vs 64" in out
@@ -216,7 +222,7 @@ def test_report_option_writes_a_report(suite, tmp_path):
     result = pytester.runpytest(
         "-p", "no:cacheprovider", "--circuits-update", f"--circuits-report={report}", "test_rung1_weights.py"
     )
-    result.assert_outcomes(passed=2)
+    result.assert_outcomes(passed=RUNG1)
     assert report.is_dir() and any(report.iterdir()), text_of(result)
     shutil.rmtree(report)
 
@@ -230,7 +236,7 @@ def test_a_report_that_cannot_be_written_fails_the_run_and_summary_md_needs_no_m
     result = pytester.runpytest(
         "-p", "no:cacheprovider", "--circuits-update", f"--circuits-report={report}", "test_rung12_repeat.py"
     )
-    result.assert_outcomes(passed=1, skipped=1)
+    result.assert_outcomes(passed=RUNG12_PASS, skipped=RUNG12_SKIP)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     out = text_of(result)
     assert f"ERROR --circuits-report {report}: the report could not be written: the circuits report draws with " in out
@@ -242,7 +248,7 @@ def test_a_report_that_cannot_be_written_fails_the_run_and_summary_md_needs_no_m
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     result = pytester.runpytest("-p", "no:cacheprovider", f"--circuits-report={blocked / 'r'}", "test_rung12_repeat.py")
-    result.assert_outcomes(passed=1, skipped=1)
+    result.assert_outcomes(passed=RUNG12_PASS, skipped=RUNG12_SKIP)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     assert "the report could not be written: " in text_of(result)
 
@@ -304,7 +310,7 @@ def test_the_missing_baseline_hint_is_a_command_that_works(suite):
     )
     assert done.returncode == 0, done.stderr
     result = pytester.runpytest("-p", "no:cacheprovider", "test_rung12_repeat.py")
-    result.assert_outcomes(passed=1, skipped=1)
+    result.assert_outcomes(passed=RUNG12_PASS, skipped=RUNG12_SKIP)
 
 
 def test_xdist_workers_send_plain_data_and_the_report_is_written(suite, tmp_path, monkeypatch):
@@ -319,7 +325,7 @@ def test_xdist_workers_send_plain_data_and_the_report_is_written(suite, tmp_path
     result = pytester.runpytest_subprocess(
         "-p", "no:cacheprovider", "-n", "2", "--circuits-update", f"--circuits-report={report}", "test_rung12_repeat.py"
     )
-    result.assert_outcomes(passed=1, skipped=1)
+    result.assert_outcomes(passed=RUNG12_PASS, skipped=RUNG12_SKIP)
     assert "INTERNALERROR" not in text_of(result) and (report / "report.html").is_file()
     assert "circuits report: " in text_of(result)
 

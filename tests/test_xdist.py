@@ -106,8 +106,9 @@ def test_two_workers_record_the_same_bytes_each_build_loaded_once(pytester, tmp_
         "2",
         "-v",
     )
-    one.assert_outcomes(passed=10)
-    two.assert_outcomes(passed=10)
+    gated = len(per_build_invariants()) * 2  # every gate test, once per build
+    one.assert_outcomes(passed=gated)
+    two.assert_outcomes(passed=gated)
     names = sorted(p.name for p in plain.iterdir())
     assert names == ["tiny-induction--fp32.json", "tiny-induction--rtn-int8.json"]
     assert names == sorted(p.name for p in spread.iterdir())
@@ -125,7 +126,7 @@ def test_two_workers_record_the_same_bytes_each_build_loaded_once(pytester, tmp_
         again = pytester.runpytest_subprocess(
             "-p", "no:cacheprovider", *builds, *SMALL, f"--circuits-baselines={folder}", "-n", n
         )
-        again.assert_outcomes(passed=10)
+        again.assert_outcomes(passed=gated)
 
 
 # ------------------------------------------------------------------ knockout shards
