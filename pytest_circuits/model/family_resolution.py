@@ -105,6 +105,17 @@ def _resolve_listed(config, model_type: str | None) -> Family | None:
     )
 
 
+def _listed_or_refused(config, model_type: str | None) -> Family | None:
+    """The listed family of ``config`` (table or entry point); a model type with no per-head OV map
+    is refused in one line; None when nobody listed it (inference comes next)."""
+    family = _resolve_listed(config, model_type)
+    if family is None and model_type in NO_PER_HEAD_OV:
+        raise UnknownFamilyError(
+            f"model family {model_type!r} has no per-head OV map to read: {NO_PER_HEAD_OV[model_type]}{_hybrid_layers(config)}"
+        )
+    return family
+
+
 def family_for_config(config) -> Family:
     """The family of a transformers config, or a one-line error naming why not.
 
@@ -112,13 +123,9 @@ def family_for_config(config) -> Family:
     architecture when its module names and shapes match a known layout (`infer_family`).
     """
     model_type = getattr(config, "model_type", None)
-    family = _resolve_listed(config, model_type)
+    family = _listed_or_refused(config, model_type)
     if family is not None:
         return family
-    if model_type in NO_PER_HEAD_OV:
-        raise UnknownFamilyError(
-            f"model family {model_type!r} has no per-head OV map to read: {NO_PER_HEAD_OV[model_type]}{_hybrid_layers(config)}"
-        )
     model = _meta_model(config)
     family = infer_family(model) if model is not None else None
     if family is None:
@@ -144,13 +151,9 @@ def family_of(model) -> Family:
         return cached
     config = model.config
     model_type = getattr(config, "model_type", None)
-    family = _resolve_listed(config, model_type)
+    family = _listed_or_refused(config, model_type)
     if family is not None:
         return family
-    if model_type in NO_PER_HEAD_OV:
-        raise UnknownFamilyError(
-            f"model family {model_type!r} has no per-head OV map to read: {NO_PER_HEAD_OV[model_type]}{_hybrid_layers(config)}"
-        )
     family = infer_family(model)
     if family is None:
         raise UnknownFamilyError(_unsupported_line(model_type))
