@@ -29,18 +29,16 @@ from pytest_circuits.rungs.kappa import (
     analytic_floor,
     benjamini_hochberg,
     haar_rotations,
-    kappa_reference,
     kappa_scores,
     ov_spectrum,
     ov_spectrum_of_model,
-    ov_spectrum_reference,
     reduced_ov,
-    reduced_ov_reference,
     shared_unembed_embed,
     symmetric_t,
     unembed_embed_pair,
     without_attrs,
 )
+from pytest_circuits.rungs.reference import kappa_reference, ov_spectrum_reference, reduced_ov_reference
 from pytest_circuits.testing import make_tiny_model, requires_embedded_model, requires_smollm2
 
 from .conftest import LEGACY_BASELINE
