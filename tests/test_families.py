@@ -187,17 +187,54 @@ def test_embedding_read_is_what_tokens_add(model_type):
     torch.testing.assert_close(got, W_E[ids1[0]] - W_E[ids2[0]], rtol=1e-5, atol=1e-5)
 
 
+def _expected_fold(model, layer: int) -> torch.Tensor:
+    """What folding must multiply each output column of ``W_O`` by, found from the running model, not
+    from the read: the norm that receives the output projection's output (a sandwich or post norm;
+    its scale ``offset + w`` read off its output on a large constant input), else ones; times the
+    config's ``residual_multiplier`` where it has one (the attention output's multiplier)."""
+    block, proj = layer_modules(model)[layer], out_proj_module(model, layer)
+    produced: list[int] = []
+    receivers: list[torch.nn.Module] = []
+
+    def keep(module, args, out):
+        produced.append(out.data_ptr())
+
+    def check(module, args, kwargs):
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        if torch.is_tensor(first) and produced and first.data_ptr() == produced[-1]:
+            receivers.append(module)
+
+    handles = [proj.register_forward_hook(keep)]
+    handles += [m.register_forward_pre_hook(check, with_kwargs=True) for m in block.modules() if m is not proj]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.tensor([[1, 2, 3, 4, 5]]), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    d_model = proj.weight.shape[1] if type(proj).__name__ == "Conv1D" else proj.weight.shape[0]
+    norms = [m for m in receivers if "norm" in type(m).__name__.lower()]
+    scale = torch.ones(d_model, dtype=torch.float64)
+    if norms:
+        c = 1e3  # RMSNorm(c 1) = g c / sqrt(c^2 + eps): g to float round-off
+        with torch.no_grad():
+            scale = norms[0](torch.full((1, 1, d_model), c)).reshape(-1).double()
+    return scale * float(getattr(model.config, "residual_multiplier", None) or 1.0)
+
+
 def _copying_head(model, layer: int, head: int) -> None:
     """Set the raw ``W_O`` of one head so that its folded reduced OV ``M = B^T diag(p)^2 B`` is positive definite.
 
     ``B = W_U W_E W_V`` (folded); ``p`` is what folding multiplies each output column of ``W_O`` by
-    (sandwich norm weight, output multiplier: 1 for most families), measured from the read itself.
+    (sandwich norm weight, output multiplier: 1 for most families), from the model (`_expected_fold`),
+    and the read's fold is checked to be it.
     """
     folded = extract_weights(model, fold=True)
     raw = extract_weights(model, fold=False)
     B = (folded.W_U @ folded.W_E @ folded.W_V_of(layer, head)).double()  # (d_model, d_head)
     W_o_raw, W_o_fold = raw.layers[layer].W_O[head].double(), folded.layers[layer].W_O[head].double()
-    p = (W_o_fold * W_o_raw).sum(0) / W_o_raw.pow(2).sum(0)  # per output column
+    p = _expected_fold(model, layer)
+    torch.testing.assert_close(W_o_fold, W_o_raw * p, rtol=1e-5, atol=1e-6)  # the read folds what the model does
     new = (B * p[:, None]).T  # (d_head, d_model) raw W_O
     geo = folded.geometry
     proj = out_proj_module(model, layer)
