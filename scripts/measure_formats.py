@@ -13,7 +13,8 @@ instead of recording fp32 here. A build named ``w4a16-rtn-g<N>`` (no path) is a 
 W4A16 checkpoint with round-to-nearest (min-max) scales per group of N columns, written by
 `compressed.write_checkpoint` into ``--records`` and loaded as an external build: the
 round-to-nearest control for ``gptq-int4-g<N>`` and ``awq-int4-g<N>`` on the same grid.
-``--records`` keeps each build's record (JSON), so a stopped run resumes; ``--write-baselines``
+``--stored-builds`` reads each recipe build that has a stored baseline from it (recorded by
+``circuits record`` with the same settings; its s column is 0). ``--records`` keeps each build's record (JSON), so a stopped run resumes; ``--write-baselines``
 also stores the record of each recipe build that has no baseline yet as its baseline (the same
 record ``circuits record`` writes with these settings).
 
@@ -88,6 +89,7 @@ def main() -> None:
     parser.add_argument("--model", default="tiny-induction")
     parser.add_argument("--builds", default="fp32,fp8-e4m3,fp8-e4m3-dyn,int8-w8a8,rtn-int4")
     parser.add_argument("--stored-reference", action="store_true", help="gate against the stored fp32 baseline")
+    parser.add_argument("--stored-builds", action="store_true", help="read a recipe with a stored baseline from it")
     parser.add_argument("--knockout-screen", default=None, help="screen of N heads (SmolLM2: 12)")
     parser.add_argument("--knockout-screen-method", default=None, help="atp, atp* or atp*gd (SmolLM2's: atp)")
     parser.add_argument("--no-knockout", action="store_true", help="skip rung 2 (knockout deltas)")
@@ -109,6 +111,8 @@ def main() -> None:
 
     def record_of(name: str) -> tuple[dict, float]:
         """The build's record and the seconds it took (loading, rung 1, probe, knockouts)."""
+        if args.stored_builds and name in RECIPES and session.baseline_path(name).is_file():
+            return session.load_baseline(name), 0.0
         path = records / f"{name}{'' if knockout else '.no-knockout'}.json"
         seconds = path.with_suffix(".seconds")
         if not path.is_file():
@@ -116,7 +120,7 @@ def main() -> None:
             record = session.record(name, knockout=knockout)
             seconds.write_text(f"{time.perf_counter() - start:.0f}")
             path.write_text(dumps(record))
-            if args.write_baselines and name in RECIPES and not session.baseline_path(name).is_file():
+            if args.write_baselines and knockout and name in RECIPES and not session.baseline_path(name).is_file():
                 print(f"wrote {session.store.write(session.model_name, name, record)[0]}", flush=True)
         return json.loads(path.read_text()), float(seconds.read_text())
 
