@@ -14,7 +14,7 @@ W4A16 checkpoint with round-to-nearest (min-max) scales per group of N columns, 
 `compressed.write_checkpoint` into ``--records`` and loaded as an external build: the
 round-to-nearest control for ``gptq-int4-g<N>`` and ``awq-int4-g<N>`` on the same grid.
 ``--stored-builds`` reads each recipe build that has a stored baseline from it (recorded by
-``circuits record`` with the same settings; its s column is 0). ``--records`` keeps each build's record (JSON), so a stopped run resumes; ``--write-baselines``
+``circuits record`` with the same settings; its s column is 0). ``--records`` keeps each build's record (JSON) and held-out loss, so a stopped run resumes; ``--write-baselines``
 also stores the record of each recipe build that has no baseline yet as its baseline (the same
 record ``circuits record`` writes with these settings).
 
@@ -44,7 +44,7 @@ from pytest_circuits.rungs.figures import sequences_key
 from pytest_circuits.session import CircuitsSession
 from pytest_circuits.settings import build_settings
 
-HELD_OUT_ROWS, HELD_OUT_LENGTH = 16, 256
+HELD_OUT_ROWS, HELD_OUT_LENGTH = 8, 256
 RTN_CHECKPOINT = re.compile(r"w4a16-rtn-g(\d+)$")
 
 
@@ -144,7 +144,10 @@ def main() -> None:
         scores = " ".join(f"{rows[h]['prefix_matching']:.3f}" for h in induction)
         deltas = " ".join(f"{h} {rows[h]['knockout_delta']:.3f}" for h in knocked if rows[h].get("knockout_delta"))
         deltas = deltas or "not measured"
-        loss = held_out_loss(session, name)
+        cached = records / f"{name}.held-out"
+        if not cached.is_file():
+            cached.write_text(json.dumps(held_out_loss(session, name)))
+        loss = json.loads(cached.read_text())
         if name == "fp32":
             verdict, moved = "reference", "0"
         else:
