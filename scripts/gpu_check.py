@@ -7,10 +7,10 @@
 2. The full exact knockout scan (all 270 heads, n 4, L 32, zero ablation) against the plain loop
    (one full forward per head), both on the GPU: wall times and the largest delta difference.
 3. Peak GPU memory of each row (``torch.cuda.max_memory_allocated``).
-4. Every serving format (`FORMATS`: the compressed-tensors recipes, a compressed-tensors W4A16,
-   a torchao int8 and an optimum-quanto int8 checkpoint written here; with
-   ``$PYTEST_CIRCUITS_LLMCOMPRESSOR_PYTHON`` set also gptq-int4-g64 and awq-int4-g64), which ship
-   no baseline: recorded on the CPU and on the GPU in this run (no knockouts) and gated GPU
+4. Every serving format (`FORMATS`: the compressed-tensors recipes, a compressed-tensors W4A16
+   and an NVFP4 (W4A4) checkpoint, a torchao int8 and an optimum-quanto int8 checkpoint written
+   here; with ``$PYTEST_CIRCUITS_LLMCOMPRESSOR_PYTHON`` set also gptq-int4-g64 and
+   awq-int4-g64), which ship no baseline: recorded on the CPU and on the GPU in this run (no knockouts) and gated GPU
    against CPU. ``--formats none`` skips them.
 5. One random-weight shape above 1B (``--size``, default Llama-3.2-1B's; seeded, built into a
    temporary folder by ``scripts/measure_sizes.py``, no download) scanned in bf16 as the default
@@ -37,7 +37,7 @@ import time
 
 NO_GPU_EXIT = 3
 HELD_OUT = {"seed": 1, "n": 4, "L": 32}  # the benchmarks' full-scan setting (docs/speed.md)
-FORMATS = ("fp8-e4m3", "fp8-e4m3-dyn", "int8-w8a8", "ct-w4a16", "torchao-int8", "quanto-int8")
+FORMATS = ("fp8-e4m3", "fp8-e4m3-dyn", "int8-w8a8", "ct-w4a16", "ct-nvfp4", "torchao-int8", "quanto-int8")
 LLMC_FORMATS = ("gptq-int4-g64", "awq-int4-g64")  # with $PYTEST_CIRCUITS_LLMCOMPRESSOR_PYTHON set
 
 
@@ -178,6 +178,9 @@ def format_spec(name: str, folder) -> str:
     out = folder / name
     if name == "ct-w4a16":
         write_checkpoint(source, out, "W4A16", 64)
+    elif name == "ct-nvfp4":  # the input's global scale from 8 seeded sequences of 64 tokens
+        ids = torch.randint(0, 49152, (8, 64), generator=torch.Generator().manual_seed(0))
+        write_checkpoint(source, out, "NVFP4", calibration=ids)
     elif name == "torchao-int8":
         from torchao.quantization import Int8WeightOnlyConfig
         from transformers import TorchAoConfig

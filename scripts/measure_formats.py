@@ -1,33 +1,51 @@
 #!/usr/bin/env python
 """Measure each serving-format build against fp32: the gate's figures beside ordinary-text loss.
 
-Per build: copy loss and its interval, the fp32 induction heads' prefix-matching scores (the top
-three, then in the build), the largest knockout delta and that head's delta in the build, the
-gate's verdict against fp32 (`gate_all` with the default tolerances; the failing invariants
-named), and the mean next-token loss on held-out text (the docstrings of
-`calibrated.HELD_OUT_MODULES`, never used for calibration; a model without a tokenizer: n/a).
-Prints a Markdown table (docs/formats.md).
+Per build: copy loss, its change against fp32 with the 95% paired interval (every build sees the
+same probe tokens), the fp32 induction heads' prefix-matching scores (the top three, then in the
+build), the largest fp32 knockout delta and that head's delta in the build, the gate's verdict
+against fp32 (`gate_all` with the default tolerances; the failing invariants named), and the mean
+next-token loss on held-out text (the docstrings of `calibrated.HELD_OUT_MODULES`, never used for
+calibration; a model without a tokenizer: n/a). Prints a Markdown table (docs/formats.md).
+
+``--stored-reference`` gates against the model's stored fp32 baseline, as ``circuits gate`` does,
+instead of recording fp32 here. A build named ``w4a16-rtn-g<N>`` (no path) is a compressed-tensors
+W4A16 checkpoint with round-to-nearest (min-max) scales per group of N columns, written by
+`compressed.write_checkpoint` into ``--records`` and loaded as an external build: the
+round-to-nearest control for ``gptq-int4-g<N>`` and ``awq-int4-g<N>`` on the same grid.
+``--stored-builds`` reads each recipe build that has a stored baseline from it (recorded by
+``circuits record`` with the same settings; its s column is 0). ``--records`` keeps each build's record (JSON) and held-out loss, so a stopped run resumes; ``--write-baselines``
+also stores the record of each recipe build that has no baseline yet as its baseline (the same
+record ``circuits record`` writes with these settings).
 
     python scripts/measure_formats.py --builds fp32,fp8-e4m3,fp8-e4m3-dyn,int8-w8a8,rtn-int4
-    python scripts/measure_formats.py --model smollm2-135m --knockout-screen 12 \\
-        --builds fp32,rtn-int4,w4-rtn-g64=DIR,gptq-int4-g64,awq-int4-g64
+    python scripts/measure_formats.py --model smollm2-135m --stored-reference --knockout-screen 12 \\
+        --knockout-screen-method atp --builds fp8-e4m3,fp8-e4m3-dyn,int8-w8a8,rtn-int4,\\
+        w4a16-rtn-g64,gptq-int4-g64,awq-int4-g64
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import time
 from pathlib import Path
 
 import torch
 
 from pytest_circuits.gate.invariants import gate_all, key_heads
+from pytest_circuits.gate.stats import paired_interval
+from pytest_circuits.gate.store import dumps
 from pytest_circuits.gate.tolerances import Tolerances
 from pytest_circuits.model.calibrated import HELD_OUT_MODULES, text_ids
+from pytest_circuits.model.recipes import RECIPES
+from pytest_circuits.rungs.figures import sequences_key
 from pytest_circuits.session import CircuitsSession
 from pytest_circuits.settings import build_settings
 
-HELD_OUT_ROWS, HELD_OUT_LENGTH = 16, 256
+HELD_OUT_ROWS, HELD_OUT_LENGTH = 8, 256
+RTN_CHECKPOINT = re.compile(r"w4a16-rtn-g(\d+)$")
 
 
 @torch.no_grad()
@@ -41,45 +59,105 @@ def held_out_loss(session: CircuitsSession, name: str) -> float | None:
     return sum(losses) / len(losses)
 
 
+def build_specs(builds: str, model: str, records: Path) -> str:
+    """``--builds`` with each ``w4a16-rtn-g<N>`` made a NAME=PATH of a checkpoint written (once) here."""
+    from pytest_circuits.model.compressed import write_checkpoint
+    from pytest_circuits.model.loading import resolve_model
+
+    specs = []
+    for name in builds.split(","):
+        match = RTN_CHECKPOINT.match(name)
+        if match:
+            folder = records / f"{name}-checkpoint"
+            if not (folder / "config.json").is_file():
+                write_checkpoint(resolve_model(model).folder, folder, "W4A16", int(match.group(1)))
+            name = f"{name}={folder}"
+        specs.append(name)
+    return ",".join(specs)
+
+
+def change(before: dict, after: dict) -> str:
+    """Copy loss change with its 95% paired interval: ``+0.012 [+0.003, +0.021]``."""
+    d = after["copy_loss"] - before["copy_loss"]
+    key = sequences_key("copy_loss")
+    interval = paired_interval(before[key], after[key]) if key in before and key in after else None
+    return f"{d:+.3f} [{interval[0]:+.3f}, {interval[1]:+.3f}]" if interval else f"{d:+.3f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-induction")
     parser.add_argument("--builds", default="fp32,fp8-e4m3,fp8-e4m3-dyn,int8-w8a8,rtn-int4")
+    parser.add_argument("--stored-reference", action="store_true", help="gate against the stored fp32 baseline")
+    parser.add_argument("--stored-builds", action="store_true", help="read a recipe with a stored baseline from it")
     parser.add_argument("--knockout-screen", default=None, help="screen of N heads (SmolLM2: 12)")
+    parser.add_argument("--knockout-screen-method", default=None, help="atp, atp* or atp*gd (SmolLM2's: atp)")
     parser.add_argument("--no-knockout", action="store_true", help="skip rung 2 (knockout deltas)")
+    parser.add_argument("--records", type=Path, default=Path("/tmp/pytest-circuits-formats"), help="record cache")
+    parser.add_argument(
+        "--write-baselines", action="store_true", help="store a recipe's record as its missing baseline"
+    )
     args = parser.parse_args()
-    raw = {"model": args.model, "builds": args.builds, "baselines": None, "knockout-screen": args.knockout_screen}
+    records = args.records / args.model
+    records.mkdir(parents=True, exist_ok=True)
+    raw = {
+        "model": args.model,
+        "builds": build_specs(args.builds, args.model, records),
+        "knockout-screen": args.knockout_screen,
+        "knockout-screen-method": args.knockout_screen_method,
+    }
     session = CircuitsSession(build_settings({k: v for k, v in raw.items() if v}, Path("baselines"), device="cpu"))
     knockout = not args.no_knockout
-    fp32 = session.record("fp32", knockout=knockout)
+
+    def record_of(name: str) -> tuple[dict, float]:
+        """The build's record and the seconds it took (loading, rung 1, probe, knockouts)."""
+        if args.stored_builds and name in RECIPES and session.baseline_path(name).is_file():
+            return session.load_baseline(name), 0.0
+        path = records / f"{name}{'' if knockout else '.no-knockout'}.json"
+        seconds = path.with_suffix(".seconds")
+        if not path.is_file():
+            start = time.perf_counter()
+            record = session.record(name, knockout=knockout)
+            seconds.write_text(f"{time.perf_counter() - start:.0f}")
+            path.write_text(dumps(record))
+            if args.write_baselines and knockout and name in RECIPES and not session.baseline_path(name).is_file():
+                print(f"wrote {session.store.write(session.model_name, name, record)[0]}", flush=True)
+        return json.loads(path.read_text()), float(seconds.read_text())
+
+    fp32, _ = (session.load_baseline("fp32"), 0.0) if args.stored_reference else record_of("fp32")
     induction = key_heads(fp32, "prefix_matching", 3, 0.0)
     knocked = key_heads(fp32, "knockout_delta", 1, 0.0)
     head = {r["head"]: r for r in fp32["heads"]}
     listed = ", ".join(f"{h} {head[h]['prefix_matching']:.3f}" for h in induction)
-    print(f"{args.model}: fp32 induction heads (prefix matching) {listed}")
+    where = f"stored baseline {session.baseline_path('fp32')}" if args.stored_reference else "recorded here"
+    print(f"{args.model}: fp32 ({where}) induction heads (prefix matching) {listed}")
     print(
-        "| build | copy loss [interval] | induction heads | top knockout delta | held-out text loss | gate vs fp32 | s |"
+        "| build | copy loss [interval] | change vs fp32 [95% paired] | induction heads | top knockout delta "
+        "| held-out text loss | gate vs fp32 | s (record) |"
     )
-    print("|---|---|---|---|---|---|---|")
-    for name in session.settings.builds:
-        start = time.perf_counter()
-        record = fp32 if name == "fp32" else session.record(name, knockout=knockout)
+    print("|---|---|---|---|---|---|---|---|")
+    names = list(dict.fromkeys(["fp32", *session.settings.builds]))
+    for name in names:
+        record, seconds = (fp32, 0.0) if name == "fp32" else record_of(name)
         rows = {r["head"]: r for r in record["heads"]}
         low, high = record["copy_loss_interval"]
         scores = " ".join(f"{rows[h]['prefix_matching']:.3f}" for h in induction)
         deltas = " ".join(f"{h} {rows[h]['knockout_delta']:.3f}" for h in knocked if rows[h].get("knockout_delta"))
         deltas = deltas or "not measured"
-        loss = held_out_loss(session, name)
+        cached = records / f"{name}.held-out"
+        if not cached.is_file():
+            cached.write_text(json.dumps(held_out_loss(session, name)))
+        loss = json.loads(cached.read_text())
         if name == "fp32":
-            verdict = "reference"
+            verdict, moved = "reference", "0"
         else:
             results = gate_all(fp32, record, Tolerances(), name, "fp32")
             broken = [r.invariant for r in results if r.status == "failed"]
             verdict = "pass" if broken == [] and any(r.passed for r in results) else "FAIL " + ", ".join(broken)
+            moved = change(fp32, record)
         text = "n/a" if loss is None else f"{loss:.3f}"
-        seconds = time.perf_counter() - start
         print(
-            f"| {name} | {record['copy_loss']:.4f} [{low:.4f}, {high:.4f}] | {scores} | {deltas} | {text} "
+            f"| {name} | {record['copy_loss']:.4f} [{low:.4f}, {high:.4f}] | {moved} | {scores} | {deltas} | {text} "
             f"| {verdict} | {seconds:.0f} |",
             flush=True,
         )

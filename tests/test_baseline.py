@@ -318,12 +318,18 @@ def test_baselines_ship_for_every_cpu_recipe_of_both_models():
     names = {path.name for path in SHIPPED_FILES}
     # gptq-int4/awq-int4 run llm-compressor in an environment of its own (docs/formats.md): not shipped
     here = [name for name, recipe in RECIPES.items() if recipe.backend != "llm-compressor"]
-    # not yet recorded for SmolLM2 (issue 24 ran out of CPU time): circuits record smollm2-135m
-    # --build fp8-e4m3,fp8-e4m3-dyn,int8-w8a8 --baselines baselines --knockout-screen 12
+    # They should ship (CPU recipes, like every other) but are not yet recorded for SmolLM2: issue 24's
+    # two rounds ran out of CPU time on the shared machine (load 12-20 on 2 cores). Record with
+    # circuits record smollm2-135m --build fp8-e4m3,fp8-e4m3-dyn,int8-w8a8 --baselines baselines
+    # --knockout-screen 12 --knockout-screen-method atp; then empty this set
     pending = {"smollm2-135m": {"fp8-e4m3", "fp8-e4m3-dyn", "int8-w8a8"}}
     for model in ("tiny-induction", "smollm2-135m"):
         missing = sorted(r for r in here if f"{model}--{r}.json" not in names and r not in pending.get(model, ()))
         assert not missing, f"{model}: no shipped baseline for {missing}"
+    shipped_now = sorted(
+        f"{m}--{r}.json" for m, recipes in pending.items() for r in recipes if f"{m}--{r}.json" in names
+    )
+    assert not shipped_now, f"{shipped_now} ship now: take them out of pending"
 
 
 @pytest.mark.parametrize("path", SHIPPED_FILES, ids=[p.stem for p in SHIPPED_FILES])

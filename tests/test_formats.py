@@ -254,6 +254,88 @@ def test_missing_library_is_one_line_naming_the_extra(checkpoints, monkeypatch):
     assert text.startswith("external build w4=") and 'pip install "pytest-circuits[formats]"' in text
 
 
+# ---------------------------------------------------------------- NVFP4: float4 weights, float8 group scales
+
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code & 7 -> magnitude; bit 3: sign
+
+
+@pytest.fixture(scope="module")
+def nvfp4(tmp_path_factory) -> dict[str, Path]:
+    """NVFP4A16 (weights only) and NVFP4 (W4A4: the input's global scale from a calibration forward)."""
+    from pytest_circuits.model.compressed import write_checkpoint
+    from pytest_circuits.model.loading import resolve_model
+
+    folder, root = resolve_model("tiny-induction").folder, tmp_path_factory.mktemp("nvfp4")
+    ids = torch.randint(0, 512, (8, 64), generator=torch.Generator().manual_seed(0))
+    return {name: write_checkpoint(folder, root / name, name, calibration=ids) for name in ("NVFP4A16", "NVFP4")}
+
+
+def nvfp4_by_hand(tensors: dict, prefix: str) -> torch.Tensor:
+    """``W = e2m1(code) * s / g``: two codes a byte (low nibble first), a float8 scale ``s`` per
+    16 columns, one float32 global scale ``g``; rounded to bfloat16 as the decompressor returns it."""
+    packed = tensors[f"{prefix}.weight_packed"].to(torch.int64)
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(1)
+    magnitude = torch.tensor(FP4_E2M1)[codes & 7]
+    values = torch.where(codes >= 8, -magnitude, magnitude)
+    scale = tensors[f"{prefix}.weight_scale"].float().repeat_interleave(16, dim=1)
+    return (values * (scale / tensors[f"{prefix}.weight_global_scale"])).to(torch.bfloat16).float()
+
+
+@pytest.mark.parametrize("scheme", ["NVFP4A16", "NVFP4"])
+def test_nvfp4_checkpoint_loads_and_reads_the_formats_dequantization(nvfp4, scheme):
+    from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    from pytest_circuits.model.external import load_external_build
+    from pytest_circuits.model.loading import resolve_model
+    from pytest_circuits.model.recipes import BuildSpec
+    from pytest_circuits.model.weights import layer_weights
+
+    build = load_external_build(resolve_model("tiny-induction"), BuildSpec("nv", str(nvfp4[scheme])), "cpu")
+    tensors, config = stored(nvfp4[scheme])
+    group = config["quantization_config"]["config_groups"]["group_0"]
+    theirs_scheme = QuantizationScheme(**group)
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        prefix = f"model.layers.1.self_attn.{proj}"
+        mine = nvfp4_by_hand(tensors, prefix)
+        local = {k.removeprefix(prefix + "."): v for k, v in tensors.items() if k.startswith(prefix + ".")}
+        theirs = NVFP4PackedCompressor.decompress(local, theirs_scheme)["weight"].float()
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+        torch.testing.assert_close(build.model.get_submodule(prefix).weight, mine, rtol=0, atol=0)
+    d, o = build.geometry.d_head, nvfp4_by_hand(tensors, "model.layers.1.self_attn.o_proj")
+    torch.testing.assert_close(layer_weights(build.model, 1).W_O[1], o[:, d : 2 * d].T, rtol=0, atol=0)
+    identity = build.identity
+    assert identity.format == "compressed-tensors-nvfp4-pack-quantized" and identity.tensor_types["U8"] == 14
+    assert "weights float4 tensor_group 16 symmetric float8_e4m3fn scales" in identity.quantization
+    assert "to bfloat16 (its NVFP4 decompressor's dtype)" in identity.forward
+    w4a4 = scheme == "NVFP4"
+    assert ("input fake-quantized per 16 values at run time" in identity.forward) == w4a4
+    shared = {tensors[f"model.layers.0.self_attn.{p}.weight_global_scale"].item() for p in ("q_proj", "k_proj")}
+    assert len(shared) == 1  # q, k, v share one global scale (vLLM fuses them)
+
+
+def test_nvfp4_forward_quantizes_the_input_per_16_values(nvfp4):
+    """``s = fp8(g max|x_16| / 6)``, ``Q(x) = e2m1(x g / s) s / g`` with the layer's static global
+    input scale ``g``, then ``Q(x) W^T``."""
+    from pytest_circuits.model.external import load_external_build
+    from pytest_circuits.model.loading import resolve_model
+    from pytest_circuits.model.recipes import BuildSpec
+
+    build = load_external_build(resolve_model("tiny-induction"), BuildSpec("nv", str(nvfp4["NVFP4"])), "cpu")
+    layer = build.model.model.layers[0].mlp.down_proj
+    g = layer.input_global_scale.float()
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(1))
+    blocks = x.reshape(3, -1, 16)
+    s = (blocks.abs().amax(-1, keepdim=True) * g / 6).to(torch.float8_e4m3fn).float()
+    scaled = (blocks * g / s).clamp(-6, 6)
+    grid = torch.tensor(FP4_E2M1)
+    nearest = grid[(scaled.abs()[..., None] - grid).abs().argmin(-1)] * scaled.sign()
+    expected = (nearest * s / g).reshape(3, -1) @ layer.weight.detach().T
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+        assert (layer(x) - x @ layer.weight.T).abs().max() > 1e-2  # the input is really quantized
+
+
 # ---------------------------------------------------------------- SmolLM2-135M (real, slow)
 
 
@@ -422,6 +504,31 @@ def test_torchao_and_quanto_checkpoints_load_and_read_exactly(other_formats, nam
     for h in range(build.geometry.n_heads):
         torch.testing.assert_close(lw.W_O[h], o[:, h * d : (h + 1) * d].T, rtol=0, atol=0)
     assert measure_decomposition(build).worst < 1e-3  # torchao's dynamic int8 input is recomputed too
+
+
+@pytest.mark.parametrize("drop", ["model.layers.1.self_attn.v_proj.weight._scale", "model.norm.weight"])
+def test_quanto_checkpoint_missing_a_tensor_is_refused(other_formats, tmp_path, drop):
+    """quanto's own requantize loads with strict=False and would leave the tensor uninitialised."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pytest_circuits.errors import ModelLoadError
+    from pytest_circuits.model.external import load_external_build
+    from pytest_circuits.model.loading import resolve_model
+    from pytest_circuits.model.recipes import BuildSpec
+
+    folder = shutil.copytree(other_formats["quanto8"], tmp_path / "q")
+    tensors = load_file(folder / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if k != drop}, str(folder / "model.safetensors"), {"format": "pt"})
+    with pytest.raises(ModelLoadError) as error:
+        load_external_build(resolve_model("tiny-induction"), BuildSpec("q", str(folder)), "cpu")
+    text = one_line(error)
+    assert text.startswith("external build q=") and "1 tensor missing from the checkpoint" in text
+    assert text.endswith(
+        f"(first: {drop}); refusing to read figures from an incomplete or foreign checkpoint "
+        "(re-save it with save_pretrained, or re-convert the file)"
+    )
 
 
 @pytest.mark.parametrize("name, module", [("ao8", "torchao"), ("quanto8", "optimum.quanto")])

@@ -99,6 +99,8 @@ def describe_args(args: dict | None) -> str:
     if strategy in ("group", "tensor_group") and args.get("group_size"):
         words.append(str(args["group_size"]))
     words.append("symmetric" if args.get("symmetric", True) else "asymmetric")
+    if args.get("scale_dtype"):  # NVFP4: float8 group scales under one float32 global scale
+        words.append(f"{str(args['scale_dtype']).removeprefix('torch.')} scales")
     dynamic = args.get("dynamic")
     if dynamic not in (None, False, "false"):
         words.append("dynamic" if dynamic in (True, "true") else f"dynamic-{dynamic}")
@@ -152,10 +154,17 @@ def describe_modules(model: torch.nn.Module) -> str:
 
 def forward_path(model: torch.nn.Module) -> str:
     """Which forward the build runs: on a CPU compressed-tensors' reference (no fused kernel runs here)."""
-    acts = "input fake-quantized per token at run time, " if quantizes_activations(model) else ""
+    inputs = next((a for a in map(_input_args, model.modules()) if a is not None), None)
+    acts = ""
+    if inputs is not None and inputs.strategy == "tensor_group":  # NVFP4
+        acts = f"input fake-quantized per {inputs.group_size} values at run time (float8 scales, static global scale), "
+    elif inputs is not None:
+        acts = "input fake-quantized per token at run time, "
+    nvfp4 = any(getattr(w, "strategy", None) == "tensor_group" for w in map(_weight_args, model.modules()))
+    weights = "to bfloat16 (its NVFP4 decompressor's dtype), held as float32" if nvfp4 else "to float32"
     return (
         "compressed-tensors reference on "
-        f"{next(model.parameters()).device.type}: weights decompressed once to float32 by compressed-tensors, "
+        f"{next(model.parameters()).device.type}: weights decompressed once {weights} by compressed-tensors, "
         f"{acts}then a float32 matmul (vLLM's fused kernels are not used)"
     )
 
@@ -171,6 +180,12 @@ def decompress(model: torch.nn.Module) -> torch.nn.Module:
         compressor = ModelCompressor.from_pretrained_model(model)
     with quiet():
         compressor.decompress_model(model)
+    embedding: Any = model.get_input_embeddings()  # type: ignore[operator]
+    dtype = embedding.weight.dtype
+    module: Any
+    for module in model.modules():  # NVFP4's decompressor returns W in bfloat16; the forward needs one dtype
+        if getattr(module, "quantization_scheme", None) is not None and module.weight.dtype != dtype:
+            module.weight.data = module.weight.data.to(dtype)
     return model
 
 
@@ -188,6 +203,11 @@ def identity_fields(model: torch.nn.Module, quant: dict) -> dict[str, str]:
 def _input_args(module: torch.nn.Module):
     scheme = getattr(module, "quantization_scheme", None)
     return None if scheme is None else scheme.input_activations
+
+
+def _weight_args(module: torch.nn.Module):
+    scheme = getattr(module, "quantization_scheme", None)
+    return None if scheme is None else scheme.weights
 
 
 class ActivationQuant:
@@ -236,34 +256,91 @@ def scheme_for(name: str, group_size: int | None = None):
     return scheme
 
 
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # vLLM runs each set as one GEMM
+
+
+def fused_global_weights(model: torch.nn.Module) -> dict[torch.nn.Module, torch.Tensor]:
+    """Per NVFP4 layer of a set vLLM fuses (`FUSED`), the weights of the whole set: the set shares
+    one global scale, from their joint max, as llm-compressor writes it."""
+    out: dict[torch.nn.Module, torch.Tensor] = {}
+    for parent in model.modules():
+        for names in FUSED:
+            layers = [getattr(parent, name, None) for name in names]
+            args = [getattr(getattr(m, "quantization_scheme", None), "weights", None) for m in layers]
+            if all(a is not None and a.strategy == "tensor_group" for a in args):
+                joint = torch.cat([m.weight.detach().flatten() for m in layers])  # type: ignore[union-attr]
+                out.update({m: joint for m in layers})  # type: ignore[misc]
+    return out
+
+
 @torch.no_grad()
-def quantize_(model: torch.nn.Module, scheme, ignore: tuple[str, ...] = IGNORED):
+def input_ranges(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``(min, max)`` of each ``Linear``'s input over the float model's forward on ``ids``."""
+    ranges: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def hook(name):
+        def record(module, inputs):
+            x = inputs[0].detach()
+            low, high = ranges.get(name, (x.amin(), x.amax()))
+            ranges[name] = (torch.minimum(low, x.amin()), torch.maximum(high, x.amax()))
+
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        for row in ids:
+            model(input_ids=row[None], use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return ranges
+
+
+@torch.no_grad()
+def quantize_(
+    model: torch.nn.Module, scheme, ignore: tuple[str, ...] = IGNORED, calibration: torch.Tensor | None = None
+):
     """Apply ``scheme`` to every ``Linear`` but ``ignore`` with min-max weight scales and compress
-    the model in memory (compressed-tensors' own compressors); returns the `ModelCompressor`."""
+    the model in memory (compressed-tensors' own compressors); returns the `ModelCompressor`.
+    A scheme with a static input scale (NVFP4's global one) takes it from the min and max of
+    each layer's input on the float model's forward over ``calibration`` (token ids, ``(n, L)``)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
         QuantizationStatus,
         apply_quantization_config,
     )
-    from compressed_tensors.quantization.utils import calculate_qparams
+    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
+    static_input = scheme.input_activations is not None and scheme.input_activations.dynamic is not True
+    if static_input and calibration is None:
+        raise RecipeError("a scheme with a static input scale (NVFP4) needs calibration token ids")
+    ranges = input_ranges(model, calibration) if static_input and calibration is not None else {}
     with quiet():
         apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore)))
+    for name, module in model.named_modules():
+        if name in ranges and hasattr(module, "input_global_scale"):
+            module.input_global_scale.data.copy_(generate_gparam(*ranges[name]))
+    fused_weights = fused_global_weights(model)
     layer: Any  # a compressed-tensors layer: its qparams are attributes torch types Tensor | Module
     for layer in model.modules():
         args = getattr(getattr(layer, "quantization_scheme", None), "weights", None)
         if args is None:
             continue
         w = layer.weight.detach()
-        if args.strategy == "group":  # a last group narrower than group_size where it does not divide
+        if args.strategy in ("group", "tensor_group"):  # a last group narrower than group_size where it does not divide
             groups = w.split(args.group_size, dim=1)
             low, high = torch.stack([g.amin(1) for g in groups], 1), torch.stack([g.amax(1) for g in groups], 1)
         elif args.strategy == "channel":
             low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
         else:
             low, high = w.amin().reshape(1), w.amax().reshape(1)
-        scale, zero_point = calculate_qparams(low, high, args)
+        global_scale = None
+        if args.strategy == "tensor_group":  # NVFP4: float8 group scales under one global scale
+            fused = fused_weights.get(layer, w)
+            global_scale = generate_gparam(fused.amin(), fused.amax())
+            layer.weight_global_scale.data.copy_(global_scale)
+        scale, zero_point = calculate_qparams(low, high, args, global_scale=global_scale)
         layer.weight_scale.data.copy_(scale.reshape(layer.weight_scale.shape))
         if hasattr(layer, "weight_zero_point"):
             layer.weight_zero_point.data.copy_(zero_point.reshape(layer.weight_zero_point.shape))
@@ -290,15 +367,22 @@ def quantize_in_memory_(model: torch.nn.Module, scheme_name: str, group_size: in
     return model
 
 
-def write_checkpoint(folder: Path | str, out: Path | str, scheme_name: str, group_size: int | None = None) -> Path:
+def write_checkpoint(
+    folder: Path | str,
+    out: Path | str,
+    scheme_name: str,
+    group_size: int | None = None,
+    calibration: torch.Tensor | None = None,
+) -> Path:
     """Write the float32 model in ``folder`` as a compressed-tensors checkpoint at ``out``
-    (safetensors, config.json with its ``quantization_config``, the tokenizer files)."""
+    (safetensors, config.json with its ``quantization_config``, the tokenizer files);
+    ``calibration``: token ids for a static input scale (`quantize_`)."""
     import shutil
 
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
-    compressor = quantize_(model, scheme_for(scheme_name, group_size))
+    compressor = quantize_(model, scheme_for(scheme_name, group_size), calibration=calibration)
     out = Path(out)
     model.save_pretrained(out)
     compressor.update_config(str(out))

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from ..errors import RecipeError
+from ..errors import ModelLoadError, RecipeError, first_line
+from .checkpoint_keys import check_loading_info
 from .compressed import FORMATS_EXTRA
 
 QUANTO_MAP = "quanto_qmap.json"
@@ -99,8 +100,19 @@ def load_quanto(folder: Path, what: str) -> torch.nn.Module:
     config = read_config(folder, what=what)  # the config errors of any other folder, in one line
     with init_empty_weights():
         model: Any = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    requantize(model, state_dict=load_file(folder / "model.safetensors"), quantization_map=qmap)
-    if getattr(model.config, "tie_word_embeddings", True):
+    # quanto's requantize loads with strict=False and leaves a missing tensor as uninitialised
+    # memory: build the quantized modules with it, load here, and refuse what does not match
+    requantize(model, state_dict={}, quantization_map=qmap)
+    try:
+        info = model.load_state_dict(load_file(folder / "model.safetensors"), strict=False)
+    except RuntimeError as error:  # a tensor of another shape: torch lists each on a line of its own
+        said = [line.strip() for line in str(error).splitlines() if "size mismatch" in line] or [first_line(error)]
+        raise ModelLoadError(f"{what}: {said[0]}; re-save it with quanto's save_pretrained") from None
+    tie = getattr(model.config, "tie_word_embeddings", True)
+    tied = set(getattr(model, "all_tied_weights_keys", None) or ()) if tie else set()  # lm_head: the embedding
+    missing = [key for key in info.missing_keys if key not in tied]
+    check_loading_info({"missing_keys": missing, "unexpected_keys": info.unexpected_keys}, what)
+    if tie:
         model.tie_weights()
     model.quanto_qmap = qmap
     return model
