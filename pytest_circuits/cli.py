@@ -447,7 +447,14 @@ def cmd_sensitivity(args) -> int:
     return EXIT_OK if run_command(session, baseline, tol, args.heads, build) else EXIT_BROKEN
 
 
-COMMANDS = {"scan": cmd_scan, "sensitivity": cmd_sensitivity, "record": cmd_record, "gate": cmd_gate, "diff": cmd_diff, "merge": cmd_merge}
+COMMANDS = {
+    "scan": cmd_scan,
+    "sensitivity": cmd_sensitivity,
+    "record": cmd_record,
+    "gate": cmd_gate,
+    "diff": cmd_diff,
+    "merge": cmd_merge,
+}
 
 
 def main(argv=None) -> int:

@@ -109,8 +109,9 @@ def scale_head_qk(model, layer: int, head: int, t: float) -> None:
         weight[:, index] *= t
     else:
         weight[index, :] *= t
-    if getattr(module, "bias", None) is not None:
-        module.bias[index] *= t
+    bias = getattr(module, "bias", None)
+    if isinstance(bias, torch.Tensor):
+        bias[index] *= t
 
 
 def _block_matrices(model, layers) -> list[torch.nn.Parameter]:
@@ -350,7 +351,10 @@ def caught_table(outcomes: list[Outcome], invariants) -> list[str]:
     """Markdown rows: per damage (and head), the mildest damage each invariant catches, and the gate."""
     table = smallest_caught(outcomes, invariants)
     kinds = {_target(o.damage): o.damage.kind for o in outcomes if o.damage is not None}
-    lines = ["| damage | " + " | ".join(f"`{i}`" for i in invariants) + " | gate |", "|---" * (len(invariants) + 2) + "|"]
+    lines = [
+        "| damage | " + " | ".join(f"`{i}`" for i in invariants) + " | gate |",
+        "|---" * (len(invariants) + 2) + "|",
+    ]
     for row, cells in table.items():
         kind = kinds[row]
         lines.append(f"| {row} | " + " | ".join(caught_cell(cells[i], kind) for i in (*invariants, "any")) + " |")

@@ -25,7 +25,7 @@ def head_outputs(model, layer: int, ids) -> list[torch.Tensor]:
     for h in range(geo.n_heads):
         captured = {}
 
-        def keep_one(module, args, h=h):
+        def keep_one(module, args, h=h, captured=captured):
             z = args[0].clone()
             mask = torch.zeros(z.shape[-1], dtype=z.dtype)
             mask[h * geo.d_head : (h + 1) * geo.d_head] = 1
