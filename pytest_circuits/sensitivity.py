@@ -245,17 +245,17 @@ class Outcome:
     results: list = field(default_factory=list, repr=False)
 
 
-def gate_record(session, recipe: str, baseline: dict, tol) -> tuple[list, dict]:
+def gate_record(session, recipe: str, baseline: dict, tol, knockout: bool = True) -> tuple[list, dict]:
     """``(results, record)``: ``recipe`` as the session holds it now, measured the baseline's way
     (`gate.verdict.candidate_record`'s rule) and gated with `gate_all`. Knockouts run on the
     baseline's key heads only: the only ones `knockout_deltas` compares, so the verdict is the
-    full scan's."""
+    full scan's. ``knockout=False``: no knockouts, so `knockout_deltas` is not run (not passed)."""
     from .gate.invariants import gate_all, key_heads
     from .gate.record import build_record, has_figures
     from .rungs import kappa_method
 
     session.forget_figures(recipe)
-    knockout = has_figures(baseline, "knockout")
+    knockout = knockout and has_figures(baseline, "knockout")
     frame = None
     if knockout:
         keys = key_heads(baseline, "knockout_delta", tol.top_k, tol.min_delta)
@@ -266,10 +266,12 @@ def gate_record(session, recipe: str, baseline: dict, tol) -> tuple[list, dict]:
     return gate_all(baseline, record, tol, recipe, "baseline"), record
 
 
-def gate_outcome(session, recipe, baseline, tol, damage=None, label="", text_loss=None) -> Outcome:
+def gate_outcome(
+    session, recipe, baseline, tol, damage=None, label="", text_loss=None, knockout: bool = True
+) -> Outcome:
     """`gate_record` of the build as it stands, summarised; ``text_loss(session, recipe)``: held-out loss."""
     start = time.perf_counter()
-    results, record = gate_record(session, recipe, baseline, tol)
+    results, record = gate_record(session, recipe, baseline, tol, knockout)
     return Outcome(
         damage,
         label or (damage.describe() if damage else recipe),
@@ -283,15 +285,19 @@ def gate_outcome(session, recipe, baseline, tol, damage=None, label="", text_los
     )
 
 
-def sweep(session, baseline: dict, damages, tol, recipe: str = "fp32", text_loss=None, write=None) -> list[Outcome]:
+def sweep(
+    session, baseline: dict, damages, tol, recipe: str = "fp32", text_loss=None, write=None, knockout: bool = True
+) -> list[Outcome]:
     """Gate the intact build, then each damage of it, undoing each exactly before the next."""
     model = session.build(recipe).model
     restorer = Restorer(model)
-    outcomes = [gate_outcome(session, recipe, baseline, tol, label="intact", text_loss=text_loss)]
+    outcomes = [gate_outcome(session, recipe, baseline, tol, label="intact", text_loss=text_loss, knockout=knockout)]
     for damage in damages:
         try:
             damage.apply(model)
-            outcomes.append(gate_outcome(session, recipe, baseline, tol, damage, text_loss=text_loss))
+            outcomes.append(
+                gate_outcome(session, recipe, baseline, tol, damage, text_loss=text_loss, knockout=knockout)
+            )
         finally:
             restorer.restore()
         if write is not None:
