@@ -195,13 +195,15 @@ class Damage:
 
 
 def head_damages(heads, ov=OV_SCALES, qk=QK_SCALES, rotations=ROTATIONS, noise=NOISE) -> list[Damage]:
-    """Per head: OV scales, QK scales, rotations and one-layer noise, each mildest first."""
-    out = []
+    """Per head: OV scales, QK scales, rotations and one-layer noise (once per layer), each mildest first."""
+    out, layers = [], set()
     for head in heads:
         out += [Damage("ov_scale", s, head) for s in ov]
         out += [Damage("qk_scale", t, head) for t in qk]
         out += [Damage("ov_rotate", a, head) for a in rotations]
-        out += [Damage("noise_layer", sigma, head) for sigma in noise]
+        if parse_head(head)[0] not in layers:
+            out += [Damage("noise_layer", sigma, head) for sigma in noise]
+        layers.add(parse_head(head)[0])
     return out
 
 
@@ -243,6 +245,7 @@ class Outcome:
     seconds: float
     text_loss: float | None = None
     results: list = field(default_factory=list, repr=False)
+    record: dict = field(default_factory=dict, repr=False)
 
 
 def gate_record(session, recipe: str, baseline: dict, tol, knockout: bool = True) -> tuple[list, dict]:
@@ -282,6 +285,7 @@ def gate_outcome(
         time.perf_counter() - start,
         None if text_loss is None else text_loss(session, recipe),
         results,
+        record,
     )
 
 

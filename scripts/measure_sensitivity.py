@@ -34,7 +34,8 @@ from scipy.stats import binomtest
 
 from pytest_circuits import sensitivity as S
 from pytest_circuits.errors import CircuitsError
-from pytest_circuits.gate.invariants import key_heads, per_build_invariants
+from pytest_circuits.gate.invariants import get, key_heads, per_build_invariants
+from pytest_circuits.gate.record import has_figures
 from pytest_circuits.gate.store import read_baseline
 from pytest_circuits.gate.tolerances import Tolerances
 from pytest_circuits.session import CircuitsSession
@@ -61,14 +62,18 @@ def verdict_cell(outcome: S.Outcome) -> str:
     return "pass" if outcome.passed else "nothing compared"
 
 
-def outcome_rows(outcomes: list[S.Outcome]) -> list[str]:
+def outcome_rows(outcomes: list[S.Outcome], baseline: dict, tol) -> list[str]:
     lines = [
-        "| damage | gate (default tolerances) | copy loss | first-copy loss | held-out text loss | s |",
-        "|---|---|---|---|---|---|",
+        "| damage | gate (default tolerances) | most of a tolerance used | copy loss | first-copy loss "
+        "| held-out text loss | s |",
+        "|---|---|---|---|---|---|---|",
     ]
     for o in outcomes:
+        used = tolerance_used(baseline, o.record, tol)
+        name = max(used, key=lambda k: used[k]) if used else ""
+        shown = f"{used[name]:.2f} (`{name}`)" if name else "n/a"
         lines.append(
-            f"| {o.label} | {verdict_cell(o)} | {o.copy_loss:.3f} | {o.first_copy_loss:.3f} "
+            f"| {o.label} | {verdict_cell(o)} | {shown} | {o.copy_loss:.3f} | {o.first_copy_loss:.3f} "
             f"| {cell(o.text_loss)} | {o.seconds:.1f} |"
         )
     return lines
@@ -90,10 +95,30 @@ def gate_recipes(session, baseline, tol, recipes, text_loss, write, knockout=Tru
     return out
 
 
-def false_alarms(session, tol, seeds, recipes, write) -> tuple[dict, list[str]]:
-    """``({invariant: (failures, trials)}, lines)`` over seeds x benign builds."""
+def tolerance_used(baseline: dict, record: dict, tol) -> dict[str, float]:
+    """Per invariant: the largest share of its tolerance a compared row used, ``|after - before| / limit``
+    (the rank row: ``(1 - rho) / (1 - rank)``); how close a passing build came to failing."""
+    used = {}
+    for name in per_build_invariants():
+        inv = get(name)
+        if not all(has_figures(record, need) and has_figures(baseline, need) for need in inv.needs):
+            continue
+        shares = []
+        for row in inv.compare(baseline, record, tol).rows:
+            if row.metric == "rank corr":
+                shares.append((1 - row.after) / (1 - row.limit))
+            elif row.limit > 0:
+                shares.append(abs(row.after - row.before) / row.limit)
+        used[name] = max(shares, default=0.0)
+    return used
+
+
+def false_alarms(session, tol, seeds, recipes, write) -> tuple[dict, list[str], dict]:
+    """``({invariant: (failures, trials)}, lines, {invariant: largest share of tolerance used})``
+    over seeds x benign builds."""
     invariants = per_build_invariants()
     counts = {i: [0, 0] for i in (*invariants, "gate")}
+    most: dict[str, float] = {}
     lines = []
     model = session.build("fp32").model
     restorer = S.Restorer(model)
@@ -103,17 +128,19 @@ def false_alarms(session, tol, seeds, recipes, write) -> tuple[dict, list[str]]:
         baseline = session.record("fp32", knockout=True)
         trials = []
         torch.set_num_threads(2)
-        trials.append(("fp32, 2 threads", S.gate_record(session, "fp32", baseline, tol)[0]))
+        trials.append(("fp32, 2 threads", *S.gate_record(session, "fp32", baseline, tol)))
         torch.set_num_threads(1)
         for recipe in recipes:
-            trials.append((recipe, S.gate_record(session, recipe, baseline, tol)[0]))
+            trials.append((recipe, *S.gate_record(session, recipe, baseline, tol)))
         try:
             S.Damage("noise_all", 1e-3, seed=seed).apply(model)
-            trials.append(("noise 1e-3", S.gate_record(session, "fp32", baseline, tol)[0]))
+            trials.append(("noise 1e-3", *S.gate_record(session, "fp32", baseline, tol)))
         finally:
             restorer.restore()
         session.forget_figures()
-        for name, results in trials:
+        for name, results, record in trials:
+            for inv, share in tolerance_used(baseline, record, tol).items():
+                most[inv] = max(most.get(inv, 0.0), share)
             failed = [r.invariant for r in results if r.status == "failed"]
             for r in results:
                 if r.status in ("passed", "failed"):
@@ -124,18 +151,22 @@ def false_alarms(session, tol, seeds, recipes, write) -> tuple[dict, list[str]]:
             said = "FAIL " + ", ".join(failed) if failed else "pass"
             lines.append(f"| {seed} | {name} | {said} |")
             write(f"seed {seed} {name}: {said}")
-    return {k: tuple(v) for k, v in counts.items()}, lines
+    return {k: tuple(v) for k, v in counts.items()}, lines, most
 
 
-def rate_rows(counts: dict) -> list[str]:
-    lines = ["| invariant | false alarms / trials | rate | 95% interval (Clopper-Pearson) |", "|---|---|---|---|"]
+def rate_rows(counts: dict, most: dict) -> list[str]:
+    lines = [
+        "| invariant | false alarms / trials | rate | 95% interval (Clopper-Pearson) | most of its tolerance used |",
+        "|---|---|---|---|---|",
+    ]
     for name, (k, n) in counts.items():
+        shown = f"`{name}`" if name != "gate" else "the whole gate"
+        used = f"{most[name]:.2f}" if name in most else ""
         if n == 0:
-            lines.append(f"| `{name}` | 0 / 0 | n/a | n/a |")
+            lines.append(f"| {shown} | 0 / 0 | n/a | n/a | {used} |")
             continue
         ci = binomtest(k, n).proportion_ci(confidence_level=0.95, method="exact")
-        shown = f"`{name}`" if name != "gate" else "the whole gate"
-        lines.append(f"| {shown} | {k} / {n} | {k / n:.3f} | [{ci.low:.3f}, {ci.high:.3f}] |")
+        lines.append(f"| {shown} | {k} / {n} | {k / n:.3f} | [{ci.low:.3f}, {ci.high:.3f}] | {used} |")
     return lines
 
 
@@ -164,7 +195,7 @@ def measure(args, model: str, write) -> dict[str, str]:
     builds = gate_recipes(session, baseline, tol, recipes, text_loss, write, knockout)
     invariants = per_build_invariants()
     seeds = range(1, args.seeds + 1)
-    counts, alarm_lines = false_alarms(session, tol, seeds, BENIGN_RECIPES, write) if args.seeds else ({}, [])
+    counts, alarm_lines, most = false_alarms(session, tol, seeds, BENIGN_RECIPES, write) if args.seeds else ({}, [], {})
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     command = f"python scripts/measure_sensitivity.py {' '.join(args.argv)}".strip()
     run = (
@@ -178,10 +209,10 @@ def measure(args, model: str, write) -> dict[str, str]:
     blocks = {
         f"{model}-run": run + "\n",
         f"{model}-caught": "\n".join(S.caught_table(outcomes, invariants)) + "\n",
-        f"{model}-damages": "\n".join(outcome_rows(outcomes + builds)) + "\n",
+        f"{model}-damages": "\n".join(outcome_rows(outcomes + builds, baseline, tol)) + "\n",
     }
     if args.seeds:
-        blocks[f"{model}-false-alarms"] = "\n".join(rate_rows(counts)) + "\n"
+        blocks[f"{model}-false-alarms"] = "\n".join(rate_rows(counts, most)) + "\n"
         blocks[f"{model}-trials"] = "\n".join(["| seed | build | gate |", "|---|---|---|", *alarm_lines]) + "\n"
     return blocks
 
