@@ -106,6 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file_b", type=Path, metavar="B", help="the later scan record or baseline file")
     p.add_argument("--min-change", type=float, default=0.01, help="hide changes smaller than this (default: 0.01)")
 
+    p = sub.add_parser(
+        "sensitivity",
+        help="damage the baseline's top key heads step by step; print the mildest damage each invariant catches",
+    )
+    p.add_argument("model", help=MODEL_HELP)
+    p.add_argument("--build", default="fp32", help="the float build to damage (default: fp32)")
+    p.add_argument(
+        "--baseline", type=Path, default=None, metavar="FILE", help="baseline file (default: the build's own)"
+    )
+    p.add_argument("--heads", type=int, default=2, help="damage the top N key heads by knockout delta (default: 2)")
+    p.add_argument("--tol", action="append", default=[], metavar="NAME=VALUE", help="override a tolerance (repeatable)")
+
     sub.add_parser(
         "report", help="write the HTML report of baseline files (see circuits report --help)", add_help=False
     )
@@ -387,7 +399,30 @@ def cmd_diff(args) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"scan": cmd_scan, "record": cmd_record, "gate": cmd_gate, "diff": cmd_diff, "merge": cmd_merge}
+def cmd_sensitivity(args) -> int:
+    """`sensitivity.run_command` on the build against its baseline (its probe settings)."""
+    from .gate.store import read_baseline
+    from .sensitivity import run_command
+
+    tol = _tolerances(args.tol)
+    if args.heads < 1:
+        raise CircuitsError(f"--heads {args.heads}: damage at least 1 head")
+    baseline = read_baseline(args.baseline) if args.baseline is not None else None
+    session = _session(args, probe=None if baseline is None else baseline.get("probe"))
+    build = _one_build(session, "sensitivity")
+    if baseline is None:
+        baseline = session.load_baseline(build)
+    return EXIT_OK if run_command(session, baseline, tol, args.heads, build) else EXIT_BROKEN
+
+
+COMMANDS = {
+    "scan": cmd_scan,
+    "sensitivity": cmd_sensitivity,
+    "record": cmd_record,
+    "gate": cmd_gate,
+    "diff": cmd_diff,
+    "merge": cmd_merge,
+}
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,266 @@
+#!/usr/bin/env python
+"""Measure what the gate catches and how often it cries wolf; write the blocks of docs/sensitivity.md.
+
+Per model (the fp32 build, its shipped fp32 baseline, the default tolerances):
+
+1. graded damage to each of the baseline's key heads, one at a time (`pytest_circuits.sensitivity`:
+   OV scaled / negated, QK logits scaled, OV rotated into the next head, noise in the head's
+   layer), whole-model noise and low-rank updates, and the recipes' builds, each gated with the
+   gate's own code (`sensitivity.gate_record`: `build_record` measured the baseline's way, then
+   `gate_all`), beside the held-out text loss of `measure_formats.held_out_loss`;
+2. false alarms: for each held-out probe seed (knockout seed 1000 + seed), an fp32 baseline is
+   recorded at 1 thread and the benign builds are gated against it: fp32 at 2 threads, bf16, fp16,
+   rtn-int8 and fp32 with 1e-3 relative weight noise; per invariant the failures, with the
+   Clopper-Pearson 95% interval of the rate.
+
+Each model rewrites only its own blocks (``<!-- measured: NAME -->``), so models can be run apart:
+
+    python scripts/measure_sensitivity.py --models tiny-induction
+    python scripts/measure_sensitivity.py --models smollm2-135m --heads 2 --ov 0.75,0.5,0,-1 --qk 0.5,0 \\
+        --rotations '' --noise '' --whole '' --recipes rtn-int8 --seeds 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import re
+import time
+from pathlib import Path
+
+import torch
+from measure_formats import held_out_loss
+from scipy.stats import binomtest
+
+from pytest_circuits import sensitivity as S
+from pytest_circuits.errors import CircuitsError
+from pytest_circuits.gate.invariants import get, key_heads, per_build_invariants
+from pytest_circuits.gate.record import has_figures
+from pytest_circuits.gate.store import read_baseline
+from pytest_circuits.gate.tolerances import Tolerances
+from pytest_circuits.session import CircuitsSession
+from pytest_circuits.settings import build_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "sensitivity.md"
+BLOCK = re.compile(r"(<!-- measured: ([\w.-]+) -->\n)(.*?)(<!-- /measured: \2 -->)", re.S)
+BENIGN_RECIPES = ("bf16", "fp16", "rtn-int8")
+KNOCKOUT_SEED_OFFSET = 1000
+
+
+def floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def cell(value, spec="{:.3f}") -> str:
+    return "n/a" if value is None else spec.format(value)
+
+
+def verdict_cell(outcome: S.Outcome) -> str:
+    if outcome.failed:
+        return "FAIL " + ", ".join(outcome.failed)
+    return "pass" if outcome.passed else "nothing compared"
+
+
+def outcome_rows(outcomes: list[S.Outcome], baseline: dict, tol) -> list[str]:
+    lines = [
+        "| damage | gate (default tolerances) | most of a tolerance used | copy loss | first-copy loss "
+        "| held-out text loss | s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for o in outcomes:
+        used = tolerance_used(baseline, o.record, tol)
+        name = max(used, key=lambda k: used[k]) if used else ""
+        shown = f"{used[name]:.2f} (`{name}`)" if name else "n/a"
+        lines.append(
+            f"| {o.label} | {verdict_cell(o)} | {shown} | {o.copy_loss:.3f} | {o.first_copy_loss:.3f} "
+            f"| {cell(o.text_loss)} | {o.seconds:.1f} |"
+        )
+    return lines
+
+
+def gate_recipes(session, baseline, tol, recipes, text_loss, write, knockout=True) -> list[S.Outcome]:
+    """Each recipe's build gated against the fp32 baseline (a build that cannot load here: said)."""
+    out = []
+    for recipe in recipes:
+        try:
+            o = S.gate_outcome(
+                session, recipe, baseline, tol, label=f"build {recipe}", text_loss=text_loss, knockout=knockout
+            )
+        except (CircuitsError, RuntimeError, ImportError) as error:
+            write(f"build {recipe}: not run ({str(error).splitlines()[0]})")
+            continue
+        out.append(o)
+        write(f"build {recipe}: {verdict_cell(o)} ({o.seconds:.1f} s)")
+    return out
+
+
+def tolerance_used(baseline: dict, record: dict, tol) -> dict[str, float]:
+    """Per invariant: the largest share of its tolerance a compared row used, ``|after - before| / limit``
+    (the rank row: ``(1 - rho) / (1 - rank)``); how close a passing build came to failing."""
+    used = {}
+    for name in per_build_invariants():
+        inv = get(name)
+        if not all(has_figures(record, need) and has_figures(baseline, need) for need in inv.needs):
+            continue
+        shares = []
+        for row in inv.compare(baseline, record, tol).rows:
+            if row.metric == "rank corr":
+                shares.append((1 - row.after) / (1 - row.limit))
+            elif row.limit > 0:
+                shares.append(abs(row.after - row.before) / row.limit)
+        used[name] = max(shares, default=0.0)
+    return used
+
+
+def false_alarms(session, tol, seeds, recipes, write) -> tuple[dict, list[str], dict]:
+    """``({invariant: (failures, trials)}, lines, {invariant: largest share of tolerance used})``
+    over seeds x benign builds."""
+    invariants = per_build_invariants()
+    counts = {i: [0, 0] for i in (*invariants, "gate")}
+    most: dict[str, float] = {}
+    lines = []
+    model = session.build("fp32").model
+    restorer = S.Restorer(model)
+    for seed in seeds:
+        S.with_seeds(session, seed, KNOCKOUT_SEED_OFFSET + seed)
+        torch.set_num_threads(1)
+        baseline = session.record("fp32", knockout=True)
+        trials = []
+        torch.set_num_threads(2)
+        trials.append(("fp32, 2 threads", *S.gate_record(session, "fp32", baseline, tol)))
+        torch.set_num_threads(1)
+        for recipe in recipes:
+            trials.append((recipe, *S.gate_record(session, recipe, baseline, tol)))
+        try:
+            S.Damage("noise_all", 1e-3, seed=seed).apply(model)
+            trials.append(("noise 1e-3", *S.gate_record(session, "fp32", baseline, tol)))
+        finally:
+            restorer.restore()
+        session.forget_figures()
+        for name, results, record in trials:
+            for inv, share in tolerance_used(baseline, record, tol).items():
+                most[inv] = max(most.get(inv, 0.0), share)
+            failed = [r.invariant for r in results if r.status == "failed"]
+            for r in results:
+                if r.status in ("passed", "failed"):
+                    counts[r.invariant][1] += 1
+                    counts[r.invariant][0] += r.status == "failed"
+            counts["gate"][1] += 1
+            counts["gate"][0] += bool(failed)
+            said = "FAIL " + ", ".join(failed) if failed else "pass"
+            lines.append(f"| {seed} | {name} | {said} |")
+            write(f"seed {seed} {name}: {said}")
+    return {k: tuple(v) for k, v in counts.items()}, lines, most
+
+
+def rate_rows(counts: dict, most: dict) -> list[str]:
+    lines = [
+        "| invariant | false alarms / trials | rate | 95% interval (Clopper-Pearson) | most of its tolerance used |",
+        "|---|---|---|---|---|",
+    ]
+    for name, (k, n) in counts.items():
+        shown = f"`{name}`" if name != "gate" else "the whole gate"
+        used = f"{most[name]:.2f}" if name in most else ""
+        if n == 0:
+            lines.append(f"| {shown} | 0 / 0 | n/a | n/a | {used} |")
+            continue
+        ci = binomtest(k, n).proportion_ci(confidence_level=0.95, method="exact")
+        lines.append(f"| {shown} | {k} / {n} | {k / n:.3f} | [{ci.low:.3f}, {ci.high:.3f}] | {used} |")
+    return lines
+
+
+def measure(args, model: str, write) -> dict[str, str]:
+    """The blocks of one model: ``{block name: text}``."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    torch.set_num_threads(1)
+    raw = {"model": model, "builds": "fp32"}
+    session = CircuitsSession(build_settings(raw, Path("baselines"), device="cpu"))
+    session.progress_write = lambda line: None
+    baseline = read_baseline(ROOT / "baselines" / f"{model}--fp32.json")
+    tol = Tolerances()
+    keys = key_heads(baseline, "knockout_delta", tol.top_k, tol.min_delta)
+    heads = S.damaged_heads(baseline, tol, args.heads if args.heads else len(keys))
+
+    def text_loss(sess, recipe):
+        return held_out_loss(sess, recipe)
+
+    damages = S.head_damages(heads, floats(args.ov), floats(args.qk), floats(args.rotations), floats(args.noise))
+    damages += [S.Damage("noise_all", s) for s in floats(args.whole)]
+    damages += [S.Damage("low_rank", e) for e in floats(args.low_rank)]
+    write(f"{model}: damaging {', '.join(heads)} ({len(damages)} damages); {len(keys)} key knockout heads")
+    knockout = not args.no_knockout
+    outcomes = S.sweep(session, baseline, damages, tol, "fp32", text_loss=text_loss, write=write, knockout=knockout)
+    recipes = [r for r in args.recipes.split(",") if r]
+    builds = gate_recipes(session, baseline, tol, recipes, text_loss, write, knockout)
+    ran = outcomes + builds
+    invariants = [i for i in per_build_invariants() if any(i in o.passed + o.failed for o in ran)]
+    seeds = range(1, args.seeds + 1)
+    counts, alarm_lines, most = false_alarms(session, tol, seeds, BENIGN_RECIPES, write) if args.seeds else ({}, [], {})
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    command = f"python scripts/measure_sensitivity.py {' '.join(args.argv)}".strip()
+    run = (
+        f"Measured by `{command}` on {platform.machine()} CPU, torch {torch.__version__}, "
+        f"1 thread{' (2 for the 2-thread trials)' if args.seeds else ''}: {wall / 60:.1f} min wall, "
+        f"{cpu / 60:.1f} min CPU of this process. Damaged heads: {', '.join(heads)} (the baseline's top key "
+        "knockout heads by delta, then its top induction head). "
+        + (
+            f"No knockouts: `knockout_deltas` (which compares the baseline's {len(keys)} key knockout heads) "
+            "was not run on these damages, and no false-alarm trials."
+            if args.no_knockout
+            else f"The baseline's {len(keys)} key knockout heads, which `knockout_deltas` compares, are knocked "
+            "out in every damaged build."
+        )
+    )
+    blocks = {
+        f"{model}-run": run + "\n",
+        f"{model}-caught": "\n".join(S.caught_table(outcomes, invariants)) + "\n",
+        f"{model}-damages": "\n".join(outcome_rows(outcomes + builds, baseline, tol)) + "\n",
+    }
+    if args.seeds:
+        blocks[f"{model}-false-alarms"] = "\n".join(rate_rows(counts, most)) + "\n"
+        blocks[f"{model}-trials"] = "\n".join(["| seed | build | gate |", "|---|---|---|", *alarm_lines]) + "\n"
+    return blocks
+
+
+def write_blocks(blocks: dict[str, str]) -> None:
+    text = PAGE.read_text(encoding="utf-8")
+    missing = [name for name in blocks if f"<!-- measured: {name} -->" not in text]
+    if missing:
+        raise SystemExit(f"{PAGE}: no block for {', '.join(missing)}; add <!-- measured: NAME --> ... markers")
+    PAGE.write_text(
+        BLOCK.sub(lambda m: m.group(1) + blocks.get(m.group(2), m.group(3)) + m.group(4), text), encoding="utf-8"
+    )
+
+
+def main(argv=None) -> None:
+    import sys
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="tiny-induction,smollm2-135m")
+    parser.add_argument("--heads", type=int, default=0, help="damage the top N key heads (0: every key knockout head)")
+    parser.add_argument("--ov", default=",".join(map(str, S.OV_SCALES)), help="OV scales s (-1: negated)")
+    parser.add_argument("--qk", default=",".join(map(str, S.QK_SCALES)), help="QK logit scales t")
+    parser.add_argument("--rotations", default=",".join(map(str, S.ROTATIONS)), help="OV rotation angles, degrees")
+    parser.add_argument("--noise", default=",".join(map(str, S.NOISE)), help="noise sigma in the head's layer")
+    parser.add_argument("--whole", default=",".join(map(str, S.NOISE)), help="noise sigma in every layer")
+    parser.add_argument("--low-rank", default=",".join(map(str, S.LOW_RANK_SIZES)), help="low-rank update sizes")
+    parser.add_argument("--recipes", default="bf16,fp16,rtn-int8,rtn-int4,bnb-int8,bnb-nf4,bnb-fp4")
+    parser.add_argument("--seeds", type=int, default=10, help="held-out probe seeds for the false alarms (0: none)")
+    parser.add_argument("--no-knockout", action="store_true", help="no knockouts: knockout_deltas is not run")
+    parser.add_argument("--dry-run", action="store_true", help="print the blocks, leave the page alone")
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    blocks: dict[str, str] = {}
+    for model in args.models.split(","):
+        blocks.update(measure(args, model, lambda line: print(line, flush=True)))
+    if args.dry_run:
+        for name, text in blocks.items():
+            print(f"--- {name}\n{text}")
+    else:
+        write_blocks(blocks)
+        print(f"rewrote {len(blocks)} blocks of {PAGE.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""The sensitivity sweep: each damage checked against a forward pass, exact restores, the gate's
+verdicts on the embedded model, and ``circuits sensitivity``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pytest_circuits.cli import main
+from pytest_circuits.model.families import geometry_of, out_proj_module
+from pytest_circuits.sensitivity import Damage, Restorer, caught_table, gate_outcome, sweep
+from pytest_circuits.testing import make_tiny_model, requires_embedded_model
+
+needs_embedded = requires_embedded_model()
+IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def head_outputs(model, layer: int, ids) -> list[torch.Tensor]:
+    """What each head of ``layer`` writes: the output projection run with every other head's z zeroed."""
+    geo = geometry_of(model)
+    proj = out_proj_module(model, layer)
+    outs = []
+    for h in range(geo.n_heads):
+        captured = {}
+
+        def keep_one(module, args, h=h, captured=captured):
+            z = args[0].clone()
+            mask = torch.zeros(z.shape[-1], dtype=z.dtype)
+            mask[h * geo.d_head : (h + 1) * geo.d_head] = 1
+            captured["z"] = z * mask
+            return (captured["z"],)
+
+        hook = proj.register_forward_pre_hook(keep_one)
+        with torch.no_grad():
+            model(input_ids=ids)
+            outs.append(proj(captured["z"]).detach().clone())
+        hook.remove()
+    return outs
+
+
+def without_bias(model, layer, outs):
+    bias = getattr(out_proj_module(model, layer), "bias", None)
+    return [o - bias if bias is not None else o for o in outs]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "llama"])
+@pytest.mark.parametrize("s", [0.5, -1.0])
+def test_ov_scale_multiplies_that_heads_output_only(family, s):
+    model = make_tiny_model(family, seed=4)
+    before = without_bias(model, 1, head_outputs(model, 1, IDS))
+    Damage("ov_scale", s, "L1H2").apply(model)
+    after = without_bias(model, 1, head_outputs(model, 1, IDS))
+    assert torch.allclose(after[2], s * before[2], atol=1e-5)
+    assert not torch.allclose(before[2], torch.zeros_like(before[2]))
+    for h in (0, 1, 3):
+        assert torch.allclose(after[h], before[h], atol=1e-6)
+
+
+def attention(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, output_attentions=True).attentions
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "llama"])
+def test_qk_scale_multiplies_that_heads_attention_logits(family):
+    """log A' - t log A is constant along each row (softmax of t x logits), other heads unchanged;
+    on llama (grouped-query: K shared by L0H0 and L0H1) the group's other head keeps its pattern."""
+    model = make_tiny_model(family, seed=5)
+    t = 0.5
+    before = attention(model, IDS)[0]
+    Damage("qk_scale", t, "L0H1").apply(model)
+    after = attention(model, IDS)[0]
+    T = IDS.shape[1]
+    causal = torch.tril(torch.ones(T, T, dtype=torch.bool))
+    gap = (after[:, 1].log() - t * before[:, 1].log()).masked_fill(~causal, float("nan"))
+    spread = gap.nan_to_num(0) - gap.nanmean(-1, keepdim=True).nan_to_num(0)
+    assert float(spread.masked_fill(~causal, 0).abs().max()) < 1e-4
+    assert not torch.allclose(after[:, 1], before[:, 1], atol=1e-3)
+    for h in (0, 2, 3):
+        assert torch.allclose(after[:, h], before[:, h], atol=1e-6)
+
+
+def test_rotation_by_90_degrees_writes_into_the_next_heads_subspace():
+    model = make_tiny_model("llama", seed=6)
+    before = head_outputs(model, 0, IDS)
+    Damage("ov_rotate", 90.0, "L0H0").apply(model)
+    after = head_outputs(model, 0, IDS)
+    # the span of what L0H1 can write: the rows of its W_O (d_head of them), from the intact weights
+    geo = geometry_of(model)
+    w_o1 = out_proj_module(model, 0).weight.detach()[:, geo.d_head : 2 * geo.d_head]  # (d_model, d_head)
+    basis, _ = torch.linalg.qr(w_o1)
+    out = after[0].reshape(-1, after[0].shape[-1])
+    residual = out - out @ basis @ basis.T
+    assert float(residual.norm() / out.norm()) < 1e-5
+    intact = before[0].reshape(-1, out.shape[-1])
+    assert float((intact - intact @ basis @ basis.T).norm() / intact.norm()) > 0.1
+
+
+def test_noise_and_low_rank_have_the_asked_size_and_stay_in_their_layers():
+    model = make_tiny_model("llama", seed=7)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    Damage("noise_layer", 0.1, "L1H0").apply(model)
+    for name, p in model.named_parameters():
+        moved = not torch.equal(p, before[name])
+        assert moved == (name.startswith("model.layers.1.") and p.dim() == 2), name
+        if moved:
+            rel = (p.detach() - before[name]).norm() / before[name].norm()
+            assert 0.08 < float(rel) < 0.12, name
+    restorer = Restorer(model)
+    Damage("low_rank", 0.3).apply(model)
+    for name, p in model.named_parameters():
+        if name.startswith("model.layers.") and p.dim() == 2:
+            change = p.detach() - restorer.saved[name]
+            assert float(change.norm() / restorer.saved[name].norm()) == pytest.approx(0.3, rel=1e-3)
+            assert int(torch.linalg.matrix_rank(change)) <= 8
+    restorer.restore()
+    assert all(torch.equal(p, restorer.saved[n]) for n, p in model.named_parameters())
+
+
+@pytest.fixture(scope="module")
+def embedded_gate():
+    """A session on the embedded model's fp32 build and its shipped baseline."""
+    from pytest_circuits.gate.store import read_baseline
+    from pytest_circuits.gate.tolerances import Tolerances
+    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.settings import CircuitsSettings
+
+    session = CircuitsSession(CircuitsSettings(model="tiny-induction", device="cpu"))
+    baseline = read_baseline(Path(__file__).resolve().parent.parent / "baselines" / "tiny-induction--fp32.json")
+    return session, baseline, Tolerances()
+
+
+@needs_embedded
+def test_negated_induction_head_is_caught_and_a_benign_scale_is_not(embedded_gate):
+    session, baseline, tol = embedded_gate
+    weights = {n: p.detach().clone() for n, p in session.build("fp32").model.named_parameters()}
+    outcomes = sweep(session, baseline, [Damage("ov_scale", -1.0, "L1H0"), Damage("ov_scale", 0.99, "L1H0")], tol)
+    intact, negated, benign = outcomes
+    assert intact.passed and not intact.failed
+    assert {"copying_heads", "copy_loss"} <= set(negated.failed)
+    [copying] = [r for r in negated.results if r.invariant == "copying_heads"]
+    assert "L1H0" in copying.message
+    assert not benign.failed and benign.passed
+    # every weight is back, bit for bit, and the intact build gates as before
+    for name, p in session.build("fp32").model.named_parameters():
+        assert torch.equal(p, weights[name]), name
+    again = gate_outcome(session, "fp32", baseline, tol)
+    assert again.copy_loss == intact.copy_loss and not again.failed
+    table = "\n".join(caught_table(outcomes[1:], ["copying_heads", "copy_loss"]))
+    assert "| L1H0 OV x s | negated | negated | negated |" in table
+
+
+@needs_embedded
+def test_circuits_sensitivity_prints_the_mildest_damage_caught(capsys):
+    assert main(["sensitivity", "tiny-induction", "--heads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "damaging L1H0 of fp32" in out
+    assert "L1H0 OV negated: FAIL copying_heads" in out
+    rows = {line.split(" | ")[0]: line for line in out.splitlines() if line.startswith("| L1H0")}
+    assert set(rows) == {"| L1H0 OV x s", "| L1H0 QK logits x t"}
+
+
+def test_circuits_sensitivity_refuses_bad_input(capsys):
+    assert main(["sensitivity", "tiny-induction", "--heads", "0"]) == 2
+    assert "--heads 0" in capsys.readouterr().err
