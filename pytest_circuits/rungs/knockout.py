@@ -45,6 +45,7 @@ from ..errors import CircuitsError
 from ..model.builds import LoadedBuild
 from ..model.dense import weight_of
 from ..model.families import flattens_batch_with_heads, head_label, layer_modules, tail_logits
+from ..model.unembedding import row_major_unembedding
 from ..options import KNOCKOUT_MODES, SCREEN_METHODS, flag
 from ..progress import Progress, phase
 from .ablation import ZMeans, ablated, parse_heads, z_observed
@@ -342,7 +343,8 @@ def _call_args(args, kwargs, rows, k, memo, hidden):
 def _tail_copy_losses(build, hidden, ids, L) -> torch.Tensor:
     """Per-sequence copy loss from the last block's output: norm and unembed the copy positions only."""
     predict = copy_slices(L, bos_offset(build.tokens))[1]
-    logits = tail_logits(build.model, hidden[:, predict], build.family).float()
+    with row_major_unembedding(build.model):  # a family without a final norm unembeds the slice itself
+        logits = tail_logits(build.model, hidden[:, predict], build.family).float()
     targets = ids[:, predict.start + 1 : predict.stop + 1].to(logits.device)
     losses = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
@@ -628,8 +630,9 @@ def _label_order(label: str) -> tuple[int, int]:
 def _plain_copy_losses(model, batch: torch.Tensor, L: int, offset: int, device) -> torch.Tensor:
     """Per-sequence copy loss from one full forward that unembeds only the last ``L`` positions."""
     ids = batch.to(device)
-    try:
-        logits = model(input_ids=ids, use_cache=False, logits_to_keep=L).logits
+    try:  # the kept positions reach the unembedding as a row-major copy (model/unembedding.py: no W_U per sequence)
+        with row_major_unembedding(model):
+            logits = model(input_ids=ids, use_cache=False, logits_to_keep=L).logits
     except TypeError:  # a model without logits_to_keep: unembed every position
         logits = model(input_ids=ids, use_cache=False).logits[:, -L:]
     # the last L positions are offset+L .. offset+2L-1; the first L-1 predict the copy's tokens
