@@ -72,6 +72,7 @@ from .families import (
 )
 from .llm_int8 import Int8Layer, int8_layer
 from .serialized import torchao_activation_quant
+from .unembedding import row_major_unembedding
 from .weights import block_weights, embedding_matrix, norm_scale
 
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
@@ -412,7 +413,8 @@ def measure_decomposition(
     ids = _probe_ids(build_or_model, n_tokens, seed).to(causal_lm.get_input_embeddings().weight.device)
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     try:
-        model(input_ids=ids, use_cache=False, **extra)  # logits of one position: the check needs none
+        with row_major_unembedding(model):  # the last position's slice, row-major (model/unembedding.py)
+            model(input_ids=ids, use_cache=False, **extra)  # logits of one position: the check needs none
     finally:
         for handle in handles:
             handle.remove()

@@ -27,6 +27,7 @@ import torch
 from ..errors import CircuitsError
 from ..model.builds import LoadedBuild
 from ..model.families import layer_modules, tail_logits
+from ..model.unembedding import row_major_unembedding
 from ..options import flag
 from .ablation import ZMeans, z_observed
 from .repeat import available_memory, bos_offset, check_fits, copy_slices, repeat_tokens
@@ -126,8 +127,9 @@ def _without_hidden(args, kwargs) -> tuple[tuple, dict]:
 def plain_copy_losses(model, batch: torch.Tensor, L: int, offset: int, device) -> torch.Tensor:
     """Per-sequence copy loss from one full forward that unembeds only the last ``L`` positions."""
     ids = batch.to(device)
-    try:
-        logits = model(input_ids=ids, use_cache=False, logits_to_keep=L).logits
+    try:  # the kept positions reach the unembedding as a row-major copy (model/unembedding.py: no W_U per sequence)
+        with row_major_unembedding(model):
+            logits = model(input_ids=ids, use_cache=False, logits_to_keep=L).logits
     except TypeError:  # a model without logits_to_keep: unembed every position
         logits = model(input_ids=ids, use_cache=False).logits[:, -L:]
     # the last L positions are offset+L .. offset+2L-1; the first L-1 predict the copy's tokens
@@ -306,7 +308,8 @@ def _call_args(args, kwargs, rows, k, memo, hidden):
 def _tail_copy_losses(build, hidden, ids, L) -> torch.Tensor:
     """Per-sequence copy loss from the last block's output: norm and unembed the copy positions only."""
     predict = copy_slices(L, bos_offset(build.tokens))[1]
-    logits = tail_logits(build.model, hidden[:, predict], build.family).float()
+    with row_major_unembedding(build.model):  # a family without a final norm unembeds the slice itself
+        logits = tail_logits(build.model, hidden[:, predict], build.family).float()
     targets = ids[:, predict.start + 1 : predict.stop + 1].to(logits.device)
     losses = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
