@@ -455,3 +455,62 @@ def test_quirk_tags_are_the_ones_the_config_enables():
     assert {"logit_softcap", "attn_softcap", "sandwich_norm"} <= set(tags2)
     no_window = CONFIG_MAPPING["mistral"](sliding_window=None)
     assert "sliding_window" not in families.active_quirks(families.family_for_config(no_window), no_window)
+
+
+# ---------------------------------------------------------------- the negligible-head cut under sandwich norms
+
+
+def _scan_record(model, folder: Path) -> dict:
+    model.save_pretrained(folder, safe_serialization=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["scan", str(folder), "--json", str(folder / "scan.json"), *SMALL, "--no-knockout"]) == 0
+    return json.loads((folder / "scan.json").read_text())
+
+
+def test_the_negligible_head_cut_reads_what_a_head_writes_under_a_sandwich_norm(tmp_path):
+    """Layer 0's W_O of a Gemma-2 model scaled by 0.005: the norm on the attention output undoes it,
+    so the heads write what they wrote before, and the cut must not leave them out (the OV gain
+    alone, the cut before, falls 200-fold and left all four out). Each layer's ``path_factor`` is
+    recomputed here from the norms' inputs on the probe's tokens."""
+    from pytest_circuits.gate.invariants import head_writes, negligible_heads
+    from pytest_circuits.rungs.repeat import repeat_tokens
+
+    records = {}
+    for scale in (1.0, 0.005):
+        model = make_tiny_model("gemma2", seed=3, initializer_range=0.2)
+        with torch.no_grad():
+            model.model.layers[0].self_attn.o_proj.weight.mul_(scale)
+        records[scale] = _scan_record(model, tmp_path / f"x{scale}")
+    intact, scaled = (head_writes(records[s])[0] for s in (1.0, 0.005))
+    layer0 = {f"L0H{h}" for h in range(4)}
+    for name in intact:
+        assert scaled[name] == pytest.approx(intact[name], rel=0.02), name
+    assert negligible_heads(records[0.005], 0.01) == negligible_heads(records[1.0], 0.01)
+    assert not layer0 & negligible_heads(records[0.005], 0.01)
+    gains = {row["head"]: row["ov_gain"] for row in records[0.005]["heads"]}
+    assert all(gains[name] < 0.01 * max(gains.values()) for name in layer0)  # the old cut left them all out
+
+    eps, seen = model.config.rms_norm_eps, {}
+    hooks = [
+        module.register_forward_pre_hook(lambda m, args, key=key: seen.__setitem__(key, args[0].detach().double()))
+        for key, module in [("final", model.model.norm)]
+        + [
+            ((where, l), getattr(block, name))
+            for l, block in enumerate(model.model.layers)
+            for where, name in (("pre", "input_layernorm"), ("post", "post_attention_layernorm"))
+        ]
+    ]
+    probe = records[0.005]["probe"]
+    ids = repeat_tokens(
+        load_build(resolve_model(str(tmp_path / "x0.005")), "fp32", "cpu").tokens, probe["n"], probe["L"], probe["seed"]
+    )
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    for h in hooks:
+        h.remove()
+    inv = {k: 1 / (v[:, -2 * probe["L"] :].pow(2).mean(-1) + eps).sqrt() for k, v in seen.items()}
+    for layer in range(2):
+        expected = (inv["final"] * inv[("pre", layer)] * inv[("post", layer)]).mean().item()
+        got = next(row["path_factor"] for row in records[0.005]["heads"] if row["head"] == f"L{layer}H0")
+        assert got == pytest.approx(expected, rel=1e-5)
