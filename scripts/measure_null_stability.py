@@ -30,19 +30,9 @@ GRID = (0.0, 0.005, 0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3, 0.5)
 
 def planted_model(layers: int, vocab: int):
     """The gemma3_text model described above; ``t`` of head ``i`` is ``+-GRID[i // 2]``, cycling."""
-    model = make_tiny_model(
-        "gemma3_text",
-        seed=0,
-        randomize_norms=False,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        hidden_size=640,
-        head_dim=256,
-        intermediate_size=256,
-        vocab_size=vocab,
-        initializer_range=0.02,
-    )
+    heads = dict(num_attention_heads=4, num_key_value_heads=1, head_dim=256)  # Gemma-3-270M's attention
+    sizes = dict(num_hidden_layers=layers, hidden_size=640, intermediate_size=256, vocab_size=vocab)
+    model = make_tiny_model("gemma3_text", seed=0, randomize_norms=False, initializer_range=0.02, **heads, **sizes)
     w = extract_weights(model)  # norms weights are 0, so g = 1 + 0 and folded W_O = raw W_O
     shared = w.W_U - w.W_U.mean(dim=1, keepdim=True)
     shared = shared @ w.W_E
