@@ -9,6 +9,8 @@ block holds a module it never reads. The mutation table drops or changes every q
 entry declares and requires the self-check to refuse each. Every added type and every type
 recognised without an entry gets a kappa test: a hand-built copying head (+1) and suppressing head
 (-1) whose fold is computed here from the module weights, read through a saved model's load path.
+The gate's negligible-head cut reads what a head writes on the probe (``ov_gain x path_factor``),
+so a layer that a norm on the attention output rescales keeps its heads.
 """
 
 from __future__ import annotations
