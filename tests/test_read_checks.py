@@ -6,8 +6,11 @@ without a table entry. Checkpoints with missing or unexpected tensors are refuse
 external build, GGUF). The self-check covers the whole path: what the attention sublayer writes
 into the residual stream, the embedding rows and the tail; an assumed layout is refused when the
 block holds a module it never reads. The mutation table drops or changes every quirk each family
-entry declares and requires the self-check to refuse each. Added types (glm4, nemotron, exaone4)
-get a kappa test against a hand-built head whose fold is computed here from the module weights.
+entry declares and requires the self-check to refuse each. Every added type and every type
+recognised without an entry gets a kappa test: a hand-built copying head (+1) and suppressing head
+(-1) whose fold is computed here from the module weights, read through a saved model's load path.
+The gate's negligible-head cut reads what a head writes on the probe (``ov_gain x path_factor``),
+so a layer that a norm on the attention output rescales keeps its heads.
 """
 
 from __future__ import annotations
@@ -31,8 +34,6 @@ from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.families import LLAMA, Family, family_and_geometry, family_of, geometry_of
 from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.model.selfcheck import DecompositionError, check_decomposition
-from pytest_circuits.model.weights import extract_weights
-from pytest_circuits.rungs.kappa import kappa_scores, reduced_ov_layer
 from pytest_circuits.rungs.reference import kappa_reference
 from pytest_circuits.testing import make_tiny_model, save_tiny_model, tiny_config, tiny_model_types
 
@@ -316,45 +317,133 @@ def test_every_declared_quirk_dropped_is_refused(entry, model_type):
 # ---------------------------------------------------------------- added types: kappa of a hand-built head
 
 
-def _rows(weight: torch.Tensor, index: int, d_head: int) -> np.ndarray:
-    return weight.detach().double().numpy()[index * d_head : (index + 1) * d_head]
+@dataclasses.dataclass(frozen=True)
+class HandFold:
+    """How one model type's forward treats a head's direct path, written here from its modeling file."""
+
+    pre: str | None = "input_layernorm"  # the norm the attention reads (None: the raw residual)
+    post: str | None = None  # a norm on the attention output, before the residual add
+    offset: float = 0.0  # every norm scales by offset + w (Nemotron's LayerNorm1P: 1 + w)
+    centres: bool = False  # LayerNorm (centres) or RMSNorm (does not)
+    weightless: bool = False  # norms without weight (nanochat); the final norm also runs on each embedding row
 
 
 HAND_FOLD = {
-    # model type: (pre-attention norm or None, offset of every norm, norm on the attention output or None, centres)
-    "glm4": ("input_layernorm", 0.0, "post_self_attn_layernorm", False),
-    "nemotron": ("input_layernorm", 1.0, None, True),
-    "exaone4": (None, 0.0, "post_attention_layernorm", False),
+    "glm4": HandFold(post="post_self_attn_layernorm"),
+    "kolibri1": HandFold(post="post_self_attn_layernorm"),
+    "nemotron": HandFold(offset=1.0, centres=True),
+    "exaone4": HandFold(pre=None, post="post_attention_layernorm"),
+    "cohere2": HandFold(centres=True),
+    "cohere2_moe": HandFold(centres=True),
+    "hyperclovax": HandFold(post="post_norm1"),
+    "hyperclovax-no-post-norm": HandFold(),
+    "nanochat": HandFold(pre=None, weightless=True),
+    **{model_type: HandFold() for model_type in INFERRED_TYPES},
 }
+"""Every type the table gained for issue 25, and every type recognised without an entry (the llama
+layout, assumed). Positive scalars (embedding, residual and logit multipliers, Cohere's logit scale)
+are left out: they scale the reduced OV map and leave kappa alone."""
+HAND_BY_DEFAULT = ("glm4", "nemotron", "exaone4", "cohere2", "hyperclovax", "nanochat", "arcee")
+COPY, ANTI, HAND_LAYER = 0, 3, 1  # heads of different key/value groups, in the last layer
 
 
-@pytest.mark.parametrize("model_type", sorted(HAND_FOLD))
-def test_kappa_of_a_hand_built_copying_head(model_type):
-    """Set one head's W_O so its reduced OV map is ``B^T B`` (kappa +1), with every fold factor read here
-    from the module weights by the model's own definition (not from `weights.py`); the read must agree."""
-    pre_name, offset, post_name, centres = HAND_FOLD[model_type]
-    model = make_tiny_model(model_type, seed=7)
-    block = model.model.layers[1]
-    attn, d, d_head, layer, head = block.self_attn, 64, 16, 1, 1
-    group = head // (model.config.num_attention_heads // model.config.num_key_value_heads)
-    C = np.eye(d) - np.full((d, d), 1.0 / d) if centres else np.eye(d)
-    g_in = np.ones(d) if pre_name is None else getattr(block, pre_name).weight.detach().double().numpy() + offset
-    g_post = np.ones(d) if post_name is None else getattr(block, post_name).weight.detach().double().numpy() + offset
-    g_final = model.model.norm.weight.detach().double().numpy() + offset
-    W_E = model.get_input_embeddings().weight.detach().double().numpy()
-    W_U = (C * g_final) @ model.lm_head.weight.detach().double().numpy().T  # C diag(g_f) W_U
-    W_U = W_U - W_U.mean(axis=1, keepdims=True)  # centred over the vocabulary
-    W_V = (C * g_in) @ _rows(attn.v_proj.weight, group, d_head).T  # (d, d_head)
-    B = (W_U @ W_E) @ W_V  # (d, d_head)
-    W_O_folded = B.T  # (d_head, d): M = W_O B = B^T B, positive semi-definite
-    raw = W_O_folded / g_post  # the output norm multiplies each output column by g_post
+def _mixed_sign_scale(norm: torch.nn.Module, offset: float, generator: torch.Generator) -> np.ndarray:
+    """Give ``norm`` an effective scale ``g = offset + w`` of mixed signs and returns ``g``: a missed
+    ``g`` is then no positive congruence of the map, and moves kappa off +-1."""
+    shape = norm.weight.shape
+    g = (0.5 + torch.rand(shape, generator=generator)) * torch.where(
+        torch.rand(shape, generator=generator) < 0.5, -1, 1
+    )
     with torch.no_grad():
-        attn.o_proj.weight[:, head * d_head : (head + 1) * d_head] = torch.from_numpy(raw.T).float()
-    hand_kappa, _ = kappa_reference(W_O_folded @ B)
-    _, kappa, _ = kappa_scores(reduced_ov_layer(extract_weights(model), layer))
-    assert hand_kappa > 0.99
-    assert kappa[head].item() == pytest.approx(hand_kappa, abs=1e-6)
-    assert check_decomposition(model).ok
+        norm.weight.copy_(g - offset)
+    return g.double().numpy()
+
+
+class _HandHead:
+    """The fold of one model type's direct path ``W_E -> head -> W_U``, computed here from module weights."""
+
+    def __init__(self, model, fold: HandFold):
+        config, generator = model.config, torch.Generator().manual_seed(11)
+        self.block, self.d_head = model.model.layers[HAND_LAYER], config.head_dim
+        self.group_size = config.num_attention_heads // config.num_key_value_heads
+        d = config.hidden_size
+        self.C = np.eye(d) - np.full((d, d), 1.0 / d) if fold.centres else np.eye(d)
+        ones = np.ones(d)
+        pre = fold.pre and getattr(self.block, fold.pre)
+        self.g = {
+            "pre-attention norm": ones if pre is None else _mixed_sign_scale(pre, fold.offset, generator),
+            "output norm": ones
+            if fold.post is None
+            else _mixed_sign_scale(getattr(self.block, fold.post), fold.offset, generator),
+            "final norm": ones if fold.weightless else _mixed_sign_scale(model.model.norm, fold.offset, generator),
+        }
+        self.E = model.get_input_embeddings().weight.detach().double().numpy()
+        self.rms_E = np.sqrt((self.E**2).mean(axis=1, keepdims=True) + config.rms_norm_eps) if fold.weightless else 1.0
+        self.W_U = model.lm_head.weight.detach().double().numpy().T  # (d, vocab), as stored
+        self.declared = {name for name, g in self.g.items() if g is not ones} | (
+            {"embedding norm"} if fold.weightless else set()
+        )
+
+    def B(self, head: int, drop: str = "") -> np.ndarray:
+        """``W_U W_E W_V`` folded (``d_model x d_head``), less the factor ``drop``."""
+        g = {name: np.ones_like(v) if name == drop else v for name, v in self.g.items()}
+        W_U = (self.C * g["final norm"]) @ self.W_U  # C diag(g_f) W_U
+        W_U = W_U - W_U.mean(axis=1, keepdims=True)  # centred over the vocabulary
+        W_E = self.E if drop == "embedding norm" else self.E / self.rms_E
+        v_proj = self.block.self_attn.v_proj.weight.detach().double().numpy()
+        group = head // self.group_size
+        W_V = (self.C * g["pre-attention norm"]) @ v_proj[group * self.d_head : (group + 1) * self.d_head].T
+        return (W_U @ W_E) @ W_V
+
+    def set_head(self, head: int, sign: float) -> None:
+        """Raw ``W_O`` of ``head`` such that its folded reduced OV map is ``sign B^T B``."""
+        raw = sign * self.B(head).T / self.g["output norm"]  # the output norm multiplies each column by g_post
+        with torch.no_grad():
+            self.block.self_attn.o_proj.weight[:, head * self.d_head : (head + 1) * self.d_head] = torch.from_numpy(
+                raw.T
+            )
+
+    def spectrum(self, drop: str = "") -> np.ndarray:
+        """The copying head's eigenvalues over the largest's magnitude, by decreasing magnitude, as a
+        read that misses ``drop`` would find them."""
+        W_O = self.B(COPY).T / self.g["output norm"] * (1 if drop == "output norm" else self.g["output norm"])
+        lam = np.linalg.eigvals(W_O @ self.B(COPY, drop))
+        lam = lam[np.argsort(-np.abs(lam), kind="stable")]
+        return lam / np.abs(lam[0])
+
+
+@pytest.mark.parametrize(
+    "model_type", [t if t in HAND_BY_DEFAULT else pytest.param(t, marks=pytest.mark.slow) for t in HAND_FOLD]
+)
+def test_kappa_of_hand_built_copying_and_suppressing_heads(model_type, tmp_path):
+    """One head's W_O set so that its reduced OV map is ``B^T B`` (kappa +1), another's ``-B^T B``
+    (kappa -1), with every fold factor computed here from the module weights by the model's own
+    definition (not from `weights.py`); the model saved, loaded through the session (self-check
+    included) and read by rung 1 must score them +1 and -1, and the copying head's spectrum must be
+    the hand-built one up to a positive scalar (the multipliers). Each fold factor the type
+    declares, missed, would move that spectrum by more than 0.01 (the test's power; the norm scales
+    are given mixed signs, so a missed one also moves kappa off +1)."""
+    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.settings import CircuitsSettings
+
+    model = make_tiny_model(model_type, seed=7)
+    hand = _HandHead(model, HAND_FOLD[model_type])
+    hand.set_head(COPY, 1.0)
+    hand.set_head(ANTI, -1.0)
+    expected = hand.spectrum()
+    assert kappa_reference(hand.B(COPY).T @ hand.B(COPY))[0] > 0.999 and np.abs(expected.imag).max() < 1e-9
+    missed = {name: np.abs(hand.spectrum(name) - expected).max() for name in sorted(hand.declared)}
+    assert missed and min(missed.values()) > 1e-2, missed  # each factor, missed, shows: 100x the tolerance below
+    model.save_pretrained(tmp_path / model_type, safe_serialization=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an assumed layout says so in a warning
+        session = CircuitsSession(CircuitsSettings(model=str(tmp_path / model_type), device="cpu"))
+        frame = session.ov_spectrum("fp32").set_index("head")
+    assert frame.loc[f"L{HAND_LAYER}H{COPY}", "kappa"] > 0.999
+    assert frame.loc[f"L{HAND_LAYER}H{ANTI}", "kappa"] < -0.999
+    assert frame.loc[f"L{HAND_LAYER}H{COPY}", "copying"] and frame.loc[f"L{HAND_LAYER}H{ANTI}", "suppression"]
+    read = frame.attrs["eigenvalues"][HAND_LAYER, COPY]
+    np.testing.assert_allclose(read / np.abs(read[0]), expected, rtol=0, atol=1e-4)  # up to positive scalars
 
 
 def test_quirk_tags_are_the_ones_the_config_enables():
@@ -368,3 +457,62 @@ def test_quirk_tags_are_the_ones_the_config_enables():
     assert {"logit_softcap", "attn_softcap", "sandwich_norm"} <= set(tags2)
     no_window = CONFIG_MAPPING["mistral"](sliding_window=None)
     assert "sliding_window" not in families.active_quirks(families.family_for_config(no_window), no_window)
+
+
+# ---------------------------------------------------------------- the negligible-head cut under sandwich norms
+
+
+def _scan_record(model, folder: Path) -> dict:
+    model.save_pretrained(folder, safe_serialization=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["scan", str(folder), "--json", str(folder / "scan.json"), *SMALL, "--no-knockout"]) == 0
+    return json.loads((folder / "scan.json").read_text())
+
+
+def test_the_negligible_head_cut_reads_what_a_head_writes_under_a_sandwich_norm(tmp_path):
+    """Layer 0's W_O of a Gemma-2 model scaled by 0.005: the norm on the attention output undoes it,
+    so the heads write what they wrote before, and the cut must not leave them out (the OV gain
+    alone, the cut before, falls 200-fold and left all four out). Each layer's ``path_factor`` is
+    recomputed here from the norms' inputs on the probe's tokens."""
+    from pytest_circuits.gate.invariants import head_writes, negligible_heads
+    from pytest_circuits.rungs.repeat import repeat_tokens
+
+    records = {}
+    for scale in (1.0, 0.005):
+        model = make_tiny_model("gemma2", seed=3, initializer_range=0.2)
+        with torch.no_grad():
+            model.model.layers[0].self_attn.o_proj.weight.mul_(scale)
+        records[scale] = _scan_record(model, tmp_path / f"x{scale}")
+    intact, scaled = (head_writes(records[s])[0] for s in (1.0, 0.005))
+    layer0 = {f"L0H{h}" for h in range(4)}
+    for name in intact:
+        assert scaled[name] == pytest.approx(intact[name], rel=0.02), name
+    assert negligible_heads(records[0.005], 0.01) == negligible_heads(records[1.0], 0.01)
+    assert not layer0 & negligible_heads(records[0.005], 0.01)
+    gains = {row["head"]: row["ov_gain"] for row in records[0.005]["heads"]}
+    assert all(gains[name] < 0.01 * max(gains.values()) for name in layer0)  # the old cut left them all out
+
+    eps, seen = model.config.rms_norm_eps, {}
+    hooks = [
+        module.register_forward_pre_hook(lambda m, args, key=key: seen.__setitem__(key, args[0].detach().double()))
+        for key, module in [("final", model.model.norm)]
+        + [
+            ((where, l), getattr(block, name))
+            for l, block in enumerate(model.model.layers)
+            for where, name in (("pre", "input_layernorm"), ("post", "post_attention_layernorm"))
+        ]
+    ]
+    probe = records[0.005]["probe"]
+    ids = repeat_tokens(
+        load_build(resolve_model(str(tmp_path / "x0.005")), "fp32", "cpu").tokens, probe["n"], probe["L"], probe["seed"]
+    )
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    for h in hooks:
+        h.remove()
+    inv = {k: 1 / (v[:, -2 * probe["L"] :].pow(2).mean(-1) + eps).sqrt() for k, v in seen.items()}
+    for layer in range(2):
+        expected = (inv["final"] * inv[("pre", layer)] * inv[("post", layer)]).mean().item()
+        got = next(row["path_factor"] for row in records[0.005]["heads"] if row["head"] == f"L{layer}H0")
+        assert got == pytest.approx(expected, rel=1e-5)

@@ -6,8 +6,9 @@
   from the null (``|kappa_z| >= 2``) stays ``>= rank``.
 - ``kappa_distribution``: the mean over heads of ``kappa_z' - kappa_z`` (and of the trace
   twin) stays within ``+-shift`` null standard deviations.
-- Both kappa invariants leave out heads whose OV gain ``sum_i |lambda_i|`` is below
-  ``min_ov_gain`` x the baseline's largest, and say how many.
+- Both kappa invariants leave out heads whose OV gain ``sum_i |lambda_i|`` times its layer's
+  ``path_factor`` (the norm factors the fold leaves out, on the probe; 1 in records without it)
+  is below ``min_ov_gain`` x the baseline's largest, and say how many.
 - ``copy_loss``: copy loss and copy gain each within ``copy_loss`` / ``copy_gain`` nats.
 - ``induction_heads``: the baseline's top-``top_k`` prefix-matching and previous-token heads
   scoring at least ``min_score`` keep their score within ``+-prefix``.
@@ -134,9 +135,20 @@ def ov_gains(record: dict) -> dict[str, float]:
     return {name: float(ov_gain(lam)) for name, lam in record_eigenvalues(record).items() if lam.size}
 
 
-def negligible_heads(record: dict, min_ov_gain: float) -> set[str]:
-    """Heads whose OV gain is below ``min_ov_gain`` x the record's largest."""
+def head_writes(record: dict) -> tuple[dict[str, float], str]:
+    """``(sizes, what)``: each head's OV gain times its layer's ``path_factor`` (what it writes
+    on the probe: the per-position norm factors the fold leaves out put back) when every head has
+    one, else its OV gain alone (`ov_gains`; records written before ``path_factor``), and the words."""
     gains = ov_gains(record)
+    heads = heads_by_label(record)
+    if gains and all(heads.get(name, {}).get("path_factor") is not None for name in gains):
+        return {name: gain * float(heads[name]["path_factor"]) for name, gain in gains.items()}, "OV gain on the probe"
+    return gains, "OV gain"
+
+
+def negligible_heads(record: dict, min_ov_gain: float) -> set[str]:
+    """Heads whose residual write (`head_writes`) is below ``min_ov_gain`` x the record's largest."""
+    gains, _ = head_writes(record)
     if not gains or min_ov_gain <= 0:
         return set()
     largest = max(gains.values())
@@ -150,7 +162,8 @@ def compared_pairs(before: dict, after: dict, tol: Tolerances) -> tuple[list, st
     pairs = [(name, b, a) for name, b, a in head_pairs(before, after) if name not in negligible]
     if not negligible:
         return pairs, ""
-    return pairs, f"; {len(negligible)} heads with OV gain < {tol.min_ov_gain:g} x the largest not compared"
+    what = head_writes(before)[1]
+    return pairs, f"; {len(negligible)} heads with {what} < {tol.min_ov_gain:g} x the largest not compared"
 
 
 def kappa_pairs(before: dict, after: dict, figures: tuple[str, ...]) -> tuple[dict[str, tuple[str, str]], str]:

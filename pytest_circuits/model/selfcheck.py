@@ -170,12 +170,20 @@ def _eps(module, fam: Family) -> float:
     return fam.norm_eps or 0.0
 
 
+def centred(fam: Family, r: torch.Tensor) -> torch.Tensor:
+    """``r C``: ``r`` less its mean over the last axis for LayerNorm families, ``r`` for RMSNorm."""
+    return r - r.mean(dim=-1, keepdim=True) if fam.norm_kind == "layernorm" else r
+
+
+def norm_divisor(module, fam: Family, r: torch.Tensor) -> torch.Tensor:
+    """The positive factor a norm divides each position of ``r`` by: ``sqrt(mean (r C)^2 + eps)``
+    (float64, last axis kept as 1)."""
+    return (centred(fam, r.double()).pow(2).mean(dim=-1, keepdim=True) + _eps(module, fam)).sqrt()
+
+
 def _normalize(module, fam: Family, r: torch.Tensor) -> torch.Tensor:
     """``(r - mean r) / sqrt(var r + eps)`` (LayerNorm) or ``r / sqrt(mean r^2 + eps)`` (RMSNorm), float64."""
-    r, eps = r.double(), _eps(module, fam)
-    if fam.norm_kind == "layernorm":
-        r = r - r.mean(dim=-1, keepdim=True)
-    return r / (r.pow(2).mean(dim=-1, keepdim=True) + eps).sqrt()
+    return centred(fam, r.double()) / norm_divisor(module, fam, r)
 
 
 def _apply_norm(module, fam: Family, scale: torch.Tensor, r: torch.Tensor) -> torch.Tensor:

@@ -122,6 +122,8 @@ HEAD_FIGURES: tuple[Figure, ...] = (
     _routing("prefix_matching", title="prefix", diff=True, heatmap="prefix-matching", heatmap_kind="score"),
     _routing("previous_token", title="prev", diff=True, heatmap="previous-token", heatmap_kind="score"),
     _routing("duplicate_token", title="dup", diff=True),
+    # the factors norm folding leaves out of the head's direct path, on the probe (times ov_gain: the gate's cut)
+    Figure("path_factor", "probe", "float", "1/2", stored="measured", low=0.0),
     # rung 2: knockouts (None where a screened scan ran no exact knockout)
     Figure(
         "knockout_delta",

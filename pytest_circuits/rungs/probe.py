@@ -7,7 +7,13 @@ actually used, averaged over sequences ``b``:
 
 - prefix-matching (induction): ``mean A[o+t, o+t-L+1]`` over ``t in L .. 2L-1``;
 - previous-token: ``mean A[o+t, o+t-1]`` over ``t in 1 .. 2L-1``;
-- duplicate-token: ``mean A[o+t, o+t-L]`` over ``t in L .. 2L-1``.
+- duplicate-token: ``mean A[o+t, o+t-L]`` over ``t in L .. 2L-1``;
+- path factor (per layer, shown on each of its heads): ``mean 1/(s_pre s_post s_final)`` over
+  ``t in 0 .. 2L-1``, the positive per-position factors that norm folding leaves out of a head's
+  direct path ``W_E -> head -> W_U``: ``s`` of the pre-attention norm's input (the residual
+  stream), of the norm on the attention output (sandwich norms) and of the final norm's input
+  (`selfcheck.norm_divisor`; 1 where there is no such norm). ``ov_gain x path_factor`` is what
+  the head writes on the probe, in the units of its OV gain (the gate's negligible-head cut).
 
 Memory: a forward hook on every attention module reduces that layer's pattern
 ``(batch, heads, T, T)`` to per-head sums as the layer runs, so no more than about one
@@ -26,7 +32,16 @@ import torch
 
 from ..errors import CircuitsError
 from ..model.builds import LoadedBuild
-from ..model.families import attention_module, head_label
+from ..model.families import (
+    attention_module,
+    attn_norm_module,
+    family_of,
+    final_norm_module,
+    head_label,
+    layer_modules,
+    post_attn_norm_module,
+)
+from ..model.selfcheck import norm_divisor
 from ..options import flag
 from .figures import SAMPLED_MODEL_FIGURES, sequences_key
 from .repeat import bos_offset, check_fits, next_token_losses, repeat_losses, repeat_tokens
@@ -43,7 +58,7 @@ class RepeatProbe:
     first_copy_loss: float
     copy_gain: float
     uniform_loss: float  # ln(vocab)
-    heads: pd.DataFrame  # head, layer, head_index, prefix_matching, previous_token, duplicate_token
+    heads: pd.DataFrame  # head, layer, head_index, prefix_matching, previous_token, duplicate_token, path_factor
     settings: RepeatSettings
     bos_id: int | None
     copy_losses: np.ndarray | None = None  # (n,) float64 per sequence; their mean is copy_loss
@@ -146,6 +161,55 @@ def routing_hooks(model, n_layers: int, L: int, offset: int):
             handle.remove()
 
 
+class PathFactors:
+    """Running sums, per layer, of the positive factors the fold leaves out of a head's direct
+    path, multiplied per position: ``1/s`` of the pre-attention norm's input, of the norm on the
+    attention output (where the family has one) and of the final norm's input (`norm_divisor`)."""
+
+    def __init__(self, n_layers: int, L: int, offset: int):
+        self.rows, self.sums = slice(offset, offset + 2 * L), torch.zeros(n_layers, dtype=torch.float64)
+        self.seen: dict[tuple[str, int], torch.Tensor] = {}
+
+    def keep(self, where: str, layer: int, module, fam, r: torch.Tensor) -> None:
+        self.seen[(where, layer)] = 1.0 / norm_divisor(module, fam, r.detach()[:, self.rows])[..., 0].cpu()
+
+    def flush(self) -> None:
+        """Add one batch's products (after its forward) and forget it."""
+        final = self.seen.pop(("final", 0), None)
+        for layer in range(len(self.sums)):
+            product = final if final is not None else torch.ones(())
+            for where in ("pre", "post"):
+                factor = self.seen.pop((where, layer), None)
+                product = product if factor is None else product * factor
+            self.sums[layer] += product.sum() if product.dim() else 0.0
+        self.seen.clear()
+
+
+@contextmanager
+def path_factor_hooks(model, n_layers: int, L: int, offset: int):
+    """Hooks the pre-attention norms, the norms on the attention output and the final norm; yields
+    a `PathFactors` (call ``flush()`` after each batch's forward)."""
+    fam = family_of(model)
+    factors = PathFactors(n_layers, L, offset)
+
+    def hook(where: str, layer: int):
+        def keep(module, args, kwargs):
+            r = args[0] if args else next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
+            factors.keep(where, layer, module, fam, r)  # the final norm: its last call (nanochat's runs twice)
+
+        return keep
+
+    norms = [("final", 0, final_norm_module(model, fam))]
+    for layer, block in enumerate(layer_modules(model)[:n_layers]):
+        norms += [("pre", layer, attn_norm_module(block, fam)), ("post", layer, post_attn_norm_module(block, fam))]
+    handles = [m.register_forward_pre_hook(hook(w, l), with_kwargs=True) for w, l, m in norms if m is not None]
+    try:
+        yield factors
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def input_device(model) -> torch.device:
     """Where the model wants its token ids (the embedding's device; bnb builds place it themselves)."""
     return model.get_input_embeddings().weight.device
@@ -193,10 +257,11 @@ def run_repeat_probe(build: LoadedBuild, settings: RepeatSettings, batch_size: i
     device = input_device(model)
     first_parts, copy_parts = [], []
     position_sums = torch.zeros(2 * L - 1, dtype=torch.float64)
-    with routing_hooks(model, n_layers, L, offset) as sums:
+    with routing_hooks(model, n_layers, L, offset) as sums, path_factor_hooks(model, n_layers, L, offset) as path:
         for start in range(0, n, batch_size):
             batch = ids[start : start + batch_size].to(device)
             logits = model(input_ids=batch, use_cache=False).logits
+            path.flush()
             losses = sequence_losses(logits, batch)
             first, copy = repeat_losses(losses, L, offset)
             position_sums += losses[:, position_slice(L, offset)].double().sum(dim=0).cpu()
@@ -208,6 +273,8 @@ def run_repeat_probe(build: LoadedBuild, settings: RepeatSettings, batch_size: i
         raise CircuitsError(f"the attention of layers {missing} never ran; is {build.label} a decoder-only LM?")
     counts = torch.tensor(score_counts(L), dtype=torch.float64).view(1, 3, 1) * n
     means = (torch.stack(sums) / counts).numpy()
+    heads = heads_frame(means)
+    heads["path_factor"] = np.repeat((path.sums / (n * 2 * L)).numpy(), build.geometry.n_heads)
     first_copies, copies = torch.cat(first_parts).numpy(), torch.cat(copy_parts).numpy()
     first_copy, copy_loss = float(first_copies.mean()), float(copies.mean())
     return RepeatProbe(
@@ -215,7 +282,7 @@ def run_repeat_probe(build: LoadedBuild, settings: RepeatSettings, batch_size: i
         first_copy_loss=first_copy,
         copy_gain=first_copy - copy_loss,
         uniform_loss=math.log(build.geometry.vocab),
-        heads=heads_frame(means),
+        heads=heads,
         settings=settings,
         bos_id=build.tokens.bos_id,
         copy_losses=copies,
