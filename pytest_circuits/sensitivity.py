@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .errors import CircuitsError
+from .model.dense import float_weight, is_conv1d
 from .model.families import (
     attention_module,
     family_of,
@@ -42,7 +43,6 @@ from .model.families import (
     out_proj_module,
     qkv_rows,
 )
-from .testing import _float_weight, _is_conv1d
 
 LOW_RANK = 8  # rank of the fine-tune-like update
 OV_SCALES = (0.9, 0.75, 0.5, 0.25, 0.0, -1.0)
@@ -64,7 +64,7 @@ def parse_head(label: str) -> tuple[int, int]:
 
 def _head_cols(proj, weight, cols: slice):
     """The slice of the output projection's weight that multiplies head columns ``cols`` of z."""
-    return weight[cols, :] if _is_conv1d(proj) else weight[:, cols]
+    return weight[cols, :] if is_conv1d(proj) else weight[:, cols]
 
 
 @torch.no_grad()
@@ -72,7 +72,7 @@ def scale_head_ov(model, layer: int, head: int, s: float) -> None:
     """``W_O[h] <- s W_O[h]`` in place: head ``L{layer}H{head}``'s output times ``s``."""
     d_head = geometry_of(model).d_head
     proj = out_proj_module(model, layer)
-    _head_cols(proj, _float_weight(proj), slice(head * d_head, (head + 1) * d_head)).mul_(s)
+    _head_cols(proj, float_weight(proj), slice(head * d_head, (head + 1) * d_head)).mul_(s)
 
 
 @torch.no_grad()
@@ -82,7 +82,7 @@ def rotate_head_ov(model, layer: int, head: int, degrees: float) -> str:
     geo = geometry_of(model)
     other = (head + 1) % geo.n_heads
     proj = out_proj_module(model, layer)
-    weight = _float_weight(proj)
+    weight = float_weight(proj)
     mine = _head_cols(proj, weight, slice(head * geo.d_head, (head + 1) * geo.d_head))
     theirs = _head_cols(proj, weight, slice(other * geo.d_head, (other + 1) * geo.d_head)).clone()
     c = mine.norm() / theirs.norm().clamp_min(1e-30)
@@ -104,8 +104,8 @@ def scale_head_qk(model, layer: int, head: int, t: float) -> None:
     q_rows, _, _ = qkv_rows(fam.qkv_layout, geo)
     module = get_module(attn, fam.qkv[0])  # W_Q: the fused projection, or q_proj
     index = torch.tensor(q_rows[head])
-    weight = _float_weight(module)
-    if _is_conv1d(module):  # stored (in, out)
+    weight = float_weight(module)
+    if is_conv1d(module):  # stored (in, out)
         weight[:, index] *= t
     else:
         weight[index, :] *= t

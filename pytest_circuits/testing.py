@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .model.dense import float_weight, is_conv1d
 from .model.gguf_write import write_float_gguf
 
 TINY_SHAPES: dict[str, dict[str, Any]] = {
@@ -184,19 +185,6 @@ def requires_embedded_model():
 # ---------------------------------------------------------------- sabotage (gate tests): edit weights in place
 
 
-def _is_conv1d(module) -> bool:
-    return type(module).__name__ == "Conv1D"
-
-
-def _float_weight(module):
-    weight = module.weight
-    from .model.dense import bnb_kind
-
-    if not weight.dtype.is_floating_point or bnb_kind(module) is not None:
-        raise TypeError(f"sabotage edits float weights only; {type(module).__name__} is quantized: edit the fp32 build")
-    return weight
-
-
 @torch.no_grad()
 def negate_head_ov(model, layer: int, head: int) -> None:
     """Negate ``W_O`` of head ``L{layer}H{head}`` in place, so ``W_OV -> -W_OV`` (kappa flips sign)."""
@@ -205,8 +193,8 @@ def negate_head_ov(model, layer: int, head: int) -> None:
     geo = geometry_of(model)
     proj = out_proj_module(model, layer)
     cols = slice(head * geo.d_head, (head + 1) * geo.d_head)  # head h's slice of z, the projection's input
-    weight = _float_weight(proj)
-    if _is_conv1d(proj):  # stored (in, out)
+    weight = float_weight(proj)
+    if is_conv1d(proj):  # stored (in, out)
         weight[cols, :] *= -1
     else:  # stored (out, in)
         weight[:, cols] *= -1
@@ -232,9 +220,9 @@ def _qk_rows(model, layer: int, head: int):
 def flatten_head_qk(model, layer: int, head: int) -> None:
     """Zero ``W_Q``/``W_K`` (and their biases) of one head in place: its attention becomes uniform."""
     for module, rows in _qk_rows(model, layer, head):
-        weight = _float_weight(module)
+        weight = float_weight(module)
         index = torch.tensor(rows)
-        if _is_conv1d(module):  # stored (in, out)
+        if is_conv1d(module):  # stored (in, out)
             weight[:, index] = 0
         else:
             weight[index, :] = 0

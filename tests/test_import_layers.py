@@ -27,7 +27,7 @@ PACKAGE = Path(pytest_circuits.__file__).resolve().parent
 ROOT = "pytest_circuits"
 LAYERS = (
     (ROOT, "plugin", "cli", "probes"),
-    ("session", "assertions", "testing"),
+    ("session", "assertions", "testing", "sensitivity"),
     ("report",),
     ("gate",),
     ("settings",),

@@ -7,7 +7,14 @@ registered, in gate order. Import the gate's names from here: every invariant is
 from __future__ import annotations
 
 from . import builtin_invariants, swap_invariants
-from .builtin_invariants import kappa_pairs, key_heads, negligible_heads, other_knockout_settings, ov_gains
+from .builtin_invariants import (
+    head_writes,
+    kappa_pairs,
+    key_heads,
+    negligible_heads,
+    other_knockout_settings,
+    ov_gains,
+)
 from .invariant_api import (
     MAX_ROWS,
     REGISTRY,
@@ -48,6 +55,7 @@ __all__ = [
     "gate_all",
     "get",
     "guarded",
+    "head_writes",
     "kappa_pairs",
     "key_heads",
     "negligible_heads",

@@ -21,7 +21,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ..errors import BaselineCorrupt, BaselineMissing, FileSystemError, ForeignBaseline
-from ..fsio import JsonUnreadable, atomic_write_text, read_json, remove_stale_temps, safe_name
+from ..fsio import JsonUnreadable, atomic_write_text, ensure_dir, read_json, remove_stale_temps, safe_name
 from ..options import FRONT_END, flag
 from .schema import SCHEMA_VERSION, Record, problem
 
@@ -274,11 +274,7 @@ class BaselineStore:
         is left as it is, so re-recording an unchanged build churns no diff in review.
         """
         path = self.path(model_name, build)
-        if is_shipped(self.folder):
-            raise FileSystemError(
-                f"cannot write {path}: the baselines shipped with pytest-circuits are read only; "
-                f"record into your own folder ({flag('baselines')} DIR, default ./baselines)"
-            )
+        self.refuse_shipped(path)
         validate(record, f"the scan record of {build}")
         if path.parent.is_dir():
             remove_stale_temps(path.parent)  # what a killed writer left
@@ -289,6 +285,20 @@ class BaselineStore:
             except BaselineCorrupt:
                 pass  # rewritten below
         return write_baseline(path, record), True
+
+    def refuse_shipped(self, path: Path) -> None:
+        """A one-line `FileSystemError` when this store is the package's own (read-only) folder."""
+        if is_shipped(self.folder):
+            raise FileSystemError(
+                f"cannot write {path}: the baselines shipped with pytest-circuits are read only; "
+                f"record into your own folder ({flag('baselines')} DIR, default ./baselines)"
+            )
+
+    def check_writable(self) -> None:
+        """Before any measuring: the folder exists (created if missing) and is not the shipped one,
+        so a record that would end in a write error ends at once instead of after the scan."""
+        self.refuse_shipped(self.folder)
+        ensure_dir(self.folder)
 
     def builds(self, model_name: str) -> dict[str, Path]:
         """Every baseline file of ``model_name`` here, by build."""

@@ -105,6 +105,20 @@ def dequantize_cpu_packed_4bit(packed: torch.Tensor, quant_state: Any) -> torch.
     return quant_state.code.float().to(packed.device)[index] * absmax
 
 
+def is_conv1d(module: torch.nn.Module) -> bool:
+    """GPT-2's ``Conv1D``: its weight is stored ``(in, out)``, the transpose of ``nn.Linear``'s."""
+    return type(module).__name__ == "Conv1D"
+
+
+def float_weight(module: torch.nn.Module) -> torch.Tensor:
+    """``module.weight`` for an in-place edit (sabotage, graded damage); a TypeError for a quantized one."""
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    if not weight.dtype.is_floating_point or bnb_kind(module) is not None:
+        raise TypeError(f"sabotage edits float weights only; {type(module).__name__} is quantized: edit the fp32 build")
+    return weight
+
+
 def dense_bias(module: torch.nn.Module) -> torch.Tensor | None:
     """The layer's bias as float32, or None."""
     bias = getattr(module, "bias", None)
