@@ -82,7 +82,7 @@ def _hybrid_layers(config) -> str:
 def _unsupported_line(model_type) -> str:
     return (
         f"model family {model_type!r} is not supported; supported: {', '.join(supported_model_types())} "
-        "(add one entry to pytest_circuits/model/families.py or a pytest_circuits.families entry point)"
+        "(add one entry to pytest_circuits/model/family_table.py or a pytest_circuits.families entry point)"
     )
 
 

@@ -402,7 +402,7 @@ def measure_decomposition(
         if unread is not None:
             raise DecompositionError(
                 f"model type {model_type!r}: its blocks hold {unread}, which the assumed {fam.name!r} layout never "
-                "reads; refusing a read that may miss it (add an entry to pytest_circuits/model/families.py)"
+                "reads; refusing a read that may miss it (add an entry to pytest_circuits/model/family_table.py)"
             )
     parallel = fam.is_parallel(model.config)
     captured = [_Captured() for _ in blocks]
@@ -464,7 +464,7 @@ def _check_layer(check: DecompositionCheck, layer: int, block, seen, fam: Family
     except (RuntimeError, ValueError, IndexError, AttributeError, TypeError) as error:
         raise DecompositionError(
             f"model type {check.model_type!r} ({check.layout} layout): the per-head read of layer {layer} fails: "
-            f"{first_line(error)}; fix its entry in pytest_circuits/model/families.py"
+            f"{first_line(error)}; fix its entry in pytest_circuits/model/family_table.py"
         ) from None
     residual = seen["residual"].double() if fam.attn_adds_residual else 0.0
     check.errors.append(_relative(heads + residual, seen["y"]))
@@ -537,6 +537,6 @@ def check_decomposition(
                 f"model type {check.model_type!r} ({check.layout} layout, {check.dtype}): the per-head weight read does "
                 f"not reproduce the {where} (relative error {err:.2g} > {check.tolerance:g}); "
                 "refusing to report figures from weights that may be read wrong (fix its entry in "
-                "pytest_circuits/model/families.py)"
+                "pytest_circuits/model/family_table.py)"
             )
     return check
