@@ -108,6 +108,25 @@ def test_the_attribution_screen_reports_its_chunks(monkeypatch, tiny_folder):
     assert any(line.startswith("knockout ") for line in lines)
 
 
+def test_the_screen_counts_the_chunks_it_runs_when_a_large_model_splits_them(monkeypatch, tiny_folder):
+    """Above 1 GB of weights the screen runs fewer rows per chunk (`screen.screen_rows`); the bar's
+    total follows (a Llama-3.2-3B-shaped scan printed '4/1 chunks')."""
+    import pytest_circuits.progress as progress
+    import pytest_circuits.rungs.screen as screen
+    from pytest_circuits.model.builds import load_build
+    from pytest_circuits.model.loading import resolve_model
+    from pytest_circuits.rungs.knockout import knockout_scan
+    from pytest_circuits.rungs.repeat_settings import RepeatSettings
+
+    monkeypatch.setattr(progress, "INTERVAL", 0.0)
+    monkeypatch.setattr(screen, "screen_rows", lambda build, batch_size, L: 1)  # as a large model would
+    build = load_build(resolve_model(str(tiny_folder("llama"))), "fp32", "cpu")
+    lines: list[str] = []
+    knockout_scan(build, RepeatSettings(1, 4, 8), screen_top_k=2, batch_size=4, write=lines.append)
+    counts = [line.split(": ")[1].split(",")[0] for line in lines if line.startswith("screen (atp*) ")]
+    assert counts == ["1/4 chunks", "2/4 chunks", "3/4 chunks", "4/4 chunks"]
+
+
 PROGRESS_TEST = """
 def test_long_scan(circuits_session):
     circuits_session.progress_write("knockout m:fp32: 4/8 heads, at L0H3, 10s elapsed, ETA 5s")

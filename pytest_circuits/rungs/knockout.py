@@ -155,9 +155,9 @@ def knockout_scan(
         intact = intact_pass(build, ids, settings.L, batch_size, record=cached, record_bytes=record_bytes)
     estimate = score = None
     if screen:
-        from .screen import screen_estimate
+        from .screen import screen_estimate, screen_rows
 
-        chunks = -(-ids.shape[0] // max(batch_size, 1))
+        chunks = -(-ids.shape[0] // screen_rows(build, max(batch_size, 1), settings.L))  # its own rows per chunk
         label = f"screen ({screen_method}) {build.label}"
         try:
             with Progress(chunks, label, unit="chunk", enabled=progress, write=write) as bar:
