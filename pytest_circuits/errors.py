@@ -1,5 +1,7 @@
 """User-facing errors: each carries one line that names the thing and the fix."""
 
+import sys
+
 
 def first_line(error: BaseException) -> str:
     """The first non-empty line of an exception's text (its type name if it has none)."""
@@ -49,3 +51,8 @@ class ForeignBaseline(BaselineError):
 
 class FileSystemError(CircuitsError):
     """A file or folder could not be read or written (read-only, missing, full, in the way)."""
+
+
+def warn(text: str) -> None:
+    """One warning line on stderr (the run goes on)."""
+    print(f"pytest-circuits: warning: {text}", file=sys.stderr)

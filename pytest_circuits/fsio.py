@@ -25,6 +25,7 @@ import tempfile
 import time
 import unicodedata
 from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -363,3 +364,27 @@ class RunFolder:
             value = compute()
             atomic_write_text(path, dump(value))
             return value
+
+
+def cache_root() -> Path:
+    """``$PYTEST_CIRCUITS_CACHE``, else ``$XDG_CACHE_HOME/pytest-circuits``, else ``~/.cache/...``."""
+    env = os.environ.get("PYTEST_CIRCUITS_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "pytest-circuits"
+
+
+def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file's bytes (hashed once per process per file state: path, size, mtime)."""
+    stat = os.stat(path)
+    return _sha256_cached(str(path), stat.st_size, stat.st_mtime_ns, chunk)
+
+
+@lru_cache(maxsize=256)
+def _sha256_cached(path: str, size: int, mtime_ns: int, chunk: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

@@ -228,6 +228,8 @@ def stage(args) -> dict:
     settings = CircuitsSettings(
         model=str(args.folder), builds=(args.build,), reference=args.build, device="cpu", probe=probe
     )
+    if args.rung == "scan":  # the whole command, its own load included: no second copy of the build
+        return scan_stage(args)
     session = CircuitsSession(settings)
     wall, cpu = time.perf_counter(), cpu_seconds()
     build = session.build(args.build)
@@ -253,32 +255,42 @@ def stage(args) -> dict:
         counted = knockout_flops(build, settings.knockout_probe, heads=exact)
         flops = counted["scan"] + 2 * counted["forward"]  # the screen: one forward and one backward (~2x)
         out["exact_heads"] = exact
-    elif args.rung == "scan":
-        from pytest_circuits.cli import main
-
-        code = main(
-            [
-                "scan",
-                str(args.folder),
-                "--build",
-                args.build,
-                "--knockout-screen",
-                str(args.screen),
-                "--knockout-screen-method",
-                args.screen_method,
-                "--probe-n",
-                str(args.probe_n),
-                "--probe-length",
-                str(args.probe_length),
-                "--device",
-                "cpu",
-                "--json",
-                str(args.json_out),
-            ]
-        )
-        out["exit"] = code
     out.update(wall=time.perf_counter() - wall, cpu=cpu_seconds() - cpu, rss=peak_rss_bytes(), flops=flops)
     return out
+
+
+def scan_stage(args) -> dict:
+    """``circuits scan`` in this fresh process, loading the build itself (the peak is the command's)."""
+    from pytest_circuits.cli import main
+
+    wall, cpu = time.perf_counter(), cpu_seconds()
+    code = main(
+        [
+            "scan",
+            str(args.folder),
+            "--build",
+            args.build,
+            "--knockout-screen",
+            str(args.screen),
+            "--knockout-screen-method",
+            args.screen_method,
+            "--probe-n",
+            str(args.probe_n),
+            "--probe-length",
+            str(args.probe_length),
+            "--device",
+            "cpu",
+            "--json",
+            str(args.json_out),
+        ]
+    )
+    return {
+        "exit": code,
+        "wall": time.perf_counter() - wall,
+        "cpu": cpu_seconds() - cpu,
+        "rss": peak_rss_bytes(),
+        "flops": 0.0,
+    }
 
 
 def run_stage(shape: str, folder: Path, rung: str, options) -> dict:

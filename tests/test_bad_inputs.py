@@ -634,9 +634,9 @@ def test_bad_input_cli_subprocess(case, tmp_path, monkeypatch):
 SLOW_SAVE = """\
 import sys, time
 from pytest_circuits import cli
-from pytest_circuits.model import loading
+from pytest_circuits.model import gguf_cache
 
-original = loading._Converter.save
+original = gguf_cache._Converter.save
 
 
 def save_then_hang(self, staging):
@@ -645,7 +645,7 @@ def save_then_hang(self, staging):
     time.sleep(600)
 
 
-loading._Converter.save = save_then_hang
+gguf_cache._Converter.save = save_then_hang
 sys.exit(cli.main(sys.argv[1:]))
 """
 

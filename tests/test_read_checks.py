@@ -164,11 +164,11 @@ def test_a_gguf_file_missing_a_tensor_is_refused(tmp_path, monkeypatch):
     pytest.importorskip("gguf")
     from types import SimpleNamespace
 
-    from pytest_circuits.model import loading
+    from pytest_circuits.model import gguf_cache
     from pytest_circuits.testing import write_tiny_gguf
 
     monkeypatch.setenv("PYTEST_CIRCUITS_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(loading, "cache_root", lambda: tmp_path / "cache")
+    monkeypatch.setattr(gguf_cache, "cache_root", lambda: tmp_path / "cache")
     model = make_tiny_model("llama", seed=1)
     state = {k: v for k, v in model.state_dict().items() if k != "model.layers.1.self_attn.v_proj.weight"}
     path = write_tiny_gguf(SimpleNamespace(config=model.config, state_dict=lambda: state), tmp_path / "m.gguf")
