@@ -119,14 +119,13 @@ class CircuitsSession:
 
         return self.memo(("build", recipe), load)
 
-    FIGURE_KEYS = ("weights", "ov_spectrum", "repeat_probe", "head_knockout", "knockout_shard", "record")
+    NOT_FIGURES = ("preflight", "build", "written", "baseline")  # memo entries that outlive a weight edit
 
     def forget_figures(self, recipe: str | None = None) -> None:
         """Drop the figures measured of ``recipe`` (None: of every build), keeping the loaded build:
-        its weights were edited in place, or the probe settings changed (`pytest_circuits.sensitivity`)."""
-        self._cache = {
-            k: v for k, v in self._cache.items() if not (k[0] in self.FIGURE_KEYS and recipe in (None, k[1]))
-        }
+        its weights were edited in place, or the probe settings changed (`pytest_circuits.sensitivity`).
+        Every memo entry but `NOT_FIGURES` is a figure, so one added later is never kept stale."""
+        self._cache = {k: v for k, v in self._cache.items() if k[0] in self.NOT_FIGURES or recipe not in (None, k[1])}
 
     def identity_lines(self, recipe: str) -> list[str]:
         """``"external build q8 = dist/model-Q8_0.gguf (gguf, sha256 ..., tensors Q8_0 x12, F32 x5)"``
