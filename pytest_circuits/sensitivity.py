@@ -234,7 +234,11 @@ class Restorer:
 
 @dataclass
 class Outcome:
-    """The gate's verdicts on one damaged build: the invariants that failed, and the model figures."""
+    """The gate's verdicts on one damaged build: the invariants that failed, and the model figures.
+
+    ``failed``: the invariants that compared figures and found one moved (a catch); ``empty``: those
+    that failed because they compared nothing (the gate fails, but no damage was measured, so a
+    sweep never counts them as catching it)."""
 
     damage: Damage | None
     label: str
@@ -246,6 +250,13 @@ class Outcome:
     text_loss: float | None = None
     results: list = field(default_factory=list, repr=False)
     record: dict = field(default_factory=dict, repr=False)
+    empty: list[str] = field(default_factory=list)
+
+    def verdict(self) -> str:
+        """``pass``, or ``FAIL`` with the invariants that caught a move and those that compared nothing."""
+        words = ["FAIL " + ", ".join(self.failed)] if self.failed else []
+        words += [f"compared nothing: {', '.join(self.empty)}"] if self.empty else []
+        return "; ".join(words) or "pass"
 
 
 def gate_record(session, recipe: str, baseline: dict, tol, knockout: bool = True) -> tuple[list, dict]:
@@ -278,7 +289,7 @@ def gate_outcome(
     return Outcome(
         damage,
         label or (damage.describe() if damage else recipe),
-        [r.invariant for r in results if r.status == "failed"],
+        [r.invariant for r in results if r.status == "failed" and r.compared],
         [r.invariant for r in results if r.status == "passed"],
         float(record["copy_loss"]),
         float(record["first_copy_loss"]),
@@ -286,6 +297,7 @@ def gate_outcome(
         None if text_loss is None else text_loss(session, recipe),
         results,
         record,
+        [r.invariant for r in results if r.status == "failed" and not r.compared],
     )
 
 
@@ -306,7 +318,7 @@ def sweep(
             restorer.restore()
         if write is not None:
             o = outcomes[-1]
-            write(f"{o.label}: {'FAIL ' + ', '.join(o.failed) if o.failed else 'pass'} ({o.seconds:.1f} s)")
+            write(f"{o.label}: {o.verdict()} ({o.seconds:.1f} s)")
     session.forget_figures(recipe)
     return outcomes
 
@@ -396,8 +408,8 @@ def run_command(session, baseline: dict, tol, count: int, recipe: str, write=pri
     write(f"damaging {', '.join(heads)} of {recipe}: {len(damages)} damages, each gated against the baseline")
     outcomes = sweep(session, baseline, damages, tol, recipe, write=write)
     intact = outcomes[0]
-    if intact.failed or not intact.passed:
-        write(f"the intact {recipe} build fails against the baseline ({', '.join(intact.failed)}): fix that first")
+    if intact.failed or intact.empty or not intact.passed:
+        write(f"the intact {recipe} build fails against the baseline ({intact.verdict()}): fix that first")
         return False
     invariants = [i for i in per_build_invariants() if any(i in o.passed + o.failed for o in outcomes)]
     write("mildest damage caught with these tolerances (no: none of the damages run):")

@@ -57,8 +57,8 @@ def cell(value, spec="{:.3f}") -> str:
 
 
 def verdict_cell(outcome: S.Outcome) -> str:
-    if outcome.failed:
-        return "FAIL " + ", ".join(outcome.failed)
+    if outcome.failed or outcome.empty:
+        return outcome.verdict()
     return "pass" if outcome.passed else "nothing compared"
 
 

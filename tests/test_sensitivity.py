@@ -165,3 +165,26 @@ def test_circuits_sensitivity_prints_the_mildest_damage_caught(capsys):
 def test_circuits_sensitivity_refuses_bad_input(capsys):
     assert main(["sensitivity", "tiny-induction", "--heads", "0"]) == 2
     assert "--heads 0" in capsys.readouterr().err
+
+
+def test_an_invariant_that_compared_nothing_is_not_counted_as_catching_a_damage(monkeypatch):
+    """The gate fails when an invariant compared nothing, but no move was measured: the sweep must
+    not read that as the damage caught (it is listed apart, and the gate column stays ``no``)."""
+    import pytest_circuits.sensitivity as S
+    from pytest_circuits.gate.invariant_api import InvariantResult
+
+    results = [
+        InvariantResult("copy_loss", "fp32", "baseline", "passed", "held", compared=1),
+        InvariantResult("knockout_deltas", "fp32", "baseline", "failed", "compared nothing", compared=0),
+    ]
+    record = {"copy_loss": 1.0, "first_copy_loss": 2.0}
+    monkeypatch.setattr(S, "gate_record", lambda *a, **k: (results, record))
+    damage = Damage("ov_scale", 0.5, "L1H0")
+    outcome = S.gate_outcome(None, "fp32", {}, None, damage)
+    assert outcome.failed == [] and outcome.empty == ["knockout_deltas"]
+    assert outcome.verdict() == "compared nothing: knockout_deltas"
+    cells = S.smallest_caught([outcome], ["copy_loss", "knockout_deltas"])["L1H0 OV x s"]
+    assert cells == {"copy_loss": None, "knockout_deltas": None, "any": None}
+    results[0] = InvariantResult("copy_loss", "fp32", "baseline", "failed", "moved", compared=1)
+    caught = S.gate_outcome(None, "fp32", {}, None, damage)
+    assert caught.failed == ["copy_loss"] and S.smallest_caught([caught], ["copy_loss"])["L1H0 OV x s"]["any"] is damage
