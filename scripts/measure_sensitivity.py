@@ -113,9 +113,9 @@ def tolerance_used(baseline: dict, record: dict, tol) -> dict[str, float]:
     return used
 
 
-def false_alarms(session, tol, seeds, recipes, write) -> tuple[dict, list[str], dict]:
+def false_alarms(session, tol, seeds, recipes, write, knockout: bool = True) -> tuple[dict, list[str], dict]:
     """``({invariant: (failures, trials)}, lines, {invariant: largest share of tolerance used})``
-    over seeds x benign builds."""
+    over seeds x benign builds; ``knockout=False``: no knockouts (``knockout_deltas`` not run)."""
     invariants = per_build_invariants()
     counts = {i: [0, 0] for i in (*invariants, "gate")}
     most: dict[str, float] = {}
@@ -125,16 +125,16 @@ def false_alarms(session, tol, seeds, recipes, write) -> tuple[dict, list[str], 
     for seed in seeds:
         S.with_seeds(session, seed, KNOCKOUT_SEED_OFFSET + seed)
         torch.set_num_threads(1)
-        baseline = session.record("fp32", knockout=True)
+        baseline = session.record("fp32", knockout=knockout)
         trials = []
         torch.set_num_threads(2)
-        trials.append(("fp32, 2 threads", *S.gate_record(session, "fp32", baseline, tol)))
+        trials.append(("fp32, 2 threads", *S.gate_record(session, "fp32", baseline, tol, knockout)))
         torch.set_num_threads(1)
         for recipe in recipes:
-            trials.append((recipe, *S.gate_record(session, recipe, baseline, tol)))
+            trials.append((recipe, *S.gate_record(session, recipe, baseline, tol, knockout)))
         try:
             S.Damage("noise_all", 1e-3, seed=seed).apply(model)
-            trials.append(("noise 1e-3", *S.gate_record(session, "fp32", baseline, tol)))
+            trials.append(("noise 1e-3", *S.gate_record(session, "fp32", baseline, tol, knockout)))
         finally:
             restorer.restore()
         session.forget_figures()
@@ -196,7 +196,9 @@ def measure(args, model: str, write) -> dict[str, str]:
     ran = outcomes + builds
     invariants = [i for i in per_build_invariants() if any(i in o.passed + o.failed for o in ran)]
     seeds = range(1, args.seeds + 1)
-    counts, alarm_lines, most = false_alarms(session, tol, seeds, BENIGN_RECIPES, write) if args.seeds else ({}, [], {})
+    counts, alarm_lines, most = (
+        false_alarms(session, tol, seeds, BENIGN_RECIPES, write, knockout) if args.seeds else ({}, [], {})
+    )
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     command = f"python scripts/measure_sensitivity.py {' '.join(args.argv)}".strip()
     run = (
@@ -206,7 +208,8 @@ def measure(args, model: str, write) -> dict[str, str]:
         "knockout heads by delta, then its top induction head). "
         + (
             f"No knockouts: `knockout_deltas` (which compares the baseline's {len(keys)} key knockout heads) "
-            "was not run on these damages, and no false-alarm trials."
+            "was not run on these damages"
+            + (" nor in the false-alarm trials." if args.seeds else ", and no false-alarm trials.")
             if args.no_knockout
             else f"The baseline's {len(keys)} key knockout heads, which `knockout_deltas` compares, are knocked "
             "out in every damaged build."
