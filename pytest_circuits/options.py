@@ -199,10 +199,11 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "knockout-screen-method",
         "choice",
-        "atp*",
+        "auto",
         "how the screen ranks heads: atp* (attribution patching with the QK fix for saturated attention), "
-        "atp*gd (and GradDrop), atp (plain attribution patching, cheapest)",
-        choices=SCREEN_METHODS,
+        "atp*gd (and GradDrop), atp (plain attribution patching, cheapest); auto: atp* unless its counted "
+        "cost passes the device's screen budget (a CPU: 1e14 FLOP, about 25 min), then atp (docs/scale.md)",
+        choices=("auto", *SCREEN_METHODS),
         cli=_SCAN_LIKE,
     ),
     Option(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .options import flag
+from .progress import stderr_line
 from .settings import CircuitsSettings
 
 
@@ -242,19 +243,32 @@ class CircuitsSession:
         geometry = self.preflight()
         return self.AUTO_SCREEN_TOP_K if geometry.n_layers * geometry.n_heads > self.AUTO_SCREEN_HEADS else None
 
+    def screen_method(self, recipe: str) -> str:
+        """How the screen ranks heads: ``--knockout-screen-method``, or by default (``auto``) atp*
+        unless its counted cost passes the device's budget, then atp, said in one line
+        (`rungs.plan.automatic_screen_method`)."""
+        chosen = self.settings.knockout_screen_method
+        if chosen != "auto":
+            return chosen
+
+        def choose():
+            from .rungs.plan import automatic_screen_method
+
+            method, why = automatic_screen_method(self.build(recipe), self.settings.knockout_probe)
+            if why:
+                (self.progress_write or stderr_line)(why)
+            return method
+
+        return self.memo(("screen_method", recipe), choose)
+
     def _announce_plan(self, recipe: str, top_k: int, must_include) -> None:
         """Print the plan chosen by size and its counted cost before it starts (`rungs.plan.plan_line`)."""
-        import sys
-
         from .rungs.plan import plan_line
 
         s = self.settings
-        line = plan_line(self.build(recipe), s.knockout_probe, top_k, len(must_include), s.knockout_screen_method)
+        line = plan_line(self.build(recipe), s.knockout_probe, top_k, len(must_include), self.screen_method(recipe))
         line += f"; the full exact scan only with {flag('knockout-full')}"
-        if self.progress_write is not None:
-            self.progress_write(line)
-        else:
-            print(line, file=sys.stderr)
+        (self.progress_write or stderr_line)(line)
 
     def _knockout_scan(self, recipe: str, heads, layers):
         from .rungs.knockout import knockout_scan
@@ -270,7 +284,7 @@ class CircuitsSession:
             mode=s.knockout_mode,
             heads=None if heads is None else list(heads),
             screen_top_k=top_k,
-            screen_method=s.knockout_screen_method,
+            screen_method=self.screen_method(recipe),
             must_include=must_include,
             batch_size=s.batch_size,
             write=self.progress_write,

@@ -36,7 +36,7 @@ class CircuitsSettings:
     knockout_mode: str = "zero"  # or "mean"
     knockout_screen: int | None = None  # exact knockouts only on the top k of an attribution screen
     knockout_full: bool = False  # every head exactly, whatever the model's size (session.screen_top_k)
-    knockout_screen_method: str = "atp*"  # how the screen ranks heads (rungs/screen.py)
+    knockout_screen_method: str = "auto"  # how the screen ranks heads (rungs/screen.py; auto: session.screen_method)
     # How new records measure kappa (centred W_U, 32-draw t null); the gate measures a build the
     # way its baseline was measured (rungs/kappa_method.py, gate/verdict.candidate_record).
     kappa_method: KappaMethod = field(default_factory=KappaMethod)

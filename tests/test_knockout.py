@@ -569,7 +569,8 @@ def test_default_plan_screens_past_300_heads_and_says_so_first(tmp_path):
     plan = [line for line in lines if line.startswith("circuits: rung 2 of")]
     assert len(plan) == 1 and "304 heads" in plan[0] and "the atp screen over every head" in plan[0]
     assert "the full exact scan only with --circuits-knockout-full" in plan[0] and "GFLOP/s" in plan[0]
-    assert lines.index(plan[0]) == 0  # before any progress of the scan
+    scan_lines = [line for line in lines if not line.startswith("loading ")]  # a slow load may beat first
+    assert scan_lines.index(plan[0]) == 0  # before any progress of the scan
     assert frame.attrs["screened"] and len(frame.attrs["exact_heads"]) == 12
     assert frame["knockout_delta"].notna().sum() == 12
     build, probe = session.build("fp32"), session.settings.knockout_probe
@@ -580,3 +581,34 @@ def test_default_plan_screens_past_300_heads_and_says_so_first(tmp_path):
         _session_of(wide, knockout_full=True, knockout_screen=5).screen_top_k()
     narrow = save_tiny_model("llama", tmp_path / "narrow")
     assert _session_of(narrow).screen_top_k() is None  # the embedded model, SmolLM2: every head exactly
+
+
+def test_automatic_screen_method_is_chosen_by_counted_cost_and_said(tmp_path, monkeypatch):
+    """``auto`` (the default) screens with atp* while its counted FLOPs fit the device's budget, and
+    with atp past it, saying so in one line first; the record names the method that ran; an explicit
+    method is kept whatever it costs."""
+    import pytest_circuits.rungs.plan as plan
+
+    folder = save_tiny_model("llama", tmp_path / "m")
+    session = _session_of(folder, knockout_screen=2)
+    assert session.settings.knockout_screen_method == "auto"
+    build, probe = session.build("fp32"), session.settings.knockout_probe
+    atp_star = plan.screen_flops(build, probe, "atp*")
+    assert plan.screen_flops(build, probe, "atp") < atp_star
+    assert plan.automatic_screen_method(build, probe) == ("atp*", "")  # a tiny model fits any budget
+    monkeypatch.setitem(plan.SCREEN_BUDGET_FLOP, "cpu", atp_star / 2)
+    method, why = plan.automatic_screen_method(build, probe)
+    assert method == "atp" and "over the cpu budget" in why and "--knockout-screen-method atp*" in why
+    monkeypatch.delitem(plan.SCREEN_BUDGET_FLOP, "cpu")  # a device without a budget (CUDA)
+    assert plan.automatic_screen_method(build, probe)[0] == "atp*"
+    monkeypatch.setitem(plan.SCREEN_BUDGET_FLOP, "cpu", atp_star / 2)
+
+    lines: list[str] = []
+    session.progress_write = lines.append
+    frame = session.head_knockout("fp32")
+    assert frame.attrs["screen_method"] == "atp"
+    assert sum("screening with atp" in line for line in lines) == 1
+    record = session.record("fp32")
+    assert record["knockout"]["screen_method"] == "atp"
+    explicit = _session_of(folder, knockout_screen=2, knockout_screen_method="atp*")
+    assert explicit.head_knockout("fp32").attrs["screen_method"] == "atp*"

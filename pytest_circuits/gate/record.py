@@ -227,7 +227,7 @@ def build_record(session, recipe: str, knockout: bool = True, method=None, knock
             **s.knockout_probe.as_dict(),
             "mode": ko_frame.attrs.get("mode", s.knockout_mode),
             "screened": session.screen_top_k(),
-            "screen_method": s.knockout_screen_method if session.screen_top_k() is not None else None,
+            "screen_method": session.screen_method(recipe) if session.screen_top_k() is not None else None,
         }
     return assemble_record(
         model=model_info(session, build),

@@ -24,6 +24,10 @@ from .repeat import bos_offset
 from .repeat_settings import RepeatSettings
 
 RATE_ROWS = 512  # rows of the matmul that measures the device's rate
+# The most an automatic screen may count, by device type: atp* above it is replaced by atp. A CPU's
+# 1e14 FLOP is about 25 min at 65 GFLOP/s (Llama-3.2-1B keeps atp*; at 8B atp* counts 1.4 PFLOP,
+# six hours); a GPU has no limit (atp* at 70B counts about 6e16 FLOP: minutes).
+SCREEN_BUDGET_FLOP = {"cpu": 1e14}
 
 
 def screen_flops(build, settings: RepeatSettings, method: str) -> float:
@@ -41,6 +45,22 @@ def screen_flops(build, settings: RepeatSettings, method: str) -> float:
     if method == "atp*gd":
         flops += 2 * forward * (geo.n_layers - 1)
     return flops
+
+
+def automatic_screen_method(build, settings: RepeatSettings) -> tuple[str, str]:
+    """``(method, why)``: ``atp*`` when its counted FLOPs (`screen_flops`) fit the build's device's
+    `SCREEN_BUDGET_FLOP`, else ``atp`` and the line saying why. Counted, not timed, so every job of
+    a sharded scan on the same kind of device picks the same method."""
+    budget = SCREEN_BUDGET_FLOP.get(build.device.type)
+    counted = screen_flops(build, settings, "atp*")
+    if budget is None or counted <= budget:
+        return "atp*", ""
+    return "atp", (
+        f"circuits: the atp* screen of {build.label} counts {counted / 1e12:.3g} TFLOP, over the "
+        f"{build.device.type} budget of {budget / 1e12:.3g} TFLOP: screening with atp (one forward and "
+        f"one backward, {screen_flops(build, settings, 'atp') / 1e12:.3g} TFLOP); "
+        "--knockout-screen-method atp* to screen with it anyway"
+    )
 
 
 def exact_flops(build, settings: RepeatSettings, n_heads: int | None = None) -> float:
