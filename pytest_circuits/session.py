@@ -7,7 +7,6 @@ the layer it needs when first called.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -193,18 +192,11 @@ class CircuitsSession:
 
         return self.memo(("repeat_probe", recipe), measure)
 
-    @contextmanager
     def _phase(self, label: str):
-        """A heartbeat line every few seconds while a long step runs (`progress.phase`); after it,
-        the memory the step freed goes back to the system (`memory.release_freed_memory`)."""
-        from .memory import release_freed_memory
+        """A heartbeat line every few seconds while a long step runs (`progress.phase`)."""
         from .progress import phase
 
-        try:
-            with phase(label, self.progress_write):
-                yield
-        finally:
-            release_freed_memory()
+        return phase(label, self.progress_write)
 
     def head_knockout(self, recipe: str, heads=None):
         """Rung 2: knockout delta of every head (or of ``heads``) on held-out repeat sequences (DataFrame).

@@ -10,7 +10,7 @@ linter. The layers, highest first; a module may import its own layer and any lay
 5. ``settings``
 6. ``rungs``
 7. ``model``
-8. base: ``errors``, ``options``, ``fsio``, ``progress``, ``memory``
+8. base: ``errors``, ``options``, ``fsio``, ``progress``
 
 The one exception: ``from pytest_circuits import __version__`` (package metadata, no code) is
 allowed from any layer.
@@ -33,7 +33,7 @@ LAYERS = (
     ("settings",),
     ("rungs",),
     ("model",),
-    ("errors", "options", "fsio", "progress", "memory"),
+    ("errors", "options", "fsio", "progress"),
 )
 
 
