@@ -215,6 +215,27 @@ OPTIONS: tuple[Option, ...] = (
         minimum=1,
         maximum=4096,
     ),
+    Option(
+        "shard",
+        "str",
+        None,
+        "this job measures only shard I/K of the knockout scan (1-based, as a CI matrix or a Slurm array "
+        "counts) and writes its part to --circuits-shard-out; it gates rungs 1 and 1/2 and skips rung 2, "
+        "which the job that merges the parts gates (--circuits-shard-parts); one build",
+    ),
+    Option(
+        "shard-out",
+        "path",
+        None,
+        "with --circuits-shard: the part file this job writes (the format circuits record --shard writes)",
+    ),
+    Option(
+        "shard-parts",
+        "str",
+        None,
+        "gate the record merged from these shard parts (a quoted glob such as 'parts/part-*.json', or their "
+        "folder) instead of measuring the builds: every build gated needs all its parts; no weights are loaded",
+    ),
     Option("batch-size", "int", 8, "sequences per forward pass", minimum=1, maximum=1_000_000, cli=_SCAN_LIKE),
     Option(
         "update",
@@ -245,9 +266,9 @@ def _flag_of(option: Option, front_end: str | None = None) -> str:
     return option.cli_flag if (front_end or FRONT_END.get()) == "cli" else option.pytest_flag
 
 
-def flag(name: str) -> str:
-    """How the running front end spells option ``name`` (``--circuits-probe-n`` or ``--probe-n``)."""
-    return _flag_of(BY_NAME[name])
+def flag(name: str, front_end: str | None = None) -> str:
+    """How ``front_end`` (default: the running one) spells option ``name`` (``--circuits-probe-n`` or ``--probe-n``)."""
+    return _flag_of(BY_NAME[name], front_end)
 
 
 def parse_value(name: str, raw: Any, front_end: str | None = None) -> Any:
