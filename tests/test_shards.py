@@ -240,6 +240,26 @@ def test_the_merge_job_gates_the_parts_knockouts_without_loading_the_build(pytes
     assert "builds loaded" not in out
 
 
+@needs_embedded
+def test_the_merge_job_records_the_merged_parts_as_the_unsharded_baseline(pytest_parts, whole, pytester):
+    """``--circuits-shard-parts DIR --circuits-update``: the baseline written is the unsharded record, bit for bit."""
+    gathered, _ = pytest_parts
+    pytester.makeini("[pytest]\n")
+    pytester.makepyfile(test_gate=GATE_SUITE)
+    result = pytester.runpytest(
+        "-p",
+        "no:cacheprovider",
+        *PYTEST_OPTIONS,
+        *PYTEST_PROBE,
+        "--circuits-shard-parts",
+        str(gathered),
+        "--circuits-update",
+    )
+    result.assert_outcomes(passed=5, skipped=1, deselected=1)  # skipped: no base-model swap
+    written = pytester.path / "baselines" / "tiny-induction--fp32.json"
+    assert written.read_bytes() == (whole / "tiny-induction--fp32.json").read_bytes()
+
+
 def _settings(**raw) -> object:
     base = {"model": "tiny-induction", "builds": "fp32", "probe-n": 4, "probe-length": 16}
     return build_settings({**base, **raw}, baselines=Path("baselines"), front_end="pytest")
