@@ -260,6 +260,20 @@ def test_the_merge_job_records_the_merged_parts_as_the_unsharded_baseline(pytest
     assert written.read_bytes() == (whole / "tiny-induction--fp32.json").read_bytes()
 
 
+def test_a_shard_job_that_wrote_no_part_fails(pytester):
+    """A shard job whose shard test did not run (here: a suite without it) has not done its job: exit 1, one line."""
+    pytester.makepyfile(test_other="def test_other():\n    pass\n")
+    result = pytester.runpytest(
+        "-p", "no:cacheprovider", *PYTEST_OPTIONS, "--circuits-shard", "1/2", "--circuits-shard-out", "p.json"
+    )
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        ["ERROR --circuits-shard 1/2: no part written to p.json (test_knockout_shard failed or did not run)"]
+    )
+    assert not (pytester.path / "p.json").exists()
+
+
 def _settings(**raw) -> object:
     base = {"model": "tiny-induction", "builds": "fp32", "probe-n": 4, "probe-length": 16}
     return build_settings({**base, **raw}, baselines=Path("baselines"), front_end="pytest")
