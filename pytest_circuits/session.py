@@ -287,7 +287,10 @@ class CircuitsSession:
     @cached_property
     def shards(self) -> int:
         """Layer shards of a full knockout scan: ``--circuits-knockout-shards`` (at most the layer count), else the worker count
-        under pytest-xdist for a model of `AUTO_SHARD_HEADS` heads or more, else one."""
+        under pytest-xdist for a model of `AUTO_SHARD_HEADS` heads or more, else one; one when the
+        knockouts come from shard parts (``--circuits-shard-parts``: nothing is measured)."""
+        if self.settings.shard_parts is not None:
+            return 1
         if self.settings.knockout_shards is not None:  # at most one shard per layer (4096 on 2 layers: 2)
             try:
                 return max(1, min(self.settings.knockout_shards, self.preflight().n_layers))

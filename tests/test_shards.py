@@ -286,6 +286,7 @@ def test_pytest_shard_options_are_checked_in_one_line():
         ({"shard": "1/2", "shard-out": "p", "shard-parts": "x"}, "two jobs; give one"),
         ({"shard": "1/2", "shard-out": "p", "update": True}, "record baselines where the parts merge"),
         ({"shard": "1/2", "shard-out": "p", "builds": "fp32,bf16"}, "measures one build, got fp32, bf16"),
+        ({"shard-parts": "p", "knockout-shards": 2}, "measures no knockout: drop --circuits-knockout-shards"),
     ):
         with pytest.raises(ShardError, match=said):
             check_shard_job(_settings(**raw))

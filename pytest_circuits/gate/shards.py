@@ -202,6 +202,10 @@ def check_shard_job(settings) -> None:
     if s.shard is None:
         if s.shard_out is not None:
             raise ShardError(f"{flag('shard-out')} writes a shard job's part: give {flag('shard')} I/K too")
+        if s.shard_parts is not None and s.knockout_shards is not None:
+            raise ShardError(
+                f"{flag('shard-parts')} gates the merged parts and measures no knockout: drop {flag('knockout-shards')}"
+            )
         return
     job = f"{flag('shard')} {s.shard[0]}/{s.shard[1]}"
     if s.shard_out is None:
