@@ -180,13 +180,13 @@ def part_paths(pattern: str, said: str) -> list[Path]:
 
 def merged_by_build(paths: list[Path]) -> dict[str, dict]:
     """Each build's merged record (`merge_parts`) from part files of one or more builds, any order."""
+    from .store import validate
+
     groups: dict[str, list[tuple[str, dict]]] = {}
     for path in paths:
         part = read_part(path)
         recipe = str((part["record"].get("build") or {}).get("recipe"))
         groups.setdefault(recipe, []).append((str(path), part))
-    from .store import validate
-
     return {
         recipe: validate(merge_parts(parts), f"the record merged from the parts of {recipe}")
         for recipe, parts in groups.items()
