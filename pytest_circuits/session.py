@@ -89,7 +89,8 @@ class CircuitsSession:
             check_fits(config, tokens, s.probe.L)
             _, geometry = family_and_geometry(config)
             check_geometry(self.settings.model, geometry)
-            check_probe_memory(geometry, s.probe.n, s.probe.L, s.batch_size, knockout=True, device=str(self.device))
+            if s.shard_parts is None:  # a merge job runs no probe: it gates the parts' figures
+                check_probe_memory(geometry, s.probe.n, s.probe.L, s.batch_size, knockout=True, device=str(self.device))
             return geometry
 
         return self.memo(("preflight",), check)

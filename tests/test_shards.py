@@ -331,3 +331,15 @@ def test_the_merge_job_refuses_what_is_not_the_builds_parts_in_one_line(pytest_p
     with pytest.raises(ShardError, match="part-2.json differs from .*part-1.json in model.fingerprint") as refused:
         record(str(tmp_path / "mixed"))
     assert len(str(refused.value).splitlines()) == 1
+
+
+@needs_embedded
+def test_a_merge_job_needs_no_memory_for_a_probe_it_does_not_run(monkeypatch):
+    """The merge job's preflight reads the config and tokenizer only: no probe-memory refusal."""
+    from pytest_circuits.errors import CircuitsError
+    from pytest_circuits.rungs import repeat
+
+    monkeypatch.setattr(repeat, "available_memory", lambda device: 0)
+    with pytest.raises(CircuitsError, match="the repeat probe with n=4, L=16"):
+        CircuitsSession(_settings()).preflight()
+    assert CircuitsSession(_settings(**{"shard-parts": "parts"})).preflight().n_layers == 2
