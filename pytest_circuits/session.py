@@ -369,6 +369,11 @@ class CircuitsSession:
                     f"({', '.join(self.settings.builds)}): name only the parts of the builds gated"
                 )
             for record in merged.values():
+                if record["model"]["name"] != self.model_name:
+                    raise ShardError(
+                        f"{said} {pattern}: the parts are of model {record['model']['name']}, this run gates "
+                        f"{self.model_name}: name the parts of this model"
+                    )
                 asked, theirs = self.settings.probe.as_dict(), {k: record["probe"].get(k) for k in ("seed", "n", "L")}
                 if theirs != asked:
                     raise ShardError(

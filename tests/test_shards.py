@@ -323,6 +323,13 @@ def test_the_merge_job_refuses_what_is_not_the_builds_parts_in_one_line(pytest_p
         CircuitsSession(_settings(builds="bf16", **{"shard-parts": str(gathered)})).record("bf16")
     with pytest.raises(ShardError, match="measured with probe .*'n': 4.*this run asks for .*'n': 8"):
         record(str(gathered), **{"probe-n": 8})
+    (tmp_path / "renamed").mkdir()
+    for i in (1, 2):
+        renamed = read_part(gathered / f"part-{i}.json")
+        renamed["record"]["model"]["name"] = "another-model"
+        (tmp_path / "renamed" / f"part-{i}.json").write_text(json.dumps(renamed))
+    with pytest.raises(ShardError, match="the parts are of model another-model, this run gates tiny-induction"):
+        record(str(tmp_path / "renamed"))
     other = read_part(gathered / "part-2.json")
     other["record"]["model"]["fingerprint"] = "sha256:" + "0" * 64
     (tmp_path / "mixed").mkdir()
