@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import CircuitsError
+from .errors import CircuitsError, ShardError
 
 DEFAULT_MODEL = "tiny-induction"
 DEFAULT_BUILDS = ("fp32", "bnb-int8", "bnb-nf4")
@@ -285,3 +285,14 @@ def markdown_table() -> str:
         default = "off" if option.kind == "bool" else ("none" if option.default in (None, "") else option.default)
         rows.append(f"| `{option.pytest_flag}` | `{option.ini}` | `{default}` | {option.help} |")
     return "\n".join(rows)
+
+
+def parse_shard(text: str, said: str = "--shard") -> tuple[int, int]:
+    """``"i/K"`` (1-based, as a CI matrix or ``SLURM_ARRAY_TASK_ID`` counts) -> ``(i, K)``; ``said``: the flag typed."""
+    try:
+        index, total = (int(part) for part in str(text).split("/"))
+    except ValueError:
+        raise ShardError(f"{said} {text!r} is not i/K (e.g. 2/4: the second of four shards)") from None
+    if total < 1 or not 1 <= index <= total:
+        raise ShardError(f"{said} {text}: i must lie in 1..K and K be at least 1 (e.g. 2/4)")
+    return index, total

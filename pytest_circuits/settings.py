@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .options import BY_NAME, DEFAULT_BUILDS, DEFAULT_MODEL, DEFAULT_REFERENCE, flag, parse_value
+from .errors import ShardError
+from .options import BY_NAME, DEFAULT_BUILDS, DEFAULT_MODEL, DEFAULT_REFERENCE, flag, parse_shard, parse_value
 from .rungs.kappa_method import KappaMethod
 from .rungs.repeat_settings import RepeatSettings
 
@@ -69,7 +70,6 @@ def build_settings(raw: dict, baselines: Path, front_end: str | None = None, **f
 
     ``baselines``: the folder when no option names one. ``fixed``: settings given directly.
     """
-    from .gate.shards import ShardError, parse_shard
     from .model.recipes import parse_build_specs, reference_spec
 
     def get(name):

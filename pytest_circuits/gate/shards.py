@@ -16,27 +16,13 @@ import copy
 import json
 from pathlib import Path
 
-from ..errors import CircuitsError
+from ..errors import ShardError
+from ..options import parse_shard  # noqa: F401  (declared below gate, where settings read --circuits-shard)
 
 PART_FORMAT = 1
 KNOCKOUT_PREFIX = "knockout_delta"  # a head row's figures that the part owning its layer measured
 # where two parts of one build may differ: the spec the model was typed as (a job's own path)
 JOB_LOCAL = (("model", "spec"),)
-
-
-class ShardError(CircuitsError):
-    """A bad ``--shard``, or parts that are not one build's shards."""
-
-
-def parse_shard(text: str, said: str = "--shard") -> tuple[int, int]:
-    """``"i/K"`` (1-based, as a CI matrix or ``SLURM_ARRAY_TASK_ID`` counts) -> ``(i, K)``; ``said``: the flag typed."""
-    try:
-        index, total = (int(part) for part in str(text).split("/"))
-    except ValueError:
-        raise ShardError(f"{said} {text!r} is not i/K (e.g. 2/4: the second of four shards)") from None
-    if total < 1 or not 1 <= index <= total:
-        raise ShardError(f"{said} {text}: i must lie in 1..K and K be at least 1 (e.g. 2/4)")
-    return index, total
 
 
 def part_of(session, recipe: str, index: int, total: int) -> dict:
