@@ -239,8 +239,7 @@ def cmd_record(args) -> int:
 
 def _record_shard(args) -> int:
     """One shard of one build's record, as its own job: ``--shard I/K --out FILE`` (`gate.shards`)."""
-    from .fsio import atomic_write_text
-    from .gate.shards import dumps_part, parse_shard, part_of
+    from .gate.shards import parse_shard, write_part
 
     index, total = parse_shard(args.shard)
     if args.out is None:
@@ -248,8 +247,7 @@ def _record_shard(args) -> int:
     args.knockout_shards = str(total)
     session = _session(args)
     recipe = _one_build(session, "record --shard")
-    part = part_of(session, recipe, index, total)
-    atomic_write_text(args.out, dumps_part(part))
+    part = write_part(session, recipe, index, total, args.out)
     print(f"wrote {args.out}: shard {index}/{total} of {recipe} (layers {', '.join(map(str, part['part']['layers']))})")
     return EXIT_OK
 

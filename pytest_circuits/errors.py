@@ -56,3 +56,7 @@ class FileSystemError(CircuitsError):
 def warn(text: str) -> None:
     """One warning line on stderr (the run goes on)."""
     print(f"pytest-circuits: warning: {text}", file=sys.stderr)
+
+
+class ShardError(CircuitsError):
+    """A bad ``--shard``, or parts that are not one build's shards."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import CircuitsError
+from .errors import CircuitsError, ShardError
 
 DEFAULT_MODEL = "tiny-induction"
 DEFAULT_BUILDS = ("fp32", "bnb-int8", "bnb-nf4")
@@ -216,6 +216,27 @@ OPTIONS: tuple[Option, ...] = (
         minimum=1,
         maximum=4096,
     ),
+    Option(
+        "shard",
+        "str",
+        None,
+        "this job measures only shard I/K of the knockout scan (1-based, as a CI matrix or a Slurm array "
+        "counts) and writes its part to --circuits-shard-out; it gates rungs 1 and 1/2 and skips rung 2, "
+        "which the job that merges the parts gates (--circuits-shard-parts); one build",
+    ),
+    Option(
+        "shard-out",
+        "path",
+        None,
+        "with --circuits-shard: the part file this job writes (the format circuits record --shard writes)",
+    ),
+    Option(
+        "shard-parts",
+        "str",
+        None,
+        "gate the record merged from these shard parts (a quoted glob such as 'parts/part-*.json', or their "
+        "folder) instead of measuring the builds: every build gated needs all its parts; no weights are loaded",
+    ),
     Option("batch-size", "int", 8, "sequences per forward pass", minimum=1, maximum=1_000_000, cli=_SCAN_LIKE),
     Option(
         "update",
@@ -246,9 +267,9 @@ def _flag_of(option: Option, front_end: str | None = None) -> str:
     return option.cli_flag if (front_end or FRONT_END.get()) == "cli" else option.pytest_flag
 
 
-def flag(name: str) -> str:
-    """How the running front end spells option ``name`` (``--circuits-probe-n`` or ``--probe-n``)."""
-    return _flag_of(BY_NAME[name])
+def flag(name: str, front_end: str | None = None) -> str:
+    """How ``front_end`` (default: the running one) spells option ``name`` (``--circuits-probe-n`` or ``--probe-n``)."""
+    return _flag_of(BY_NAME[name], front_end)
 
 
 def parse_value(name: str, raw: Any, front_end: str | None = None) -> Any:
@@ -265,3 +286,14 @@ def markdown_table() -> str:
         default = "off" if option.kind == "bool" else ("none" if option.default in (None, "") else option.default)
         rows.append(f"| `{option.pytest_flag}` | `{option.ini}` | `{default}` | {option.help} |")
     return "\n".join(rows)
+
+
+def parse_shard(text: str, said: str = "--shard") -> tuple[int, int]:
+    """``"i/K"`` (1-based, as a CI matrix or ``SLURM_ARRAY_TASK_ID`` counts) -> ``(i, K)``; ``said``: the flag typed."""
+    try:
+        index, total = (int(part) for part in str(text).split("/"))
+    except ValueError:
+        raise ShardError(f"{said} {text!r} is not i/K (e.g. 2/4: the second of four shards)") from None
+    if total < 1 or not 1 <= index <= total:
+        raise ShardError(f"{said} {text}: i must lie in 1..K and K be at least 1 (e.g. 2/4)")
+    return index, total

@@ -90,7 +90,8 @@ class CircuitsSession:
             check_fits(config, tokens, s.probe.L)
             _, geometry = family_and_geometry(config)
             check_geometry(self.settings.model, geometry)
-            check_probe_memory(geometry, s.probe.n, s.probe.L, s.batch_size, knockout=True, device=str(self.device))
+            if s.shard_parts is None:  # a merge job runs no probe: it gates the parts' figures
+                check_probe_memory(geometry, s.probe.n, s.probe.L, s.batch_size, knockout=True, device=str(self.device))
             return geometry
 
         return self.memo(("preflight",), check)
@@ -139,7 +140,12 @@ class CircuitsSession:
             if not self.settings.spec(name).external:
                 continue
             try:
-                identity = self.build(name).identity.as_dict() if name == recipe else self.load_baseline(name)["build"]
+                if name != recipe:
+                    identity = self.load_baseline(name)["build"]
+                elif self.settings.shard_parts is not None:  # gated from its parts: the build is not loaded
+                    identity = self.merged_record(name)["build"]
+                else:
+                    identity = self.build(name).identity.as_dict()
             except CircuitsError:
                 continue  # the gate reports a missing or unreadable reference itself
             line = describe_identity(identity)
@@ -205,6 +211,14 @@ class CircuitsSession:
         With shards (`shards`), the scan of every head is the merge of its layer shards.
         """
         chosen = None if heads is None else tuple(sorted(heads))
+        if chosen is None and self.settings.shard is not None:
+            from .gate.shards import ShardError
+
+            i, k = self.settings.shard
+            raise ShardError(
+                f"this job measures only knockout shard {i}/{k} ({flag('shard')}): the whole scan of {recipe} "
+                f"is the merge of every part ({flag('shard-parts')})"
+            )
         if chosen is None and self.shards > 1:
             from .rungs.knockout_shards import merge_knockout_shards
 
@@ -288,7 +302,10 @@ class CircuitsSession:
     @cached_property
     def shards(self) -> int:
         """Layer shards of a full knockout scan: ``--circuits-knockout-shards`` (at most the layer count), else the worker count
-        under pytest-xdist for a model of `AUTO_SHARD_HEADS` heads or more, else one."""
+        under pytest-xdist for a model of `AUTO_SHARD_HEADS` heads or more, else one; one when the
+        knockouts come from shard parts (``--circuits-shard-parts``: nothing is measured)."""
+        if self.settings.shard_parts is not None:
+            return 1
         if self.settings.knockout_shards is not None:  # at most one shard per layer (4096 on 2 layers: 2)
             try:
                 return max(1, min(self.settings.knockout_shards, self.preflight().n_layers))
@@ -340,10 +357,59 @@ class CircuitsSession:
         from .gate.record import build_record
 
         m = self.settings.kappa_method if method is None else method
+        if self.settings.shard_parts is not None:
+            return self.merged_record(recipe, m)
         full = self._cache.get(("record", recipe, True, m))
         if not knockout and full is not None and not isinstance(full, _Failed):  # the full record serves too
             return full
         return self.memo(("record", recipe, knockout, m), lambda: build_record(self, recipe, knockout, m))
+
+    def merged_record(self, recipe: str, method=None) -> dict:
+        """``--circuits-shard-parts``: the record of ``recipe`` merged from its shard parts
+        (`gate.shards.merged_by_build`), read once; the build is not loaded. Parts of a build not
+        gated, a build without parts, or parts measured otherwise than asked are one line each."""
+        from .gate.shards import ShardError, merged_by_build, part_paths
+        from .rungs.kappa_method import of_record
+
+        said = flag("shard-parts")
+
+        def read() -> dict[str, dict]:
+            pattern = str(self.settings.shard_parts)
+            merged = merged_by_build(part_paths(pattern, said))
+            strays = sorted(set(merged) - set(self.settings.builds))
+            if strays:
+                raise ShardError(
+                    f"{said} {pattern} holds parts of {', '.join(strays)}, not a build gated "
+                    f"({', '.join(self.settings.builds)}): name only the parts of the builds gated"
+                )
+            for record in merged.values():
+                if record["model"]["name"] != self.model_name:
+                    raise ShardError(
+                        f"{said} {pattern}: the parts are of model {record['model']['name']}, this run gates "
+                        f"{self.model_name}: name the parts of this model"
+                    )
+                asked, theirs = self.settings.probe.as_dict(), {k: record["probe"].get(k) for k in ("seed", "n", "L")}
+                if theirs != asked:
+                    raise ShardError(
+                        f"{said} {pattern}: the parts were measured with probe {theirs}, this run asks for {asked}; "
+                        "give this run the shard jobs' probe options"
+                    )
+            return merged
+
+        merged = self.memo(("shard_parts",), read)
+        if recipe not in merged:
+            raise ShardError(
+                f"{said} {self.settings.shard_parts} holds no part of build {recipe}: "
+                "gate only the builds whose parts are there, or add them"
+            )
+        record = merged[recipe]
+        m = self.settings.kappa_method if method is None else method
+        if of_record(record) != m:
+            raise ShardError(
+                f"the parts of {recipe} measured kappa with {of_record(record).describe()}, the baseline asks for "
+                f"{m.describe()}: record the baseline again, or measure the build unsharded"
+            )
+        return record
 
     @cached_property
     def baselines(self):

@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .options import BY_NAME, DEFAULT_BUILDS, DEFAULT_MODEL, DEFAULT_REFERENCE, parse_value
+from .errors import ShardError
+from .options import BY_NAME, DEFAULT_BUILDS, DEFAULT_MODEL, DEFAULT_REFERENCE, flag, parse_shard, parse_value
 from .rungs.kappa_method import KappaMethod
 from .rungs.repeat_settings import RepeatSettings
 
@@ -41,6 +42,9 @@ class CircuitsSettings:
     # way its baseline was measured (rungs/kappa_method.py, gate/verdict.candidate_record).
     kappa_method: KappaMethod = field(default_factory=KappaMethod)
     knockout_shards: int | None = None  # layer shards of the knockout scan (None: automatic)
+    shard: tuple[int, int] | None = None  # (i, K): this job measures only knockout shard i of K (gate/shards.py)
+    shard_out: Path | None = None  # where a shard job writes its part
+    shard_parts: str | None = None  # gate the record merged from these parts (a glob or folder) instead of measuring
     fdr_q: float = 0.05
     batch_size: int = 8
     tolerances: dict = field(default_factory=dict)  # gate tolerance overrides (ini circuits_tol_*)
@@ -71,6 +75,13 @@ def build_settings(raw: dict, baselines: Path, front_end: str | None = None, **f
     def get(name):
         return parse_value(name, raw.get(name), front_end)
 
+    said = flag("shard", front_end)
+    shard = None if get("shard") is None else parse_shard(get("shard"), said)
+    knockout_shards = get("knockout-shards")
+    if shard is not None and knockout_shards not in (None, shard[1]):
+        flags = f"{said} {shard[0]}/{shard[1]} and {flag('knockout-shards', front_end)} {knockout_shards}"
+        raise ShardError(f"{flags} split the scan two ways; give one")
+
     specs = parse_build_specs(get("builds"))
     reference = reference_spec(get("reference"), specs)
 
@@ -94,7 +105,10 @@ def build_settings(raw: dict, baselines: Path, front_end: str | None = None, **f
         knockout_screen=get("knockout-screen"),
         knockout_full=get("knockout-full"),
         knockout_screen_method=get("knockout-screen-method"),
-        knockout_shards=get("knockout-shards"),
+        knockout_shards=knockout_shards if shard is None else shard[1],
+        shard=shard,
+        shard_out=get("shard-out"),
+        shard_parts=get("shard-parts"),
         batch_size=get("batch-size"),
     )
     return CircuitsSettings(**{**values, **fixed})

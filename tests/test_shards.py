@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from pytest_circuits.cli import main
-from pytest_circuits.gate.shards import ShardError, merge_parts, parse_shard, read_part
+from pytest_circuits.gate.shards import ShardError, check_shard_job, merge_parts, parse_shard, read_part
+from pytest_circuits.session import CircuitsSession
+from pytest_circuits.settings import build_settings
 
 from .conftest import needs_embedded
 
@@ -64,13 +67,20 @@ def parts(tmp_path_factory):
     return gathered
 
 
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory) -> Path:
+    """The unsharded record of the embedded model's fp32 build (``circuits record``): a baselines folder."""
+    folder = tmp_path_factory.mktemp("whole")
+    assert main(["record", "tiny-induction", "--build", "fp32", "--baselines", str(folder), *PROBE]) == 0
+    return folder
+
+
 @needs_embedded
-def test_separate_shard_jobs_merge_to_the_unsharded_record_bit_for_bit(parts, tmp_path, monkeypatch, capsys):
+def test_separate_shard_jobs_merge_to_the_unsharded_record_bit_for_bit(parts, whole, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["merge", str(parts / "part-2.json"), str(parts / "part-1.json"), "-o", "merged.json"]) == 0
-    assert main(["record", "tiny-induction", "--build", "fp32", "--baselines", "whole", *PROBE]) == 0
-    merged, whole = Path("merged.json").read_bytes(), Path("whole/tiny-induction--fp32.json").read_bytes()
-    assert merged == whole
+    merged = Path("merged.json").read_bytes()
+    assert merged == (whole / "tiny-induction--fp32.json").read_bytes()
     record = json.loads(merged)
     assert all(row["knockout_delta"] is not None for row in record["heads"])  # every layer from its owner
     one = read_part(parts / "part-1.json")
@@ -112,3 +122,231 @@ def test_shard_words_are_checked_in_one_line(capsys):
     assert "--shard 1/2 needs --out FILE" in capsys.readouterr().err
     assert main(["record", "tiny-induction", "--build", "fp32", "--out", "x.json"]) == 2
     assert "--out writes a shard's part: give --shard I/K too" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the same from pytest
+
+GATE_SUITE = "from pytest_circuits.probes import *  # noqa: F401,F403\n"
+PYTEST_OPTIONS = [
+    "--circuits-model",
+    "tiny-induction",
+    "--circuits-builds",
+    "fp32",
+    "--circuits-baselines",
+    "baselines",
+]
+PYTEST_PROBE = ["--circuits-probe-n", "4", "--circuits-probe-length", "16"]
+
+
+def _pytest_job(folder: Path, baselines: Path, *words: str) -> subprocess.Popen:
+    """``pytest`` of the gate suite in a process of its own, in its own folder: its own rootdir, model
+    cache and copy of the baselines (as a CI job has its checkout)."""
+    folder.mkdir(parents=True)
+    (folder / "pytest.ini").write_text("[pytest]\n")
+    (folder / "test_gate.py").write_text(GATE_SUITE)
+    shutil.copytree(baselines, folder / "baselines")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTEST_CIRCUITS_CACHE": str(folder / "cache")}
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rfs", *PYTEST_OPTIONS, *PYTEST_PROBE, *words]
+    return subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="module")
+def pytest_parts(tmp_path_factory, whole):
+    """Two pytest shard jobs of the gate suite (run at once, no folder shared), their parts gathered
+    in one folder; ``(folder, {i: output})``."""
+    root = tmp_path_factory.mktemp("pytest-jobs")
+    jobs = {
+        i: _pytest_job(root / f"job{i}", whole, "--circuits-shard", f"{i}/2", "--circuits-shard-out", f"part-{i}.json")
+        for i in (1, 2)
+    }
+    gathered = root / "gathered"
+    gathered.mkdir()
+    outputs = {}
+    for i, job in jobs.items():
+        outputs[i], _ = job.communicate(timeout=600)
+        assert job.returncode == 0, outputs[i][-3000:]
+        (gathered / f"part-{i}.json").write_bytes((root / f"job{i}" / f"part-{i}.json").read_bytes())
+    return gathered, outputs
+
+
+@needs_embedded
+def test_pytest_shard_jobs_write_the_cli_parts_and_merge_to_the_unsharded_record(pytest_parts, parts, whole, tmp_path):
+    """One writer: each pytest job's part is the CLI job's, byte for byte, so ``circuits merge`` takes
+    any mix of them; merged, they are the unsharded record, bit for bit."""
+    gathered, _ = pytest_parts
+    for i in (1, 2):
+        assert (gathered / f"part-{i}.json").read_bytes() == (parts / f"part-{i}.json").read_bytes()
+    unsharded = (whole / "tiny-induction--fp32.json").read_bytes()
+    assert (
+        main(["merge", str(gathered / "part-1.json"), str(gathered / "part-2.json"), "-o", str(tmp_path / "a.json")])
+        == 0
+    )
+    assert (tmp_path / "a.json").read_bytes() == unsharded
+    assert (
+        main(["merge", str(parts / "part-1.json"), str(gathered / "part-2.json"), "-o", str(tmp_path / "b.json")]) == 0
+    )
+    assert (tmp_path / "b.json").read_bytes() == unsharded
+
+
+@needs_embedded
+def test_a_pytest_shard_job_says_it_did_not_gate_rung_2(pytest_parts):
+    """Rungs 1 and 1/2 gated; rung 2 skipped with why, never passed; the summary names the part."""
+    _, outputs = pytest_parts
+    layers = {1: "0", 2: "1"}
+    for i, out in outputs.items():
+        assert f"shard {i}/2 of fp32: wrote part-{i}.json (knockouts of layers {layers[i]} only)" in out
+        assert f"NOTE rung 2 not gated by this job, which measured only knockout shard {i}/2" in out
+        assert "skip swap_knockout, knockout_deltas: rung 2 not gated by this job" in out
+        held = next(line for line in out.splitlines() if line.startswith("  pass "))
+        assert "copying_heads" in held and "knockout" not in held
+        assert "5 passed, 2 skipped" in out
+
+
+def _damaged(part: dict, label: str, factor: float) -> dict:
+    """``part`` with head ``label``'s knockout figures (delta, interval, per-sequence) times ``factor``."""
+    part = copy.deepcopy(part)
+    row = next(r for r in part["record"]["heads"] if r["head"] == label)
+    row["knockout_delta"] *= factor
+    row["knockout_delta_interval"] = [x * factor for x in row["knockout_delta_interval"]]
+    row["knockout_delta_sequences"] = [x * factor for x in row["knockout_delta_sequences"]]
+    return part
+
+
+@needs_embedded
+def test_the_merge_job_gates_the_parts_knockouts_without_loading_the_build(pytest_parts, whole, pytester, tmp_path):
+    """``--circuits-shard-parts``: the gate reads the merged parts, rung 2 included (a part whose
+    strongest head lost two thirds of its knockout effect fails knockout_deltas naming it) and loads nothing."""
+    gathered, _ = pytest_parts
+    record = json.loads((whole / "tiny-induction--fp32.json").read_text())
+    top = max(record["heads"], key=lambda row: row["knockout_delta"])
+    assert top["layer"] == 1  # owned by part 2
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    shutil.copy(gathered / "part-1.json", folder)
+    (folder / "part-2.json").write_text(json.dumps(_damaged(read_part(gathered / "part-2.json"), top["head"], 1 / 3)))
+    pytester.makeini("[pytest]\n")
+    pytester.makepyfile(test_gate=GATE_SUITE)
+    shutil.copytree(whole, pytester.path / "baselines")
+    pattern = str(folder / "part-*.json")
+    result = pytester.runpytest(
+        "-p", "no:cacheprovider", "-rfs", *PYTEST_OPTIONS, *PYTEST_PROBE, "--circuits-shard-parts", pattern
+    )
+    out = "\n".join(result.outlines + result.errlines)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, out[-3000:]
+    result.assert_outcomes(passed=4, failed=1, skipped=1, deselected=1)  # skipped: no base-model swap
+    assert "FAILED test_gate.py::test_knockout_deltas_keep_size[fp32]" in out
+    assert f"FAIL knockout_deltas: knockout_deltas: {top['head']} knockout_delta" in out
+    assert f"gated the record merged from the shard parts {pattern} (the build was not loaded)" in out
+    assert "builds loaded" not in out
+
+
+@needs_embedded
+def test_the_merge_job_records_the_merged_parts_as_the_unsharded_baseline(pytest_parts, whole, pytester):
+    """``--circuits-shard-parts DIR --circuits-update``: the baseline written is the unsharded record, bit for bit."""
+    gathered, _ = pytest_parts
+    pytester.makeini("[pytest]\n")
+    pytester.makepyfile(test_gate=GATE_SUITE)
+    result = pytester.runpytest(
+        "-p",
+        "no:cacheprovider",
+        *PYTEST_OPTIONS,
+        *PYTEST_PROBE,
+        "--circuits-shard-parts",
+        str(gathered),
+        "--circuits-update",
+    )
+    result.assert_outcomes(passed=5, skipped=1, deselected=1)  # skipped: no base-model swap
+    written = pytester.path / "baselines" / "tiny-induction--fp32.json"
+    assert written.read_bytes() == (whole / "tiny-induction--fp32.json").read_bytes()
+
+
+def test_a_shard_job_that_wrote_no_part_fails(pytester):
+    """A shard job whose shard test did not run (here: a suite without it) has not done its job: exit 1, one line."""
+    pytester.makepyfile(test_other="def test_other():\n    pass\n")
+    result = pytester.runpytest(
+        "-p", "no:cacheprovider", *PYTEST_OPTIONS, "--circuits-shard", "1/2", "--circuits-shard-out", "p.json"
+    )
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        ["ERROR --circuits-shard 1/2: no part written to p.json (test_knockout_shard failed or did not run)"]
+    )
+    assert not (pytester.path / "p.json").exists()
+
+
+def _settings(**raw) -> object:
+    base = {"model": "tiny-induction", "builds": "fp32", "probe-n": 4, "probe-length": 16}
+    return build_settings({**base, **raw}, baselines=Path("baselines"), front_end="pytest")
+
+
+def test_pytest_shard_options_are_checked_in_one_line():
+    for raw, said in (
+        ({"shard": "1/2"}, "--circuits-shard 1/2 needs --circuits-shard-out FILE"),
+        ({"shard-out": "p.json"}, "--circuits-shard-out writes a shard job's part: give --circuits-shard I/K too"),
+        ({"shard": "1/2", "shard-out": "p", "shard-parts": "x"}, "two jobs; give one"),
+        ({"shard": "1/2", "shard-out": "p", "update": True}, "record baselines where the parts merge"),
+        ({"shard": "1/2", "shard-out": "p", "builds": "fp32,bf16"}, "measures one build, got fp32, bf16"),
+        ({"shard-parts": "p", "knockout-shards": 2}, "measures no knockout: drop --circuits-knockout-shards"),
+    ):
+        with pytest.raises(ShardError, match=said):
+            check_shard_job(_settings(**raw))
+    with pytest.raises(ShardError, match="--circuits-shard 3/2: i must lie in 1..K"):
+        _settings(shard="3/2")
+    with pytest.raises(
+        ShardError, match="--circuits-shard 1/2 and --circuits-knockout-shards 3 split the scan two ways"
+    ):
+        _settings(shard="1/2", **{"knockout-shards": 3})
+    settings = _settings(shard="2/2", **{"shard-out": "p.json"})
+    check_shard_job(settings)
+    assert settings.shard == (2, 2) and settings.knockout_shards == 2
+
+
+@needs_embedded
+def test_a_shard_job_never_measures_the_whole_scan(pytest_parts):
+    """In a shard job every way to the unsharded knockout scan is one line naming the merge."""
+    session = CircuitsSession(_settings(shard="1/2", **{"shard-out": "p.json"}))
+    with pytest.raises(ShardError, match="this job measures only knockout shard 1/2 \\(--circuits-shard\\)"):
+        session.head_knockout("fp32")
+
+
+@needs_embedded
+def test_the_merge_job_refuses_what_is_not_the_builds_parts_in_one_line(pytest_parts, tmp_path):
+    gathered, _ = pytest_parts
+
+    def record(pattern: str, **raw):
+        return CircuitsSession(_settings(**{"shard-parts": pattern}, **raw)).record("fp32", knockout=True)
+
+    assert record(str(gathered))["heads"] == record(str(gathered / "part-*.json"))["heads"]  # a folder or a glob
+    with pytest.raises(ShardError, match="--circuits-shard-parts .*nothing-\\*.json: no file matches"):
+        record(str(tmp_path / "nothing-*.json"))
+    with pytest.raises(ShardError, match="holds parts of fp32, not a build gated \\(bf16\\)"):
+        CircuitsSession(_settings(builds="bf16", **{"shard-parts": str(gathered)})).record("bf16")
+    with pytest.raises(ShardError, match="measured with probe .*'n': 4.*this run asks for .*'n': 8"):
+        record(str(gathered), **{"probe-n": 8})
+    (tmp_path / "renamed").mkdir()
+    for i in (1, 2):
+        renamed = read_part(gathered / f"part-{i}.json")
+        renamed["record"]["model"]["name"] = "another-model"
+        (tmp_path / "renamed" / f"part-{i}.json").write_text(json.dumps(renamed))
+    with pytest.raises(ShardError, match="the parts are of model another-model, this run gates tiny-induction"):
+        record(str(tmp_path / "renamed"))
+    other = read_part(gathered / "part-2.json")
+    other["record"]["model"]["fingerprint"] = "sha256:" + "0" * 64
+    (tmp_path / "mixed").mkdir()
+    shutil.copy(gathered / "part-1.json", tmp_path / "mixed")
+    (tmp_path / "mixed" / "part-2.json").write_text(json.dumps(other))
+    with pytest.raises(ShardError, match="part-2.json differs from .*part-1.json in model.fingerprint") as refused:
+        record(str(tmp_path / "mixed"))
+    assert len(str(refused.value).splitlines()) == 1
+
+
+@needs_embedded
+def test_a_merge_job_needs_no_memory_for_a_probe_it_does_not_run(monkeypatch):
+    """The merge job's preflight reads the config and tokenizer only: no probe-memory refusal."""
+    from pytest_circuits.errors import CircuitsError
+    from pytest_circuits.rungs import repeat
+
+    monkeypatch.setattr(repeat, "available_memory", lambda device: 0)
+    with pytest.raises(CircuitsError, match="the repeat probe with n=4, L=16"):
+        CircuitsSession(_settings()).preflight()
+    assert CircuitsSession(_settings(**{"shard-parts": "parts"})).preflight().n_layers == 2

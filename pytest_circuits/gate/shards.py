@@ -16,7 +16,8 @@ import copy
 import json
 from pathlib import Path
 
-from ..errors import CircuitsError
+from ..errors import ShardError
+from ..options import parse_shard  # noqa: F401  (declared below gate, where settings read --circuits-shard)
 
 PART_FORMAT = 1
 KNOCKOUT_PREFIX = "knockout_delta"  # a head row's figures that the part owning its layer measured
@@ -24,37 +25,34 @@ KNOCKOUT_PREFIX = "knockout_delta"  # a head row's figures that the part owning 
 JOB_LOCAL = (("model", "spec"),)
 
 
-class ShardError(CircuitsError):
-    """A bad ``--shard``, or parts that are not one build's shards."""
-
-
-def parse_shard(text: str) -> tuple[int, int]:
-    """``"i/K"`` (1-based, as a CI matrix or ``SLURM_ARRAY_TASK_ID`` counts) -> ``(i, K)``."""
-    try:
-        index, total = (int(part) for part in str(text).split("/"))
-    except ValueError:
-        raise ShardError(f"--shard {text!r} is not i/K (e.g. 2/4: the second of four shards)") from None
-    if total < 1 or not 1 <= index <= total:
-        raise ShardError(f"--shard {text}: i must lie in 1..K and K be at least 1 (e.g. 2/4)")
-    return index, total
-
-
 def part_of(session, recipe: str, index: int, total: int) -> dict:
     """Shard ``index`` of ``total`` (1-based) of the scan of ``recipe``: the part a job writes."""
+    from ..options import flag
     from .record import build_record
 
+    n_layers = session.preflight().n_layers
+    if total > n_layers:
+        raise ShardError(
+            f"{flag('shard')} {index}/{total}: the model has {n_layers} layers, so at most {n_layers} shards; "
+            f"use K <= {n_layers}"
+        )
     if session.shards != total:
         raise ShardError(f"the session splits the knockouts into {session.shards} shards, not {total}")
     layers = session.shard_layers()
-    if index > len(layers):
-        raise ShardError(
-            f"--shard {index}/{total}: the model has {len(layers)} layers, so at most {len(layers)} shards; "
-            f"use K <= {len(layers)}"
-        )
     frame = session.knockout_shard(recipe, index - 1)
     record = build_record(session, recipe, knockout=True, knockout_frame=frame)
     meta = {"format": PART_FORMAT, "index": index, "of": total, "layers": layers[index - 1]}
     return {"part": meta, "record": record}
+
+
+def write_part(session, recipe: str, index: int, total: int, path: Path) -> dict:
+    """Measure shard ``index`` of ``total`` of ``recipe`` (`part_of`) and write its part to ``path``
+    atomically: the one writer of parts (``circuits record --shard``, pytest ``--circuits-shard``)."""
+    from ..fsio import atomic_write_text
+
+    part = part_of(session, recipe, index, total)
+    atomic_write_text(path, dumps_part(part))
+    return part
 
 
 def dumps_part(part: dict) -> str:
@@ -151,3 +149,62 @@ def merge_parts(parts: list[tuple[str, dict]]) -> dict:
         for key in [k for k in row if k.startswith(KNOCKOUT_PREFIX)]:
             row[key] = theirs.get(key)
     return merged
+
+
+def part_paths(pattern: str, said: str) -> list[Path]:
+    """The part files ``pattern`` names (a glob, or a folder: its ``*.json``), sorted; none is one line."""
+    import glob
+
+    path = Path(pattern).expanduser()
+    found = sorted(path.glob("*.json")) if path.is_dir() else sorted(Path(p) for p in glob.glob(str(path)))
+    if not found:
+        raise ShardError(
+            f"{said} {pattern}: no file matches; name the parts (quote a glob: '{pattern}') or their folder"
+        )
+    return found
+
+
+def merged_by_build(paths: list[Path]) -> dict[str, dict]:
+    """Each build's merged record (`merge_parts`) from part files of one or more builds, any order."""
+    from .store import validate
+
+    groups: dict[str, list[tuple[str, dict]]] = {}
+    for path in paths:
+        part = read_part(path)
+        recipe = str((part["record"].get("build") or {}).get("recipe"))
+        groups.setdefault(recipe, []).append((str(path), part))
+    return {
+        recipe: validate(merge_parts(parts), f"the record merged from the parts of {recipe}")
+        for recipe, parts in groups.items()
+    }
+
+
+def check_shard_job(settings) -> None:
+    """The pytest options of a shard job (``--circuits-shard I/K --circuits-shard-out FILE``, one
+    build) and of a merge job (``--circuits-shard-parts``) fit together, or one line says why not."""
+    from ..options import flag
+
+    s = settings
+    if s.shard is None:
+        if s.shard_out is not None:
+            raise ShardError(f"{flag('shard-out')} writes a shard job's part: give {flag('shard')} I/K too")
+        if s.shard_parts is not None and s.knockout_shards is not None:
+            raise ShardError(
+                f"{flag('shard-parts')} gates the merged parts and measures no knockout: drop {flag('knockout-shards')}"
+            )
+        return
+    job = f"{flag('shard')} {s.shard[0]}/{s.shard[1]}"
+    if s.shard_out is None:
+        raise ShardError(f"{job} needs {flag('shard-out')} FILE: where this job writes its part")
+    if s.shard_parts is not None:
+        raise ShardError(
+            f"{job} measures one shard and {flag('shard-parts')} gates the merged parts: two jobs; give one"
+        )
+    if s.update:
+        raise ShardError(
+            f"{job} measures one shard: record baselines where the parts merge ({flag('shard-parts')} ... {flag('update')})"
+        )
+    if len(s.builds) != 1:
+        raise ShardError(
+            f"{job} measures one build, got {', '.join(s.builds)}: give {flag('builds')} B (one job per build and shard)"
+        )

@@ -91,9 +91,13 @@ def settings_from_config(config: pytest.Config):
         value = config.getoption(option.ini)
         raw[option.name] = config.getini(option.ini) if value is None else value
     try:
-        return build_settings(
+        settings = build_settings(
             raw, baselines=Path(config.rootpath) / "baselines", front_end="pytest", tolerances=_ini_tolerances(config)
         )
+        from ..gate.shards import check_shard_job
+
+        check_shard_job(settings)
+        return settings
     except CircuitsError as error:
         raise pytest.UsageError(str(error)) from None
 
@@ -168,10 +172,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
         session = metafunc.config.stash[SESSION_KEY]
         count = session.shards
+        job = session.settings.shard  # a shard job (--circuits-shard I/K): its one shard, whatever K
+        indexes = [job[0] - 1] if job is not None else range(count if count > 1 else 0)
+        count = count if job is None else job[1]
         shards = [
             pytest.param((recipe, i), id=f"{recipe}-shard{i + 1}of{count}", marks=group_mark(recipe, i))
             for recipe in session.settings.builds
-            for i in range(count if count > 1 else 0)
+            for i in indexes
         ]
         metafunc.parametrize("circuits_knockout_shard", shards, scope="session", indirect=True)
 
@@ -291,7 +298,36 @@ def circuits_knockout_shard(request: pytest.FixtureRequest, circuits_session: Ci
     """One knockout shard's DataFrame (`CircuitsSession.knockout_shard`), parametrized over
     ``(recipe, index)`` when the scan is sharded; ``attrs["layers"]`` holds its layers."""
     recipe, index = request.param
-    return _guard(lambda: circuits_session.knockout_shard(recipe, index))
+    frame = _guard(lambda: circuits_session.knockout_shard(recipe, index))
+    if circuits_session.settings.shard is not None:  # a shard job: its part, for the job that merges
+        request.config.stash[PART_KEY] = _guard(lambda: _write_part(circuits_session, recipe))
+    return frame
+
+
+PART_KEY: pytest.StashKey[dict] = pytest.StashKey()  # the part this shard job wrote (until its test reports it)
+
+
+def _write_part(session: CircuitsSession, recipe: str) -> dict:
+    """``--circuits-shard I/K --circuits-shard-out FILE``: the part, by the writer ``circuits record --shard`` uses."""
+    from ..gate.shards import write_part
+
+    s = session.settings
+    out = s.shard_out
+    assert s.shard is not None and out is not None  # check_shard_job
+    index, total = s.shard
+
+    def write() -> dict:
+        meta = write_part(session, recipe, index, total, out)["part"]
+        return {"recipe": recipe, "path": str(out), "index": index, "of": total, "layers": meta["layers"]}
+
+    return session.memo(("shard_part", recipe), write)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> None:
+    """The part a shard job wrote travels to the summary in the test's user properties (xdist-safe)."""
+    if PART_KEY in item.config.stash and "circuits_knockout_shard" in getattr(item, "fixturenames", ()):
+        item.user_properties.append(("circuits_part", item.config.stash[PART_KEY]))
 
 
 @pytest.fixture
@@ -328,7 +364,9 @@ def circuits_gate(
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
-    if COLLECTED_KEY in config.stash and (config.stash[COLLECTED_KEY].used or config.stash[COLLECTED_KEY].loads):
+    collected = config.stash.get(COLLECTED_KEY, None)
+    shard_job = SESSION_KEY in config.stash and config.stash[SESSION_KEY].settings.shard is not None
+    if collected is not None and (collected.used or collected.loads or shard_job):
         from .collect import terminal_summary
 
         terminal_summary(terminalreporter, config.stash[SESSION_KEY], config.stash[COLLECTED_KEY])
@@ -345,6 +383,11 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         return
     if not config.stash[COLLECTED_KEY].loads:  # a plain run: this process loaded the builds
         config.stash[COLLECTED_KEY].loads.extend(config.stash[SESSION_KEY].loads)
+    from .collect import missing_part
+
+    missing = missing_part(config.stash[SESSION_KEY], config.stash[COLLECTED_KEY])
+    if missing and not config.option.collectonly and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED  # a shard job that wrote no part has not done its job
     if config.stash[COLLECTED_KEY].used:
         from .collect import write_report
 

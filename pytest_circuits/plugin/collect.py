@@ -29,6 +29,7 @@ class Collected:
     loads: list[dict] = field(default_factory=list)  # {"recipe", "worker"}: every build load of the run
     dist: str | None = None  # pytest-xdist's --dist on the controller
     report_error: str = ""  # why a requested --circuits-report was not written (fails the run)
+    parts: list[dict] = field(default_factory=list)  # the part a shard job wrote: recipe, path, index, of, layers
 
     def add(self, user_properties) -> None:
         from ..gate.record import has_figures
@@ -55,16 +56,24 @@ class Collected:
             elif key == "circuits_attention":
                 recipe, attention = value
                 self.attention[recipe] = attention
+            elif key == "circuits_part" and value not in self.parts:
+                self.parts.append(value)
 
 
 def gate_for_test(request, session, recipe: str, invariant: str, tol):
     """`gate_build` for one pytest item; results travel as user properties (pytest-xdist safe)."""
     from ..gate.fixes import fix_lines, update_command
+    from ..gate.invariants import get
     from ..gate.verdict import gate_build
 
+    props = request.node.user_properties
+    # a shard job measured one knockout shard: its rung-2 invariants are skipped saying so, never passed
+    if session.settings.shard is not None and "knockout" in get(invariant).needs:
+        why = shard_job_skip(session.settings)
+        props.append(("circuits_results", [error_row(recipe, invariant, why, status="skipped")]))
+        pytest.skip(why)
     if session.settings.update:  # record own baseline first: the reference's owner takes its lock before anyone waits
         session.write_baseline(recipe)
-    props = request.node.user_properties
     try:
         outcome = gate_build(
             session, recipe, invariant, tol, fix_lines(session.settings, recipe, update_command(request.config))
@@ -73,6 +82,9 @@ def gate_for_test(request, session, recipe: str, invariant: str, tol):
         props.append(("circuits_results", [error_row(recipe, invariant, str(error))]))
         raise
     outcome.notes[:0] = session.identity_lines(recipe)  # an external build: which file was gated
+    parts = session.settings.shard_parts
+    if parts is not None:
+        outcome.notes.insert(0, f"gated the record merged from the shard parts {parts} (the build was not loaded)")
     rows = [r.as_dict() for r in outcome.results] + [error_row(recipe, invariant, p) for p in outcome.problems]
     props.append(("circuits_results", rows))
     props.append(("circuits_events", list(session.events)))
@@ -106,6 +118,8 @@ def attention_for_report(session, recipe: str, reference: dict | None) -> dict |
     build), on probe sequence 0 of this build; a dict with ``note`` instead when it cannot be drawn."""
     from ..report.live import head_attention, strongest_induction_head
 
+    if session.settings.shard_parts is not None:
+        return {"note": "no attention map: the build was gated from its shard parts, not loaded"}
     record = session.record(recipe, knockout=False)
     label = strongest_induction_head(reference or {}) or strongest_induction_head(record)
     if label is None:
@@ -119,18 +133,52 @@ def attention_for_report(session, recipe: str, reference: dict | None) -> dict |
         return {"note": f"the attention map of {label} could not be computed: {type(error).__name__}: {error}"}
 
 
-def error_row(recipe: str, invariant: str, problem: str) -> dict:
-    """A result row (plain data) for an invariant that could not be gated: ``status`` "error"."""
+def error_row(recipe: str, invariant: str, problem: str, status: str = "error") -> dict:
+    """A result row (plain data) for an invariant that could not be gated: ``status`` "error" (or
+    "skipped": a shard job's rung 2)."""
     return {
         "invariant": invariant,
         "build": recipe,
         "against": "",
-        "status": "error",
+        "status": status,
         "passed": False,
         "message": problem,
         "compared": 0,
         "moved": [],
     }
+
+
+def shard_job_skip(settings) -> str:
+    """Why a shard job skips rung 2: it measured one shard; the merge job gates the whole scan."""
+    index, total = settings.shard
+    return (
+        f"rung 2 not gated by this job, which measured only knockout shard {index}/{total}; "
+        f"the job that merges every part gates it ({flag('shard-parts')} 'part-*.json')"
+    )
+
+
+def shard_lines(session, collected: Collected) -> list[str]:
+    """A shard job says what it measured and that it did not gate rung 2 (never a green gate)."""
+    s = session.settings
+    if s.shard is None:
+        return []
+    lines = [
+        f"shard {p['index']}/{p['of']} of {p['recipe']}: wrote {p['path']} (knockouts of layers "
+        f"{', '.join(map(str, p['layers']))} only)"
+        for p in collected.parts
+    ]
+    return lines + ([missing_part(session, collected)] if not collected.parts else []) + [f"NOTE {shard_job_skip(s)}"]
+
+
+def missing_part(session, collected: Collected) -> str:
+    """A shard job whose part was not written (its shard test failed or did not run), else ""."""
+    s = session.settings
+    if s.shard is None or collected.parts:
+        return ""
+    return (
+        f"ERROR {flag('shard')} {s.shard[0]}/{s.shard[1]}: no part written to {s.shard_out} "
+        "(test_knockout_shard failed or did not run)"
+    )
 
 
 def baseline_lines(session, collected: Collected, verbosity: int = 0) -> list[str]:
@@ -188,6 +236,8 @@ def terminal_summary(terminalreporter, session, collected: Collected) -> None:
     )
     for line in lines + (result_lines(collected) if collected.used else []):
         terminalreporter.write_line(line)
+    for line in shard_lines(session, collected):
+        terminalreporter.write_line(line, yellow=not line.startswith("ERROR"), red=line.startswith("ERROR"))
     if collected.report_error:
         terminalreporter.write_line(f"ERROR {collected.report_error}", red=True)
 
