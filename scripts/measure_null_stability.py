@@ -8,7 +8,7 @@ the random ``W_O``, both terms of equal Frobenius norm at ``|t| = 1``), with ``t
 scanned with ``--seeds`` null seeds at each ``--rotations`` count; per count it prints how many
 heads' flags differ between seeds, and the smallest ``|kappa|`` (and ``|kappa_z|``) of a head
 flagged under every seed against the largest of a head flagged under some but not all
-(docs/definitions.md, "Rung 1, weights: kappa", "Null seeds at large d_head"). Minutes on 2 cores.
+(docs/definitions.md, "Rung 1, weights: kappa", "Flags that hold across null draws"). Minutes on 2 cores.
 Each ``--min-effect`` flags the same scans again (`rungs.kappa.reflagged`: ``q <= 0.05`` and
 ``|kappa - null mean| >= min effect``) and prints the same figures for those flags;
 ``--d-head`` widens or narrows the heads (d_model stays 640).
@@ -107,19 +107,19 @@ def report_flags(frames, sd: np.ndarray, score: str = "kappa", suffix: str = "")
     )
     if always.any():
         print(
-            f"  smallest |kappa| flagged under every seed {np.abs(kappa[always]).min():.4f} "
-            f"(|kappa|/null sd {z[always].min():.2f})"
+            f"  smallest |{score}| flagged under every seed {np.abs(kappa[always]).min():.4f} "
+            f"(|{score}|/null sd {z[always].min():.2f})"
         )
     if sometimes.any():
         print(
-            f"  unstable heads: |kappa| {np.round(np.abs(kappa[sometimes]), 4).tolist()}, "
-            f"|kappa|/null sd {np.round(z[sometimes], 2).tolist()}, "
+            f"  unstable heads: |{score}| {np.round(np.abs(kappa[sometimes]), 4).tolist()}, "
+            f"|{score}|/null sd {np.round(z[sometimes], 2).tolist()}, "
             f"flagged in {(flag[:, sometimes] != 0).sum(0).tolist()} of {seeds} seeds"
         )
     never = ~always & ~sometimes
     if never.any():
         print(
-            f"  largest |kappa| never flagged {np.abs(kappa[never]).max():.4f} (|kappa|/null sd {z[never].max():.2f})"
+            f"  largest |{score}| never flagged {np.abs(kappa[never]).max():.4f} (|{score}|/null sd {z[never].max():.2f})"
         )
 
 

@@ -32,12 +32,12 @@ class KappaMethod:
     p_method: str = "t"
     null_dtype: str = "float32"
     # A head is flagged copying/suppression only when its BH q <= q AND |kappa - null mean| >= min_effect
-    # (likewise the _trace flags). 0.05: at d_head 256 the null's sd is ~0.007 (Gemma-3-270M 0.0074,
-    # random models 0.0067), so 0.05 is ~7 sds, beyond every BH cut-off even when the 32-draw sd is off
-    # by 3 of its own sds (12.5% each): such a flag cannot flip with the null's draw, and a flag below it
-    # (Gemma-3 flagged heads down to |kappa| 0.015) names a head whose kappa is a third of the gate's
-    # 0.15 kappa tolerance. At d_head <= 64 (null sd >= 0.025) it only trims heads at |z| ~ 2.
-    # docs/definitions.md, "Flags", gives the measurement. 0 flags on the q-value alone.
+    # (likewise the _trace flags; 0: the q-value alone). 0.05: at d_head 256 a head's null sd is
+    # 0.0067-0.01 (Gemma-3-270M's median 0.0074) and flags flip with the null's draw between about 2.3
+    # and 3.5 sds; 0.05 is at least 5 sds there, so no flag flipped over 24 null seeds (39% of seed
+    # pairs differed at 0), and a significant kappa of 0.015 (Gemma-3 flagged all 72 heads, down to
+    # that) is no longer called copying. At d_head 64 (sd ~0.023) it removes some flips, not all.
+    # docs/definitions.md, "Flags that hold across null draws", gives the measurements.
     min_effect: float = 0.05
 
     def as_dict(self) -> dict:
