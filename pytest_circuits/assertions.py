@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from .errors import CircuitsError
-from .gate.invariants import MAX_ROWS, Row, format_rows
+from .gate.invariants import MAX_ROWS, Row, format_rows, negligible_heads
 from .gate.stats import spearman
 from .gate.tolerances import Tolerances
 from .rungs.figures import parse_label
@@ -56,6 +56,14 @@ def _paired(reference: pd.DataFrame, candidate: pd.DataFrame, columns) -> pd.Dat
             f"(e.g. {(only_ref or only_cand)[0]}): compare builds of one model"
         )
     return ref.merge(cand, on="head", suffixes=("_ref", "_cand"))
+
+
+def _as_record(frame: pd.DataFrame) -> dict:
+    """The frame's heads as a record's ``heads`` rows (``head``, and ``ov_gain`` and ``path_factor``
+    where the frame has them; NaN reads as not measured), for the gate's per-head rules."""
+    columns = [c for c in ("head", "ov_gain", "path_factor") if c in frame.columns]
+    rows = pd.DataFrame({c: frame[c].to_numpy() for c in columns}).astype(object)
+    return {"heads": rows.where(rows.notna(), None).to_dict("records")}
 
 
 def _head_order(pairs: pd.DataFrame) -> np.ndarray:
@@ -106,15 +114,16 @@ def assert_copying_heads_preserved(
     (``suppression``, or ``k_cand <= k_ref + kappa_tol``). Fails when the surviving
     fraction is below ``min_survival``, or when the Spearman rank correlation of
     ``column`` across all heads is below ``min_spearman`` (skipped for ``None`` or when
-    fewer than 5 heads or a constant column make it undefined). As in the gate, heads whose
-    ``ov_gain`` is below ``min_ov_gain`` x the reference's largest write almost nothing and
-    are left out (when the frames have ``ov_gain``; ``min_ov_gain=0`` keeps every head).
+    fewer than 5 heads or a constant column make it undefined). As in the gate
+    (`gate.invariants.negligible_heads`), heads whose residual write is below ``min_ov_gain`` x the
+    reference's largest write almost nothing and are left out: ``ov_gain x path_factor`` when the
+    reference frame has both (``path_factor`` from the repeat probe's heads, merged on ``head``), else
+    ``ov_gain`` alone; no cut without ``ov_gain``; ``min_ov_gain=0`` keeps every head.
     """
     kinds = ["copying", "suppression"] if include_suppression else ["copying"]
     pairs = _paired(reference_df, candidate_df, [column, *kinds])
-    if min_ov_gain > 0 and "ov_gain" in reference_df.columns and len(reference_df):
-        gain = reference_df.set_index("head")["ov_gain"]
-        pairs = pairs[pairs["head"].map(gain).to_numpy() >= min_ov_gain * gain.max()]
+    negligible = negligible_heads(_as_record(reference_df), min_ov_gain)
+    pairs = pairs[~pairs["head"].isin(negligible)]
     pairs = pairs.iloc[_head_order(pairs)]
     k_ref, k_cand = pairs[f"{column}_ref"], pairs[f"{column}_cand"]
     rows: list[Row] = []

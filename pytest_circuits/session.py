@@ -169,6 +169,12 @@ class CircuitsSession:
 
         s = self.settings
         m = s.kappa_method if method is None else method
+        if m != m.null:  # flagged with a minimum effect: the scan without one, flagged again (no second null)
+            from .rungs.kappa import reflagged
+
+            return self.memo(
+                ("ov_spectrum", recipe, m), lambda: reflagged(self.ov_spectrum(recipe, m.null), m.min_effect)
+            )
 
         def measure():
             weights = StreamedWeights.of(self.build(recipe).model)  # one layer at a time: nothing held after
@@ -181,6 +187,7 @@ class CircuitsSession:
                     p_method=m.p_method,
                     null_dtype=getattr(torch, m.null_dtype),
                     unembedding=m.unembedding,
+                    min_effect=m.min_effect,
                 )
 
         return self.memo(("ov_spectrum", recipe, m), measure)

@@ -200,6 +200,37 @@ def negate_head_ov(model, layer: int, head: int) -> None:
         weight[:, cols] *= -1
 
 
+@torch.no_grad()
+def pull_head_towards_copying(model, layer: int, head: int, t: float) -> None:
+    """``W_O <- W_O + t (|W_O| / |B|) B^T`` for head ``LlHh`` in place, ``B = W_U W_E W_V`` (centred
+    ``W_U``, the folded weights): ``M_h = W_O B`` gains ``t (|W_O| / |B|) B^T B``, positive
+    semi-definite, so kappa moves from the head's own value towards +1 as ``t`` grows (towards -1
+    for ``t < 0``); ``t = 0.01`` is a barely significant copier at d_head 256, ``t = 3`` a clear one.
+
+    Only for a layout whose fold leaves ``W_O`` as stored (no norm on the attention output, e.g.
+    llama); a model whose folded ``W_O`` differs raises ValueError.
+    """
+    from .model.families import out_proj_module
+    from .model.weights import extract_weights
+    from .rungs.kappa import shared_unembed_embed
+
+    weights = extract_weights(model)
+    d_head = weights.geometry.d_head
+    proj = out_proj_module(model, layer)
+    weight = float_weight(proj)
+    cols = slice(head * d_head, (head + 1) * d_head)  # head h's slice of z, the projection's input
+    stored = weight[cols, :] if is_conv1d(proj) else weight[:, cols].T  # (d_head, d_model)
+    W_O = weights.layers[layer].W_O[head]
+    if not torch.allclose(stored.float(), W_O, rtol=1e-5, atol=1e-7):
+        raise ValueError("pull_head_towards_copying: the fold changes this model's W_O; use one without an output norm")
+    B = shared_unembed_embed(weights).float() @ weights.W_V_of(layer, head)  # (d_model, d_head)
+    new = (W_O + t * B.T * (W_O.norm() / B.norm())).to(weight.dtype)
+    if is_conv1d(proj):  # stored (in, out)
+        weight[cols, :] = new
+    else:  # stored (out, in)
+        weight[:, cols] = new.T
+
+
 def _qk_rows(model, layer: int, head: int):
     """``[(module, out_rows)]`` holding W_Q (and W_K when not shared with other query heads) of one head."""
     from .model.families import attention_module, family_of, geometry_of, get_module, qkv_rows

@@ -324,7 +324,7 @@ def test_kappa_method_of_a_record():
 
     shipped = json.loads(LEGACY_BASELINE.read_text())
     assert "unembedding" not in shipped["rung1"]  # recorded before the centred unembedding
-    assert of_record(shipped) == LEGACY == KappaMethod("uncentred", 256, "normal", "float64")
+    assert of_record(shipped) == LEGACY == KappaMethod("uncentred", 256, "normal", "float64", min_effect=0.0)
     assert of_record({"rung1": {**shipped["rung1"], **KappaMethod().as_dict()}}) == KappaMethod()
     assert of_record({}) == LEGACY
 
@@ -411,8 +411,9 @@ def test_records_of_two_kappa_methods_pair_only_like_figures(tiny_induction_sess
     shift = evaluate("kappa_distribution", old, new, Tolerances(), "fp32", "fp32 baseline")
     assert shift.status == "failed" and shift.compared == 0
     assert shift.message.startswith(
-        "the fp32 baseline measured kappa with uncentred W_U, 256-draw float64 normal null, "
-        "fp32 with centred W_U, 32-draw float32 t null: kappa_z, kappa_trace_z of two methods are not compared"
+        "the fp32 baseline measured kappa with uncentred W_U, 256-draw float64 normal null, min effect 0, "
+        "fp32 with centred W_U, 32-draw float32 t null, min effect 0.05: kappa_z, kappa_trace_z of two methods "
+        "are not compared"
     )
     assert [r for r in diff_rows(old, new) if r[1].startswith("kappa") or r[1] in ("copying", "suppression")] == []
     moved = {h["head"] for h, b in zip(new["heads"], old["heads"]) if abs(h["kappa_trace"] - b["kappa_trace"]) > 0.5}

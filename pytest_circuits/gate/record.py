@@ -179,6 +179,7 @@ def _rung1_info(spectrum, settings, folded: bool, method) -> dict:
         **method.as_dict(),
         "n_rotations": int(attrs.get("n_rotations", method.n_rotations)),
         "q": float(attrs.get("q", settings.fdr_q)),
+        "min_effect": float(attrs.get("min_effect", method.min_effect)),  # what flagged the heads with q
         "folded": bool(attrs.get("folded", folded)),
         "analytic_floor": _plain(floor),
         "null_sd_median": _plain(null_sd),

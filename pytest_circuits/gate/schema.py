@@ -111,6 +111,7 @@ class Rung1Info(BaseModel):
     unembedding: Literal[kappa_method.UNEMBEDDINGS] | None = None  # type: ignore[valid-type]
     p_method: Literal[kappa_method.P_METHODS] | None = None  # type: ignore[valid-type]
     null_dtype: Literal[kappa_method.NULL_DTYPES] | None = None  # type: ignore[valid-type]
+    min_effect: float | None = Field(default=None, ge=0.0, lt=2.0)  # None: an older record, flagged on q alone
 
 
 _MODEL_FIGURES = {f.name: (Annotated[float, Field(ge=f.low, le=f.high)], ...) for f in figures.MODEL_FIGURES}

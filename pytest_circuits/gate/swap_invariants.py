@@ -10,7 +10,8 @@ when the new model has less of the mechanism, except where "moves" says either d
   ``swap_induction_score``; the best score falls by at most ``swap_prefix``; their mean depth
   (fraction of the stack) moves by at most ``swap_depth``.
 - ``swap_kappa``: the shares of copying / suppression heads move by at most ``swap_share``; the
-  1-Wasserstein distance of the kappa_z distributions is at most ``swap_kappa_w1``.
+  1-Wasserstein distance of the kappa_z distributions is at most ``swap_kappa_w1`` (only between
+  records whose kappa was measured and flagged alike: `kappa_pairs`).
 - ``swap_knockout``: the largest knockout delta falls by at most ``swap_knockout`` x its size;
   the top-3 share of the knockout effect moves by at most ``swap_concentration`` (both records
   measured every head).
@@ -23,7 +24,7 @@ import math
 import numpy as np
 
 from ..options import flag
-from .builtin_invariants import other_knockout_settings
+from .builtin_invariants import kappa_pairs, other_knockout_settings
 from .invariant_api import Comparison, Invariant, Row, register, within
 from .tolerances import Tolerances
 
@@ -156,6 +157,9 @@ class SwapKappa(AcrossModels):
     def compare(self, before, after, tol):
         from .profile import kappa_w1
 
+        _, mismatch = kappa_pairs(before, after, ("copying", "suppression", "kappa_z"))
+        if mismatch:  # flags or z of two methods (another null, another minimum effect) are other figures
+            return Comparison(nothing=mismatch)
         b, a = _profiles(before, after, tol)
         share = f"(of {b.n_heads} -> {a.n_heads} heads, flagged by kappa against the rotation null)"
         rows = [

@@ -16,7 +16,8 @@ KAPPA_CAPTION = (
     "κ = mean of Re λ / |λ| over the head's eigenvalues, one dot per head, heads grouped by layer. "
     "Grey bars: the head's rotation null band (null mean ± 2 sd, Haar-random rotations that keep "
     "its gain spectrum). Green ▲ copying heads and red ▼ suppression heads are significant after "
-    "FDR control across all heads."
+    "FDR control across all heads and differ from the null mean by at least the record's minimum "
+    "effect (rung1.min_effect; 0 in records made before it)."
 )
 HEATMAP_CAPTION = (
     "Per-head figures, layer (rows) by head (columns). κ: OV copying score; prefix-matching: "

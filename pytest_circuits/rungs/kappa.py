@@ -326,8 +326,18 @@ def benjamini_hochberg(p: np.ndarray) -> np.ndarray:
 
 
 def check_settings(
-    n_rotations: int, q: float, seed: int, p_method: str, null_dtype=torch.float64, n_workers=None
+    n_rotations: int,
+    q: float,
+    seed: int,
+    p_method: str,
+    null_dtype=torch.float64,
+    n_workers=None,
+    min_effect: float = DEFAULT.min_effect,
 ) -> None:
+    if isinstance(min_effect, bool) or not isinstance(min_effect, (int, float)) or not 0.0 <= min_effect < 2.0:
+        raise SpectrumError(
+            f"min_effect (the least |kappa - null mean| a flag needs) must be in [0, 2), got {min_effect!r}"
+        )
     if isinstance(n_rotations, bool) or not isinstance(n_rotations, int) or n_rotations < 2:
         raise SpectrumError(f"n_rotations must be an integer >= 2 (32 or more recommended), got {n_rotations!r}")
     if not isinstance(q, (int, float)) or not 0.0 < q < 1.0:
@@ -348,6 +358,43 @@ def ov_gain(eigenvalues: np.ndarray) -> np.ndarray:
     return np.abs(np.asarray(eigenvalues)).sum(axis=-1)
 
 
+FLAG_SCORES = (("kappa", ""), ("kappa_trace", "_trace"))  # each score and the suffix of its flags
+
+
+def set_flags(frame: pd.DataFrame, q: float, min_effect: float) -> pd.DataFrame:
+    """Set the flags of every head in place: ``copying = kappa_q <= q and |kappa - kappa_null_mean| >=
+    min_effect and kappa > 0``, ``suppression`` likewise with ``kappa < 0``; ``copying_trace`` and
+    ``suppression_trace`` the same on ``kappa_trace``. ``min_effect = 0``: the q-value alone.
+
+    A q-value says a head differs from its null; with 256-wide heads the null is so narrow that a
+    kappa of 0.015 is significant, and whether it clears BH turns on the null's draw. The minimum
+    effect keeps a flag for heads whose kappa is far from the null in kappa's own units.
+    """
+    for score, suffix in FLAG_SCORES:
+        kappa = frame[score].to_numpy(float)
+        effect = np.abs(kappa - frame[f"{score}_null_mean"].to_numpy(float))
+        flagged = (frame[f"{score}_q"].to_numpy(float) <= q) & (effect >= min_effect)
+        frame[f"copying{suffix}"] = flagged & (kappa > 0)
+        frame[f"suppression{suffix}"] = flagged & (kappa < 0)
+    summary = frame.attrs.get("summary")
+    if summary is not None:
+        summary.update(
+            q=float(q),
+            min_effect=float(min_effect),
+            n_copying=int(frame["copying"].sum()),
+            n_suppression=int(frame["suppression"].sum()),
+        )
+    return frame
+
+
+def reflagged(frame: pd.DataFrame, min_effect: float) -> pd.DataFrame:
+    """A copy of a spectrum ``frame`` flagged with another ``min_effect`` (the same q; `set_flags`):
+    the same scan, no eigenvalue computed again. The arrays in ``attrs`` are shared, the summary copied."""
+    copy = frame.copy()
+    copy.attrs = {**frame.attrs, "summary": dict(frame.attrs["summary"])}
+    return set_flags(copy, frame.attrs["summary"]["q"], min_effect)
+
+
 def spectrum_frame(
     weights: Weights,
     eigenvalues: np.ndarray,
@@ -362,8 +409,10 @@ def spectrum_frame(
     null_dtype: torch.dtype = torch.float64,
     unembedding: str = DEFAULT.unembedding,
     uncentred: tuple[np.ndarray, np.ndarray] | None = None,
+    min_effect: float = DEFAULT.min_effect,
 ) -> pd.DataFrame:
-    """Turn per-head scores and nulls (``(n_layers, n_heads[, ...])`` arrays) into the result frame.
+    """Turn per-head scores and nulls (``(n_layers, n_heads[, ...])`` arrays) into the result frame,
+    its heads flagged by `set_flags` (``q``, ``min_effect``).
 
     ``unembedding``: which ``W_U`` the scores read; ``uncentred``: ``(kappa, kappa_trace)`` on the
     uncentred ``W_U`` (the scores themselves when None, i.e. when they are the uncentred ones).
@@ -389,8 +438,7 @@ def spectrum_frame(
     layers = np.repeat(np.arange(n_layers), n_heads)
     heads = np.tile(np.arange(n_heads), n_layers)
     k, t = stats["kappa"], stats["kappa_trace"]
-    sig_k = (k["q"] <= q).ravel()
-    sig_t = (t["q"] <= q).ravel()
+    unset = np.zeros(n_layers * n_heads, dtype=bool)  # the flags' places; set_flags fills them
     frame = pd.DataFrame(
         {
             "head": [head_label(int(l), int(h)) for l, h in zip(layers, heads)],
@@ -403,8 +451,8 @@ def spectrum_frame(
             "kappa_z": k["z"].ravel(),
             "kappa_p": k["p"].ravel(),
             "kappa_q": k["q"].ravel(),
-            "copying": sig_k & (kappa.ravel() > 0),
-            "suppression": sig_k & (kappa.ravel() < 0),
+            "copying": unset,
+            "suppression": unset,
             "kappa_p_empirical": k["p_emp"].ravel(),
             "kappa_trace_null_mean": t["mean"].ravel(),
             "kappa_trace_null_sd": t["sd"].ravel(),
@@ -412,8 +460,8 @@ def spectrum_frame(
             "kappa_trace_p": t["p"].ravel(),
             "kappa_trace_q": t["q"].ravel(),
             "kappa_trace_p_empirical": t["p_emp"].ravel(),
-            "copying_trace": sig_t & (kappa_trace.ravel() > 0),
-            "suppression_trace": sig_t & (kappa_trace.ravel() < 0),
+            "copying_trace": unset,
+            "suppression_trace": unset,
             "kv_group": np.array([geo.kv_group(int(h)) for h in heads]),
             "ov_gain": ov_gain(eigenvalues).ravel(),
             "kappa_uncentred": np.asarray(uncentred[0]).ravel(),
@@ -428,6 +476,7 @@ def spectrum_frame(
         "median_null_sd": float(np.median(k["sd"])),
         "median_trace_null_sd": float(np.median(t["sd"])),
         "q": float(q),
+        "min_effect": float(min_effect),
         "n_rotations": int(n_rotations),
         "seed": int(seed),
         "folded": bool(weights.folded),
@@ -438,10 +487,8 @@ def spectrum_frame(
         "family": weights.family,
         "d_head": int(geo.d_head),
         "n_heads_total": int(n_layers * n_heads),
-        "n_copying": int(frame["copying"].sum()),
-        "n_suppression": int(frame["suppression"].sum()),
     }
-    return frame
+    return set_flags(frame, q, min_effect)
 
 
 def _sorted_by_magnitude(lam: torch.Tensor) -> np.ndarray:
@@ -460,6 +507,7 @@ def ov_spectrum(
     n_workers: int | None = None,
     null_dtype: torch.dtype = torch.float32,
     unembedding: str = DEFAULT.unembedding,
+    min_effect: float = DEFAULT.min_effect,
 ) -> pd.DataFrame:
     """kappa and kappa_trace of every head, each against its rotation null, BH across all heads.
 
@@ -472,8 +520,9 @@ def ov_spectrum(
     (``p_method="t"``, the default: null mean 0 by symmetry, ``p = 2 T_n(-|t|)``, ``kappa_z``
     bias-corrected, see `symmetric_t` and the module docstring; ``"normal"``: ``2 Phi(-|z|)``;
     ``"empirical"``: ``(1 + #{|k0 - mean| >= |k - mean|}) / (n_rotations + 1)``);
-    ``kappa_q`` Benjamini-Hochberg over all heads; ``copying = kappa_q <= q and kappa > 0``,
-    ``suppression = kappa_q <= q and kappa < 0``. The ``kappa_trace_*`` columns and
+    ``kappa_q`` Benjamini-Hochberg over all heads; ``copying = kappa_q <= q and |kappa - kappa_null_mean|
+    >= min_effect and kappa > 0``, ``suppression`` the same with ``kappa < 0`` (`set_flags`; ``min_effect=0``:
+    the q-value alone). The ``kappa_trace_*`` columns and
     ``copying_trace``/``suppression_trace`` do the same for the trace-weighted score.
 
     ``df.attrs`` keys:
@@ -482,7 +531,7 @@ def ov_spectrum(
       of ``M_h`` sorted by decreasing ``|l|``;
     * ``"null_kappa"``, ``"null_kappa_trace"``: float64 ``(n_layers, n_heads, n_rotations)``;
     * ``"summary"``: dict with ``analytic_floor`` (``1/sqrt(2 d_head)``), ``median_null_sd``,
-      ``median_trace_null_sd``, ``q``, ``n_rotations``, ``seed``, ``folded``, ``p_method``,
+      ``median_trace_null_sd``, ``q``, ``min_effect``, ``n_rotations``, ``seed``, ``folded``, ``p_method``,
       ``unembedding``, ``null_dtype``, ``eig_rel_tol``, ``family``, ``d_head``, ``n_heads_total``, ``n_copying``, ``n_suppression``.
 
     The head's own eigenvalues are float64; the null's are ``null_dtype``, by default float32
@@ -492,7 +541,7 @@ def ov_spectrum(
     The attrs hold numpy arrays, which pandas cannot compare: drop them (``without_attrs``)
     before ``pd.concat`` or ``merge`` of two spectra.
     """
-    check_settings(n_rotations, q, seed, p_method, null_dtype, n_workers)
+    check_settings(n_rotations, q, seed, p_method, null_dtype, n_workers, min_effect)
     if not isinstance(weights, (ModelWeights, StreamedWeights)):
         raise SpectrumError(
             f"ov_spectrum takes ModelWeights (from extract_weights) or StreamedWeights, got {type(weights).__name__}; "
@@ -523,6 +572,7 @@ def ov_spectrum(
         null_dtype=null_dtype,
         unembedding=unembedding,
         uncentred=uncentred,
+        min_effect=min_effect,
     )
 
 
