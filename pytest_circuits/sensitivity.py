@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .errors import CircuitsError
-from .model.dense import float_weight, is_conv1d
+from .model.dense import float_weight, head_columns, is_conv1d
 from .model.families import (
     attention_module,
     family_of,
@@ -62,17 +62,12 @@ def parse_head(label: str) -> tuple[int, int]:
 # ---------------------------------------------------------------- weight edits (in place, float builds)
 
 
-def _head_cols(proj, weight, cols: slice):
-    """The slice of the output projection's weight that multiplies head columns ``cols`` of z."""
-    return weight[cols, :] if is_conv1d(proj) else weight[:, cols]
-
-
 @torch.no_grad()
 def scale_head_ov(model, layer: int, head: int, s: float) -> None:
     """``W_O[h] <- s W_O[h]`` in place: head ``L{layer}H{head}``'s output times ``s``."""
     d_head = geometry_of(model).d_head
     proj = out_proj_module(model, layer)
-    _head_cols(proj, float_weight(proj), slice(head * d_head, (head + 1) * d_head)).mul_(s)
+    head_columns(proj, float_weight(proj), slice(head * d_head, (head + 1) * d_head)).mul_(s)
 
 
 @torch.no_grad()
@@ -83,8 +78,8 @@ def rotate_head_ov(model, layer: int, head: int, degrees: float) -> str:
     other = (head + 1) % geo.n_heads
     proj = out_proj_module(model, layer)
     weight = float_weight(proj)
-    mine = _head_cols(proj, weight, slice(head * geo.d_head, (head + 1) * geo.d_head))
-    theirs = _head_cols(proj, weight, slice(other * geo.d_head, (other + 1) * geo.d_head)).clone()
+    mine = head_columns(proj, weight, slice(head * geo.d_head, (head + 1) * geo.d_head))
+    theirs = head_columns(proj, weight, slice(other * geo.d_head, (other + 1) * geo.d_head)).clone()
     c = mine.norm() / theirs.norm().clamp_min(1e-30)
     a = math.radians(degrees)
     mine.mul_(math.cos(a)).add_(theirs * (c * math.sin(a)))

@@ -219,7 +219,7 @@ class CircuitsSession:
         """
         chosen = None if heads is None else tuple(sorted(heads))
         if chosen is None and self.settings.shard is not None:
-            from .gate.shards import ShardError
+            from .errors import ShardError
 
             i, k = self.settings.shard
             raise ShardError(

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .model.dense import float_weight, is_conv1d
+from .model.dense import float_weight, head_columns, is_conv1d
 from .model.gguf_write import write_float_gguf
 
 TINY_SHAPES: dict[str, dict[str, Any]] = {
@@ -193,11 +193,7 @@ def negate_head_ov(model, layer: int, head: int) -> None:
     geo = geometry_of(model)
     proj = out_proj_module(model, layer)
     cols = slice(head * geo.d_head, (head + 1) * geo.d_head)  # head h's slice of z, the projection's input
-    weight = float_weight(proj)
-    if is_conv1d(proj):  # stored (in, out)
-        weight[cols, :] *= -1
-    else:  # stored (out, in)
-        weight[:, cols] *= -1
+    head_columns(proj, float_weight(proj), cols).mul_(-1)
 
 
 @torch.no_grad()
@@ -218,17 +214,13 @@ def pull_head_towards_copying(model, layer: int, head: int, t: float) -> None:
     d_head = weights.geometry.d_head
     proj = out_proj_module(model, layer)
     weight = float_weight(proj)
-    cols = slice(head * d_head, (head + 1) * d_head)  # head h's slice of z, the projection's input
-    stored = weight[cols, :] if is_conv1d(proj) else weight[:, cols].T  # (d_head, d_model)
+    view = head_columns(proj, weight, slice(head * d_head, (head + 1) * d_head))  # head h's slice of z
+    stored = view if is_conv1d(proj) else view.T  # (d_head, d_model)
     W_O = weights.layers[layer].W_O[head]
     if not torch.allclose(stored.float(), W_O, rtol=1e-5, atol=1e-7):
         raise ValueError("pull_head_towards_copying: the fold changes this model's W_O; use one without an output norm")
     B = shared_unembed_embed(weights).float() @ weights.W_V_of(layer, head)  # (d_model, d_head)
-    new = (W_O + t * B.T * (W_O.norm() / B.norm())).to(weight.dtype)
-    if is_conv1d(proj):  # stored (in, out)
-        weight[cols, :] = new
-    else:  # stored (out, in)
-        weight[:, cols] = new.T
+    stored.copy_(W_O + t * B.T * (W_O.norm() / B.norm()))  # through the view, into the weight
 
 
 def _qk_rows(model, layer: int, head: int):

@@ -119,6 +119,13 @@ def float_weight(module: torch.nn.Module) -> torch.Tensor:
     return weight
 
 
+def head_columns(proj: torch.nn.Module, weight: torch.Tensor, cols: slice) -> torch.Tensor:
+    """The view of an output projection's ``weight`` that multiplies columns ``cols`` of z (one
+    head's ``W_O``): ``weight[:, cols]`` (``nn.Linear``, ``(d_model, d_head)``) or ``weight[cols, :]``
+    (`is_conv1d`, ``(d_head, d_model)``); an in-place edit of the view edits the weight."""
+    return weight[cols, :] if is_conv1d(proj) else weight[:, cols]
+
+
 def dense_bias(module: torch.nn.Module) -> torch.Tensor | None:
     """The layer's bias as float32, or None."""
     bias = getattr(module, "bias", None)

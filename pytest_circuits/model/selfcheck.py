@@ -220,9 +220,8 @@ def _relative_after_add(expected: torch.Tensor, actual: torch.Tensor, total: tor
     its later layers, 0.18 relative). Reports ``max(0, ||expected - actual|| - adds u ||total||) /
     ||actual||``; in float32 the allowance is under 1e-7 of the stream."""
     u = adds * torch.finfo(total.dtype).eps / 2 if total.dtype.is_floating_point else 0.0
-    actual = actual.double()
-    miss = float((expected.to(actual.device) - actual).norm()) - u * float(total.double().norm())
-    return max(miss, 0.0) / max(float(actual.norm()), 1e-30)
+    allowed = u * float(total.double().norm()) / max(float(actual.double().norm()), 1e-30)
+    return max(_relative(expected, actual) - allowed, 0.0)
 
 
 def _head_sum(
