@@ -433,7 +433,21 @@ def main(argv=None) -> int:
         return 130
 
 
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+"""Loggers of optional libraries whose import-time warnings are not the command's to print: with the
+``formats`` extra installed, every model load imports torchao (transformers' quantizer table), which
+logs each CUDA kernel library it cannot load on a CPU and a torch pytree deprecation."""
+
+
+def _quiet_imports() -> None:
+    import logging
+
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def _run(argv: list[str]) -> int:
+    _quiet_imports()
     token = FRONT_END.set("cli")
     try:
         if argv and argv[0] == "report":

@@ -100,8 +100,10 @@ def fsync_dir(folder: str | os.PathLike) -> None:
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int = 0o644) -> Path:
     """Write ``data`` to ``path`` so readers see the whole old or the whole new file, never a part.
 
-    Only a regular file (or no file) is replaced by a rename; a device, FIFO or symlink
-    (``/dev/stdout``, a named pipe) is written through instead (`write_through`).
+    Only a regular file (or no file) is replaced by a rename. A symlink to one (a baselines
+    folder that links a shared store) stays a link: the file it resolves to is replaced the same
+    way. A device, FIFO, or a link to one (``/dev/stdout``, a named pipe) is written through
+    instead (`write_through`).
     """
     path = Path(path)
     ensure_dir(path.parent)
@@ -111,6 +113,10 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int = 0o644) 
         info = os.lstat(path)
     except OSError:
         info = None
+    if info is not None and stat.S_ISLNK(info.st_mode):
+        target = Path(os.path.realpath(path))
+        if not target.is_symlink() and target.parent.is_dir() and (not target.exists() or target.is_file()):
+            return atomic_write_bytes(target, data, mode)
     if info is not None and not stat.S_ISREG(info.st_mode):
         return write_through(path, data)
     try:

@@ -11,7 +11,11 @@ Per model (the fp32 build, its shipped fp32 baseline, the default tolerances):
 2. false alarms: for each held-out probe seed (knockout seed 1000 + seed), an fp32 baseline is
    recorded at 1 thread and the benign builds are gated against it: fp32 at 2 threads, bf16, fp16,
    rtn-int8 and fp32 with 1e-3 relative weight noise; per invariant the failures, with the
-   Clopper-Pearson 95% interval of the rate.
+   Clopper-Pearson 95% interval of the rate;
+3. GGUF builds (``--gguf``): the model written at each GGML type the installed ``gguf`` package
+   quantizes (`model.gguf_quant.cached_gguf`, every 2-D weight at that type), each loaded as an
+   external build the way a user gives ``NAME=FILE.gguf`` and gated like a recipe (block
+   ``MODEL-gguf``).
 
 Each model rewrites only its own blocks (``<!-- measured: NAME -->``), so models can be run apart:
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import platform
 import re
+import shlex
 import time
 from pathlib import Path
 
@@ -38,6 +43,7 @@ from pytest_circuits.gate.invariants import get, key_heads, per_build_invariants
 from pytest_circuits.gate.record import has_figures
 from pytest_circuits.gate.store import read_baseline
 from pytest_circuits.gate.tolerances import Tolerances
+from pytest_circuits.model.gguf_quant import cached_gguf
 from pytest_circuits.session import CircuitsSession
 from pytest_circuits.settings import build_settings
 
@@ -174,7 +180,9 @@ def measure(args, model: str, write) -> dict[str, str]:
     """The blocks of one model: ``{block name: text}``."""
     wall, cpu = time.perf_counter(), time.process_time()
     torch.set_num_threads(1)
-    raw = {"model": model, "builds": "fp32"}
+    ggufs = {f"gguf-{t.lower()}": t for t in args.gguf.split(",") if t.strip()}
+    files = {name: cached_gguf(model, t) for name, t in ggufs.items()}
+    raw = {"model": model, "builds": ",".join(["fp32", *(f"{name}={path}" for name, path in files.items())])}
     session = CircuitsSession(build_settings(raw, Path("baselines"), device="cpu"))
     session.progress_write = lambda line: None
     baseline = read_baseline(ROOT / "baselines" / f"{model}--fp32.json")
@@ -193,14 +201,15 @@ def measure(args, model: str, write) -> dict[str, str]:
     outcomes = S.sweep(session, baseline, damages, tol, "fp32", text_loss=text_loss, write=write, knockout=knockout)
     recipes = [r for r in args.recipes.split(",") if r]
     builds = gate_recipes(session, baseline, tol, recipes, text_loss, write, knockout)
-    ran = outcomes + builds
+    gguf_builds = gate_recipes(session, baseline, tol, list(ggufs), text_loss, write, knockout)
+    ran = outcomes + builds + gguf_builds
     invariants = [i for i in per_build_invariants() if any(i in o.passed + o.failed for o in ran)]
     seeds = range(1, args.seeds + 1)
     counts, alarm_lines, most = (
         false_alarms(session, tol, seeds, BENIGN_RECIPES, write, knockout) if args.seeds else ({}, [], {})
     )
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    command = f"python scripts/measure_sensitivity.py {' '.join(args.argv)}".strip()
+    command = f"python scripts/measure_sensitivity.py {shlex.join(args.argv)}".strip()
     run = (
         f"Measured by `{command}` on {platform.machine()} CPU, torch {torch.__version__}, "
         f"1 thread{' (2 for the 2-thread trials)' if args.seeds else ''}: {wall / 60:.1f} min wall, "
@@ -215,11 +224,22 @@ def measure(args, model: str, write) -> dict[str, str]:
             "out in every damaged build."
         )
     )
-    blocks = {
-        f"{model}-run": run + "\n",
-        f"{model}-caught": "\n".join(S.caught_table(outcomes, invariants)) + "\n",
-        f"{model}-damages": "\n".join(outcome_rows(outcomes + builds, baseline, tol)) + "\n",
-    }
+    blocks = {}
+    if len(outcomes) > 1 or builds:  # a run of GGUF builds or trials alone leaves the damage blocks alone
+        blocks[f"{model}-run"] = run + "\n"
+        blocks[f"{model}-caught"] = "\n".join(S.caught_table(outcomes, invariants)) + "\n"
+        blocks[f"{model}-damages"] = "\n".join(outcome_rows(outcomes + builds, baseline, tol)) + "\n"
+    if gguf_builds:
+        said = (
+            f"Measured by `{command}` ({wall / 60:.1f} min wall for the whole run): {len(gguf_builds)} GGUF "
+            f"builds of {model}, "
+            + (
+                "no knockouts."
+                if args.no_knockout
+                else f"the baseline's {len(keys)} key knockout heads knocked out in each."
+            )
+        )
+        blocks[f"{model}-gguf"] = "\n".join([said, "", *outcome_rows(gguf_builds, baseline, tol)]) + "\n"
     if args.seeds:
         blocks[f"{model}-false-alarms"] = "\n".join(rate_rows(counts, most)) + "\n"
         blocks[f"{model}-trials"] = "\n".join(["| seed | build | gate |", "|---|---|---|", *alarm_lines]) + "\n"
@@ -249,6 +269,9 @@ def main(argv=None) -> None:
     parser.add_argument("--whole", default=",".join(map(str, S.NOISE)), help="noise sigma in every layer")
     parser.add_argument("--low-rank", default=",".join(map(str, S.LOW_RANK_SIZES)), help="low-rank update sizes")
     parser.add_argument("--recipes", default="bf16,fp16,rtn-int8,rtn-int4,bnb-int8,bnb-nf4,bnb-fp4")
+    parser.add_argument(
+        "--gguf", default="Q8_0,Q5_1,Q5_0,Q4_1,Q4_0,MXFP4", help="GGML types of the model's GGUF builds ('': none)"
+    )
     parser.add_argument("--seeds", type=int, default=10, help="held-out probe seeds for the false alarms (0: none)")
     parser.add_argument("--no-knockout", action="store_true", help="no knockouts: knockout_deltas is not run")
     parser.add_argument("--dry-run", action="store_true", help="print the blocks, leave the page alone")

@@ -770,19 +770,45 @@ def test_stale_temps_and_staging_are_removed(tmp_path):
     assert mine.is_dir()
 
 
-def test_devices_and_symlinks_are_written_through_not_replaced(tmp_path):
-    """Only a regular file is replaced by a rename: a character device (a copy of /dev/null made here)
-    or a symlink is written through and stays what it was (issue 27: `--json /dev/stdout`)."""
+def test_symlinked_files_stay_links_and_are_replaced_whole(tmp_path, monkeypatch):
+    """A link to a regular file (a baselines folder linking a shared store) stays a link, and the
+    file it names is replaced by a rename: a write that fails leaves it byte-identical."""
+    from pytest_circuits.errors import FileSystemError
+    from pytest_circuits.fsio import atomic_write_text
+
+    store = tmp_path / "store"
+    store.mkdir()
+    target = store / "real.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    inode = target.stat().st_ino
+    atomic_write_text(link, "new\n")
+    assert link.is_symlink() and target.read_text() == "new\n"
+    assert target.stat().st_ino != inode  # replaced by a rename, not truncated and rewritten
+
+    def disk_full(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", disk_full)
+    with pytest.raises(FileSystemError, match="no space left"):
+        atomic_write_text(link, "half")
+    assert target.read_text() == "new\n" and link.is_symlink()
+    assert sorted(p.name for p in store.iterdir()) == ["real.json"]  # no temporary file left
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(store / "later.json")
+    monkeypatch.undo()
+    atomic_write_text(dangling, "first\n")
+    assert dangling.is_symlink() and (store / "later.json").read_text() == "first\n"
+
+
+def test_devices_are_written_through_not_replaced(tmp_path):
+    """A character device (a copy of /dev/null made here), or a link to one, is written through and
+    stays what it was (issue 27: `--json /dev/stdout`)."""
     import stat
 
     from pytest_circuits.fsio import atomic_write_text
 
-    target = tmp_path / "real.json"
-    target.write_text("old")
-    link = tmp_path / "link.json"
-    link.symlink_to(target)
-    atomic_write_text(link, "new\n")
-    assert link.is_symlink() and target.read_text() == "new\n"
     node = tmp_path / "null"
     try:
         os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
@@ -790,4 +816,8 @@ def test_devices_and_symlinks_are_written_through_not_replaced(tmp_path):
         pytest.skip("mknod needs root (CAP_MKNOD); the FIFO row of test_bad_baselines covers non-regular files")
     atomic_write_text(node, "into the void\n")
     assert stat.S_ISCHR(os.lstat(node).st_mode)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "null", "real.json"]
+    link = tmp_path / "to-null"
+    link.symlink_to(node)
+    atomic_write_text(link, "into the void\n")
+    assert link.is_symlink() and stat.S_ISCHR(os.lstat(node).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["null", "to-null"]

@@ -80,6 +80,19 @@ def test_report_help_imports_no_torch():
     assert "usage: circuits report" in done.stdout and done.stdout.splitlines()[-1] == "exit 0 False"
 
 
+def test_model_imports_print_nothing_on_the_commands_stderr():
+    """With the ``formats`` extra, loading a model imports torchao (transformers' quantizer table),
+    which logged its CUDA kernels' load failures and a torch pytree deprecation on every command."""
+    code = (
+        "from pytest_circuits.cli import _quiet_imports\n"
+        "_quiet_imports()\n"
+        "import transformers.modeling_utils\n"
+        "from transformers import AutoModelForCausalLM\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr == ""
+
+
 def test_scan_json_holds_the_contract(model, tmp_path, capsys):
     out = tmp_path / "scan.json"
     assert main(["scan", str(model), "--json", str(out), *SMALL]) == 0

@@ -346,7 +346,7 @@ def _call(module, call, hidden, rows: int, k: int) -> None:
 
 
 SPLIT_FROM_BYTES = 1 << 30  # models with more weight bytes than this run the screen's backward in fewer rows
-ACTIVATION_FLOOR = 512 << 20  # ... keeping its saved activations under this plus an eighth of the weights
+ACTIVATION_FLOOR = 256 << 20  # ... keeping its saved activations under this plus an eighth of the weights
 
 
 def screen_rows(build, batch_size: int, L: int) -> int:
