@@ -1,8 +1,11 @@
-"""Shards as separate jobs: K processes that share no folder write parts; the merge is the unsharded record, bit for bit."""
+"""Shards as separate jobs: K pytest processes that share no folder write parts, the same bytes as
+``circuits record --shard``; the merge is the unsharded record, bit for bit."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import json
 import os
 import shutil
@@ -21,49 +24,27 @@ from .conftest import needs_embedded
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = ["--probe-n", "4", "--probe-length", "16"]
-CLI = "from pytest_circuits.cli import main; raise SystemExit(main())"
-
-
-def _job(folder: Path, *words: str) -> subprocess.Popen:
-    """``circuits WORDS`` in a process of its own, in its own empty folder with its own cache."""
-    folder.mkdir(parents=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTEST_CIRCUITS_CACHE": str(folder / "cache")}
-    return subprocess.Popen(
-        [sys.executable, "-c", CLI, *words],
-        cwd=folder,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
 
 
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
-    """Two shard jobs of the embedded model's fp32 record (run at once), their parts gathered in one folder."""
+    """Two ``circuits record --shard`` jobs of the embedded model's fp32 record, each in a folder of
+    its own with its own cache, their parts gathered in one folder. They run in this process: the
+    pytest shard jobs below are the separate processes, and their parts must be these, byte for byte."""
     root = tmp_path_factory.mktemp("jobs")
-    jobs = [
-        _job(
-            root / f"job{i}",
-            "record",
-            "tiny-induction",
-            "--build",
-            "fp32",
-            "--shard",
-            f"{i}/2",
-            "--out",
-            f"part-{i}.json",
-            *PROBE,
-        )
-        for i in (1, 2)
-    ]
     gathered = root / "gathered"
     gathered.mkdir()
-    for i, job in zip((1, 2), jobs):
-        out, err = job.communicate(timeout=600)
-        assert job.returncode == 0, err[-2000:]
-        assert f"shard {i}/2 of fp32" in out
-        (gathered / f"part-{i}.json").write_bytes((root / f"job{i}" / f"part-{i}.json").read_bytes())
+    for i in (1, 2):
+        folder = root / f"job{i}"
+        folder.mkdir()
+        said = io.StringIO()
+        with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(said):
+            patch.chdir(folder)
+            patch.setenv("PYTEST_CIRCUITS_CACHE", str(folder / "cache"))
+            words = ["record", "tiny-induction", "--build", "fp32", "--shard", f"{i}/2", "--out", f"part-{i}.json"]
+            assert main([*words, *PROBE]) == 0
+        assert f"shard {i}/2 of fp32" in said.getvalue()
+        (gathered / f"part-{i}.json").write_bytes((folder / f"part-{i}.json").read_bytes())
     return gathered
 
 
@@ -76,7 +57,7 @@ def whole(tmp_path_factory) -> Path:
 
 
 @needs_embedded
-def test_separate_shard_jobs_merge_to_the_unsharded_record_bit_for_bit(parts, whole, tmp_path, monkeypatch, capsys):
+def test_cli_shard_jobs_merge_to_the_unsharded_record_bit_for_bit(parts, whole, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["merge", str(parts / "part-2.json"), str(parts / "part-1.json"), "-o", "merged.json"]) == 0
     merged = Path("merged.json").read_bytes()
