@@ -17,7 +17,9 @@ Per model (the fp32 build, its shipped fp32 baseline, the default tolerances):
    external build the way a user gives ``NAME=FILE.gguf`` and gated like a recipe (block
    ``MODEL-gguf``).
 
-Each model rewrites only its own blocks (``<!-- measured: NAME -->``), so models can be run apart:
+Each model rewrites only its own blocks (``<!-- measured: NAME -->``), so models can be run apart;
+``--tag T`` writes ``MODEL-T-...`` blocks instead, so a second grid of one model (SmolLM2 with its
+knockouts) stands beside the first:
 
     python scripts/measure_sensitivity.py --models tiny-induction
     python scripts/measure_sensitivity.py --models smollm2-135m --heads 2 --ov 0.75,0.5,0,-1 --qk 0.5,0 \\
@@ -224,11 +226,12 @@ def measure(args, model: str, write) -> dict[str, str]:
             "out in every damaged build."
         )
     )
+    block = f"{model}-{args.tag}" if args.tag else model
     blocks = {}
     if len(outcomes) > 1 or builds:  # a run of GGUF builds or trials alone leaves the damage blocks alone
-        blocks[f"{model}-run"] = run + "\n"
-        blocks[f"{model}-caught"] = "\n".join(S.caught_table(outcomes, invariants)) + "\n"
-        blocks[f"{model}-damages"] = "\n".join(outcome_rows(outcomes + builds, baseline, tol)) + "\n"
+        blocks[f"{block}-run"] = run + "\n"
+        blocks[f"{block}-caught"] = "\n".join(S.caught_table(outcomes, invariants)) + "\n"
+        blocks[f"{block}-damages"] = "\n".join(outcome_rows(outcomes + builds, baseline, tol)) + "\n"
     if gguf_builds:
         said = (
             f"Measured by `{command}` ({wall / 60:.1f} min wall for the whole run): {len(gguf_builds)} GGUF "
@@ -239,10 +242,10 @@ def measure(args, model: str, write) -> dict[str, str]:
                 else f"the baseline's {len(keys)} key knockout heads knocked out in each."
             )
         )
-        blocks[f"{model}-gguf"] = "\n".join([said, "", *outcome_rows(gguf_builds, baseline, tol)]) + "\n"
+        blocks[f"{block}-gguf"] = "\n".join([said, "", *outcome_rows(gguf_builds, baseline, tol)]) + "\n"
     if args.seeds:
-        blocks[f"{model}-false-alarms"] = "\n".join(rate_rows(counts, most)) + "\n"
-        blocks[f"{model}-trials"] = "\n".join(["| seed | build | gate |", "|---|---|---|", *alarm_lines]) + "\n"
+        blocks[f"{block}-false-alarms"] = "\n".join(rate_rows(counts, most)) + "\n"
+        blocks[f"{block}-trials"] = "\n".join(["| seed | build | gate |", "|---|---|---|", *alarm_lines]) + "\n"
     return blocks
 
 
@@ -274,6 +277,9 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--seeds", type=int, default=10, help="held-out probe seeds for the false alarms (0: none)")
     parser.add_argument("--no-knockout", action="store_true", help="no knockouts: knockout_deltas is not run")
+    parser.add_argument(
+        "--tag", default="", help="write the blocks MODEL-TAG-... (a second run of a model beside its first)"
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the blocks, leave the page alone")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
