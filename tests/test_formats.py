@@ -361,6 +361,34 @@ def test_smollm2_w4a16_checkpoint_loads_as_a_build(tmp_path):
     torch.testing.assert_close(build.model.model.layers[7].self_attn.o_proj.weight, expected, rtol=0, atol=0)
 
 
+@pytest.mark.slow
+@pytest.mark.real
+@needs_smollm2
+@pytest.mark.parametrize("scheme", ["W8A16", "W8A8", "FP8_DYNAMIC"])
+def test_smollm2_compressed_checkpoints_load_and_read_the_formats_dequantization(tmp_path, scheme):
+    """SmolLM2 written by compressed-tensors at each other scheme loads as a build whose per-head
+    read of a layer is compressed-tensors' own dequantization, bit for bit."""
+    from pytest_circuits.model.compressed import write_checkpoint
+    from pytest_circuits.model.loading import resolve_model
+    from pytest_circuits.model.weights import layer_weights
+    from pytest_circuits.session import CircuitsSession
+
+    group, _, fmt = SCHEMES[scheme]
+    folder = write_checkpoint(resolve_model("smollm2-135m").folder, tmp_path / "ct", scheme, group)
+    raw = {"model": "smollm2-135m", "builds": f"fp32,ct={folder}", "baselines": None}
+    build = CircuitsSession(build_settings(raw, Path("baselines"), device="cpu")).build("ct")
+    identity = build.identity.as_dict()
+    assert identity["format"] == f"compressed-tensors-{fmt}" and "quantized 210 Linear" in identity["quantization"]
+    tensors, config = stored(folder)
+    lw, d = layer_weights(build.model, 7), build.geometry.d_head
+    o = dequantized_by_compressed_tensors(tensors, config, "model.layers.7.self_attn.o_proj")
+    torch.testing.assert_close(
+        o, dequantized_by_hand(tensors, "model.layers.7.self_attn.o_proj", scheme), rtol=0, atol=0
+    )
+    for h in range(build.geometry.n_heads):
+        torch.testing.assert_close(lw.W_O[h], o[:, h * d : (h + 1) * d].T, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------- gptq-int4 / awq-int4 (llm-compressor)
 
 
