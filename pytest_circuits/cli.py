@@ -239,7 +239,8 @@ def cmd_record(args) -> int:
 
 def _record_shard(args) -> int:
     """One shard of one build's record, as its own job: ``--shard I/K --out FILE`` (`gate.shards`)."""
-    from .gate.shards import parse_shard, write_part
+    from .gate.shards import write_part
+    from .options import parse_shard
 
     index, total = parse_shard(args.shard)
     if args.out is None:

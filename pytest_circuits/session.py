@@ -375,7 +375,8 @@ class CircuitsSession:
         """``--circuits-shard-parts``: the record of ``recipe`` merged from its shard parts
         (`gate.shards.merged_by_build`), read once; the build is not loaded. Parts of a build not
         gated, a build without parts, or parts measured otherwise than asked are one line each."""
-        from .gate.shards import ShardError, merged_by_build, part_paths
+        from .errors import ShardError
+        from .gate.shards import merged_by_build, part_paths
         from .rungs.kappa_method import of_record
 
         said = flag("shard-parts")

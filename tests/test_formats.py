@@ -73,6 +73,15 @@ def stored(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
     return load_file(folder / "model.safetensors"), json.loads((folder / "config.json").read_text())
 
 
+def assert_W_O_read(build, layer: int, o_proj: torch.Tensor) -> None:
+    """The per-head read of ``layer`` (`layer_weights`) is ``o_proj``'s columns, head by head, bit for bit."""
+    from pytest_circuits.model.weights import layer_weights
+
+    lw, d = layer_weights(build.model, layer), build.geometry.d_head
+    for h in range(build.geometry.n_heads):
+        torch.testing.assert_close(lw.W_O[h], o_proj[:, h * d : (h + 1) * d].T, rtol=0, atol=0)
+
+
 def unpack_by_hand(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
     """Codes of a pack-quantized row: element i sits at bits ``[i*b, (i+1)*b)`` of the row's
     int32 words, stored unsigned with offset ``2^(b-1)``."""
@@ -131,8 +140,7 @@ def test_per_head_read_is_the_formats_dequantization(session, checkpoints, schem
         d = geo.d_head
         for g in range(geo.n_kv_heads):
             torch.testing.assert_close(lw.W_V[g], v[g * d : (g + 1) * d].T, rtol=0, atol=0)
-        for h in range(geo.n_heads):
-            torch.testing.assert_close(lw.W_O[h], o[:, h * d : (h + 1) * d].T, rtol=0, atol=0)
+        assert_W_O_read(build, layer, o)
     fp32 = session.build("fp32").model.model.layers[0].self_attn.q_proj.weight
     assert not torch.equal(dense_weight(build.model.model.layers[0].self_attn.q_proj), fp32)  # really quantized
 
@@ -370,7 +378,6 @@ def test_smollm2_compressed_checkpoints_load_and_read_the_formats_dequantization
     read of a layer is compressed-tensors' own dequantization, bit for bit."""
     from pytest_circuits.model.compressed import write_checkpoint
     from pytest_circuits.model.loading import resolve_model
-    from pytest_circuits.model.weights import layer_weights
     from pytest_circuits.session import CircuitsSession
 
     group, _, fmt = SCHEMES[scheme]
@@ -380,13 +387,11 @@ def test_smollm2_compressed_checkpoints_load_and_read_the_formats_dequantization
     identity = build.identity.as_dict()
     assert identity["format"] == f"compressed-tensors-{fmt}" and "quantized 210 Linear" in identity["quantization"]
     tensors, config = stored(folder)
-    lw, d = layer_weights(build.model, 7), build.geometry.d_head
     o = dequantized_by_compressed_tensors(tensors, config, "model.layers.7.self_attn.o_proj")
     torch.testing.assert_close(
         o, dequantized_by_hand(tensors, "model.layers.7.self_attn.o_proj", scheme), rtol=0, atol=0
     )
-    for h in range(build.geometry.n_heads):
-        torch.testing.assert_close(lw.W_O[h], o[:, h * d : (h + 1) * d].T, rtol=0, atol=0)
+    assert_W_O_read(build, 7, o)
 
 
 @pytest.mark.slow
@@ -395,7 +400,6 @@ def test_smollm2_compressed_checkpoints_load_and_read_the_formats_dequantization
 def test_smollm2_nvfp4_checkpoint_reads_the_formats_dequantization(tmp_path):
     from pytest_circuits.model.compressed import write_checkpoint
     from pytest_circuits.model.loading import resolve_model
-    from pytest_circuits.model.weights import layer_weights
     from pytest_circuits.session import CircuitsSession
 
     ids = torch.randint(0, 49152, (8, 64), generator=torch.Generator().manual_seed(0))
@@ -404,10 +408,7 @@ def test_smollm2_nvfp4_checkpoint_reads_the_formats_dequantization(tmp_path):
     build = CircuitsSession(build_settings(raw, Path("baselines"), device="cpu")).build("nv")
     assert "quantized 210 Linear" in build.identity.quantization
     tensors, _ = stored(folder)
-    o = nvfp4_by_hand(tensors, "model.layers.7.self_attn.o_proj")
-    lw, d = layer_weights(build.model, 7), build.geometry.d_head
-    for h in range(build.geometry.n_heads):
-        torch.testing.assert_close(lw.W_O[h], o[:, h * d : (h + 1) * d].T, rtol=0, atol=0)
+    assert_W_O_read(build, 7, nvfp4_by_hand(tensors, "model.layers.7.self_attn.o_proj"))
 
 
 # ---------------------------------------------------------------- gptq-int4 / awq-int4 (llm-compressor)
@@ -542,16 +543,11 @@ def test_torchao_and_quanto_checkpoints_load_and_read_exactly(other_formats, nam
     from pytest_circuits.model.loading import resolve_model
     from pytest_circuits.model.recipes import BuildSpec
     from pytest_circuits.model.selfcheck import measure_decomposition
-    from pytest_circuits.model.weights import layer_weights
 
     build = load_external_build(resolve_model("tiny-induction"), BuildSpec(name, str(other_formats[name])), "cpu")
     identity = build.identity
     assert identity.format == fmt and says in identity.forward and "quantized 14 Linear" in identity.quantization
-    lw = layer_weights(build.model, 1)
-    o = by_hand(other_formats[name], "model.layers.1.self_attn.o_proj")
-    d = build.geometry.d_head
-    for h in range(build.geometry.n_heads):
-        torch.testing.assert_close(lw.W_O[h], o[:, h * d : (h + 1) * d].T, rtol=0, atol=0)
+    assert_W_O_read(build, 1, by_hand(other_formats[name], "model.layers.1.self_attn.o_proj"))
     assert measure_decomposition(build).worst < 1e-3  # torchao's dynamic int8 input is recomputed too
 
 
@@ -634,7 +630,6 @@ def test_smollm2_torchao_and_quanto_checkpoints_load_as_builds(tmp_path, name):
     from pytest_circuits.model.external import load_external_build
     from pytest_circuits.model.loading import resolve_model
     from pytest_circuits.model.recipes import BuildSpec
-    from pytest_circuits.model.weights import layer_weights
 
     source = resolve_model("smollm2-135m")
     model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32)
@@ -657,6 +652,4 @@ def test_smollm2_torchao_and_quanto_checkpoints_load_as_builds(tmp_path, name):
     o = build.model.get_submodule(prefix).weight.dequantize()  # the format's own dequantizer
     if name != "quanto-int4":  # by_hand knows the embedded model's int4 layout, not SmolLM2's groups
         torch.testing.assert_close(o, by_hand(tmp_path / name, prefix), rtol=0, atol=0)
-    lw, d = layer_weights(build.model, 29), build.geometry.d_head
-    for h in range(build.geometry.n_heads):
-        torch.testing.assert_close(lw.W_O[h], o[:, h * d : (h + 1) * d].T, rtol=0, atol=0)
+    assert_W_O_read(build, 29, o)

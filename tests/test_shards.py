@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from pytest_circuits.cli import main
-from pytest_circuits.gate.shards import ShardError, check_shard_job, merge_parts, parse_shard, read_part
+from pytest_circuits.errors import ShardError
+from pytest_circuits.gate.shards import check_shard_job, merge_parts, read_part
+from pytest_circuits.options import parse_shard
 from pytest_circuits.session import CircuitsSession
 from pytest_circuits.settings import build_settings
 

@@ -17,7 +17,6 @@ import json
 from pathlib import Path
 
 from ..errors import ShardError
-from ..options import parse_shard  # noqa: F401  (declared below gate, where settings read --circuits-shard)
 
 PART_FORMAT = 1
 KNOCKOUT_PREFIX = "knockout_delta"  # a head row's figures that the part owning its layer measured
