@@ -29,6 +29,7 @@ knockouts) stands beside the first:
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import re
 import shlex
@@ -121,45 +122,105 @@ def tolerance_used(baseline: dict, record: dict, tol) -> dict[str, float]:
     return used
 
 
-def false_alarms(session, tol, seeds, recipes, write, knockout: bool = True) -> tuple[dict, list[str], dict]:
-    """``({invariant: (failures, trials)}, lines, {invariant: largest share of tolerance used})``
-    over seeds x benign builds; ``knockout=False``: no knockouts (``knockout_deltas`` not run)."""
-    invariants = per_build_invariants()
-    counts = {i: [0, 0] for i in (*invariants, "gate")}
-    most: dict[str, float] = {}
-    lines = []
+def false_alarms(session, tol, seeds, recipes, write, knockout: bool = True, keep=lambda trial: None) -> list[dict]:
+    """One trial per seed x benign build: ``{"seed", "build", "status": {invariant: status},
+    "used": {invariant: share of its tolerance}}``, each handed to ``keep`` as soon as it is gated (so
+    a split or stopped run keeps what it measured); ``knockout=False``: no knockouts
+    (``knockout_deltas`` not run)."""
+    trials = []
     model = session.build("fp32").model
     restorer = S.Restorer(model)
     for seed in seeds:
         S.with_seeds(session, seed, KNOCKOUT_SEED_OFFSET + seed)
         torch.set_num_threads(1)
         baseline = session.record("fp32", knockout=knockout)
-        trials = []
-        torch.set_num_threads(2)
-        trials.append(("fp32, 2 threads", *S.gate_record(session, "fp32", baseline, tol, knockout)))
-        torch.set_num_threads(1)
+
+        def gated(name, recipe="fp32", threads=1, seed=seed, baseline=baseline):
+            torch.set_num_threads(threads)
+            results, record = S.gate_record(session, recipe, baseline, tol, knockout)
+            torch.set_num_threads(1)
+            trial = {
+                "seed": seed,
+                "build": name,
+                "status": {r.invariant: r.status for r in results},
+                "used": tolerance_used(baseline, record, tol),
+            }
+            trials.append(trial)
+            keep(trial)
+            write(f"seed {seed} {name}: {trial_said(trial)}")
+
+        gated("fp32, 2 threads", threads=2)
         for recipe in recipes:
-            trials.append((recipe, *S.gate_record(session, recipe, baseline, tol, knockout)))
+            gated(recipe, recipe)
         try:
             S.Damage("noise_all", 1e-3, seed=seed).apply(model)
-            trials.append(("noise 1e-3", *S.gate_record(session, "fp32", baseline, tol, knockout)))
+            gated("noise 1e-3")
         finally:
             restorer.restore()
         session.forget_figures()
-        for name, results, record in trials:
-            for inv, share in tolerance_used(baseline, record, tol).items():
-                most[inv] = max(most.get(inv, 0.0), share)
-            failed = [r.invariant for r in results if r.status == "failed"]
-            for r in results:
-                if r.status in ("passed", "failed"):
-                    counts[r.invariant][1] += 1
-                    counts[r.invariant][0] += r.status == "failed"
-            counts["gate"][1] += 1
-            counts["gate"][0] += bool(failed)
-            said = "FAIL " + ", ".join(failed) if failed else "pass"
-            lines.append(f"| {seed} | {name} | {said} |")
-            write(f"seed {seed} {name}: {said}")
+    return trials
+
+
+def trial_said(trial: dict) -> str:
+    failed = [name for name, status in trial["status"].items() if status == "failed"]
+    return "FAIL " + ", ".join(failed) if failed else "pass"
+
+
+def tally(trials: list[dict]) -> tuple[dict, list[str], dict]:
+    """``({invariant: (failures, trials)}, one table row per trial, {invariant: largest share of its
+    tolerance used})``; an invariant counts a trial only where it passed or failed (not skipped)."""
+    counts = {i: [0, 0] for i in (*per_build_invariants(), "gate")}
+    most: dict[str, float] = {}
+    lines = []
+    for trial in sorted(trials, key=lambda t: t["seed"]):
+        for inv, share in trial["used"].items():
+            most[inv] = max(most.get(inv, 0.0), share)
+        for inv, status in trial["status"].items():
+            if status in ("passed", "failed"):
+                counts[inv][1] += 1
+                counts[inv][0] += status == "failed"
+        counts["gate"][1] += 1
+        counts["gate"][0] += "failed" in trial["status"].values()
+        lines.append(f"| {trial['seed']} | {trial['build']} | {trial_said(trial)} |")
     return {k: tuple(v) for k, v in counts.items()}, lines, most
+
+
+def trials_said(trials: list[dict], command: str) -> str:
+    """Which commands measured the trials (a trial kept without one: this run's), over which seeds."""
+    commands = list(dict.fromkeys(t.get("command", command) for t in trials))
+    seeds = sorted({t["seed"] for t in trials})
+    builds = list(dict.fromkeys(t["build"] for t in trials))
+    return (
+        f"Trials measured by {' and '.join(f'`{c}`' for c in commands)}: {len(seeds)} held-out probe seeds "
+        f"({', '.join(map(str, seeds))}) x {len(builds)} benign builds ({'; '.join(builds)}), "
+        f"{len(trials)} trials, each gated against an fp32 record of its seed made at 1 thread."
+    )
+
+
+def read_trials(paths: str) -> list[dict]:
+    """The trials kept by earlier runs' ``--trials FILE`` (JSON lines), comma-separated files."""
+    trials = []
+    for path in filter(None, (p.strip() for p in paths.split(","))):
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except OSError as error:
+            raise SystemExit(
+                f"{path}: cannot read the kept trials ({error.strerror}); give a file --trials wrote"
+            ) from None
+        trials += [json.loads(line) for line in lines if line.strip()]
+    seen = [(t["seed"], t["build"]) for t in trials]
+    if len(seen) != len(set(seen)):
+        raise SystemExit(f"{paths}: a seed and build is kept twice; give each run's --trials file once")
+    return trials
+
+
+def seed_range(text: str) -> range:
+    """``N``: seeds 1..N (0: none); ``A-B``: seeds A..B, so one sweep of trials can be split over processes."""
+    first, _, last = text.partition("-")
+    try:
+        return range(int(first), int(last) + 1) if last else range(1, int(first) + 1)
+    except ValueError:
+        raise SystemExit(f"--seeds {text}: give a count N (seeds 1..N) or a range A-B") from None
 
 
 def rate_rows(counts: dict, most: dict) -> list[str]:
@@ -200,27 +261,39 @@ def measure(args, model: str, write) -> dict[str, str]:
     damages += [S.Damage("low_rank", e) for e in floats(args.low_rank)]
     write(f"{model}: damaging {', '.join(heads)} ({len(damages)} damages); {len(keys)} key knockout heads")
     knockout = not args.no_knockout
-    outcomes = S.sweep(session, baseline, damages, tol, "fp32", text_loss=text_loss, write=write, knockout=knockout)
+    outcomes = (  # a run of GGUF builds or of trials alone gates no intact build
+        S.sweep(session, baseline, damages, tol, "fp32", text_loss=text_loss, write=write, knockout=knockout)
+        if damages or args.recipes
+        else []
+    )
     recipes = [r for r in args.recipes.split(",") if r]
     builds = gate_recipes(session, baseline, tol, recipes, text_loss, write, knockout)
     gguf_builds = gate_recipes(session, baseline, tol, list(ggufs), text_loss, write, knockout)
     ran = outcomes + builds + gguf_builds
     invariants = [i for i in per_build_invariants() if any(i in o.passed + o.failed for o in ran)]
-    seeds = range(1, args.seeds + 1)
-    counts, alarm_lines, most = (
-        false_alarms(session, tol, seeds, BENIGN_RECIPES, write, knockout) if args.seeds else ({}, [], {})
-    )
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    seeds = seed_range(args.seeds)
     command = f"python scripts/measure_sensitivity.py {shlex.join(args.argv)}".strip()
+    trials = read_trials(args.kept) if args.kept else []
+    if seeds:
+        sink = Path(args.trials) if args.trials else None
+
+        def keep(trial):
+            if sink is not None:
+                with sink.open("a", encoding="utf-8") as out:
+                    out.write(json.dumps({**trial, "command": command, "torch": torch.__version__}) + "\n")
+
+        trials += false_alarms(session, tol, seeds, BENIGN_RECIPES, write, knockout, keep)
+    counts, alarm_lines, most = tally(trials)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     run = (
         f"Measured by `{command}` on {platform.machine()} CPU, torch {torch.__version__}, "
-        f"1 thread{' (2 for the 2-thread trials)' if args.seeds else ''}: {wall / 60:.1f} min wall, "
+        f"1 thread{' (2 for the 2-thread trials)' if seeds else ''}: {wall / 60:.1f} min wall, "
         f"{cpu / 60:.1f} min CPU of this process. Damaged heads: {', '.join(heads)} (the baseline's top key "
         "knockout heads by delta, then its top induction head). "
         + (
             f"No knockouts: `knockout_deltas` (which compares the baseline's {len(keys)} key knockout heads) "
             "was not run on these damages"
-            + (" nor in the false-alarm trials." if args.seeds else ", and no false-alarm trials.")
+            + (" nor in the false-alarm trials." if seeds else ", and no false-alarm trials.")
             if args.no_knockout
             else f"The baseline's {len(keys)} key knockout heads, which `knockout_deltas` compares, are knocked "
             "out in every damaged build."
@@ -228,7 +301,7 @@ def measure(args, model: str, write) -> dict[str, str]:
     )
     block = f"{model}-{args.tag}" if args.tag else model
     blocks = {}
-    if len(outcomes) > 1 or builds:  # a run of GGUF builds or trials alone leaves the damage blocks alone
+    if outcomes or builds:  # a run of GGUF builds or trials alone leaves the damage blocks alone
         blocks[f"{block}-run"] = run + "\n"
         blocks[f"{block}-caught"] = "\n".join(S.caught_table(outcomes, invariants)) + "\n"
         blocks[f"{block}-damages"] = "\n".join(outcome_rows(outcomes + builds, baseline, tol)) + "\n"
@@ -243,8 +316,8 @@ def measure(args, model: str, write) -> dict[str, str]:
             )
         )
         blocks[f"{block}-gguf"] = "\n".join([said, "", *outcome_rows(gguf_builds, baseline, tol)]) + "\n"
-    if args.seeds:
-        blocks[f"{block}-false-alarms"] = "\n".join(rate_rows(counts, most)) + "\n"
+    if trials:
+        blocks[f"{block}-false-alarms"] = "\n".join([trials_said(trials, command), "", *rate_rows(counts, most)]) + "\n"
         blocks[f"{block}-trials"] = "\n".join(["| seed | build | gate |", "|---|---|---|", *alarm_lines]) + "\n"
     return blocks
 
@@ -275,7 +348,13 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--gguf", default="Q8_0,Q5_1,Q5_0,Q4_1,Q4_0,MXFP4", help="GGML types of the model's GGUF builds ('': none)"
     )
-    parser.add_argument("--seeds", type=int, default=10, help="held-out probe seeds for the false alarms (0: none)")
+    parser.add_argument(
+        "--seeds", default="10", help="held-out probe seeds for the false alarms: N (1..N; 0: none) or A-B"
+    )
+    parser.add_argument("--trials", default="", help="append each false-alarm trial to this file (JSON lines)")
+    parser.add_argument(
+        "--kept", default="", help="count these --trials files' trials too (comma-separated; e.g. a split run)"
+    )
     parser.add_argument("--no-knockout", action="store_true", help="no knockouts: knockout_deltas is not run")
     parser.add_argument(
         "--tag", default="", help="write the blocks MODEL-TAG-... (a second run of a model beside its first)"
