@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import re
 
 import numpy as np
@@ -50,6 +51,7 @@ def record(n_layers=2, n_heads=4, seed=0) -> dict:
                     "previous_token": 0.05,
                     "duplicate_token": 0.02,
                     "knockout_delta": 0.01,
+                    "ov_gain": 1.0,
                 }
             )
     by = {r["head"]: r for r in heads}
@@ -136,13 +138,58 @@ def test_heads_with_negligible_ov_gain_are_not_compared():
 
 def test_ov_gain_falls_back_to_the_stored_eigenvalues():
     """Records written before the ov_gain column gate the same way, from their eigenvalues."""
-    rec = record()
+    rec = without_gains(record())
     rec["eigenvalues"] = {row["head"]: [[3.0, 4.0], [-1.0, 0.0]] for row in rec["heads"]}  # |3+4i| + |-1| = 6
     rec["eigenvalues"]["L1H3"] = [[0.03, 0.0]]
     gains = gate.ov_gains(rec)
     assert gains["L0H0"] == pytest.approx(6.0) and gains["L1H3"] == pytest.approx(0.03)
     assert gate.negligible_heads(rec, TOL.min_ov_gain) == {"L1H3"}
-    assert gate.ov_gains(record()) == {} and gate.negligible_heads(record(), TOL.min_ov_gain) == set()
+    bare = without_gains(record())
+    assert gate.ov_gains(bare) == {} and gate.negligible_heads(bare, TOL.min_ov_gain) == set()
+
+
+def without_gains(rec: dict) -> dict:
+    """The record as written before the ``ov_gain`` column (and without eigenvalues unless added)."""
+    for row in rec["heads"]:
+        row.pop("ov_gain", None)
+    return rec
+
+
+def test_ov_gain_holds_the_key_heads_sizes_and_only_theirs():
+    """Key heads are the induction, previous-token and knockout heads (L1H2 and L0H1 here); each
+    keeps ``|ln(gain' / gain)| <= ov_gain``. A non-key head may change freely; a negligible key head is
+    left out and said; a key head without a gain in the build is an error; a baseline without key
+    heads has nothing to check; OV gains of two unembeddings are not compared."""
+    before = with_gains(record(), {"L1H2": 4.0, "L0H1": 2.0, "L1H3": 1.0})
+    assert gate.sampled_key_heads(before, TOL) == ["L0H1", "L1H2"]  # L1H3's delta is negative: not key
+    weaker = with_gains(record(), {"L1H2": 4.0 * 0.85, "L0H1": 2.0, "L1H3": 0.5, "L0H0": 9.0})
+    result = check("ov_gain", before, weaker, TOL, "b", "a")
+    assert not result.passed and result.compared == 2 and [m["head"] for m in result.moved] == ["L1H2"]
+    assert result.moved[0]["change"] == pytest.approx(math.log(0.85)) and "(x0.850)" in result.message
+    slight = with_gains(record(), {"L1H2": 4.0 * 0.95, "L0H1": 2.0 * 1.05, "L1H3": 1.0, "L0H0": 9.0})
+    assert check("ov_gain", before, slight, TOL, "b", "a").passed
+
+    tiny_key = with_gains(record(), {"L1H2": 4.0, "L0H1": 0.01})  # under 0.01 x the largest (4.0)
+    result = check("ov_gain", tiny_key, with_gains(record(), {"L1H2": 4.0, "L0H1": 0.5}), TOL, "b", "a")
+    assert result.passed and result.compared == 1
+    assert "1 key heads with OV gain < 0.01 x the largest not compared" in result.message
+
+    unmeasured = with_gains(record(), {"L1H2": 4.0, "L0H1": 2.0, "L1H3": 1.0})
+    head(unmeasured, "L1H2")["ov_gain"] = None
+    unmeasured["eigenvalues"] = {}
+    result = check("ov_gain", before, unmeasured, TOL, "b", "a")
+    assert not result.passed and "NOT MEASURED" in result.message
+
+    no_circuit = with_gains(record(), {})
+    for row in no_circuit["heads"]:
+        row.update(prefix_matching=0.0, previous_token=0.0, knockout_delta=0.0)
+    assert check("ov_gain", no_circuit, no_circuit, TOL, "b", "a").status == "skipped"
+
+    other = copy.deepcopy(before)
+    other["rung1"] = {"unembedding": "uncentred"}
+    centred = {**copy.deepcopy(before), "rung1": {"unembedding": "centred"}}
+    result = check("ov_gain", other, centred, TOL, "b", "a")
+    assert not result.passed and result.compared == 0 and "uncentred W_U" in result.message
 
 
 def test_spearman_matches_scipy():

@@ -17,10 +17,12 @@ from pytest_circuits.gate.invariants import per_build_invariants
 from pytest_circuits.probes.registered import gate_tests
 from pytest_circuits.testing import make_tiny_model, negate_head_ov, save_tiny_model
 
-RUNG1 = len(gate_tests("test_rung1_weights"))  # the suite's rung-1 tests (copying_heads, kappa_distribution)
+RUNG1 = len(gate_tests("test_rung1_weights"))  # the suite's rung-1 tests (copying_heads, kappa_distribution, ov_gain)
 RUNG12 = len(gate_tests("test_rung12_repeat"))  # its probe tests (copy_loss, induction_heads)
 # induction_heads skips on the tiny random model (it has no induction head); the other rung-1/2 tests run
 RUNG12_PASS, RUNG12_SKIP = RUNG12 - 1, 1
+# what the tiny random model skips: it has no induction, previous-token or key knockout head
+RANDOM_SKIPS = ("induction_heads", "ov_gain", "knockout_deltas")
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBES = ROOT / "pytest_circuits" / "probes"  # the packaged gate suite
@@ -94,9 +96,9 @@ def test_missing_baseline_fails_with_the_record_command(suite):
 def test_record_gate_and_sabotage(suite, tmp_path_factory):
     pytester, intact, baselines = suite
     result = pytester.runpytest("-p", "no:cacheprovider", "--circuits-update", "-rs")
-    # a random model has no induction head and no key knockout: those two are skipped with the
-    # reason, never counted as passes; so is the base-model swap test (no swap asked for)
-    result.assert_outcomes(passed=len(per_build_invariants()) - 2, skipped=3)
+    # a random model has no key head (RANDOM_SKIPS): skipped with the reason, never counted as passes;
+    # so is the base-model swap test (no swap asked for)
+    result.assert_outcomes(passed=len(per_build_invariants()) - len(RANDOM_SKIPS), skipped=len(RANDOM_SKIPS) + 1)
     assert "no base-model swap to gate: the fp32 baseline is of this model's geometry" in text_of(result)
     assert "has no induction or previous-token head scoring >= 0.2; nothing to check" in text_of(result)
     assert "has no head with knockout delta >= 0.1 nats; nothing to check" in text_of(result)
@@ -119,7 +121,7 @@ def test_record_gate_and_sabotage(suite, tmp_path_factory):
     assert "1 other baseline(s) of this model not used by the builds tested (-v names them)" in text_of(result)
     assert "unchanged (not rewritten" not in text_of(result)
     result = pytester.runpytest("-p", "no:cacheprovider", "-v")
-    result.assert_outcomes(passed=len(per_build_invariants()) - 2, skipped=3)
+    result.assert_outcomes(passed=len(per_build_invariants()) - len(RANDOM_SKIPS), skipped=len(RANDOM_SKIPS) + 1)
     out = text_of(result)
     assert "baselines compared: " + str(baselines / "m--fp32.json") in out
     assert "baselines orphaned (no tested build used them): " + str(baselines / "m--bnb-fp4.json") in out
@@ -151,7 +153,7 @@ def test_record_gate_and_sabotage(suite, tmp_path_factory):
     assert args == ["-p", "no:cacheprovider", args[2], "--circuits-update"]  # this run's command, updating
     assert args[2].startswith("--basetemp=")
     pytester.runpytest(*args)
-    pytester.runpytest("-p", "no:cacheprovider", "test_rung1_weights.py").assert_outcomes(passed=RUNG1)
+    pytester.runpytest("-p", "no:cacheprovider", "test_rung1_weights.py").assert_outcomes(passed=RUNG1 - 1, skipped=1)
 
     # a per-test marker loosens it
     pytester.makepyfile(
@@ -222,7 +224,7 @@ def test_report_option_writes_a_report(suite, tmp_path):
     result = pytester.runpytest(
         "-p", "no:cacheprovider", "--circuits-update", f"--circuits-report={report}", "test_rung1_weights.py"
     )
-    result.assert_outcomes(passed=RUNG1)
+    result.assert_outcomes(passed=RUNG1 - 1, skipped=1)  # ov_gain (RANDOM_SKIPS)
     assert report.is_dir() and any(report.iterdir()), text_of(result)
     shutil.rmtree(report)
 

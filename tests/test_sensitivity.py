@@ -188,3 +188,63 @@ def test_an_invariant_that_compared_nothing_is_not_counted_as_catching_a_damage(
     results[0] = InvariantResult("copy_loss", "fp32", "baseline", "failed", "moved", compared=1)
     caught = S.gate_outcome(None, "fp32", {}, None, damage)
     assert caught.failed == ["copy_loss"] and S.smallest_caught([caught], ["copy_loss"])["L1H0 OV x s"]["any"] is damage
+
+
+def test_false_alarm_trials_split_over_runs_tally_as_one(tmp_path, monkeypatch):
+    """``scripts/measure_sensitivity.py --seeds A-B --trials F`` keeps each trial; ``--kept F1,F2`` counts
+    them as one sweep: per invariant the failures over the trials it ran (a skip is no trial), the whole
+    gate failing wherever any invariant did, and a seed and build kept twice refused."""
+    import importlib.util
+    import json
+
+    scripts = Path(__file__).resolve().parent.parent / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))
+    spec = importlib.util.spec_from_file_location("measure_sensitivity", scripts / "measure_sensitivity.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    assert list(script.seed_range("3")) == [1, 2, 3] and list(script.seed_range("6-10")) == [6, 7, 8, 9, 10]
+    assert not script.seed_range("0")
+    with pytest.raises(SystemExit, match="--seeds 1-x"):
+        script.seed_range("1-x")
+
+    def trial(seed, build, knockout="passed", copy="passed"):
+        status = {"copy_loss": copy, "knockout_deltas": knockout}
+        return {"seed": seed, "build": build, "status": status, "used": {"copy_loss": 0.1 * seed}}
+
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    first.write_text(json.dumps(trial(2, "bf16", knockout="failed")) + "\n" + json.dumps(trial(1, "bf16")) + "\n")
+    second.write_text(json.dumps(trial(3, "bf16", knockout="skipped")) + "\n")
+    counts, lines, most = script.tally(script.read_trials(f"{first},{second}"))
+    assert counts["knockout_deltas"] == (1, 2) and counts["copy_loss"] == (0, 3) and counts["gate"] == (1, 3)
+    assert lines == ["| 1 | bf16 | pass |", "| 2 | bf16 | FAIL knockout_deltas |", "| 3 | bf16 | pass |"]
+    assert most == {"copy_loss": pytest.approx(0.3)}
+    rows = "\n".join(script.rate_rows(counts, most))
+    assert "| `knockout_deltas` | 1 / 2 | 0.500 |" in rows and "| the whole gate | 1 / 3 | 0.333 |" in rows
+    with pytest.raises(SystemExit, match="kept twice"):
+        script.read_trials(f"{first},{first}")
+    with pytest.raises(SystemExit, match="cannot read the kept trials"):
+        script.read_trials(str(tmp_path / "missing.jsonl"))
+
+
+@needs_embedded
+def test_ov_gain_sees_the_key_head_weakened_that_kappa_cannot(embedded_gate):
+    """OV x 0.9 of the induction head: its recorded OV gain is 0.9 times the intact one (the gain is
+    linear in ``W_O``), so ``ov_gain`` fails naming L1H0 while both kappa invariants, scale-free by
+    construction, pass; OV x 0.95 stays within the default 0.1 of ``|ln ratio|``."""
+    import math
+
+    session, baseline, tol = embedded_gate
+    intact, weaker, slight = sweep(
+        session, baseline, [Damage("ov_scale", 0.9, "L1H0"), Damage("ov_scale", 0.95, "L1H0")], tol, knockout=False
+    )
+    gains = {row["head"]: row["ov_gain"] for row in intact.record["heads"]}
+    damaged = {row["head"]: row["ov_gain"] for row in weaker.record["heads"]}
+    assert damaged["L1H0"] == pytest.approx(0.9 * gains["L1H0"], rel=1e-4)
+    assert all(damaged[h] == pytest.approx(g, rel=1e-6) for h, g in gains.items() if h != "L1H0")
+    assert "ov_gain" in weaker.failed and not {"copying_heads", "kappa_distribution"} & set(weaker.failed)
+    [result] = [r for r in weaker.results if r.invariant == "ov_gain"]
+    assert "L1H0" in result.message and "(x0.900)" in result.message and result.compared == 4
+    [row] = result.moved
+    assert row["change"] == pytest.approx(math.log(0.9), abs=1e-4) and row["tolerance"] == tol.ov_gain
+    assert "ov_gain" in slight.passed and "ov_gain" in intact.passed

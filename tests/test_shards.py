@@ -17,12 +17,15 @@ import pytest
 
 from pytest_circuits.cli import main
 from pytest_circuits.errors import ShardError
+from pytest_circuits.gate.invariants import per_build_invariants
 from pytest_circuits.gate.shards import check_shard_job, merge_parts, read_part
 from pytest_circuits.options import parse_shard
 from pytest_circuits.session import CircuitsSession
 from pytest_circuits.settings import build_settings
 
 from .conftest import needs_embedded
+
+ONE_MODEL = len(per_build_invariants())  # the gate suite's tests of one build, one per invariant
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = ["--probe-n", "4", "--probe-length", "16"]
@@ -182,7 +185,9 @@ def test_a_pytest_shard_job_says_it_did_not_gate_rung_2(pytest_parts):
         assert "skip swap_knockout, knockout_deltas: rung 2 not gated by this job" in out
         held = next(line for line in out.splitlines() if line.startswith("  pass "))
         assert "copying_heads" in held and "knockout" not in held
-        assert "5 passed, 2 skipped" in out
+        # passed: every invariant but knockout_deltas, and test_knockout_shard (the part written);
+        # skipped: knockout_deltas and the base-model swap
+        assert f"{ONE_MODEL - 1 + 1} passed, 2 skipped" in out
 
 
 def _damaged(part: dict, label: str, factor: float) -> dict:
@@ -216,7 +221,7 @@ def test_the_merge_job_gates_the_parts_knockouts_without_loading_the_build(pytes
     )
     out = "\n".join(result.outlines + result.errlines)
     assert result.ret == pytest.ExitCode.TESTS_FAILED, out[-3000:]
-    result.assert_outcomes(passed=4, failed=1, skipped=1, deselected=1)  # skipped: no base-model swap
+    result.assert_outcomes(passed=ONE_MODEL - 1, failed=1, skipped=1, deselected=1)  # skipped: no base-model swap
     assert "FAILED test_gate.py::test_knockout_deltas_keep_size[fp32]" in out
     assert f"FAIL knockout_deltas: knockout_deltas: {top['head']} knockout_delta" in out
     assert f"gated the record merged from the shard parts {pattern} (the build was not loaded)" in out
@@ -238,7 +243,7 @@ def test_the_merge_job_records_the_merged_parts_as_the_unsharded_baseline(pytest
         str(gathered),
         "--circuits-update",
     )
-    result.assert_outcomes(passed=5, skipped=1, deselected=1)  # skipped: no base-model swap
+    result.assert_outcomes(passed=ONE_MODEL, skipped=1, deselected=1)  # skipped: no base-model swap
     written = pytester.path / "baselines" / "tiny-induction--fp32.json"
     assert written.read_bytes() == (whole / "tiny-induction--fp32.json").read_bytes()
 

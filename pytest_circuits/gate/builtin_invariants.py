@@ -9,6 +9,10 @@
 - Both kappa invariants leave out heads whose OV gain ``sum_i |lambda_i|`` times its layer's
   ``path_factor`` (the norm factors the fold leaves out, on the probe; 1 in records without it)
   is below ``min_ov_gain`` x the baseline's largest, and say how many.
+- ``ov_gain``: each key head of the sampled rungs (the heads ``induction_heads`` and
+  ``knockout_deltas`` compare) keeps its OV gain, ``|ln(ov_gain' / ov_gain)| <= ov_gain``;
+  negligible heads (as above) are left out. kappa is scale-free, so this is the weight-only
+  figure that sees a key head's OV circuit weakened or strengthened.
 - ``copy_loss``: copy loss and copy gain each within ``copy_loss`` / ``copy_gain`` nats.
 - ``induction_heads``: the baseline's top-``top_k`` prefix-matching and previous-token heads
   scoring at least ``min_score`` keep their score within ``+-prefix``.
@@ -295,6 +299,66 @@ class KappaDistribution(Invariant):
             ", ".join(said),
             nothing=f"no kappa z-scores to compare in the {{against}}{left_out}; check the baseline",
         )
+
+
+@register
+class OvGain(Invariant):
+    """Key heads keep their OV gain ``sum_i |lambda_i|``: ``|ln(ov_gain' / ov_gain)| <= ov_gain``."""
+
+    name = "ov_gain"
+    suite_test = "test_key_heads_keep_their_ov_gain"
+    suite_module = "test_rung1_weights"
+    guards = "the key heads' OV gain"
+    tolerances = ("ov_gain", "top_k", "min_score", "min_delta", "min_ov_gain")
+    held = "key heads of {build} keep their OV gain against the {against}"
+    moved = "key heads of {build} changed their OV gain against the {against}"
+
+    def compare(self, before, after, tol):
+        from ..rungs.kappa_method import of_record
+
+        wb, wa = of_record(before).unembedding, of_record(after).unembedding
+        if wb != wa:  # the gain reads W_U: a centred and an uncentred gain are other figures
+            return Comparison(
+                nothing=f"the {{against}}'s OV gains read the {wb} W_U, {{build}}'s the {wa} one: not compared "
+                "(a live gate measures the build the baseline's way)"
+            )
+        keys = sampled_key_heads(before, tol)
+        if not keys and not any(num(r.get(m)) == num(r.get(m)) for r in before.get("heads", []) for m in KEY_SCORES):
+            return Comparison(nothing="the {against} holds no probe or knockout figures to find key heads by")
+        gb, ga = ov_gains(before), ov_gains(after)
+        if keys and not gb:
+            return Comparison(nothing="the {against} holds no OV gains (no rung-1 figures); record it with rung 1")
+        negligible = negligible_heads(before, tol.min_ov_gain)
+        rows = []
+        for name in (h for h in keys if h not in negligible and gb.get(h, 0) > 0):
+            x, y = gb[name], ga.get(name, math.nan)
+            note = f"(x{y / x:.3f})" if y == y else "NOT MEASURED in this build: an error, not a change"
+            ln_y = math.log(y) if y > 0 else -math.inf if y == 0 else math.nan
+            rows.append(within(name, "ln ov_gain", math.log(x), ln_y, tol.ov_gain, note))
+        left = len([h for h in keys if h in negligible])
+        what = head_writes(before)[1]
+        left_out = f"; {left} key heads with {what} < {tol.min_ov_gain:g} x the largest not compared" if left else ""
+        if keys and not rows:
+            return Comparison(left_out=left_out, nothing=f"every key head of the {{against}} is negligible{left_out}")
+        return Comparison(
+            rows,
+            left_out=left_out,
+            nothing_is_skip=True,
+            nothing=(
+                "the {against} has no key head (no induction, previous-token or knockout head over its "
+                "minimum); nothing to check"
+            ),
+        )
+
+
+KEY_SCORES = ("prefix_matching", "previous_token", "knockout_delta")  # the figures that make a key head
+
+
+def sampled_key_heads(record: dict, tol: Tolerances) -> list[str]:
+    """The heads ``induction_heads`` and ``knockout_deltas`` compare, in the record's order."""
+    minimum = {"prefix_matching": tol.min_score, "previous_token": tol.min_score, "knockout_delta": tol.min_delta}
+    keys = {h for score in KEY_SCORES for h in key_heads(record, score, tol.top_k, minimum[score])}
+    return [row["head"] for row in record.get("heads", []) if row["head"] in keys]
 
 
 @register

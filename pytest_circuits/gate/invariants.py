@@ -14,6 +14,7 @@ from .builtin_invariants import (
     negligible_heads,
     other_knockout_settings,
     ov_gains,
+    sampled_key_heads,
 )
 from .invariant_api import (
     MAX_ROWS,
@@ -65,6 +66,7 @@ __all__ = [
     "per_build_invariants",
     "register",
     "runnable",
+    "sampled_key_heads",
     "verdict",
     "within",
 ]

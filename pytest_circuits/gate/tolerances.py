@@ -19,6 +19,7 @@ class Tolerances:
     kappa: float = 0.15  # |delta kappa| and |delta kappa_trace| per head
     rank: float = 0.80  # minimum Spearman rank correlation of kappa across heads
     shift: float = 1.0  # |mean delta kappa_z| across heads, in null standard deviations
+    ov_gain: float = 0.1  # |ln(ov_gain' / ov_gain)| of key heads (0.1: about 10%)
     copy_loss: float = 0.25  # |delta copy loss|, nats
     copy_gain: float = 0.25  # |delta copy gain|, nats
     prefix: float = 0.10  # |delta prefix_matching| / |delta previous_token| of key heads
