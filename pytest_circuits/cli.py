@@ -191,7 +191,7 @@ def model_lines(record: dict) -> list[str]:
     return [
         f"model {m['name']} ({model_kind(m)}, {m['geometry']['n_layers']} layers x {m['geometry']['n_heads']} heads), "
         f"build {b['recipe']} ({b['backend_version']}, {b['device']})",
-        *[f"external build {line}" for line in [describe_identity(b)] if line],
+        *[line for line in [describe_identity(b)] if line],
         f"probe seed {p['seed']} n {p['n']} L {p['L']}: {said} (nats; [95% t interval over the sequences])",
     ]
 
@@ -310,7 +310,7 @@ def cmd_gate(args) -> int:
     fix = file_fix_line(session.settings, baseline, args.baseline, across)
     candidate, notes, results = gate_file(session, build, baseline, label, tol, fix, across)
     identities = [
-        f"{who} external build {line}"
+        f"{who} {line}"
         for who, record in (("candidate", candidate), ("baseline", baseline))
         if (line := describe_identity(record["build"]))
     ]

@@ -112,7 +112,8 @@ OPTIONS: tuple[Option, ...] = (
         ",".join(DEFAULT_BUILDS),
         "comma list of build recipes (fp32, bf16, fp16, bnb-int8, bnb-nf4, bnb-fp4, rtn-int8, rtn-int4, fp8-e4m3, "
         "fp8-e4m3-dyn, int8-w8a8, gptq-int4, awq-int4) "
-        "and NAME=PATH external builds (a .gguf file or checkpoint folder, e.g. q8=dist/model-Q8_0.gguf)",
+        "and NAME=PATH external builds (a .gguf file or checkpoint folder, e.g. q8=dist/model-Q8_0.gguf); "
+        "+kv-FORMAT after a build serves it with a quantized KV cache (bf16+kv-fp8-e4m3, q8+kv-q4_0=FILE)",
     ),
     Option(
         "reference",

@@ -88,6 +88,11 @@ class CircuitsSession:
             tokens = token_info(self.source.folder, config, s.trust_remote_code)
             check_vocabulary(tokens)
             check_fits(config, tokens, s.probe.L)
+            from .model.kv_formats import check_window_fits
+            from .rungs.repeat import bos_offset
+
+            for name in dict.fromkeys((*s.builds, s.reference)):  # a cache window the probe cannot exceed
+                check_window_fits(s.spec(name), 2 * s.probe.L + bos_offset(tokens), flag("probe-length"))
             _, geometry = family_and_geometry(config)
             check_geometry(self.settings.model, geometry)
             if s.shard_parts is None:  # a merge job runs no probe: it gates the parts' figures
@@ -109,13 +114,18 @@ class CircuitsSession:
                 return loaded()
 
         def loaded():
-            if spec.external:
+            weights = spec.weights  # the build's weights; a KV cache is put in their attention after
+            if weights.external:
                 from .model.external import load_external_build
 
-                build = load_external_build(self.source, spec, self.device, self.settings.trust_remote_code)
+                build = load_external_build(self.source, weights, self.device, self.settings.trust_remote_code)
             else:
                 s = self.settings
-                build = load_build(self.source, recipe, self.device, s.trust_remote_code, device_map=s.device_map)
+                build = load_build(self.source, weights.name, self.device, s.trust_remote_code, device_map=s.device_map)
+            if spec.kv is not None:
+                from .model.kv_cache import attach_kv_cache
+
+                build = attach_kv_cache(build, spec.kv)
             self.loads.append({"recipe": recipe, "worker": self.worker, "for": self._loading_for})
             return build
 
@@ -137,7 +147,8 @@ class CircuitsSession:
 
         lines = []
         for name in dict.fromkeys((recipe, self.settings.reference)):
-            if not self.settings.spec(name).external:
+            spec = self.settings.spec(name)
+            if not (spec.external or spec.kv):
                 continue
             try:
                 if name != recipe:
@@ -150,7 +161,7 @@ class CircuitsSession:
                 continue  # the gate reports a missing or unreadable reference itself
             line = describe_identity(identity)
             if line:
-                lines.append(f"{'reference ' if name != recipe else ''}external build {line}")
+                lines.append(f"{'reference ' if name != recipe else ''}{line}")
         return lines
 
     def weights(self, recipe: str, fold: bool = True):

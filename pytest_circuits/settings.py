@@ -51,12 +51,12 @@ class CircuitsSettings:
 
     def spec(self, name: str):
         """The `recipes.BuildSpec` of build ``name``: its NAME=PATH, else the recipe (checked)."""
-        from .model.recipes import BuildSpec, get_recipe
+        from .model.recipes import parse_build_spec
 
         for spec in self.external:
             if spec.name == name:
                 return spec
-        return BuildSpec(get_recipe(name).name)
+        return parse_build_spec(name)
 
     @property
     def knockout_probe(self) -> RepeatSettings:

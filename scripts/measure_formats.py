@@ -19,6 +19,7 @@ also stores the record of each recipe build that has no baseline yet as its base
 record ``circuits record`` writes with these settings).
 
     python scripts/measure_formats.py --builds fp32,fp8-e4m3,fp8-e4m3-dyn,int8-w8a8,rtn-int4
+    python scripts/measure_formats.py --probe-length 127 --builds fp32+kv-int2,bf16+kv-q4_0  # KV caches
     python scripts/measure_formats.py --model smollm2-135m --stored-reference --knockout-screen 12 \\
         --knockout-screen-method atp --builds fp8-e4m3,fp8-e4m3-dyn,int8-w8a8,rtn-int4,\\
         w4a16-rtn-g64,gptq-int4-g64,awq-int4-g64
@@ -93,18 +94,20 @@ def main() -> None:
     parser.add_argument("--knockout-screen", default=None, help="screen of N heads (SmolLM2: 12)")
     parser.add_argument("--knockout-screen-method", default=None, help="atp, atp* or atp*gd (SmolLM2's: atp)")
     parser.add_argument("--no-knockout", action="store_true", help="skip rung 2 (knockout deltas)")
+    parser.add_argument("--probe-length", type=int, default=None, help="segment length L (default: the option's)")
     parser.add_argument("--records", type=Path, default=Path("/tmp/pytest-circuits-formats"), help="record cache")
     parser.add_argument(
         "--write-baselines", action="store_true", help="store a recipe's record as its missing baseline"
     )
     args = parser.parse_args()
-    records = args.records / args.model
+    records = args.records / (args.model + (f"-L{args.probe_length}" if args.probe_length else ""))
     records.mkdir(parents=True, exist_ok=True)
     raw = {
         "model": args.model,
         "builds": build_specs(args.builds, args.model, records),
         "knockout-screen": args.knockout_screen,
         "knockout-screen-method": args.knockout_screen_method,
+        "probe-length": args.probe_length,
     }
     session = CircuitsSession(build_settings({k: v for k, v in raw.items() if v}, Path("baselines"), device="cpu"))
     knockout = not args.no_knockout

@@ -81,6 +81,7 @@ class BuildInfo(BaseModel):
     tensor_types: dict[str, Annotated[int, Field(ge=1)]] | None = None  # stored type -> tensor count
     quantization: str | None = None  # a quantized format's scheme and modules (compressed-tensors)
     forward: str | None = None  # its forward path: the format's own kernel, or its reference
+    kv_cache: str | None = None  # the KV-cache precision it is served with (model/kv_formats.py); none: full
 
 
 class ProbeInfo(BaseModel):

@@ -180,6 +180,12 @@ def compatibility(baseline: dict, record: dict, source: str = "baseline", across
             "models), only the model-level swap invariants"
         ]
     notes = []
+    kb, kr = (baseline.get("build") or {}).get("kv_cache"), (record.get("build") or {}).get("kv_cache")
+    if kb != kr:
+        notes.append(
+            f"note: the KV cache differs from the baseline's (baseline: {_cache_name(kb)}, this build: "
+            f"{_cache_name(kr)}); the probe and knockouts read keys and values through this build's cache"
+        )
     fb, fr = baseline["model"].get("fingerprint"), record["model"].get("fingerprint")
     if fb and fr and fb != fr:
         notes.append(
@@ -188,6 +194,11 @@ def compatibility(baseline: dict, record: dict, source: str = "baseline", across
             "of the model folder, not any one file's); comparing the same geometry"
         )
     return notes
+
+
+def _cache_name(kv_cache: str | None) -> str:
+    """``"q4_0-r128"`` of a build identity's ``kv_cache`` line; ``full precision`` without one."""
+    return kv_cache.partition(":")[0] if kv_cache else "full precision"
 
 
 def _short(fingerprint: str) -> str:

@@ -14,6 +14,7 @@ import logging
 import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ class BuildIdentity:
     tensor_types: dict[str, int] | None = None
     quantization: str | None = None  # a quantized format's scheme and modules (`compressed.identity_fields`)
     forward: str | None = None  # which forward it runs: the format's own kernel or a reference
+    kv_cache: str | None = None  # the KV-cache precision it is served with (`kv_cache.attach_kv_cache`)
 
     def as_dict(self) -> dict:
         """The identity as stored; a recipe build's keeps the five keys older baselines hold."""
@@ -234,9 +236,12 @@ def check_not_offloaded(model, what: str) -> None:
         )
 
 
-def from_pretrained(folder, what: str, device, trust_remote_code: bool = False, **kwargs) -> torch.nn.Module:
+def from_pretrained(
+    folder, what: str, device, trust_remote_code: bool = False, cache_scales: bool = False, **kwargs
+) -> torch.nn.Module:
     """``AutoModelForCausalLM.from_pretrained``: offline, safetensors, eager attention; one line on failure,
-    and on a checkpoint with missing or unexpected tensors (`checkpoint_keys.check_loading_info`)."""
+    and on a checkpoint with missing or unexpected tensors (`checkpoint_keys.check_loading_info`).
+    ``cache_scales``: the checkpoint's ``k_scale`` / ``v_scale`` are expected (`kv_checkpoint`), read apart."""
     from transformers import AutoModelForCausalLM
 
     kwargs = (
@@ -257,6 +262,10 @@ def from_pretrained(folder, what: str, device, trust_remote_code: bool = False, 
         raise
     except Exception as error:
         raise RecipeError(f"build {what} failed to load on {device}: {first_line(error)}") from None
+    if cache_scales:
+        from .kv_checkpoint import is_scale_key
+
+        info = info | {"unexpected_keys": [k for k in info.get("unexpected_keys") or () if not is_scale_key(str(k))]}
     check_loading_info(info, f"build {what} ({folder})")
     return model
 
@@ -323,8 +332,10 @@ def load_build(
     released = quant if isinstance(quant, dict) else None if quant is None else quant.to_dict()
     if recipe.backend == CT or is_compressed_tensors(released):
         require_compressed_tensors(f"build {recipe.name} of {source.name} (compressed-tensors)")
+    what = f"{recipe.name} of {source.name}"
+    cache = served_cache(released, folder, config, what)
     with quiet() if is_compressed_tensors(released) else nullcontext():
-        model = from_pretrained(folder, f"{recipe.name} of {source.name}", device, trust_remote_code, **kwargs)
+        model = from_pretrained(folder, what, device, trust_remote_code, cache_scales=cache is not None, **kwargs)
     quantized: dict[str, str] = {}
     if is_compressed_tensors(released) and released is not None:  # a compressed-tensors release or llm-compressor's
         quantized = identity_fields(decompress(model), released)
@@ -359,4 +370,24 @@ def load_build(
         forward=quantized.get("forward"),
     )
     llm_int8 = recipe.backend == "bitsandbytes" and recipe.bits == 8
-    return finish_build(model, source, identity, family, tokens, llm_int8=llm_int8)
+    return with_cache(finish_build(model, source, identity, family, tokens, llm_int8=llm_int8), cache)
+
+
+def served_cache(quant: dict | None, folder, config, what: str):
+    """The KV cache a checkpoint declares (`kv_checkpoint.CheckpointCache`), or None; refuses one it cannot serve."""
+    from .kv_checkpoint import checkpoint_cache, scheme_of
+
+    if scheme_of(quant) is None:
+        return None
+    family, geometry = family_and_geometry(config)
+    return checkpoint_cache(quant, Path(folder), family.layers, geometry.n_layers, f"build {what}")
+
+
+def with_cache(build: LoadedBuild, cache) -> LoadedBuild:
+    """``build`` served with its checkpoint's cache (after the self-check, which reads the weights)."""
+    if cache is None:
+        return build
+    from .kv_cache import attach_kv_cache
+
+    origin = f"the checkpoint's kv_cache_scheme ({cache.scheme})"
+    return attach_kv_cache(build, cache.spec, cache.k_scales, cache.v_scales, origin=origin, rename=False)

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import CircuitsError, RecipeError
 from ..fsio import parse_json
-from .builds import BuildIdentity, LoadedBuild, finish_build, from_pretrained, resolve_device
+from .builds import BuildIdentity, LoadedBuild, finish_build, from_pretrained, resolve_device, served_cache, with_cache
 from .compressed import decompress, identity_fields, is_compressed_tensors, quiet, require, require_compressed_tensors
 from .families import Geometry, family_and_geometry
 from .loading import ModelSource, check_finite_weights, quiet_transformers, read_config, sha256_of, weight_files
@@ -191,11 +191,14 @@ def load_external_build(
     else:  # compressed-tensors: float32 scales and dense layers, so W = (q - z) s comes out in float32
         kwargs = dict(device_map={"": str(device)}) | (dict(dtype=torch.float32) if compressed else {})
     quanto = is_quanto_folder(source.folder)
+    cache = served_cache(quant, source.folder, config, str(spec)) if compressed else None
     if quanto:
         net = load_quanto(source.folder, f"external build {spec}").to(device)
     else:
         with quiet() if compressed else nullcontext():
-            net = from_pretrained(source.folder, str(spec), device, trust_remote_code, **kwargs)
+            net = from_pretrained(
+                source.folder, str(spec), device, trust_remote_code, cache_scales=cache is not None, **kwargs
+            )
     if quant is None and not quanto:
         net = net.to(device=device, dtype=torch.float32)
     quantized: dict[str, str] = {}
@@ -207,4 +210,4 @@ def load_external_build(
         quantized = quanto_fields(net, getattr(net, "quanto_qmap", {}))
     identity = external_identity(spec, source, quant, device, **quantized)
     llm_int8 = bool(quant and quant.get("quant_method") == "bitsandbytes" and quant.get("load_in_8bit"))
-    return finish_build(net, model, identity, family, tokens, llm_int8=llm_int8)
+    return with_cache(finish_build(net, model, identity, family, tokens, llm_int8=llm_int8), cache)

@@ -1,4 +1,4 @@
-"""Run llm-compressor's GPTQ or AWQ on a float32 checkpoint; write a compressed-tensors checkpoint.
+"""Run llm-compressor's GPTQ or AWQ (or FP8 with an fp8 KV cache) on a float32 checkpoint; write a compressed-tensors checkpoint.
 
 Run as a script by `calibrated` under the Python of an environment that has llm-compressor
 (it pins transformers <= 5.17 and compressed-tensors 0.19, so it cannot share ours): it imports
@@ -12,6 +12,8 @@ group-wise scales (``group_size``), ``lm_head`` left dense. Usage::
 from __future__ import annotations
 
 import sys
+
+KV_CACHE_FP8 = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 
 
 def scheme(group_size: int) -> dict:
@@ -59,8 +61,14 @@ def main(method: str, folder: str, out: str, calibration: str, group_size: str) 
         from llmcompressor.modifiers.awq import AWQModifier
 
         recipe = AWQModifier(config_groups=scheme(int(group_size)), ignore=["lm_head"])
+    elif method == "fp8-kv":  # FP8_DYNAMIC weights and a static fp8 cache calibrated on the ids (KV_CACHE_FP8)
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+
+        recipe = QuantizationModifier(
+            targets="Linear", scheme="FP8_DYNAMIC", ignore=["lm_head"], kv_cache_scheme=KV_CACHE_FP8
+        )
     else:
-        raise SystemExit(f"unknown method {method!r}; use gptq or awq")
+        raise SystemExit(f"unknown method {method!r}; use gptq, awq or fp8-kv")
     oneshot(
         model=model,
         dataset=data,

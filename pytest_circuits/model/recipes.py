@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import RecipeError
+from .kv_formats import KV_SEPARATOR, KvSpec, split_kv
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,8 @@ BUILD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+]*(?:-[A-Za-z0-9._+]+)*")
 
 @dataclass(frozen=True)
 class BuildSpec:
-    """One build as typed: a recipe name (``bnb-nf4``) or an external build ``NAME=PATH``.
+    """One build as typed: a recipe name (``bnb-nf4``) or an external build ``NAME=PATH``, either
+    served with a KV-cache precision (``bf16+kv-fp8-e4m3``, `kv_formats`).
 
     ``name`` is the test id and the baseline file name; ``path`` (external builds only) is
     anything ``--circuits-model`` accepts: a .gguf file, a save_pretrained folder, a cache id.
@@ -120,10 +122,18 @@ class BuildSpec:
 
     name: str
     path: str | None = None
+    kv: KvSpec | None = None
 
     @property
     def external(self) -> bool:
         return self.path is not None
+
+    @property
+    def weights(self) -> BuildSpec:
+        """The same weights with the full-precision cache: what is loaded before the cache is applied."""
+        if self.kv is None:
+            return self
+        return BuildSpec(self.name.partition(KV_SEPARATOR)[0], self.path)
 
     def __str__(self) -> str:
         return self.name if self.path is None else f"{self.name}={self.path}"
@@ -134,6 +144,10 @@ def parse_build_spec(text: str) -> BuildSpec:
     text = text.strip()
     name, sep, path = text.partition("=")
     name, path = name.strip(), path.strip()
+    base, kv = split_kv(name)
+    if kv is not None:
+        weights = parse_build_spec(f"{base}={path}" if sep else base)
+        return BuildSpec(f"{weights.name}{KV_SEPARATOR}{kv.name}", weights.path, kv)
     if not sep:
         return BuildSpec(get_recipe(name).name)
     if not path:
@@ -186,18 +200,25 @@ def reference_spec(text: str, builds: list[BuildSpec]) -> BuildSpec:
     return spec
 
 
-EXTERNAL_KEYS = ("source", "format", "sha256", "tensor_types", "quantization", "forward")
-"""What the build identity of an external build adds (gate/schema.py `BuildInfo` types them); the
-last two also on a recipe build of a quantized format, absent elsewhere."""
+EXTERNAL_KEYS = ("source", "format", "sha256", "tensor_types", "quantization", "forward", "kv_cache")
+"""What the build identity of an external build adds (gate/schema.py `BuildInfo` types them);
+``quantization`` and ``forward`` also on a recipe build of a quantized format, ``kv_cache`` on a
+build served with a KV-cache precision; absent elsewhere."""
 
 
 def describe_identity(build: dict) -> str | None:
-    """``"q8 = model-Q8_0.gguf (gguf, sha256 1a2b3c4d5e6f, tensors Q8_0 x12, F32 x5)"`` for an
-    external build's identity (a record's ``build``), None for a recipe build."""
+    """``"external build q8 = model-Q8_0.gguf (gguf, sha256 1a2b3c4d5e6f, tensors Q8_0 x12, F32 x5)"``
+    for an external build's identity (a record's ``build``); ``"build bf16+kv-q4_0 serves a KV cache:
+    ..."`` for a recipe build with a KV cache; None for a recipe build."""
+    cache = build.get("kv_cache")
     if not build.get("format"):
-        return None
+        return f"build {build.get('recipe')} serves a KV cache: {cache}" if cache else None
     types = build.get("tensor_types") or {}
     counts = ", ".join(f"{kind} x{n}" for kind, n in sorted(types.items(), key=lambda kv: (-kv[1], kv[0])))
     digest = str(build.get("sha256") or "?").removeprefix("sha256:")[:12]
     scheme = f"; {build['quantization']}" if build.get("quantization") else ""
-    return f"{build.get('recipe')} = {build.get('source')} ({build['format']}, sha256 {digest}, tensors {counts or '?'}{scheme})"
+    served = f"; KV cache {cache}" if cache else ""
+    return (
+        f"external build {build.get('recipe')} = {build.get('source')} "
+        f"({build['format']}, sha256 {digest}, tensors {counts or '?'}{scheme}{served})"
+    )

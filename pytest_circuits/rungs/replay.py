@@ -65,6 +65,9 @@ def attention_implementation(model, impl: str = FAST_ATTENTION):
     patterns. A model that cannot switch (no ``set_attn_implementation``, or ``impl`` not
     supported) keeps its own.
     """
+    from ..model.kv_cache import served
+
+    impl = served(model, impl)  # a build served with a KV cache keeps it
     before = getattr(model.config, "_attn_implementation", None)
     switched = False
     if before != impl and hasattr(model, "set_attn_implementation"):

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from ..model.families import attention_module, get_module, layer_modules, out_proj_module
+from ..model.kv_cache import cached
 from .ablation import z_differentiable
 from .repeat import bos_offset, copy_slices
 from .replay import recorded_hidden, tile
@@ -82,9 +83,11 @@ def _causal_scores(module, query, key, attention_mask, scaling):
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Eager attention that, per ``_STATE.mode``, freezes its pattern behind a zero leaf or adds up the QK fix."""
+    """Eager attention that, per ``_STATE.mode``, freezes its pattern behind a zero leaf or adds up the QK fix
+    (on the keys and values a KV cache returns, where the build serves one)."""
     state = _STATE
     layer = state.layer_of[id(module)]
+    key, value = cached(module, key, value)  # a KV cache: every pair read from it (the ranking only)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     pattern = _causal_scores(module, query, key, attention_mask, scaling)
     n_rep = query.shape[1] // value.shape[1]

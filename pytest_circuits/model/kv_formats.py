@@ -1,0 +1,132 @@
+"""KV-cache precisions: the cache a server keeps, a build dimension typed after ``+kv-``.
+
+``bf16+kv-fp8-e4m3`` is the bf16 build served with an fp8 cache; ``gptq-int4+kv-q4_0-r128`` the
+GPTQ build with llama.cpp's q4_0 cache and the last 128 tokens kept in full precision. Every
+query reads keys (after RoPE, as engines store them) and values that went through the cache:
+the decode-time numerics, simulated in one forward (`kv_cache`).
+
+Three layouts, each named by the engine or paper that defines it:
+
+- ``fp8-e4m3``, ``fp8-e5m2`` (vLLM ``--kv-cache-dtype fp8``): one scale per layer for the keys
+  and one for the values, ``x -> fp8(clamp(x / s)) * s``; ``s`` is the checkpoint's
+  ``k_scale``/``v_scale`` where it has them, else 1.0 as vLLM does. ``-dyn``: ``s`` is each
+  forward's ``amax / fp8_max`` (calibrated on the probe itself).
+- ``int8``, ``int4``, ``int2`` (KIVI, Liu et al. 2024): asymmetric min-max; keys per channel over
+  blocks of 32 tokens, values per token over groups of 32 channels. A block of keys is quantized
+  when it is complete: until then its tokens are read in full precision (KIVI's residual).
+- ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``, ``iq4_nl`` (llama.cpp ``--cache-type-k/-v``):
+  blocks of 32 along the head dimension, per token, ggml's own rounding (fp16 block scales).
+
+``-rN`` keeps the last ``N`` tokens before each query in full precision (transformers'
+``QuantizedCache`` ``residual_length``). Light: no torch, so option parsing can use it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..errors import RecipeError
+
+KV_SEPARATOR = "+kv-"
+KIVI_GROUP = 32  # KIVI's group: tokens per key block, channels per value group
+GGML_BLOCK = 32  # QK8_0 = QK4_0 = QK4_1 = QK5_0 = QK5_1 = QK4_NL
+
+
+@dataclass(frozen=True)
+class KvFormat:
+    """One cache element format: its layout (``fp8``, ``kivi`` or ``ggml``) and what it stores."""
+
+    name: str
+    layout: str
+    summary: str
+    bits: int
+    dtype: str | None = None  # fp8: torch's float8 dtype name
+
+
+KV_FORMATS: dict[str, KvFormat] = {
+    f.name: f
+    for f in (
+        KvFormat("fp8-e4m3", "fp8", "float8 e4m3, one scale per layer (vLLM --kv-cache-dtype fp8)", 8, "float8_e4m3fn"),
+        KvFormat("fp8-e5m2", "fp8", "float8 e5m2, one scale per layer (vLLM fp8_e5m2)", 8, "float8_e5m2"),
+        KvFormat("int8", "kivi", "int8, keys per channel, values per token (KIVI)", 8),
+        KvFormat("int4", "kivi", "int4, keys per channel, values per token (KIVI)", 4),
+        KvFormat("int2", "kivi", "int2, keys per channel, values per token (KIVI)", 2),
+        KvFormat("q8_0", "ggml", "llama.cpp q8_0 blocks of 32", 8),
+        KvFormat("q5_1", "ggml", "llama.cpp q5_1 blocks of 32", 5),
+        KvFormat("q5_0", "ggml", "llama.cpp q5_0 blocks of 32", 5),
+        KvFormat("q4_1", "ggml", "llama.cpp q4_1 blocks of 32", 4),
+        KvFormat("q4_0", "ggml", "llama.cpp q4_0 blocks of 32", 4),
+        KvFormat("iq4_nl", "ggml", "llama.cpp iq4_nl blocks of 32 (non-linear 4-bit grid)", 4),
+    )
+}
+
+_SPEC = re.compile(r"(?P<format>[a-z0-9_]+(?:-e[45]m[23])?)(?P<dyn>-dyn)?(?:-r(?P<window>\d+))?")
+
+
+@dataclass(frozen=True)
+class KvSpec:
+    """A cache precision as typed after ``+kv-``: its format, ``dynamic`` (fp8 scales from each
+    forward's amax) and ``window`` (tokens before each query read in full precision)."""
+
+    format: KvFormat
+    dynamic: bool = False
+    window: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.format.name + ("-dyn" if self.dynamic else "") + (f"-r{self.window}" if self.window else "")
+
+    def describe(self, scales: str | None = None) -> str:
+        """The identity's ``kv_cache`` line: ``"fp8-e4m3: float8 e4m3, ...; scales 1.0 (none in the checkpoint)"``."""
+        parts = [f"{self.name}: {self.format.summary}"]
+        if self.format.layout == "fp8":
+            parts.append("scales each forward's amax / fp8 max" if self.dynamic else f"scales {scales or '1.0'}")
+        if self.window:
+            parts.append(f"the last {self.window} tokens before each query in full precision")
+        return "; ".join(parts)
+
+
+def known_formats() -> str:
+    return "; ".join(f"{f.name} ({f.summary})" for f in KV_FORMATS.values())
+
+
+def parse_kv(text: str, build: str = "") -> KvSpec:
+    """``"q4_0-r128"`` -> `KvSpec`; one-line errors naming the build typed and the known formats."""
+    where = f"build {build!r}: " if build else ""
+    match = _SPEC.fullmatch(text.strip())
+    kv_format = KV_FORMATS.get(match.group("format")) if match else None
+    if match is None or kv_format is None:
+        raise RecipeError(
+            f"{where}unknown KV-cache precision {text!r}; write BUILD+kv-FORMAT[-dyn][-rN] with FORMAT one of: "
+            f"{known_formats()}"
+        )
+    dynamic = match.group("dyn") is not None
+    if dynamic and kv_format.layout != "fp8":
+        raise RecipeError(f"{where}'-dyn' (scales from each forward) applies to the fp8 caches only, not {text!r}")
+    window = int(match.group("window") or 0)
+    if match.group("window") is not None and window < 1:
+        raise RecipeError(f"{where}the full-precision window of {text!r} must be at least 1 token, e.g. -r128")
+    return KvSpec(kv_format, dynamic, window)
+
+
+def split_kv(name: str) -> tuple[str, KvSpec | None]:
+    """``"bf16+kv-fp8-e4m3"`` -> ``("bf16", KvSpec(fp8-e4m3))``; a name without ``+kv-`` -> ``(name, None)``."""
+    base, sep, kv = name.partition(KV_SEPARATOR)
+    if not sep:
+        return name, None
+    if not base:
+        raise RecipeError(f"build {name!r} names a cache but no weights; write e.g. bf16{KV_SEPARATOR}{kv}")
+    return base, parse_kv(kv, name)
+
+
+def check_window_fits(spec, positions: int, length_flag: str) -> None:
+    """Refuse a build (`recipes.BuildSpec`) whose full-precision window covers every position of the
+    probe: no query would read a key from the cache, so the cache would not be gated."""
+    kv: KvSpec | None = getattr(spec, "kv", None)
+    if kv is not None and kv.window >= positions:
+        raise RecipeError(
+            f"build {spec.name!r}: its full-precision window of {kv.window} tokens covers every position of the "
+            f"probe ({positions} tokens), so nothing would be read from the cache; use -r{max(1, positions // 4)} "
+            f"or a longer probe ({length_flag})"
+        )

@@ -1,0 +1,406 @@
+"""KV-cache precisions (model/kv_formats.py, model/kv_cache.py): each element format against the
+library or paper that defines it, the one-forward simulation against a real token-by-token decode
+through a transformers cache, and the cache as a build dimension of the gate."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pytest_circuits.errors import RecipeError
+from pytest_circuits.model.kv_cache import (
+    IQ4_NL_GRID,
+    attach_kv_cache,
+    cache_of,
+    cache_pairs,
+    ggml_roundtrip,
+    quantize_keys,
+    quantize_values,
+)
+from pytest_circuits.model.kv_formats import KV_FORMATS, parse_kv, split_kv
+from pytest_circuits.model.recipes import parse_build_spec, parse_build_specs
+
+
+def _sample(shape, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape[:-1] + (1,), generator=g))
+    x[0, :32] = 0.0  # an all-zero block
+    x[1, 5] = 40.0  # an outlier
+    return x
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_ggml_blocks_are_the_gguf_packages_quantizers_bit_for_bit(kind):
+    from gguf import GGMLQuantizationType, quants
+
+    x = _sample((6, 64))
+    qtype = GGMLQuantizationType[kind]
+    expected = quants.dequantize(quants.quantize(x.numpy(), qtype), qtype)
+    got = ggml_roundtrip(x, kind.lower()).numpy()
+    np.testing.assert_array_equal(got, expected.astype(np.float32))
+
+
+def _iq4_nl_reference(block: np.ndarray) -> np.ndarray:
+    """ggml-quants.c quantize_row_iq4_nl_impl for one block of 32 (ntry 7, weights x^2), scalar, dequantized."""
+    grid = IQ4_NL_GRID
+
+    def best(x):
+        if x <= grid[0]:
+            return 0
+        if x >= grid[-1]:
+            return 15
+        lo, hi = 0, 15
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if x < grid[mid]:
+                hi = mid
+            else:
+                lo = mid
+        return hi - 1 if x - grid[hi - 1] < grid[hi] - x else hi
+
+    x = block.astype(np.float32)
+    w = x * x
+    amax, mx = 0.0, 0.0
+    for v in x:
+        if abs(v) > amax:
+            amax, mx = abs(v), v
+    if amax == 0:
+        return np.zeros_like(x)
+    d = -mx / grid[0]
+    idd = 1 / d
+    q = [grid[best(idd * v)] for v in x]
+    sumqx = sum(wi * qi * xi for wi, qi, xi in zip(w, q, x))
+    sumq2 = sum(wi * qi * qi for wi, qi in zip(w, q))
+    d = sumqx / sumq2
+    top = d * sumqx
+    for itry in range(-7, 8):
+        idd = (itry + grid[0]) / mx
+        q = [grid[best(idd * v)] for v in x]
+        sqx = sum(wi * qi * xi for wi, qi, xi in zip(w, q, x))
+        sq2 = sum(wi * qi * qi for wi, qi in zip(w, q))
+        if sq2 > 0 and sqx * sqx > top * sq2:
+            d = sqx / sq2
+            top = d * sqx
+    d16 = float(np.float16(d))
+    inv = 1 / d16 if d16 else 0.0
+    return np.array([grid[best(inv * v)] * d16 for v in x], dtype=np.float32)
+
+
+def test_iq4_nl_blocks_follow_ggmls_scale_search():
+    x = _sample((4, 64), seed=3)
+    got = ggml_roundtrip(x, "iq4_nl").numpy().reshape(-1, 32)
+    expected = np.stack([_iq4_nl_reference(b) for b in x.numpy().reshape(-1, 32)])
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_fp8_per_tensor_is_compressed_tensors_fake_quantize():
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+
+    x = _sample((240, 32)).reshape(2, 3, 40, 32)
+    scale = torch.tensor([0.02])
+    args = QuantizationArgs(num_bits=8, type="float", strategy="tensor", symmetric=True)
+    expected = fake_quantize(x, scale, torch.zeros(1, dtype=torch.float8_e4m3fn), args)
+    got = quantize_keys(x, parse_kv("fp8-e4m3"), scale)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_kivi_keys_per_channel_in_token_blocks_and_values_per_token():
+    x = _sample((70, 64), seed=5).reshape(1, 1, 70, 64)
+    spec = parse_kv("int4")
+    k, v = quantize_keys(x, spec).numpy()[0, 0], quantize_values(x, spec).numpy()[0, 0]
+    a = x.numpy()[0, 0]
+
+    def roundtrip(group):
+        lo, hi = group.min(), group.max()
+        s = max((hi - lo) / 15, np.finfo(np.float32).tiny)
+        return np.clip(np.round((group - lo) / s), 0, 15) * s + lo
+
+    for block in range(2):  # two complete blocks of 32 tokens; tokens 64..69 are not yet a block
+        for c in range(64):
+            rows = slice(32 * block, 32 * block + 32)
+            np.testing.assert_allclose(k[rows, c], roundtrip(a[rows, c]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(k[64:], a[64:])
+    for t in (0, 33, 69):
+        for g in range(2):
+            cols = slice(32 * g, 32 * g + 32)
+            np.testing.assert_allclose(v[t, cols], roundtrip(a[t, cols]), rtol=1e-5, atol=1e-5)
+
+
+def test_which_pairs_read_the_cache():
+    window = cache_pairs(parse_kv("q8_0-r3"), 6, "cpu")
+    assert window is not None and window[0][5].tolist() == window[1][5].tolist() == [True] * 3 + [False] * 3
+    assert cache_pairs(parse_kv("q8_0"), 6, "cpu") is None
+    kivi = cache_pairs(parse_kv("int8"), 70, "cpu")
+    assert kivi is not None and kivi[1].all()  # values: per token, cached at once
+    keys = kivi[0]
+    assert not keys[30, :32].any() and keys[31, :32].all() and not keys[31, 32:].any()  # block 0 complete at t=31
+
+
+class _QuantizingCache:
+    """A real transformers DynamicCache whose reads go through the cache precision: decode one token
+    at a time, store full precision, return what a server's cache would hold at this step."""
+
+    def __new__(cls, spec, config):
+        from transformers import DynamicCache
+
+        class Quantizing(DynamicCache):
+            def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+                keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+                T = keys.shape[-2]
+                kq, vq = quantize_keys(keys, spec), quantize_values(values, spec)
+                old = torch.arange(T) <= T - 1 - spec.window if spec.window else torch.ones(T, dtype=torch.bool)
+                key_old = old.clone()
+                if spec.format.layout == "kivi":  # a key block is read from the cache once complete
+                    key_old &= torch.arange(T) < T // 32 * 32
+                keys = torch.where(key_old.view(1, 1, T, 1), kq, keys)
+                values = torch.where(old.view(1, 1, T, 1), vq, values)
+                return keys, values
+
+        return Quantizing(config=config)
+
+
+@pytest.mark.parametrize("kv", ["q4_0", "int2", "int4-r16", "fp8-e4m3-r5", "q5_1-r40"])
+def test_one_forward_is_the_decode_loop_of_a_real_cache(kv, tiny_build):
+    """Logits of the simulated cache in one forward equal a token-by-token decode through a
+    transformers DynamicCache that returns quantized keys and values (eager and sdpa)."""
+    import copy
+
+    spec = parse_kv(kv)
+    double = copy.deepcopy(tiny_build)  # float64: batched and one-token matmuls round alike, so no
+    double.model.double()  # key lands on the other side of a quantization step in one path only
+    build = attach_kv_cache(copy.deepcopy(double), spec)
+    ids = torch.randint(0, 500, (2, 75), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        simulated = build.model(input_ids=ids, use_cache=False).logits
+        reference_model = copy.deepcopy(double.model)
+        cache = _QuantizingCache(spec, reference_model.config)
+        steps = [reference_model(input_ids=ids[:, t : t + 1], cache=cache).logits for t in range(75)]
+        from pytest_circuits.rungs.replay import attention_implementation
+
+        with attention_implementation(build.model):
+            assert build.model.config._attn_implementation == "circuits-kv|sdpa"
+            fused = build.model(input_ids=ids, use_cache=False).logits
+    decoded = torch.cat(steps, dim=1)
+    torch.testing.assert_close(simulated, decoded, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fused, decoded, rtol=1e-4, atol=1e-4)
+    assert (simulated - double.model(input_ids=ids).logits).abs().max() > 1e-3  # the cache did something
+
+
+@pytest.fixture(scope="module")
+def tiny_build():
+    from pytest_circuits.model.builds import load_build
+    from pytest_circuits.model.loading import resolve_model
+
+    return load_build(resolve_model("tiny-induction"), "fp32", "cpu")
+
+
+def test_build_names_with_a_cache():
+    spec = parse_build_spec("bf16+kv-q4_0-r128")
+    assert (spec.name, spec.weights.name, spec.kv.name, spec.kv.window) == (
+        "bf16+kv-q4_0-r128",
+        "bf16",
+        "q4_0-r128",
+        128,
+    )
+    ext = parse_build_spec("q8+kv-fp8-e4m3=dist/m.gguf")
+    assert (ext.name, ext.path, ext.weights.name, ext.weights.path) == (
+        "q8+kv-fp8-e4m3",
+        "dist/m.gguf",
+        "q8",
+        "dist/m.gguf",
+    )
+    assert [s.name for s in parse_build_specs("fp32, fp32+kv-int4")] == ["fp32", "fp32+kv-int4"]
+    assert split_kv("fp32") == ("fp32", None)
+    assert set(KV_FORMATS) >= {"fp8-e4m3", "fp8-e5m2", "int8", "int4", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"}
+
+
+@pytest.mark.parametrize(
+    "typed, said",
+    [
+        ("bf16+kv-q3_0", "unknown KV-cache precision 'q3_0'"),
+        ("bf16+kv-int4-dyn", "applies to the fp8 caches only"),
+        ("bf16+kv-q8_0-r0", "at least 1 token"),
+        ("+kv-q8_0", "names a cache but no weights"),
+        ("bf17+kv-q8_0", "unknown build recipe 'bf17'"),
+    ],
+)
+def test_bad_cache_names_are_one_line(typed, said):
+    with pytest.raises(RecipeError, match=said) as error:
+        parse_build_spec(typed)
+    assert "\n" not in str(error.value)
+
+
+def test_a_cache_whose_blocks_do_not_tile_the_head_is_refused(tiny_build):
+    import dataclasses
+
+    narrow = dataclasses.replace(tiny_build, geometry=dataclasses.replace(tiny_build.geometry, d_head=48))
+    with pytest.raises(RecipeError, match="d_head is 48"):
+        attach_kv_cache(narrow, parse_kv("q4_0"))
+
+
+# ----- a checkpoint that declares its cache (compressed-tensors kv_cache_scheme)
+
+FP8_STATIC = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+def _with_cache_scheme(folder, scheme: dict, scales: dict[str, float] | None):
+    """The checkpoint at ``folder`` with ``scheme`` as its kv_cache_scheme and, per layer, the scales
+    as llm-compressor stores them (``model.layers.L.self_attn.k_scale``, one value)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    config["quantization_config"]["kv_cache_scheme"] = scheme
+    config_file.write_text(json.dumps(config))
+    if scales:
+        weights = load_file(folder / "model.safetensors")
+        for layer in range(config["num_hidden_layers"]):
+            for name, value in scales.items():
+                weights[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor([value * (layer + 1)])
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    pytest.importorskip(
+        "compressed_tensors", reason='compressed-tensors is not installed: pip install "pytest-circuits[formats]"'
+    )
+    from pytest_circuits.model.compressed import write_checkpoint
+    from pytest_circuits.model.loading import resolve_model
+
+    return write_checkpoint(
+        resolve_model("tiny-induction").folder, tmp_path_factory.mktemp("kv") / "fp8", "FP8_DYNAMIC"
+    )
+
+
+def _copy(folder, tmp_path):
+    import shutil
+
+    return shutil.copytree(folder, tmp_path / "ckpt")
+
+
+def _load(folder, name="served"):
+    from pytest_circuits.model.external import load_external_build
+    from pytest_circuits.model.loading import resolve_model
+
+    return load_external_build(resolve_model("tiny-induction"), parse_build_spec(f"{name}={folder}"), "cpu")
+
+
+def test_a_static_fp8_cache_scheme_loads_with_the_checkpoints_scales(fp8_checkpoint, tmp_path):
+    folder = _with_cache_scheme(_copy(fp8_checkpoint, tmp_path), FP8_STATIC, {"k_scale": 0.01, "v_scale": 0.002})
+    build = _load(folder)
+    cache = cache_of(build.model)
+    assert [float(cache.k_scales[l]) for l in (0, 1)] == pytest.approx([0.01, 0.02])
+    assert [float(cache.v_scales[l]) for l in (0, 1)] == pytest.approx([0.002, 0.004])
+    assert build.identity.recipe == "served" and "fp8-e4m3" in build.identity.kv_cache
+    assert "scales from the checkpoint" in build.identity.kv_cache and "kv_cache_scheme" in build.identity.kv_cache
+    plain = _load(fp8_checkpoint, "weights")
+    ids = torch.randint(0, 500, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        moved = (build.model(input_ids=ids).logits - plain.model(input_ids=ids).logits).abs().max()
+    assert moved > 1e-3  # the keys went through fp8 at these scales (448 x 0.01 saturates some)
+    with pytest.raises(RecipeError, match="already serves a KV cache") as error:
+        attach_kv_cache(build, parse_kv("q4_0"))
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "scheme, scales, said",
+    [
+        (
+            {"num_bits": 4, "type": "int", "strategy": "tensor", "dynamic": True, "symmetric": True},
+            None,
+            "cannot be applied",
+        ),
+        ({**FP8_STATIC, "strategy": "channel"}, None, "cannot be applied"),
+        (FP8_STATIC, {"k_scale": 0.01}, "needs a v_scale in every layer"),
+        (FP8_STATIC, {"k_scale": -1.0, "v_scale": 0.01}, "must be one positive finite scale"),
+    ],
+)
+def test_a_cache_scheme_that_cannot_be_served_is_refused_in_one_line(fp8_checkpoint, tmp_path, scheme, scales, said):
+    folder = _with_cache_scheme(_copy(fp8_checkpoint, tmp_path), scheme, scales)
+    with pytest.raises(RecipeError, match=said) as error:
+        _load(folder)
+    assert "\n" not in str(error.value)
+
+
+def test_a_dynamic_fp8_scheme_needs_no_scales(fp8_checkpoint, tmp_path):
+    folder = _with_cache_scheme(_copy(fp8_checkpoint, tmp_path), {**FP8_STATIC, "dynamic": True}, None)
+    assert _load(folder).identity.kv_cache.startswith("fp8-e4m3-dyn")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    "PYTEST_CIRCUITS_LLMCOMPRESSOR_PYTHON" not in __import__("os").environ,
+    reason="llm-compressor runs in its own environment: set PYTEST_CIRCUITS_LLMCOMPRESSOR_PYTHON",
+)
+def test_llm_compressors_kv_cache_scheme_checkpoint_loads_with_its_scales(tmp_path):
+    """llm-compressor's own FP8_DYNAMIC + static fp8 kv_cache_scheme (calibrated on seeded ids) on the
+    embedded model: the build serves an fp8 cache at exactly the scales llm-compressor stored."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    import pytest_circuits.model.llmc_worker as worker
+    from pytest_circuits.model.loading import resolve_model
+
+    ids = torch.randint(0, 500, (16, 64), generator=torch.Generator().manual_seed(0))
+    save_file({"input_ids": ids}, tmp_path / "ids.safetensors")
+    out = tmp_path / "llmc"
+    python = os.environ["PYTEST_CIRCUITS_LLMCOMPRESSOR_PYTHON"]
+    folder = str(resolve_model("tiny-induction").folder)
+    run = [python, str(Path(worker.__file__)), "fp8-kv", folder, str(out), str(tmp_path / "ids.safetensors"), "0"]
+    subprocess.run(run, check=True, capture_output=True, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    build = _load(out)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        for layer in range(2):
+            for name, read in (
+                ("k_scale", cache_of(build.model).k_scales),
+                ("v_scale", cache_of(build.model).v_scales),
+            ):
+                assert float(read[layer]) == f.get_tensor(f"model.layers.{layer}.self_attn.{name}").item()
+    assert "fp8-e4m3" in build.identity.kv_cache and "scales from the checkpoint" in build.identity.kv_cache
+
+
+# ----- the cache as a build of the gate (the embedded model against its shipped fp32 baseline)
+
+
+def _gate(build: str, capsys) -> tuple[int, str]:
+    from pytest_circuits.cli import main
+
+    code = main(["gate", "tiny-induction", "--build", build, "--baseline", "baselines/tiny-induction--fp32.json"])
+    return code, capsys.readouterr().out
+
+
+def test_an_int2_cache_breaks_the_embedded_models_copying_and_the_gate_says_so(capsys):
+    """KIVI int2 moves the knockout delta of L0H3 (measured: +0.26 -> +0.52, tolerance 0.13); the
+    weights are untouched, so every rung-1 invariant holds; the identity names the cache."""
+    code, out = _gate("fp32+kv-int2", capsys)
+    assert code == 1
+    assert "build fp32+kv-int2 serves a KV cache: int2: int2, keys per channel, values per token (KIVI)" in out
+    assert "note: the KV cache differs from the baseline's (baseline: full precision, this build: int2)" in out
+    assert "FAIL knockout_deltas" in out and "PASS copying_heads" in out and "PASS kappa_distribution" in out
+
+
+def test_an_fp8_cache_passes_the_gate(capsys):
+    code, out = _gate("bf16+kv-fp8-e4m3", capsys)
+    assert code == 0, out
+    assert "gate passed (6 of 6 invariants hold)" in out and "scales 1.0 (none given)" in out
+
+
+def test_a_window_covering_the_probe_is_refused_before_any_figure(capsys):
+    from pytest_circuits.cli import main
+
+    code = main(
+        ["gate", "tiny-induction", "--build", "fp32+kv-q8_0-r128", "--baseline", "baselines/tiny-induction--fp32.json"]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "covers every position of the probe (128 tokens)" in err and err.count("\n") == 1
