@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -46,6 +47,7 @@ from pytest_circuits.session import CircuitsSession
 from pytest_circuits.settings import build_settings
 
 HELD_OUT_ROWS, HELD_OUT_LENGTH = 8, 256
+BLOCK = re.compile(r"(<!-- measured: ([\w.-]+) -->\n)(.*?)(<!-- /measured: \2 -->)", re.S)
 RTN_CHECKPOINT = re.compile(r"w4a16-rtn-g(\d+)$")
 
 
@@ -58,6 +60,30 @@ def held_out_loss(session: CircuitsSession, name: str) -> float | None:
     model = session.build(name).model
     losses = [float(model(input_ids=row[None], labels=row[None], use_cache=False).loss) for row in ids]
     return sum(losses) / len(losses)
+
+
+def write_blocks(page: Path, blocks: dict[str, str]) -> None:
+    """Rewrite each ``<!-- measured: NAME -->`` ... ``<!-- /measured: NAME -->`` block of ``page`` named in ``blocks``."""
+    text = page.read_text(encoding="utf-8")
+    missing = [name for name in blocks if f"<!-- measured: {name} -->" not in text]
+    if missing:
+        raise SystemExit(f"{page}: no block for {', '.join(missing)}; add <!-- measured: NAME --> ... markers")
+    page.write_text(
+        BLOCK.sub(lambda m: m.group(1) + blocks.get(m.group(2), m.group(3)) + m.group(4), text), encoding="utf-8"
+    )
+
+
+def shown_arguments(argv: list[str], local: tuple[str, ...] = ("--records", "--write-docs")) -> list[str]:
+    """The command's arguments as a page shows them: without this machine's record folder or the page."""
+    shown, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in local:
+            skip = True
+        elif not arg.startswith(tuple(f"{flag}=" for flag in local)):
+            shown.append(arg)
+    return shown
 
 
 def build_specs(builds: str, model: str, records: Path) -> str:
@@ -95,6 +121,7 @@ def main() -> None:
     parser.add_argument("--knockout-screen-method", default=None, help="atp, atp* or atp*gd (SmolLM2's: atp)")
     parser.add_argument("--no-knockout", action="store_true", help="skip rung 2 (knockout deltas)")
     parser.add_argument("--probe-length", type=int, default=None, help="segment length L (default: the option's)")
+    parser.add_argument("--write-docs", default=None, metavar="PAGE:BLOCK", help="also write the table into that block")
     parser.add_argument("--records", type=Path, default=Path("/tmp/pytest-circuits-formats"), help="record cache")
     parser.add_argument(
         "--write-baselines", action="store_true", help="store a recipe's record as its missing baseline"
@@ -133,12 +160,19 @@ def main() -> None:
     head = {r["head"]: r for r in fp32["heads"]}
     listed = ", ".join(f"{h} {head[h]['prefix_matching']:.3f}" for h in induction)
     where = f"stored baseline {session.baseline_path('fp32')}" if args.stored_reference else "recorded here"
-    print(f"{args.model}: fp32 ({where}) induction heads (prefix matching) {listed}")
-    print(
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    say(f"{args.model}: fp32 ({where}) induction heads (prefix matching) {listed}")
+    say("")
+    say(
         "| build | copy loss [interval] | change vs fp32 [95% paired] | induction heads | top knockout delta "
         "| held-out text loss | gate vs fp32 | s (record) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    say("|---|---|---|---|---|---|---|---|")
     names = list(dict.fromkeys(["fp32", *session.settings.builds]))
     for name in names:
         record, seconds = (fp32, 0.0) if name == "fp32" else record_of(name)
@@ -159,11 +193,14 @@ def main() -> None:
             verdict = "pass" if broken == [] and any(r.passed for r in results) else "FAIL " + ", ".join(broken)
             moved = change(fp32, record)
         text = "n/a" if loss is None else f"{loss:.3f}"
-        print(
+        say(
             f"| {name} | {record['copy_loss']:.4f} [{low:.4f}, {high:.4f}] | {moved} | {scores} | {deltas} | {text} "
-            f"| {verdict} | {seconds:.0f} |",
-            flush=True,
+            f"| {verdict} | {seconds:.0f} |"
         )
+    if args.write_docs:
+        page, _, block = args.write_docs.partition(":")
+        command = "python scripts/measure_formats.py " + " ".join(shown_arguments(sys.argv[1:]))
+        write_blocks(Path(page), {block: "\n".join([f"`{command}`", "", *lines]) + "\n"})
 
 
 if __name__ == "__main__":

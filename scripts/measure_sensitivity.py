@@ -31,13 +31,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import re
 import shlex
 import time
 from pathlib import Path
 
 import torch
-from measure_formats import held_out_loss
+from measure_formats import held_out_loss, write_blocks
 from scipy.stats import binomtest
 
 from pytest_circuits import sensitivity as S
@@ -52,7 +51,6 @@ from pytest_circuits.settings import build_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "sensitivity.md"
-BLOCK = re.compile(r"(<!-- measured: ([\w.-]+) -->\n)(.*?)(<!-- /measured: \2 -->)", re.S)
 BENIGN_RECIPES = ("bf16", "fp16", "rtn-int8")
 KNOCKOUT_SEED_OFFSET = 1000
 
@@ -322,16 +320,6 @@ def measure(args, model: str, write) -> dict[str, str]:
     return blocks
 
 
-def write_blocks(blocks: dict[str, str]) -> None:
-    text = PAGE.read_text(encoding="utf-8")
-    missing = [name for name in blocks if f"<!-- measured: {name} -->" not in text]
-    if missing:
-        raise SystemExit(f"{PAGE}: no block for {', '.join(missing)}; add <!-- measured: NAME --> ... markers")
-    PAGE.write_text(
-        BLOCK.sub(lambda m: m.group(1) + blocks.get(m.group(2), m.group(3)) + m.group(4), text), encoding="utf-8"
-    )
-
-
 def main(argv=None) -> None:
     import sys
 
@@ -369,7 +357,7 @@ def main(argv=None) -> None:
         for name, text in blocks.items():
             print(f"--- {name}\n{text}")
     else:
-        write_blocks(blocks)
+        write_blocks(PAGE, blocks)
         print(f"rewrote {len(blocks)} blocks of {PAGE.relative_to(ROOT)}")
 
 

@@ -404,3 +404,32 @@ def test_a_window_covering_the_probe_is_refused_before_any_figure(capsys):
     )
     err = capsys.readouterr().err
     assert code == 2 and "covers every position of the probe (128 tokens)" in err and err.count("\n") == 1
+
+
+def test_dynamic_fp8_scales_are_per_sequence_so_batching_changes_nothing():
+    spec = parse_kv("fp8-e4m3-dyn")
+    x = torch.randn(3, 2, 40, 32, generator=torch.Generator().manual_seed(2)) * torch.tensor([1.0, 30.0, 0.01]).view(
+        3, 1, 1, 1
+    )
+    together = quantize_keys(x, spec)
+    alone = torch.cat([quantize_keys(x[i : i + 1], spec) for i in range(3)])
+    torch.testing.assert_close(together, alone, rtol=0, atol=0)
+    rel = (together - x).abs().amax(dim=(1, 2, 3)) / x.abs().amax(dim=(1, 2, 3))
+    assert (rel < 0.07).all()  # each sequence at its own scale: e4m3's 3 mantissa bits, at most 1/16 off
+
+
+@pytest.mark.parametrize("method", ["atp", "atp*"])
+def test_the_screen_ranks_heads_through_the_cache(method, tiny_build):
+    """The attribution screen reads keys and values through the cache: its estimates move under an
+    int2 cache, and the build's cached attention is back in place after it."""
+    import copy
+
+    from pytest_circuits.rungs.repeat import repeat_tokens
+    from pytest_circuits.rungs.screen import screen_estimate
+
+    ids = repeat_tokens(tiny_build.tokens, 4, 32, seed=3)
+    cached = attach_kv_cache(copy.deepcopy(tiny_build), parse_kv("int2"))
+    plain, _ = screen_estimate(tiny_build, ids, 32, "zero", None, method, batch_size=4)
+    served, _ = screen_estimate(cached, ids, 32, "zero", None, method, batch_size=4)
+    assert np.abs(served - plain).max() > 1e-2 * np.abs(plain).max()
+    assert cached.model.config._attn_implementation == "circuits-kv|eager"  # restored after the screen

@@ -160,8 +160,9 @@ def quantize_values(v: torch.Tensor, spec: KvSpec, scale: torch.Tensor | float |
 
 
 def _scale(x: torch.Tensor, spec: KvSpec, scale) -> torch.Tensor | float:
-    if spec.dynamic:
-        return (x.abs().amax() / torch.finfo(getattr(torch, spec.format.dtype or "")).max).clamp_min(1e-12)
+    if spec.dynamic:  # per sequence (a request's own cache), so batching never changes a figure
+        amax = x.abs().amax(dim=tuple(range(1, x.dim())), keepdim=True)
+        return (amax / torch.finfo(getattr(torch, spec.format.dtype or "")).max).clamp_min(1e-12)
     return 1.0 if scale is None else scale.to(x.device) if torch.is_tensor(scale) else scale
 
 

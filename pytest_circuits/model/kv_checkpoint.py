@@ -43,7 +43,7 @@ def _described(scheme: dict) -> str:
 
 
 def cache_spec(scheme: dict, what: str) -> KvSpec:
-    """fp8 e4m3 per tensor (static: the checkpoint's scales; dynamic: each forward's), or a one-line refusal."""
+    """fp8 e4m3 per tensor (static: the checkpoint's scales; dynamic: each sequence's), or a one-line refusal."""
     if not isinstance(scheme, dict):
         raise RecipeError(f"{what}: its kv_cache_scheme is not a mapping ({scheme!r}); re-save the checkpoint")
     fp8 = scheme.get("type") == "float" and scheme.get("num_bits") == 8

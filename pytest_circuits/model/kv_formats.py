@@ -10,7 +10,7 @@ Three layouts, each named by the engine or paper that defines it:
 - ``fp8-e4m3``, ``fp8-e5m2`` (vLLM ``--kv-cache-dtype fp8``): one scale per layer for the keys
   and one for the values, ``x -> fp8(clamp(x / s)) * s``; ``s`` is the checkpoint's
   ``k_scale``/``v_scale`` where it has them, else 1.0 as vLLM does. ``-dyn``: ``s`` is each
-  forward's ``amax / fp8_max`` (calibrated on the probe itself).
+  sequence's ``amax / fp8_max`` in each layer (calibrated on the probe itself).
 - ``int8``, ``int4``, ``int2`` (KIVI, Liu et al. 2024): asymmetric min-max; keys per channel over
   blocks of 32 tokens, values per token over groups of 32 channels. A block of keys is quantized
   when it is complete: until then its tokens are read in full precision (KIVI's residual).
@@ -81,7 +81,7 @@ class KvSpec:
         """The identity's ``kv_cache`` line: ``"fp8-e4m3: float8 e4m3, ...; scales 1.0 (none in the checkpoint)"``."""
         parts = [f"{self.name}: {self.format.summary}"]
         if self.format.layout == "fp8":
-            parts.append("scales each forward's amax / fp8 max" if self.dynamic else f"scales {scales or '1.0'}")
+            parts.append("scales each sequence's amax / fp8 max" if self.dynamic else f"scales {scales or '1.0'}")
         if self.window:
             parts.append(f"the last {self.window} tokens before each query in full precision")
         return "; ".join(parts)
@@ -103,7 +103,7 @@ def parse_kv(text: str, build: str = "") -> KvSpec:
         )
     dynamic = match.group("dyn") is not None
     if dynamic and kv_format.layout != "fp8":
-        raise RecipeError(f"{where}'-dyn' (scales from each forward) applies to the fp8 caches only, not {text!r}")
+        raise RecipeError(f"{where}'-dyn' (scales from each sequence) applies to the fp8 caches only, not {text!r}")
     window = int(match.group("window") or 0)
     if match.group("window") is not None and window < 1:
         raise RecipeError(f"{where}the full-precision window of {text!r} must be at least 1 token, e.g. -r128")
