@@ -200,12 +200,14 @@ def model_lines(record: dict) -> list[str]:
 
 
 def cmd_scan(args) -> int:
-    from .fsio import atomic_write_text, remove_stale_temps
+    from .fsio import atomic_write_text, check_output, remove_stale_temps
     from .gate.profile import profile, profile_line
     from .gate.record import build_record
     from .gate.store import dumps
     from .gate.tolerances import Tolerances
 
+    if args.json:
+        check_output(args.json)  # a link or a folder ends the command now, not after the scan
     session = _session(args)
     build = _one_build(session, "scan")
     record = build_record(session, build, knockout=not args.no_knockout)
@@ -254,13 +256,10 @@ def _record_shard(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    from .gate.shards import merge_parts, read_part
-    from .gate.store import validate, write_baseline
+    from .gate.shards import merge_files
 
-    parts = [(str(path), read_part(path)) for path in args.parts]
-    merged = validate(merge_parts(parts), "the merged record")
-    write_baseline(args.output, merged)
-    print(f"wrote {args.output}: {len(parts)} parts merged")
+    _, count = merge_files(args.parts, args.output)
+    print(f"wrote {args.output}: {count} parts merged")
     return EXIT_OK
 
 
@@ -356,19 +355,19 @@ def diff_rows(a: dict, b: dict, min_change: float = 0.01) -> list[tuple]:
 def cmd_diff(args) -> int:
     from .gate.invariants import format_interval, gate_all, kappa_pairs, verdict
     from .gate.stats import paired_interval
-    from .gate.store import compatibility, geometry_difference, read_baseline
+    from .gate.store import compatibility, geometry_difference, other_model_type, read_baseline
     from .gate.tolerances import Tolerances
     from .rungs.figures import MODEL_FIGURES, sequences_key
 
     a, b = read_baseline(args.file_a), read_baseline(args.file_b)
-    for note in compatibility(a, b, f"baseline {args.file_a.name}"):
+    across = bool(geometry_difference(a, b) or other_model_type(a, b))  # two base models: no head pairs
+    for note in compatibility(a, b, f"baseline {args.file_a.name}", across=across):
         print(note)
     _, mismatch = kappa_pairs(a, b, _rung1_diffed())
     if mismatch:
         print("note: " + mismatch.format(against=f"baseline {args.file_a.name}", build=f"{args.file_b.name}"))
     print(f"A {args.file_a}: {a['model']['name']} {a['build']['recipe']}")
     print(f"B {args.file_b}: {b['model']['name']} {b['build']['recipe']}")
-    across = bool(geometry_difference(a, b))
     for figure in MODEL_FIGURES:
         x, y = a.get(figure.name), b.get(figure.name)
         if x is not None and y is not None:
@@ -392,7 +391,7 @@ def cmd_diff(args) -> int:
             print(f"{head:<8} {metric:<{width}} {x:>10.4f} {y:>10.4f} {_fmt(change, '{:+.4f}'):>10}")
     elif not across:
         print(f"no per-head figure moved by {args.min_change} or more")
-    results = gate_all(a, b, Tolerances(), b["build"]["recipe"], f"baseline {args.file_a.name}")
+    results = gate_all(a, b, Tolerances(), b["build"]["recipe"], f"baseline {args.file_a.name}", across=across)
     _, line = verdict(results)
     print(f"with default tolerances, B against A: {line}")
     return EXIT_OK

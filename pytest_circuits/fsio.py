@@ -3,7 +3,8 @@ layer that turns OS and parse errors into one line.
 
 ``atomic_write_text``: temporary file in the target's folder, ``fsync``, ``os.replace``,
 ``fsync`` of the folder; on any failure (disk full included) the temporary file is removed
-and the old file stays byte-identical. ``ensure_dir``: a folder that exists and can be
+and the old file stays byte-identical; a symbolic link is never written through (`check_output`,
+docs/safety.md). ``ensure_dir``: a folder that exists and can be
 written, or a `FileSystemError` naming the path and the fix. ``remove_stale`` cleans the
 temporary files and staging folders that a killed process left behind. ``read_json``: the
 one reader of JSON we did not write (baselines, ``config.json``, indexes, markers): regular
@@ -97,27 +98,55 @@ def fsync_dir(folder: str | os.PathLike) -> None:
         os.close(fd)
 
 
+STREAM_FOLDERS = ("/dev", "/dev/fd", "/proc/self/fd")  # the system's names of a process's streams (/dev/stdout)
+
+
+def check_output(path: str | os.PathLike) -> Path:
+    """``path`` if a file may be written there (`atomic_write_bytes`' rule), else a one-line `FileSystemError`.
+
+    A symbolic link is never written through: a link planted in a folder (git stores links) could
+    name any file the process can write. The one exception is a link the system keeps in
+    `STREAM_FOLDERS` (``/dev/stdout``, ``/dev/fd/1``): a stream, written through, nothing replaced. Writers call this before any work, so a refused path ends the command at once.
+    """
+    path = Path(path)
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return path
+    if stat.S_ISDIR(info.st_mode):
+        raise FileSystemError(f"cannot write {path}: it is a folder; pass a file path")
+    if stat.S_ISLNK(info.st_mode) and not _stream_link(path):
+        raise FileSystemError(
+            f"cannot write {path}: it is a symbolic link (to {os.readlink(path)}), and a link is never written "
+            "through (it could name any file); remove the link, or link its folder instead"
+        )
+    return path
+
+
+def _stream_link(path: Path) -> bool:
+    """True for a link the system keeps in `STREAM_FOLDERS` (``/dev/stdout``: whatever the stream is)."""
+    try:
+        folder = os.path.realpath(path.absolute().parent)
+    except OSError:
+        return False
+    return folder in {os.path.realpath(f) for f in STREAM_FOLDERS}
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int = 0o644) -> Path:
     """Write ``data`` to ``path`` so readers see the whole old or the whole new file, never a part.
 
-    Only a regular file (or no file) is replaced by a rename. A symlink to one (a baselines
-    folder that links a shared store) stays a link: the file it resolves to is replaced the same
-    way. A device, FIFO, or a link to one (``/dev/stdout``, a named pipe) is written through
-    instead (`write_through`).
+    Only a regular file (or no file) is replaced by a rename; a symbolic link is refused
+    (`check_output`: nothing is written). A device or FIFO (a named pipe, ``/dev/stdout``) is
+    written through instead (`write_through`).
     """
     path = Path(path)
     ensure_dir(path.parent)
-    if path.is_dir():
-        raise FileSystemError(f"cannot write {path}: it is a folder; pass a file path")
+    check_output(path)
     try:
         info = os.lstat(path)
     except OSError:
         info = None
-    if info is not None and stat.S_ISLNK(info.st_mode):
-        target = Path(os.path.realpath(path))
-        if not target.is_symlink() and target.parent.is_dir() and (not target.exists() or target.is_file()):
-            return atomic_write_bytes(target, data, mode)
-    if info is not None and not stat.S_ISREG(info.st_mode):
+    if info is not None and not stat.S_ISREG(info.st_mode):  # a device, FIFO or stream link
         return write_through(path, data)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
@@ -143,7 +172,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int = 0o644) 
 
 
 def write_through(path: Path, data: bytes) -> Path:
-    """Write ``data`` into what ``path`` names (a device, FIFO, or the file a symlink points to), never
+    """Write ``data`` into what ``path`` names (a device or FIFO, or ``/dev/stdout``), never
     replacing it; opening never blocks (a FIFO no process reads is a one-line error, not a hang)."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, 0o644)
@@ -321,10 +350,11 @@ def read_json(path: str | os.PathLike, max_bytes: int = JSON_MAX_BYTES) -> Any:
         raise JsonUnreadable(path, "is a folder, not a file") from None
     except OSError as error:
         raise JsonUnreadable(path, f"cannot be read ({error.strerror or type(error).__name__})") from None
+    info = os.fstat(fd)  # before fdopen, which raises IsADirectoryError on a folder
+    if stat.S_ISDIR(info.st_mode):
+        os.close(fd)
+        raise JsonUnreadable(path, "is a folder, not a file")
     with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(fd)
-        if stat.S_ISDIR(info.st_mode):
-            raise JsonUnreadable(path, "is a folder, not a file")
         if not stat.S_ISREG(info.st_mode):
             raise JsonUnreadable(path, "is not a regular file (a FIFO, device or socket)")
         if info.st_size > max_bytes:

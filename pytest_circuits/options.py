@@ -297,4 +297,7 @@ def parse_shard(text: str, said: str = "--shard") -> tuple[int, int]:
         raise ShardError(f"{said} {text!r} is not i/K (e.g. 2/4: the second of four shards)") from None
     if total < 1 or not 1 <= index <= total:
         raise ShardError(f"{said} {text}: i must lie in 1..K and K be at least 1 (e.g. 2/4)")
+    most = BY_NAME["knockout-shards"].maximum
+    if most is not None and total > most:  # named as typed, not as the option K becomes
+        raise ShardError(f"{said} {text}: K must be at most {most}")
     return index, total

@@ -224,6 +224,22 @@ class Restorer:
             raise RuntimeError(f"restoring the weights failed for {len(bad)} parameters, e.g. {bad[0]}")
 
 
+def check_damageable(model, damages, recipe: str) -> None:
+    """Each kind of damage applied once and undone, before any gate runs: a build whose weights
+    cannot take it (a quantized build) is one line now, not a traceback after the intact gate."""
+    restorer = Restorer(model)
+    for damage in {(d.kind, d.head): d for d in damages}.values():
+        try:
+            damage.apply(model)
+        except TypeError as error:  # model.dense.float_weight: a quantized module
+            raise CircuitsError(
+                f"--build {recipe}: sensitivity damages float weights, and this build's cannot be edited "
+                f"({error}); run it on a float build: fp32, bf16, fp16 or rtn-*"
+            ) from None
+        finally:
+            restorer.restore()
+
+
 # ---------------------------------------------------------------- gating a damaged build
 
 
@@ -395,11 +411,19 @@ def run_command(session, baseline: dict, tol, count: int, recipe: str, write=pri
     prints each verdict and the mildest damage each invariant catches. False when the intact
     build does not pass against the baseline (nothing it then catches means anything)."""
     from .gate.invariants import per_build_invariants
+    from .gate.store import geometry_difference, geometry_record
 
+    other = geometry_difference(baseline, geometry_record(session.preflight().__dict__))
+    if other:  # before any work: its key heads name heads of another model
+        raise CircuitsError(
+            f"the baseline is of another model (geometry {other}): its key heads are not this model's; "
+            "pass this model's baseline (--baseline FILE) or none (the build's own)"
+        )
     heads = damaged_heads(baseline, tol, count)
     if not heads:
         raise CircuitsError("the baseline has no key head (knockout delta or prefix matching): nothing to damage")
     damages = head_damages(heads, rotations=(), noise=())
+    check_damageable(session.build(recipe).model, damages, recipe)
     write(f"damaging {', '.join(heads)} of {recipe}: {len(damages)} damages, each gated against the baseline")
     outcomes = sweep(session, baseline, damages, tol, recipe, write=write)
     intact = outcomes[0]

@@ -667,3 +667,137 @@ def test_ctrl_c_while_importing_is_one_line_exit_130(tmp_path, module, argv):
     )
     assert done.returncode == 130, done.stderr
     assert done.stderr.strip() == "circuits: interrupted" and done.stdout == ""
+
+
+# ---------------------------------------------------------------- issue 38
+
+
+def _planted_link(folder: Path, name: str) -> tuple[Path, Path]:
+    """``folder/name`` a link to a victim file beside ``folder``: what a planted link would overwrite."""
+    folder.mkdir(exist_ok=True)
+    victim = folder.parent / "victim.txt"
+    victim.write_text("VICTIM\n")
+    (folder / name).symlink_to(victim)
+    return folder / name, victim
+
+
+def test_record_update_all_never_writes_through_a_planted_link(recorded, tmp_path, capsys, pytester):
+    """``circuits record --update-all`` and pytest ``--circuits-update-all`` wrote the baseline into
+    any file a link in the baselines folder named; now one line each, before the scan, and the
+    victim and the link are as they were."""
+    model, _ = recorded
+    link, victim = _planted_link(tmp_path / "bl", "m--fp32.json")
+    code, out, err = run(
+        capsys, ["record", str(model), "--build", "fp32", "--baselines", str(link.parent), "--update-all"]
+    )
+    assert code == 2 and out == ""
+    assert f"cannot write {link}: it is a symbolic link (to {victim})" in one_line(err)
+    probes_suite(pytester, model, link.parent)
+    result = pytester.runpytest("-p", "no:cacheprovider", "--circuits-update-all", "-k", "copying_heads")
+    assert f"cannot write {link}: it is a symbolic link" in result.stdout.str()
+    assert result.ret != 0 and "Traceback" not in result.stdout.str()
+    assert victim.read_text() == "VICTIM\n" and link.is_symlink()
+
+
+def test_a_folder_named_as_a_baseline_is_one_line(recorded, tmp_path, capsys, pytester):
+    """A folder where a baseline file belongs: an IsADirectoryError traceback in gate, diff and pytest,
+    a TypeError in report; now one line naming it and the fix, everywhere."""
+    model, good = recorded
+    folder = tmp_path / "bl" / "m--fp32.json"
+    folder.mkdir(parents=True)
+    for argv in (
+        ["gate", str(model), "--build", "fp32", "--baseline", str(folder)],
+        ["diff", str(good), str(folder)],
+        ["report", str(folder), "--out", str(tmp_path / "report")],
+        ["report", str(good), "--against", str(folder), "--out", str(tmp_path / "report")],
+    ):
+        code, _, err = run(capsys, argv)
+        assert code == 2 and f"baseline {folder} is a folder, not a file; pass a baseline .json file" in one_line(err)
+    probes_suite(pytester, model, folder.parent)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-k", "copying_heads")
+    assert f"baseline {folder} is a folder, not a file" in result.stdout.str()
+    assert result.ret == 1 and "IsADirectoryError" not in result.stdout.str()
+
+
+def test_a_baseline_of_another_model_type_is_another_model(recorded, tmp_path, capsys):
+    """A same-shape baseline recorded from another model type (a llama record under this gpt2's name)
+    gated with only "the weights differ"; now refused naming both types, unless a swap is asked for."""
+    model, good = recorded
+    record = json.loads(good.read_text())
+    record["model"]["model_type"] = "llama"
+    other = tmp_path / "m--fp32.json"
+    other.write_text(json.dumps(record))
+    code, out, err = run(capsys, ["gate", str(model), "--build", "fp32", "--baseline", str(other), *SMALL])
+    assert code == 2 and "gate passed" not in out
+    line = one_line(err)
+    assert f"baseline {other.name} was recorded from another model (model type llama vs gpt2)" in line
+    assert "circuits gate --across-models" in line
+    code, out, _ = run(
+        capsys, ["gate", str(model), "--build", "fp32", "--baseline", str(other), "--across-models", *SMALL]
+    )
+    assert code in (0, 1) and "swap_copy" in out and "SKIP copying_heads: per-head invariants are not compared" in out
+    code, out, err = run(capsys, ["diff", str(good), str(other)])  # diff compares them as two base models
+    assert code == 0 and "per-head figures not compared: A and B are two base models" in out
+
+
+def test_sensitivity_refuses_what_it_cannot_damage_before_any_work(recorded, capsys, monkeypatch):
+    """``circuits sensitivity --build bnb-int8`` tracebacked after the intact gate (~100 s); a baseline of
+    another geometry was reported after all 20 damages. Both are one line before any gate runs."""
+    from pytest_circuits import sensitivity
+    from pytest_circuits.model.named import SHIPPED_BASELINES
+
+    model, _ = recorded
+    gated = []
+    monkeypatch.setattr(sensitivity, "gate_outcome", lambda *a, **k: gated.append(a) or pytest.fail("gated"))
+    code, out, err = run(capsys, ["sensitivity", "tiny-induction", "--build", "bnb-int8"])
+    line = one_line(err)
+    assert code == 2 and "--build bnb-int8: sensitivity damages float weights" in line and "fp32" in line
+    wide = Path(SHIPPED_BASELINES) / "smollm2-135m--fp32.json"
+    code, out, err = run(capsys, ["sensitivity", str(model), "--build", "fp32", "--baseline", str(wide)])
+    assert code == 2 and "the baseline is of another model (geometry n_layers 30 vs 2" in one_line(err)
+    assert gated == [] and out == ""
+
+
+def test_wording_names_what_the_user_typed(tmp_path, capsys):
+    """``--shard 1/99999999999999999999`` was refused naming --knockout-shards; an unknown model type
+    suggested --trust-remote-code when it was given."""
+    code, _, err = run(capsys, ["record", "m", "--build", "fp32", "--shard", "1/99999999999999999999", "--out", "p"])
+    line = one_line(err)
+    assert code == 2 and "--shard 1/99999999999999999999: K must be at most 4096" in line
+    assert "--knockout-shards" not in line
+    folder = save_tiny_model("llama", tmp_path / "odd")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "not-a-known-type"}))
+    code, _, err = run(capsys, ["scan", str(folder), "--no-knockout", "--trust-remote-code"])
+    line = one_line(err)
+    assert code == 2 and "not-a-known-type" in line and "pass --trust-remote-code" not in line
+    assert "--trust-remote-code was given and cannot help" in line
+    code, _, err = run(capsys, ["scan", str(folder), "--no-knockout"])
+    assert code == 2 and "pass --trust-remote-code only if you trust it" in one_line(err)
+
+
+INTERRUPT_AT_ENTRY = INTERRUPT_AT_IMPORT.replace(
+    "from pytest_circuits.cli import main  # what the console script `circuits` does\n\nsys.exit(main(sys.argv[2:]))",
+    "from pytest_circuits.entry import main  # what the console script `circuits` does\n\nsys.exit(main())",
+)
+
+
+def test_ctrl_c_while_the_console_script_loads_the_command_is_one_line(tmp_path):
+    """Ctrl-C in a command's first milliseconds landed in the console script's own ``from
+    pytest_circuits.cli import main``, outside any guard (a traceback, exit -2): the script now
+    imports `pytest_circuits.entry`, which loads the command under the guard."""
+    import subprocess
+    import sys
+
+    pyproject = (PROBES.parent.parent / "pyproject.toml").read_text()
+    assert '\ncircuits = "pytest_circuits.entry:main"\n' in pyproject  # the console script's entry point
+    assert INTERRUPT_AT_ENTRY != INTERRUPT_AT_IMPORT
+    done = subprocess.run(
+        [sys.executable, "-c", INTERRUPT_AT_ENTRY, "pytest_circuits.cli", "--help"],
+        env={**os.environ, "PYTHONPATH": str(PROBES.parent.parent)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 130 and done.stderr.strip() == "circuits: interrupted" and done.stdout == ""

@@ -770,41 +770,36 @@ def test_stale_temps_and_staging_are_removed(tmp_path):
     assert mine.is_dir()
 
 
-def test_symlinked_files_stay_links_and_are_replaced_whole(tmp_path, monkeypatch):
-    """A link to a regular file (a baselines folder linking a shared store) stays a link, and the
-    file it names is replaced by a rename: a write that fails leaves it byte-identical."""
-    from pytest_circuits.errors import FileSystemError
+def test_a_link_is_never_written_through(tmp_path):
+    """Issue 38: a link planted where a file is written (git stores links) wrote the record into the
+    file it named, anywhere. A link, dangling or not, to a file or a folder, is refused in one line
+    naming it and the fix; the file it names and the link stay as they were, no temporary file left."""
     from pytest_circuits.fsio import atomic_write_text
 
-    store = tmp_path / "store"
-    store.mkdir()
-    target = store / "real.json"
-    target.write_text("old")
-    link = tmp_path / "link.json"
-    link.symlink_to(target)
-    inode = target.stat().st_ino
-    atomic_write_text(link, "new\n")
-    assert link.is_symlink() and target.read_text() == "new\n"
-    assert target.stat().st_ino != inode  # replaced by a rename, not truncated and rewritten
+    victim = tmp_path / "victim.txt"
+    victim.write_text("VICTIM\n")
+    folder = tmp_path / "baselines"
+    folder.mkdir()
+    for name, target in (("file.json", victim), ("dangling.json", tmp_path / "new.txt"), ("dir.json", tmp_path)):
+        link = folder / name
+        link.symlink_to(target)
+        line = _one_line_error(lambda link=link: atomic_write_text(link, "{}"))
+        assert f"cannot write {link}: it is a symbolic link (to {target})" in line and "remove the link" in line
+        assert link.is_symlink() and os.readlink(link) == str(target)
+    assert victim.read_text() == "VICTIM\n" and not (tmp_path / "new.txt").exists()
+    assert sorted(p.name for p in folder.iterdir()) == ["dangling.json", "dir.json", "file.json"]
 
-    def disk_full(src, dst):
-        raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(os, "replace", disk_full)
-    with pytest.raises(FileSystemError, match="no space left"):
-        atomic_write_text(link, "half")
-    assert target.read_text() == "new\n" and link.is_symlink()
-    assert sorted(p.name for p in store.iterdir()) == ["real.json"]  # no temporary file left
-    dangling = tmp_path / "dangling.json"
-    dangling.symlink_to(store / "later.json")
-    monkeypatch.undo()
-    atomic_write_text(dangling, "first\n")
-    assert dangling.is_symlink() and (store / "later.json").read_text() == "first\n"
+def test_dev_stdout_is_still_written_through():
+    """The system's own stream links (``--json /dev/stdout``, issue 27) are the one exception."""
+    code = "from pytest_circuits.fsio import atomic_write_text; atomic_write_text('/dev/stdout', 'to the pipe\\n')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == "to the pipe\n", done.stderr
 
 
 def test_devices_are_written_through_not_replaced(tmp_path):
-    """A character device (a copy of /dev/null made here), or a link to one, is written through and
-    stays what it was (issue 27: `--json /dev/stdout`)."""
+    """A character device (a copy of /dev/null made here) is written through and stays what it was
+    (issue 27: `--json /dev/stdout`; a link to one outside /dev is refused: issue 38)."""
     import stat
 
     from pytest_circuits.fsio import atomic_write_text
@@ -816,8 +811,4 @@ def test_devices_are_written_through_not_replaced(tmp_path):
         pytest.skip("mknod needs root (CAP_MKNOD); the FIFO row of test_bad_baselines covers non-regular files")
     atomic_write_text(node, "into the void\n")
     assert stat.S_ISCHR(os.lstat(node).st_mode)
-    link = tmp_path / "to-null"
-    link.symlink_to(node)
-    atomic_write_text(link, "into the void\n")
-    assert link.is_symlink() and stat.S_ISCHR(os.lstat(node).st_mode)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["null", "to-null"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["null"]

@@ -3,7 +3,7 @@
 Read from the source with ``ast`` (imports inside functions count too), so it needs no third-party
 linter. The layers, highest first; a module may import its own layer and any layer below:
 
-1. front ends: the package root, ``plugin``, ``cli``, ``probes``
+1. front ends: the package root, ``plugin``, ``cli`` (and ``entry``, its console script), ``probes``
 2. ``session``, ``assertions``, ``testing``
 3. ``report``
 4. ``gate``
@@ -26,7 +26,7 @@ import pytest_circuits
 PACKAGE = Path(pytest_circuits.__file__).resolve().parent
 ROOT = "pytest_circuits"
 LAYERS = (
-    (ROOT, "plugin", "cli", "probes"),
+    (ROOT, "plugin", "cli", "entry", "probes"),
     ("session", "assertions", "testing", "sensitivity"),
     ("report",),
     ("gate",),

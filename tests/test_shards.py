@@ -85,8 +85,8 @@ def test_merge_refuses_parts_of_other_weights_settings_or_splits(parts, tmp_path
     with pytest.raises(ShardError, match=r"in build.recipe \(another build\)"):
         merge_parts([("a", one), ("b", other)])
     other = copy.deepcopy(two)
-    other["record"]["probe"]["n"] = 8
-    with pytest.raises(ShardError, match=r"in probe.n \(other probe settings\)"):
+    other["record"]["probe"]["seed"] = 8
+    with pytest.raises(ShardError, match=r"in probe.seed \(other probe settings\)"):
         merge_parts([("a", one), ("b", other)])
     with pytest.raises(ShardError, match="a and b are both shard 1/2"):
         merge_parts([("a", one), ("b", one)])
@@ -338,3 +338,167 @@ def test_a_merge_job_needs_no_memory_for_a_probe_it_does_not_run(monkeypatch):
     with pytest.raises(CircuitsError, match="the repeat probe with n=4, L=16"):
         CircuitsSession(_settings()).preflight()
     assert CircuitsSession(_settings(**{"shard-parts": "parts"})).preflight().n_layers == 2
+
+
+# ---------------------------------------------------------------- issue 38: parts that weaken the record
+
+
+def _merged_or_refused(parts: list[tuple[str, dict]]) -> dict | None:
+    """The merge of ``parts``, or None when it was refused with one `ShardError` line (anything else raises)."""
+    try:
+        return merge_parts(parts)
+    except ShardError as error:
+        assert "\n" not in str(error), str(error)
+        return None
+
+
+@needs_embedded
+def test_merge_proves_coverage_and_each_parts_own_heads(parts, tmp_path, capsys):
+    """Issue 38: a part relabelled 1/1 over every layer, a part claiming a layer another owns, parts
+    numbered 0/2 or 3/2 beside 1/2 and 2/2 all merged (exit 0) into a record without layer 0's deltas."""
+    one, two = read_part(parts / "part-1.json"), read_part(parts / "part-2.json")
+
+    def edited(part: dict, **meta) -> dict:
+        out = copy.deepcopy(part)
+        out["part"].update(meta)
+        return out
+
+    refusals = [
+        ([("b", edited(two, index=1, of=1, layers=[0, 1]))], "b is not the part it says .*no knockout_delta for L0H0"),
+        ([("a", one), ("b", edited(two, layers=[0, 1]))], "b is not the part it says .*no knockout_delta for L0H0"),
+        ([("a", one), ("b", two), ("c", edited(two, index=0))], "c is not a valid shard part: part.index"),
+        ([("a", one), ("b", two), ("c", edited(two, index=3))], "c is not a valid shard part: part.index 3 is above"),
+        ([("a", one), ("b", edited(one, index=2))], "a and b both claim layer 0"),
+        ([("a", edited(one, layers=[0, 7])), ("b", two)], "a claims layer\\(s\\) 7, the model has 2 layers"),
+        ([("a", {"part": {"format": 1, "index": 1, "of": 2}, "record": one["record"]})], "part.layers: Field required"),
+        ([("a", edited(one, layers=0)), ("b", two)], "part.layers: Input should be a valid list"),
+    ]
+    for given, expected in refusals:
+        with pytest.raises(ShardError, match=expected):
+            merge_parts(given)
+    relabelled = tmp_path / "relabelled.json"
+    relabelled.write_text(json.dumps(edited(two, index=1, of=1, layers=[0, 1])))
+    assert main(["merge", str(relabelled), "-o", str(tmp_path / "m.json")]) == 2
+    assert "is not the part it says" in capsys.readouterr().err and not (tmp_path / "m.json").exists()
+
+
+@needs_embedded
+def test_malformed_parts_never_merge_into_a_weaker_record(parts):
+    """Property (seeded generator): parts made malformed from the real ones (a field missing, of
+    another type, out of range, duplicated, overlapping; one to three flaws) either merge into
+    exactly the record the good parts give or are refused in one `ShardError` line; never a traceback."""
+    import random
+
+    good = [(f"part-{i}", read_part(parts / f"part-{i}.json")) for i in (1, 2)]
+    whole = merge_parts(good)
+    rng = random.Random(38)
+    junk = [None, True, -1, 0, 3, 2.5, "1", "x", [], [0, 0], [1, 0], {}, {"a": 1}]
+
+    def flaw(parts: list[tuple[str, dict]]) -> None:
+        name, part = rng.choice(parts)
+        kind = rng.randrange(9)
+        if kind == 0:  # a header field missing or of another type / out of range
+            key = rng.choice(["format", "index", "of", "layers"])
+            if rng.random() < 0.3:
+                part["part"].pop(key, None)
+            else:
+                part["part"][key] = rng.choice(junk)
+        elif kind == 1:  # a part duplicated, or the other's header copied
+            if rng.random() < 0.5:
+                parts.append((name + "-again", copy.deepcopy(part)))
+            else:
+                part["part"] = copy.deepcopy(rng.choice(parts)[1].get("part"))
+        elif kind == 2:  # layers overlapping or relabelled over every layer
+            part["part"].update(rng.choice([{"layers": [0, 1]}, {"index": 1, "of": 1, "layers": [0, 1]}]))
+        elif kind == 3:  # a head's knockout figure lost or of another type
+            row = rng.choice(part["record"]["heads"])
+            row["knockout_delta"] = rng.choice([None, "big", [], True])
+        elif kind == 4:  # a head of a layer the part does not own given a figure
+            row = rng.choice(part["record"]["heads"])
+            row["knockout_delta"] = 1.0 if row["knockout_delta"] is None else row["knockout_delta"]
+            row["knockout_delta_sequences"] = None
+            row["knockout_delta_interval"] = None
+        elif kind == 5:  # a record field missing
+            part["record"].pop(rng.choice(sorted(part["record"])), None)
+        elif kind == 6:  # the part, the record or the whole file of another type
+            key = rng.choice(["part", "record"])
+            part[key] = rng.choice(junk)
+        elif kind == 7:  # a part dropped
+            if len(parts) > 1:
+                parts.remove((name, part))
+        else:  # the knockout info changed (unscreened <-> screened, or gone)
+            part["record"]["knockout"] = rng.choice([None, {**part["record"]["knockout"], "screened": "12"}])
+
+    for _ in range(400):
+        case = copy.deepcopy(good)
+        rng.shuffle(case)
+        for _ in range(rng.randint(1, 3)):
+            try:
+                flaw(case)
+            except (AttributeError, TypeError, KeyError, IndexError):
+                break  # an earlier flaw made this one meaningless: merge what is there
+        merged = _merged_or_refused(case)
+        assert merged is None or merged == whole
+
+
+@needs_embedded
+def test_merge_output_is_never_an_input_a_link_or_a_folder(parts, tmp_path, capsys):
+    """``merge -o`` naming one of its parts overwrote it (exit 0); a link as ``-o`` or ``record --shard
+    --out`` wrote through to any file; a folder among the parts tracebacked. Each is one line, exit 2,
+    before any work, and every file is as it was."""
+    copies = tmp_path / "parts"
+    shutil.copytree(parts, copies)
+    before = {p.name: p.read_bytes() for p in copies.iterdir()}
+    victim = tmp_path / "victim.txt"
+    victim.write_text("VICTIM\n")
+    link = tmp_path / "link.json"
+    link.symlink_to(victim)
+    folder = tmp_path / "folder.json"
+    folder.mkdir()
+    one, two = str(copies / "part-1.json"), str(copies / "part-2.json")
+    cases = [
+        (["merge", one, two, "-o", two], f"-o {two} is the part {two}: write the merged record to another file"),
+        (["merge", one, two, "-o", str(link)], f"cannot write {link}: it is a symbolic link (to {victim})"),
+        (["merge", one, str(folder), "-o", str(tmp_path / "m.json")], f"part {folder} is a folder, not a file"),
+        (
+            ["record", "tiny-induction", "--build", "fp32", "--shard", "1/2", "--out", str(link), *PROBE],
+            f"cannot write {link}: it is a symbolic link",
+        ),
+    ]
+    for argv, expected in cases:
+        assert main(argv) == 2
+        captured = capsys.readouterr()
+        lines = captured.err.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0] and captured.out == "", captured.err
+    assert {p.name: p.read_bytes() for p in copies.iterdir()} == before
+    assert victim.read_text() == "VICTIM\n" and link.is_symlink() and not (tmp_path / "m.json").exists()
+
+
+@needs_embedded
+def test_the_merge_job_validates_its_parts_as_circuits_merge_does(parts, tmp_path):
+    """``--circuits-shard-parts`` reads the parts through the same checks: a relabelled part is one line."""
+    relabelled = read_part(parts / "part-2.json")
+    relabelled["part"].update(index=1, of=1, layers=[0, 1])
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "parts" / "part-1.json").write_text(json.dumps(relabelled))
+    session = CircuitsSession(_settings(**{"shard-parts": str(tmp_path / "parts")}))
+    with pytest.raises(ShardError, match="part-1.json is not the part it says .*no knockout_delta for L0H0"):
+        session.record("fp32", knockout=True)
+
+
+@needs_embedded
+def test_a_gate_against_a_record_that_lost_key_heads_deltas_fails_naming_them(whole):
+    """The record a bad merge wrote had no delta for layer 0's heads (key head L0H1 among them): the gate
+    compared 1 key head instead of 4 and passed. A record whose unscreened scan lost deltas fails."""
+    from pytest_circuits.gate.invariants import evaluate
+    from pytest_circuits.gate.tolerances import Tolerances
+
+    record = json.loads((whole / "tiny-induction--fp32.json").read_text())
+    weak = copy.deepcopy(record)
+    for row in weak["heads"]:
+        if row["layer"] == 0:
+            row.update(knockout_delta=None, knockout_delta_sequences=None, knockout_delta_interval=None)
+    result = evaluate("knockout_deltas", weak, record, Tolerances(), "fp32", "baseline")
+    assert result.status == "failed"
+    assert "holds no knockout_delta for 4 head(s) (L0H0, L0H1, L0H2, L0H3)" in result.message
+    assert evaluate("knockout_deltas", record, record, Tolerances(), "fp32", "baseline").status == "passed"

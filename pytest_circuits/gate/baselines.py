@@ -58,7 +58,7 @@ class RunBaselines:
         session = self.session
 
         def write() -> Path:
-            self.store.check_writable()  # a folder it cannot write ends here, not after the scan
+            self.store.check_writable(self.path(recipe))  # a path it cannot write ends here, not after the scan
             record = session.record(recipe, knockout=True)
             path, written = self.store.write(session.model_name, recipe, record, force=session.settings.update_all)
             self.events.append({"event": "written" if written else "unchanged", "recipe": recipe, "path": str(path)})

@@ -196,6 +196,15 @@ def key_heads(record: dict, metric: str, top_k: int, minimum: float) -> list[str
     return [h for h, _ in (rows[:top_k] if top_k > 0 else rows)]
 
 
+def knockouts_lost(record: dict) -> list[str]:
+    """Heads without a knockout_delta in a record whose knockout scan was not screened (every head
+    exactly): figures lost, not screened out."""
+    info = record.get("knockout")
+    if info is None or info.get("screened") is not None:
+        return []
+    return [r["head"] for r in record.get("heads", []) if r.get("knockout_delta") is None]
+
+
 def other_knockout_settings(before: dict, after: dict) -> list[str]:
     """``["mode zero vs mean", ...]``: the knockout settings (mode, seed, n, L) both records name
     and name differently; deltas of another ablation or other sequences are other figures."""
@@ -431,6 +440,13 @@ class KnockoutDeltas(Invariant):
             return Comparison(
                 nothing=f"the {{against}} was knocked out with other settings ({', '.join(other)}); "
                 "record it again with this run's knockout settings"
+            )
+        lost = knockouts_lost(before)
+        if lost:  # its key heads cannot be known: comparing the rest would gate fewer, silently
+            return Comparison(
+                nothing=f"the {{against}} holds no knockout_delta for {len(lost)} head(s) ({', '.join(lost[:8])}"
+                f"{', ...' if len(lost) > 8 else ''}) though its knockout scan measured every head exactly: "
+                "it is incomplete (a merge of parts that missed layers?), so its key heads are unknown; record it again"
             )
         b, a = heads_by_label(before), heads_by_label(after)
         rows = []

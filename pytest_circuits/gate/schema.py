@@ -19,6 +19,7 @@ from ..options import KNOCKOUT_MODES
 from ..rungs import figures, kappa_method
 
 SCHEMA_VERSION = 1
+PART_FORMAT = 1  # of a shard part's header (`PartInfo`, `gate.shards`)
 
 _STRICT = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 _TYPES: dict[str, Any] = {"float": float, "int": int, "bool": bool, "str": str}
@@ -198,6 +199,26 @@ class Record(_Figures):  # type: ignore[misc, valid-type]
                     n,
                     "knockout",
                 )
+
+
+class PartInfo(BaseModel):
+    """The header of a shard part (`gate.shards`): shard ``index`` of ``of``, measuring ``layers``."""
+
+    model_config = _STRICT
+    format: int  # PART_FORMAT (strict: never True)
+    index: int = Field(ge=1)
+    of: int = Field(ge=1)
+    layers: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _index_in_split(self):
+        if self.format != PART_FORMAT:
+            raise ValueError(f"format {self.format} is not {PART_FORMAT}, the part format this pytest-circuits reads")
+        if self.index > self.of:
+            raise ValueError(f"index {self.index} is above of {self.of} (shard I/K has 1 <= I <= K)")
+        if len(set(self.layers)) != len(self.layers):
+            raise ValueError(f"layers {self.layers} names a layer twice")
+        return self
 
 
 SAMPLED_MATCH = 1e-5  # per-sequence values, rounded like every figure, average to it within this x (1 + max |value|)

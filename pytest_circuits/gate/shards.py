@@ -5,8 +5,10 @@ A part is ``{"part": {"format", "index", "of", "layers"}, "record": <scan record
 scan record of the build (rung 1, the probe, the screen) with exact knockout deltas only for the
 heads of its shard's layers (`rungs.knockout_shards.layer_shards`: contiguous layers of equal replay
 cost). The merge takes each head's ``knockout_delta*`` figures from the part that owns its layer
-and checks that everything else is the same in every part (one build, settings and weights);
-any difference is refused with one line naming the part and the field. Jobs share no folder:
+and checks that everything else is the same in every part (one build, settings and weights).
+Every part is validated (`schema.PartInfo`, `schema.Record`: a part holds knockout figures for
+its layers only, all of them), and the merge proves coverage (one K, each index 1..K once, each
+layer once); any flaw is refused with one line naming the part and the field. Jobs share no folder:
 only the part files travel (a CI matrix's artifacts, a Slurm array's output directory).
 """
 
@@ -18,7 +20,6 @@ from pathlib import Path
 
 from ..errors import ShardError
 
-PART_FORMAT = 1
 KNOCKOUT_PREFIX = "knockout_delta"  # a head row's figures that the part owning its layer measured
 # where two parts of one build may differ: the spec the model was typed as (a job's own path)
 JOB_LOCAL = (("model", "spec"),)
@@ -28,6 +29,7 @@ def part_of(session, recipe: str, index: int, total: int) -> dict:
     """Shard ``index`` of ``total`` (1-based) of the scan of ``recipe``: the part a job writes."""
     from ..options import flag
     from .record import build_record
+    from .schema import PART_FORMAT
 
     n_layers = session.preflight().n_layers
     if total > n_layers:
@@ -47,8 +49,9 @@ def part_of(session, recipe: str, index: int, total: int) -> dict:
 def write_part(session, recipe: str, index: int, total: int, path: Path) -> dict:
     """Measure shard ``index`` of ``total`` of ``recipe`` (`part_of`) and write its part to ``path``
     atomically: the one writer of parts (``circuits record --shard``, pytest ``--circuits-shard``)."""
-    from ..fsio import atomic_write_text
+    from ..fsio import atomic_write_text, check_output
 
+    check_output(path)  # a link or a folder ends the job before the scan, not after
     part = part_of(session, recipe, index, total)
     atomic_write_text(path, dumps_part(part))
     return part
@@ -62,7 +65,7 @@ def dumps_part(part: dict) -> str:
 
 
 def read_part(path: Path) -> dict:
-    """A part file, or one line saying why it is not one."""
+    """A part file, checked (`check_part`), or one line saying why it is not one."""
     from ..fsio import JsonUnreadable, read_json
 
     try:
@@ -70,11 +73,79 @@ def read_part(path: Path) -> dict:
     except JsonUnreadable as error:
         if error.missing:
             raise ShardError(f"part {path} does not exist") from None
+        if "folder" in error.reason:
+            raise ShardError(f"part {path} {error.reason}; name the part files (circuits merge DIR/*.json)") from None
         raise ShardError(f"part {path} {error.reason}; write it again") from None
-    meta = data.get("part") if isinstance(data, dict) else None
-    if not isinstance(meta, dict) or not isinstance(data.get("record"), dict) or meta.get("format") != PART_FORMAT:
-        raise ShardError(f"{path} is not a shard part (circuits record --shard i/K --out FILE writes one)")
+    return check_part(str(path), data)
+
+
+WRITE_AGAIN = "write it again (circuits record --shard I/K --out FILE)"
+
+
+def check_part(name: str, data) -> dict:
+    """``data`` if it is a part (`schema.PartInfo` header, a valid scan record whose knockout
+    figures are its layers' only, every one of them there), else one `ShardError` line naming ``name``."""
+    from pydantic import ValidationError
+
+    from .schema import PartInfo, problem
+    from .store import record_problem
+
+    if not isinstance(data, dict) or not isinstance(data.get("part"), dict) or "record" not in data:
+        raise ShardError(f"{name} is not a shard part (circuits record --shard i/K --out FILE writes one)")
+    try:
+        meta = PartInfo.model_validate(data["part"])
+    except ValidationError as error:
+        raise ShardError(f"{name} is not a valid shard part: part.{problem(error)}; {WRITE_AGAIN}") from None
+    found = record_problem(data["record"])
+    if found is not None:
+        raise ShardError(f"{name}: its record {found}; {WRITE_AGAIN}")
+    record = data["record"]
+    n_layers = record["model"]["geometry"]["n_layers"]
+    beyond = [layer for layer in meta.layers if layer >= n_layers]
+    if beyond:
+        raise ShardError(f"{name} claims layer(s) {_listed(beyond)}, the model has {n_layers} layers; {WRITE_AGAIN}")
+    if record.get("knockout") is None:
+        raise ShardError(f"{name} holds no knockout scan, so no part of one; {WRITE_AGAIN}")
+    own = set(meta.layers)
+    exact = record["knockout"].get("screened") is None  # unscreened: every head of its layers knocked out
+    strays = [r["head"] for r in record["heads"] if r["layer"] not in own and _knockout_figures(r)]
+    unmeasured = [r["head"] for r in record["heads"] if r["layer"] in own and exact and r.get("knockout_delta") is None]
+    if strays or unmeasured:
+        why = (
+            f"knockout figures of {_listed(strays)}, outside its layers {_listed(meta.layers)}"
+            if strays
+            else f"no knockout_delta for {_listed(unmeasured)}, heads of its layers {_listed(meta.layers)}"
+        )
+        raise ShardError(
+            f"{name} is not the part it says (shard {meta.index}/{meta.of}): it holds {why}; {WRITE_AGAIN}"
+        )
+    measured = _measured_figures(record)
+    if len(measured) > 1:  # a head stripped of its interval or sequences: a weaker figure, not another
+        fewest = min(measured, key=len)
+        raise ShardError(
+            f"{name} holds fewer knockout figures for {_listed(measured[fewest])} ({', '.join(sorted(fewest))}) "
+            f"than for its other heads; {WRITE_AGAIN}"
+        )
     return data
+
+
+def _measured_figures(record: dict) -> dict[frozenset, list[str]]:
+    """The heads knocked out exactly (a knockout_delta), by the set of knockout figures each holds."""
+    found: dict[frozenset, list[str]] = {}
+    for row in record["heads"]:
+        if row.get("knockout_delta") is not None:
+            keys = frozenset(k for k in row if k.startswith(KNOCKOUT_PREFIX) and row[k] is not None)
+            found.setdefault(keys, []).append(row["head"])
+    return found
+
+
+def _knockout_figures(row: dict) -> bool:
+    return any(row[k] is not None for k in row if k.startswith(KNOCKOUT_PREFIX))
+
+
+def _listed(items, most: int = 6) -> str:
+    items = [str(i) for i in items]
+    return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
 
 
 def _without_knockouts(record: dict) -> dict:
@@ -113,12 +184,17 @@ WHY = {"model": "other weights or another model", "build": "another build", "pro
 
 
 def merge_parts(parts: list[tuple[str, dict]]) -> dict:
-    """The unsharded record from every part of one build's scan (``(name, part)`` pairs, any order)."""
+    """The unsharded record from every part of one build's scan (``(name, part)`` pairs, any order).
+
+    Each part is checked (`check_part`), then coverage is proven: one K in every part, every index
+    1..K exactly once, every layer of the model in exactly one part; anything else is one line."""
     if not parts:
         raise ShardError("no parts to merge")
+    parts = [(name, check_part(name, part)) for name, part in parts]
     name0, first = parts[0]
     total = first["part"]["of"]
-    owners: dict[int, tuple[str, dict]] = {}
+    owners: dict[int, str] = {}
+    layer_owner: dict[int, tuple[str, dict]] = {}
     base = _without_knockouts(first["record"])
     for name, part in parts:
         meta = part["part"]
@@ -127,27 +203,61 @@ def merge_parts(parts: list[tuple[str, dict]]) -> dict:
                 f"{name} is shard {meta['index']}/{meta['of']}, {name0} one of {total}: parts of two splits"
             )
         if meta["index"] in owners:
-            raise ShardError(f"{owners[meta['index']][0]} and {name} are both shard {meta['index']}/{total}")
-        owners[meta["index"]] = (name, part)
+            raise ShardError(f"{owners[meta['index']]} and {name} are both shard {meta['index']}/{total}")
+        owners[meta["index"]] = name
         where = _first_difference(base, _without_knockouts(part["record"]))
         if where is not None:
             why = WHY.get(where.split(".")[0], "other settings or figures")
             raise ShardError(
                 f"{name} differs from {name0} in {where} ({why}): merge only the parts of one build, settings and weights"
             )
+        for layer in meta["layers"]:
+            if layer in layer_owner:
+                raise ShardError(
+                    f"{layer_owner[layer][0]} and {name} both claim layer {layer}: parts of one split own "
+                    "disjoint layers; write them again"
+                )
+            layer_owner[layer] = (name, part)
     missing = [i for i in range(1, total + 1) if i not in owners]
     if missing:
         raise ShardError(f"shard(s) {', '.join(f'{i}/{total}' for i in missing)} missing: merge all {total} parts")
-    layer_owner = {layer: part for _, part in owners.values() for layer in part["part"]["layers"]}
+    n_layers = first["record"]["model"]["geometry"]["n_layers"]
+    uncovered = [layer for layer in range(n_layers) if layer not in layer_owner]
+    if uncovered:
+        raise ShardError(f"no part holds layer(s) {_listed(uncovered)}: the parts do not cover the model's {n_layers}")
+    kinds = {keys: name for name, part in parts for keys in _measured_figures(part["record"])}
+    if len(kinds) > 1:
+        fewest = min(kinds, key=len)
+        raise ShardError(
+            f"{kinds[fewest]} holds fewer knockout figures per head ({', '.join(sorted(fewest))}) than the other "
+            f"parts: parts of one build's scan measure every head alike; {WRITE_AGAIN}"
+        )
     merged = copy.deepcopy(first["record"])
     for i, row in enumerate(merged["heads"]):
-        owner = layer_owner.get(row["layer"])
-        if owner is None:
-            raise ShardError(f"no part holds layer {row['layer']}: the parts do not cover the model")
-        theirs = owner["record"]["heads"][i]
+        theirs = layer_owner[row["layer"]][1]["record"]["heads"][i]
         for key in [k for k in row if k.startswith(KNOCKOUT_PREFIX)]:
             row[key] = theirs.get(key)
     return merged
+
+
+def merge_files(paths: list[Path], output: Path) -> tuple[dict, int]:
+    """``circuits merge``: the record merged from the part files ``paths`` (`merge_parts`), checked,
+    written to ``output``; ``(record, parts merged)``. An output that is one of the parts, or that
+    may not be written (`fsio.check_output`), is refused before anything is read."""
+    import os
+
+    from ..fsio import check_output
+    from .store import validate, write_baseline
+
+    for path in paths:
+        if Path(os.path.abspath(output)) == Path(os.path.abspath(path)) or (
+            output.exists() and path.exists() and os.path.samefile(output, path)
+        ):
+            raise ShardError(f"-o {output} is the part {path}: write the merged record to another file")
+    check_output(output)
+    merged = validate(merge_parts([(str(path), read_part(path)) for path in paths]), "the merged record")
+    write_baseline(output, merged)
+    return merged, len(paths)
 
 
 def part_paths(pattern: str, said: str) -> list[Path]:

@@ -21,7 +21,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from ..errors import BaselineCorrupt, BaselineMissing, FileSystemError, ForeignBaseline
-from ..fsio import JsonUnreadable, atomic_write_text, ensure_dir, read_json, remove_stale_temps, safe_name
+from ..fsio import JsonUnreadable, atomic_write_text, check_output, ensure_dir, read_json, remove_stale_temps, safe_name
 from ..options import FRONT_END, flag
 from .schema import SCHEMA_VERSION, Record, problem
 
@@ -103,20 +103,26 @@ def _fix() -> str:
     return f"record it again with {flag('update')} (or circuits record)"
 
 
-def validate(record, source: str = "baseline") -> dict:
-    """``record`` if it is a valid scan record of this schema (`schema.Record`), else a one-line
-    `BaselineCorrupt` naming ``source``, the field and the fix."""
+def record_problem(record) -> str | None:
+    """What makes ``record`` not a scan record of this schema (`schema.Record`), in a few words, or None."""
     if not isinstance(record, dict):
-        raise BaselineCorrupt(f"{source} is not a scan record (top level is not an object); {_fix()}")
+        return "is not a scan record (top level is not an object)"
     version = record.get("schema_version")
     if version != SCHEMA_VERSION:
-        raise BaselineCorrupt(
-            f"{source} has schema version {version!r}, this pytest-circuits reads {SCHEMA_VERSION}; {_fix()}"
-        )
+        return f"has schema version {version!r}, this pytest-circuits reads {SCHEMA_VERSION}"
     try:
         Record.model_validate(record)
     except ValidationError as error:
-        raise BaselineCorrupt(f"{source} is not a valid scan record: {problem(error)}; {_fix()}") from None
+        return f"is not a valid scan record: {problem(error)}"
+    return None
+
+
+def validate(record, source: str = "baseline") -> dict:
+    """``record`` if it is a valid scan record of this schema (`record_problem`), else a one-line
+    `BaselineCorrupt` naming ``source``, the field and the fix."""
+    found = record_problem(record)
+    if found is not None:
+        raise BaselineCorrupt(f"{source} {found}; {_fix()}")
     return record
 
 
@@ -148,6 +154,19 @@ def geometry_difference(baseline: dict, record: dict) -> str:
     return ", ".join(f"{k} {geo_b.get(k)} vs {geo_r.get(k)}" for k in GEOMETRY_KEYS if geo_b.get(k) != geo_r.get(k))
 
 
+def other_model_type(baseline: dict, record: dict) -> str:
+    """``"qwen3 vs llama"`` when both records name their ``config.model_type`` and the two differ, else ""."""
+    tb, tr = ((r.get("model") or {}).get("model_type") for r in (baseline, record))
+    return f"{tb} vs {tr}" if tb and tr and tb != tr else ""
+
+
+def _swap_hint() -> str:
+    """How the running front end asks for a base-model swap."""
+    if FRONT_END.get() == "cli":
+        return "circuits gate --across-models"
+    return f"{flag('swap-baseline')} FILE"
+
+
 def _described(record: dict, fallback: str) -> str:
     """``smollm2-135m (30 layers x 9 heads, vocab 49152)``."""
     model = record.get("model") or {}
@@ -158,6 +177,7 @@ def _described(record: dict, fallback: str) -> str:
 def compatibility(baseline: dict, record: dict, source: str = "baseline", across: bool = False) -> list[str]:
     """Notes on comparing ``record`` with ``baseline``; other probe settings are refused.
 
+    Another model type of the same geometry is refused unless ``across`` (a `ForeignBaseline`).
     Another geometry (or ``across``) is another base model: compared on the model-level
     cross-model invariants only, with a note saying that per-head invariants were not. Same
     geometry but another weight fingerprint (a new checkpoint of the same shape) is compared,
@@ -172,6 +192,12 @@ def compatibility(baseline: dict, record: dict, source: str = "baseline", across
             f"{flag('probe-length')} {pb.get('L')} or record it again"
         )
     diff = geometry_difference(baseline, record)
+    kinds = other_model_type(baseline, record)
+    if kinds and not (diff or across):  # a same-shape model of another type: not a build of this one
+        raise ForeignBaseline(
+            f"{source} was recorded from another model (model type {kinds}): it is not a build of this model; "
+            f"gate against this model's own baseline, or ask for a base-model swap ({_swap_hint()})"
+        )
     if diff or across:
         why = f"geometry {diff}" if diff else "compared as two base models"
         return [
@@ -305,11 +331,14 @@ class BaselineStore:
                 f"record into your own folder ({flag('baselines')} DIR, default ./baselines)"
             )
 
-    def check_writable(self) -> None:
+    def check_writable(self, path: Path | None = None) -> None:
         """Before any measuring: the folder exists (created if missing) and is not the shipped one,
-        so a record that would end in a write error ends at once instead of after the scan."""
+        and ``path`` in it may be written (`fsio.check_output`: never a link), so a record that would
+        end in a write error ends at once instead of after the scan."""
         self.refuse_shipped(self.folder)
         ensure_dir(self.folder)
+        if path is not None:
+            check_output(path)
 
     def builds(self, model_name: str) -> dict[str, Path]:
         """Every baseline file of ``model_name`` here, by build."""

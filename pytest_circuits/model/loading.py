@@ -274,9 +274,13 @@ def read_config(folder, trust_remote_code: bool = False, what: str | None = None
     try:
         return AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=trust_remote_code)
     except ValueError as error:
-        raise ModelLoadError(
-            f"model {what or str(folder)!r}: {first_line(error)} (pass {flag('trust-remote-code')} only if you trust it)"
-        ) from None
+        hint = (
+            f"{flag('trust-remote-code')} was given and cannot help: the folder has no code for it; a newer "
+            "transformers may know it"
+            if trust_remote_code
+            else f"pass {flag('trust-remote-code')} only if you trust it"
+        )
+        raise ModelLoadError(f"model {what or str(folder)!r}: {first_line(error)} ({hint})") from None
     except Exception as error:
         raise ModelLoadError(
             f"model {what or str(folder)!r}: transformers refuses its config.json ({type(error).__name__}: "
