@@ -433,3 +433,57 @@ def test_the_screen_ranks_heads_through_the_cache(method, tiny_build):
     served, _ = screen_estimate(cached, ids, 32, "zero", None, method, batch_size=4)
     assert np.abs(served - plain).max() > 1e-2 * np.abs(plain).max()
     assert cached.model.config._attn_implementation == "circuits-kv|eager"  # restored after the screen
+
+
+QUIRKY = ("gpt2", "gemma2", "gemma3_text", "gpt_oss", "phi", "cohere", "qwen3", "mixtral")
+OWN_ATTENTION = ("bloom", "falcon", "gpt_neo")  # compute attention outside transformers' interface
+
+
+@pytest.mark.parametrize("model_type", QUIRKY)
+def test_every_pair_in_full_precision_is_the_families_own_attention(model_type):
+    """A window covering every position puts all pairs through the rebuilt mask (alibi biases,
+    sliding windows, softcaps, sinks kept): the logits are the family's own; with no window, an fp8
+    cache moves them (it is in the path)."""
+    import dataclasses
+
+    from pytest_circuits.model.builds import BuildIdentity, LoadedBuild
+    from pytest_circuits.model.families import family_and_geometry
+    from pytest_circuits.testing import make_tiny_model, tiny_model_types
+
+    if model_type not in tiny_model_types():
+        pytest.skip(f"no tiny {model_type} here")
+    model = make_tiny_model(model_type, seed=11)
+    family, geometry = family_and_geometry(model.config)
+    identity = BuildIdentity("fp32", "float32", "torch", "torch", "cpu")
+    build = LoadedBuild(model, None, identity, family, geometry, None)  # type: ignore[arg-type]
+    ids = torch.randint(0, geometry.vocab, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        for window, moved in ((24, False), (0, True)):
+            served = attach_kv_cache(
+                dataclasses.replace(build, identity=identity), parse_kv(f"fp8-e4m3-r{window}" if window else "fp8-e4m3")
+            )
+            logits = served.model(input_ids=ids).logits
+            assert bool((logits - plain).abs().max() > 1e-4) is moved, model_type
+            if not moved:
+                torch.testing.assert_close(logits, plain, rtol=1e-5, atol=1e-5)
+            delattr(model, "_circuits_kv")
+
+
+@pytest.mark.parametrize("model_type", OWN_ATTENTION)
+def test_a_family_whose_attention_a_cache_cannot_enter_is_refused(model_type):
+    """BLOOM, Falcon and GPT-Neo compute attention themselves: a cache attached there would never be
+    read, so the build is refused in one line instead of gating as if the cache were full precision
+    (the other 41 tiny families take it: test_every_pair_in_full_precision_is_the_families_own_attention)."""
+    from pytest_circuits.model.builds import BuildIdentity, LoadedBuild
+    from pytest_circuits.model.families import family_and_geometry
+    from pytest_circuits.testing import make_tiny_model, tiny_model_types
+
+    if model_type not in tiny_model_types():
+        pytest.skip(f"no tiny {model_type} here")
+    model = make_tiny_model(model_type, seed=11)
+    family, geometry = family_and_geometry(model.config)
+    build = LoadedBuild(model, None, BuildIdentity("fp32", "float32", "torch", "torch", "cpu"), family, geometry, None)  # type: ignore[arg-type]
+    with pytest.raises(RecipeError, match="outside transformers' attention interface") as error:
+        attach_kv_cache(build, parse_kv("fp8-e4m3"))
+    assert "\n" not in str(error.value)

@@ -204,13 +204,14 @@ def _inner(module, impl: str) -> Callable:
 
 
 def _allowed(mask: torch.Tensor | None, B: int, Tq: int, Tk: int, device) -> torch.Tensor:
-    """The pairs a mask lets through, ``(B, 1, Tq, Tk)`` bool (None: causal)."""
+    """The pairs a mask lets through, ``(B, 1, Tq, Tk)`` bool (None: causal; an additive float mask:
+    the entries above half its dtype's minimum, so a bias it carries is kept, not read as masked)."""
     if mask is None:
         causal = torch.ones(Tq, Tk, dtype=torch.bool, device=device).tril(Tk - Tq)
         return causal.expand(B, 1, Tq, Tk)
     if mask.dtype == torch.bool:
         return mask[..., :Tk]
-    return mask[..., :Tk] == 0
+    return mask[..., :Tk] > torch.finfo(mask.dtype).min / 2
 
 
 def kv_attention(impl: str) -> Callable:
@@ -232,8 +233,10 @@ def kv_attention(impl: str) -> Callable:
         copies = [(k, v, allowed & m) for k, v, m in copies if bool(m.any())]
         both = torch.cat([m.expand_as(allowed) for _, _, m in copies], dim=-1)
         if impl == "eager" or (attention_mask is not None and attention_mask.dtype != torch.bool):
-            floor = torch.finfo(query.dtype).min
-            mask = torch.zeros(both.shape, dtype=query.dtype, device=key.device).masked_fill(~both, floor)
+            additive = attention_mask is not None and attention_mask.dtype != torch.bool
+            base = attention_mask[..., :Tk] if additive else torch.zeros_like(allowed, dtype=query.dtype)
+            floor = torch.finfo(base.dtype).min
+            mask = torch.cat([base.expand_as(allowed)] * len(copies), dim=-1).masked_fill(~both, floor)
         else:
             mask = both
         keys = torch.cat([k for k, _, _ in copies], dim=-2)
@@ -252,6 +255,7 @@ def cached(module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor
     cache = cache_of(module)
     if cache is None:
         return key, value
+    cache.read_by.add(id(module))
     k_scale, v_scale = cache.scales(getattr(module, "layer_idx", 0) or 0)
     return quantize_keys(key, cache.spec, k_scale), quantize_values(value, cache.spec, v_scale)
 
@@ -275,6 +279,7 @@ class KvCache:
         self.k_scales: dict[int, torch.Tensor] = k_scales or {}
         self.v_scales: dict[int, torch.Tensor] = v_scales or {}
         self.origin = origin
+        self.read_by: set[int] = set()  # id() of each attention module that has read through it
 
     def scales(self, layer: int):
         return self.k_scales.get(layer), self.v_scales.get(layer)
@@ -301,6 +306,21 @@ def served(model, impl: str) -> str:
     return impl
 
 
+@torch.no_grad()
+def check_in_path(model, modules, cache: KvCache, what: str) -> None:
+    """Refuse a cache that a two-token forward did not read in every layer: a family that computes
+    its attention itself, outside transformers' attention interface (BLOOM, Falcon, GPT-Neo), would gate as
+    if its cache were full precision."""
+    device = model.get_input_embeddings().weight.device
+    model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), use_cache=False)
+    missed = [layer for layer, module in enumerate(modules) if id(module) not in cache.read_by]
+    if missed:
+        raise RecipeError(
+            f"{what}: {model.config.model_type} computes the attention of layers {missed[:8]} itself, outside "
+            "transformers' attention interface, so a KV cache cannot be put in its path; gate it without +kv-"
+        )
+
+
 def attach_kv_cache(build, spec: KvSpec, k_scales=None, v_scales=None, origin: str | None = None, rename=True):
     """``build`` served with the cache ``spec``: a new `LoadedBuild` whose identity names it (and,
     with ``rename``, whose recipe is ``NAME+kv-SPEC``; a checkpoint's own cache keeps its NAME).
@@ -321,9 +341,11 @@ def attach_kv_cache(build, spec: KvSpec, k_scales=None, v_scales=None, origin: s
     register()
     cache = KvCache(spec, k_scales, v_scales, origin)
     setattr(model, CACHE_ATTR, cache)
-    for layer in range(build.geometry.n_layers):
-        setattr(attention_module(model, layer), CACHE_ATTR, cache)
+    modules = [attention_module(model, layer) for layer in range(build.geometry.n_layers)]
+    for module in modules:
+        setattr(module, CACHE_ATTR, cache)
     model.set_attn_implementation(served(model, implementation(model)))
+    check_in_path(model, modules, cache, what)
     recipe = f"{build.identity.recipe}+kv-{spec.name}" if rename else build.identity.recipe
     identity = replace(build.identity, recipe=recipe, kv_cache=cache.describe())
     return replace(build, identity=identity)
