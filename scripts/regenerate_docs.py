@@ -13,6 +13,8 @@ the start of a line, in README.md or a page of docs/; `GENERATORS` says what wri
 
 docs/families.md ends with `families_markdown()` (from its header row to the end of the file).
 ``--check`` writes nothing and exits 1 naming each stale block (tests/test_docs.py does the same).
+The ``failure`` block is stale only when `failure_differs` says so: its figures may move within
+`FIGURE_TOLERANCE` from one CPU to another, and a rerun within it leaves the block as it is.
 """
 
 from __future__ import annotations
@@ -33,6 +35,13 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^(<!-- generated: (\w+)[^\n]*-->\n)(.*?)(^<!-- /generated: \2 -->)", re.S | re.M)
 FAMILIES_PAGE = ROOT / "docs" / "families.md"
 FAMILIES_HEADER = "| model type | layout |"
+NUMBER = re.compile(r"(?<![\w.])[+-]?\d+\.\d+(?![\w.])")  # a printed figure; integers (counts) are structure
+# The example's figures are float32 sums (copy losses over the probe's tokens, kappa over each head's
+# OV matrix, z-scores against a rotation null) printed to 3 decimals; a CPU's kernels (vector width,
+# BLAS blocking) order those sums differently. Measured: ATEN_CPU_CAPABILITY=default against AVX-512
+# on one machine moves figures by <= 0.001; another CPU (issue 42) moved them by <= 0.006
+# (-9.923 -> -9.927, -2.494 -> -2.488). 0.03 is 5 times that, and 3 times below a change of 0.1.
+FIGURE_TOLERANCE = 0.03
 FAILURE_COMMAND = "circuits gate ./sabotaged --build bnb-nf4 --baseline baselines/tiny-induction--fp32.json"
 
 
@@ -132,6 +141,19 @@ def failure_example() -> str:
     return f"```text\n$ {FAILURE_COMMAND}\n{done.stdout.rstrip()}\n```\n"
 
 
+def failure_differs(expected: str, found: str, tolerance: float = FIGURE_TOLERANCE) -> str | None:
+    """How ``found`` differs from ``expected`` beyond a CPU's rounding, or None: the text between
+    figures (verdicts, names, counts, lines) must be equal, each figure within ``tolerance``."""
+    if NUMBER.sub("#", expected) != NUMBER.sub("#", found):
+        lines = zip(NUMBER.sub("#", expected).splitlines(), NUMBER.sub("#", found).splitlines())
+        first = next(((a, b) for a, b in lines if a != b), ("(a line count)", "(differs)"))
+        return f"the text differs: {first[0]!r} became {first[1]!r}"
+    for a, b in zip(NUMBER.findall(expected), NUMBER.findall(found)):
+        if abs(float(a) - float(b)) > tolerance:
+            return f"a figure moved beyond {tolerance}: {a} became {b}"
+    return None
+
+
 def _env() -> dict:
     import os
 
@@ -156,6 +178,8 @@ def regenerated(text: str, cache: dict[str, str]) -> str:
             raise KeyError(f"no generator for block {name!r}; known: {', '.join(GENERATORS)}")
         if name not in cache:
             cache[name] = GENERATORS[name]()
+        if name == "failure" and failure_differs(match.group(3), cache[name]) is None:
+            return match.group(0)  # the same run on this CPU: keep the block as it is
         return match.group(1) + cache[name] + match.group(4)
 
     return BLOCK.sub(fill, text)

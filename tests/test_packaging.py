@@ -28,6 +28,7 @@ def test_the_installed_wheel_runs_the_gate_suite(tmp_path):
     (wheel,) = wheels.glob("pytest_circuits-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for shipped in (
+        "pytest_circuits/py.typed",
         "pytest_circuits/probes/test_rung1_weights.py",
         "pytest_circuits/baselines/tiny-induction--fp32.json",
         "pytest_circuits/models/tiny-induction/model.safetensors",

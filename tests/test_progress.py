@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from pytest_circuits.progress import Progress, format_seconds
 from pytest_circuits.rungs.replay import replay_cost
+
+from .conftest import IMPORT_ROOT
 
 
 class FakeClock:
@@ -135,7 +135,7 @@ def test_long_scan(circuits_session):
 
 def test_progress_shows_with_pytest_capture_on(pytester, monkeypatch):
     """Output capture is on (pytest's default): the lines still reach the terminal, for a test that passes."""
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent))  # this checkout's package
+    monkeypatch.setenv("PYTHONPATH", IMPORT_ROOT)  # the package under test
     pytester.makepyfile(test_long=PROGRESS_TEST)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--circuits-model", "tiny-induction")
     result.assert_outcomes(passed=1)
