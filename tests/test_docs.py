@@ -120,6 +120,27 @@ def _nav_pages(nav) -> list[str]:
     return pages
 
 
+def _develop_lines() -> list[str]:
+    """The commands of the README's "Develop" block."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("\n## Develop\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"^```console\n(.*?)^```", section, re.S | re.M)
+    assert block, 'README.md: the "Develop" section has no console block of set-up lines'
+    return [line.strip() for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_ci_runs_the_readmes_develop_lines_verbatim():
+    """.ci/run installs and tests with exactly the README's lines, in their order (its lint and docs
+    steps and extra installs may come between): a README change that CI does not run fails here."""
+    lines = _develop_lines()
+    assert lines[-1] == "python -m pytest" and any(line.startswith("pip install -e ") for line in lines)
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()]
+    at = 0
+    for line in lines:
+        assert line in ci[at:], f".ci/run does not run the README's Develop line {line!r} (after line {at})"
+        at = ci.index(line, at) + 1
+
+
 def test_every_docs_page_is_in_the_site_nav():
     config = yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
     nav = _nav_pages(config["nav"])
