@@ -131,7 +131,7 @@ OPTIONS: tuple[Option, ...] = (
         "baselines",
         "path",
         None,
-        "baselines folder (default: baselines/ at the rootdir; circuits: ./baselines)",
+        "baselines folder (default: baselines/ beside the ini file, else in the folder pytest started in; circuits: ./baselines)",
         cli=("record",),
         cli_default=Path("baselines"),
     ),

@@ -4,6 +4,8 @@ pytest_circuits.probes` passes from an empty folder with only the installed whee
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -133,3 +135,47 @@ def test_the_package_only_tests_pass_from_an_installed_wheel(tmp_path):
         text=True,
     )
     assert where.stdout.startswith(str(site)), where.stdout  # the wheel's package, not this checkout's
+
+
+def _readme_circuits_lines() -> list[str]:
+    """Every ``circuits`` command of the README's bash blocks."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)
+    return [line.split("  #")[0].strip() for b in blocks for line in b.splitlines() if line.startswith("circuits ")]
+
+
+@pytest.mark.slow
+def test_the_readme_runs_from_a_wheel_outside_a_clone(tmp_path):
+    """From an installed wheel, in a folder beside the one it is installed in (their common parent holds
+    a corrupt baselines/ a wrong default would read): each README ``circuits`` line exits 0, and the
+    gate suite under --pyargs with no ini file reads ./baselines or the shipped ones, never the parent's."""
+    site = installed_wheel(tmp_path)
+    (tmp_path / "baselines").mkdir()
+    (tmp_path / "baselines" / "tiny-induction--fp32.json").write_text("{}")  # the common parent's, not ours
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1"}
+    lines = _readme_circuits_lines()
+    assert any(" --baseline " in line for line in lines)
+    for line in lines:
+        words = shlex.split(line)
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest_circuits.cli", *words[1:]],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert done.returncode == 0, f"{line}: {done.stdout[-2000:]}{done.stderr[-2000:]}"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "pytest_circuits.probes", "-p", "no:cacheprovider"]
+        + ["--circuits-builds", "fp32", "-q", "-k", "copy_loss"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert str(site) in done.stdout and str(tmp_path / "baselines") not in done.stdout
