@@ -13,6 +13,7 @@ try:  # Ctrl-C while the command is still importing: one line and status 130, ne
     import argparse
     import contextlib
     import math
+    import typing
     from pathlib import Path
 
     from .errors import CircuitsError
@@ -57,11 +58,47 @@ def _no_knockout(p: argparse.ArgumentParser, consequence: str) -> None:
     p.add_argument("--no-knockout", action="store_true", help=f"skip the head knockouts (rung 2){consequence}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that adds "did you mean" to a mistyped option or command (its subcommands are of this class)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        super().error(message + _suggestion(self, message))
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    """Every ``--flag`` of ``parser`` and of its subcommands."""
+    found = []
+    for action in parser._actions:
+        found += [s for s in action.option_strings if s.startswith("--")]
+        for sub in (action.choices or {}).values() if isinstance(action, argparse._SubParsersAction) else ():
+            found += _option_strings(sub)
+    return list(dict.fromkeys(found))
+
+
+def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
+    """``" (did you mean ...?)"`` for argparse's unrecognized-argument and invalid-choice errors, else ""."""
+    import re
+
+    from .errors import did_you_mean
+
+    unknown = re.search(r"unrecognized arguments: (.*)", message)
+    if unknown:
+        flags = [w.split("=")[0] for w in unknown.group(1).split() if w.startswith("--")]
+        return "".join(did_you_mean(flag, _option_strings(parser)) for flag in flags)
+    invalid = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if invalid:
+        return did_you_mean(invalid.group(1), re.findall(r"'([^']*)'", invalid.group(2)))
+    return ""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from . import __version__
+
+    parser = _Parser(
         prog="circuits",
         description="Scan, record, gate and diff model builds on mechanistic invariants (pytest-circuits).",
     )
+    parser.add_argument("--version", action="version", version=f"circuits (pytest-circuits) {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 

@@ -159,3 +159,90 @@ def test_gate_and_scan_share_one_no_knockout_option():
         (action,) = [a for a in sub._actions if "--no-knockout" in a.option_strings]
         helps[command] = action.help
     assert helps["gate"].startswith(helps["scan"]) and "knockout_deltas is not checked" in helps["gate"]
+
+
+# ---------------------------------------------------------------- the command line: version, "did you mean"
+
+
+def test_circuits_version(capsys):
+    import importlib.metadata
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert (
+        capsys.readouterr().out.strip() == f"circuits (pytest-circuits) {importlib.metadata.version('pytest-circuits')}"
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["gat", "m"], "(did you mean 'gate'?)"),
+        (["gate", "m", "--build", "fp32", "--baseline", "b", "--no-knockot"], "(did you mean '--no-knockout'?)"),
+        (["scan", "m", "--probe-lenght", "16"], "(did you mean '--probe-length'?)"),
+    ],
+)
+def test_a_mistyped_command_or_option_gets_a_did_you_mean(argv, expected, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--tol", "kapa=0.1"], "unknown tolerance(s) kapa (did you mean 'kappa'?); known: kappa,"),
+        (["--build", "rtn-int9"], "unknown build recipe 'rtn-int9' (did you mean 'rtn-int8'?); known recipes:"),
+        (["--knockout-mode", "zer"], "got 'zer' (did you mean 'zero'?)"),
+    ],
+)
+def test_a_mistyped_value_gets_a_did_you_mean_before_the_list(argv, expected, tmp_path, monkeypatch, capsys):
+    """One line, exit 2, before any model is loaded."""
+    monkeypatch.chdir(tmp_path)
+    base = ["gate", "tiny-induction", "--build", "fp32", "--baseline", "tiny-induction--fp32"]
+    words = base[:2] + argv + (base[2:] if argv[0] != "--build" else base[4:])
+    assert main(words) == 2
+    err = capsys.readouterr().err
+    assert expected in err and err.count("\n") == 1
+
+
+def test_a_word_far_from_every_choice_gets_no_guess():
+    from pytest_circuits.errors import did_you_mean
+
+    assert did_you_mean("kapa", ["kappa", "rank"]) == " (did you mean 'kappa'?)"
+    assert did_you_mean("zzzz", ["kappa", "rank"]) == ""
+
+
+# ---------------------------------------------------------------- docs that agree with the code
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_no_page_states_a_family_count_other_than_the_tables():
+    import re
+
+    from pytest_circuits.model.family_resolution import supported_model_types
+
+    count = len(supported_model_types())
+    for page in PAGES:
+        for said in re.findall(r"\b(\d+) (?:decoder |model )?families\b", page.read_text(encoding="utf-8")):
+            assert int(said) == count, f"{page.name} says {said} families, the table has {count}"
+
+
+def test_no_page_names_a_folder_of_the_machine_it_was_measured_on():
+    import re
+
+    for page in PAGES:
+        found = re.findall(r"(?:/work|/home|/root|/Users)/\S+", page.read_text(encoding="utf-8"))
+        assert not found, f"{page.name}: {found[:3]}"
+
+
+def test_the_loss_caption_says_what_the_first_copys_loss_is():
+    """Not "near the uniform ln V": a trained LM sits well above it (SmolLM2-135M near 14, ln V 10.8)."""
+    from pytest_circuits.report.sections import LOSS_CAPTION
+
+    assert "cannot predict" in LOSS_CAPTION and "stays near the uniform" not in LOSS_CAPTION

@@ -20,7 +20,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
-from ..errors import CircuitsError
+from ..errors import CircuitsError, did_you_mean
 from ..options import flag
 from . import tolerances as tolerances_module
 from .record import has_figures
@@ -158,7 +158,7 @@ tolerances_module.OWN_DEFAULTS = own_tolerance_defaults
 def get(name: str) -> Invariant:
     """The registered invariant called ``name``, or a one-line error listing the known ones."""
     if name not in REGISTRY:
-        raise CircuitsError(f"unknown invariant {name!r}; known: {', '.join(REGISTRY)}")
+        raise CircuitsError(f"unknown invariant {name!r}{did_you_mean(name, REGISTRY)}; known: {', '.join(REGISTRY)}")
     return REGISTRY[name]
 
 
