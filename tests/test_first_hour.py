@@ -246,3 +246,27 @@ def test_the_loss_caption_says_what_the_first_copys_loss_is():
     from pytest_circuits.report.sections import LOSS_CAPTION
 
     assert "cannot predict" in LOSS_CAPTION and "stays near the uniform" not in LOSS_CAPTION
+
+
+def test_the_first_gguf_conversion_beats_while_it_runs(tmp_path, monkeypatch, capsys):
+    """SmolLM2's first run converted its GGUF for about 30 s without a line (issue 42)."""
+    import time
+
+    import pytest_circuits.progress as progress
+    from pytest_circuits.model.gguf_cache import _cached_conversion
+
+    class SlowConvert:
+        path, key = Path("model.gguf"), "k" * 64
+
+        def model(self):
+            time.sleep(0.3)
+
+        def save(self, folder: Path) -> None:
+            (folder / "model.safetensors").write_bytes(b"x")
+
+    monkeypatch.setattr(progress, "INTERVAL", 0.05)
+    folder = _cached_conversion(tmp_path / "gguf", SlowConvert())
+    assert (folder / "model.safetensors").is_file()
+    err = capsys.readouterr().err.splitlines()
+    beats = [line for line in err if line.startswith("converting model.gguf to float32 safetensors, once")]
+    assert len(beats) >= 3 and beats[-1].endswith("done in 0s")
