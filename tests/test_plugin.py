@@ -190,7 +190,10 @@ def test_ini_tolerance_and_bad_values(suite):
     pytester.makeini(ini(intact, baselines))
     result = pytester.runpytest("-p", "no:cacheprovider", "test_bad_marker.py")
     result.assert_outcomes(errors=1)
-    assert "@pytest.mark.circuits_tolerance: unknown tolerance(s) kapa; known: kappa" in text_of(result)
+    assert (
+        "@pytest.mark.circuits_tolerance: unknown tolerance(s) kapa (did you mean 'kappa'?); known: kappa"
+        in text_of(result)
+    )
     assert "During handling" not in text_of(result)
 
 
