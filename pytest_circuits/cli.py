@@ -13,6 +13,7 @@ try:  # Ctrl-C while the command is still importing: one line and status 130, ne
     import argparse
     import contextlib
     import math
+    import typing
     from pathlib import Path
 
     from .errors import CircuitsError
@@ -24,6 +25,7 @@ except KeyboardInterrupt:
 EXIT_OK, EXIT_BROKEN, EXIT_USAGE = 0, 1, 2
 STATUS_WORDS = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}
 MODEL_HELP = "model folder, .gguf file, cache id or named model (tiny-induction, smollm2-135m)"
+SHIPPED_EXAMPLE = "tiny-induction--fp32"  # a shipped baseline's name, as the help and `circuits baselines` show it
 
 
 # ---------------------------------------------------------------- parser
@@ -51,11 +53,52 @@ def _shared_options(p: argparse.ArgumentParser, command: str, defaults_from_base
         )
 
 
+def _no_knockout(p: argparse.ArgumentParser, consequence: str) -> None:
+    """``--no-knockout``, declared once for every command that takes it."""
+    p.add_argument("--no-knockout", action="store_true", help=f"skip the head knockouts (rung 2){consequence}")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that adds "did you mean" to a mistyped option or command (its subcommands are of this class)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        super().error(message + _suggestion(self, message))
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    """Every ``--flag`` of ``parser`` and of its subcommands."""
+    found = []
+    for action in parser._actions:
+        found += [s for s in action.option_strings if s.startswith("--")]
+        for sub in (action.choices or {}).values() if isinstance(action, argparse._SubParsersAction) else ():
+            found += _option_strings(sub)
+    return list(dict.fromkeys(found))
+
+
+def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
+    """``" (did you mean ...?)"`` for argparse's unrecognized-argument and invalid-choice errors, else ""."""
+    import re
+
+    from .errors import did_you_mean
+
+    unknown = re.search(r"unrecognized arguments: (.*)", message)
+    if unknown:
+        flags = [w.split("=")[0] for w in unknown.group(1).split() if w.startswith("--")]
+        return "".join(did_you_mean(flag, _option_strings(parser)) for flag in flags)
+    invalid = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if invalid:
+        return did_you_mean(invalid.group(1), re.findall(r"'([^']*)'", invalid.group(2)))
+    return ""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from . import __version__
+
+    parser = _Parser(
         prog="circuits",
         description="Scan, record, gate and diff model builds on mechanistic invariants (pytest-circuits).",
     )
+    parser.add_argument("--version", action="version", version=f"circuits (pytest-circuits) {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -63,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--build", default="fp32", help="build recipe or NAME=PATH external build (default: fp32)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the scan record here (atomically)")
-    p.add_argument("--no-knockout", action="store_true", help="skip the head knockouts (rung 2)")
+    _no_knockout(p, "")
     _shared_options(p, "scan")
 
     p = sub.add_parser("record", help="write the baselines of builds (atomically)")
@@ -85,7 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gate", help="gate one build against a baseline file (exit 1 if an invariant broke)")
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--build", required=True, help="build recipe or NAME=PATH external build")
-    p.add_argument("--baseline", required=True, type=Path, metavar="FILE", help="baseline file to gate against")
+    p.add_argument(
+        "--baseline",
+        required=True,
+        type=Path,
+        metavar="FILE",
+        help=f"baseline file to gate against, or a shipped one by name ({SHIPPED_EXAMPLE}; circuits baselines lists them)",
+    )
     p.add_argument(
         "--tol",
         action="append",
@@ -99,7 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="gate as a base-model swap (model-level swap_* invariants only) also when the geometry is the "
         "same; another geometry always is one",
     )
+    _no_knockout(
+        p,
+        ": knockout_deltas is not checked (the verdict says so); SmolLM2-135M on a CPU: about a minute instead of tens of minutes",
+    )
     _shared_options(p, "gate", defaults_from_baseline=True)
+
+    sub.add_parser("baselines", help="list the baselines shipped with the package (gate against one by its name)")
 
     p = sub.add_parser("diff", help="what moved between two scan records, per head")
     p.add_argument("file_a", type=Path, metavar="A", help="the earlier scan record or baseline file")
@@ -113,7 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--build", default="fp32", help="the float build to damage (default: fp32)")
     p.add_argument(
-        "--baseline", type=Path, default=None, metavar="FILE", help="baseline file (default: the build's own)"
+        "--baseline",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="baseline file or a shipped one's name (default: the build's own)",
     )
     p.add_argument("--heads", type=int, default=2, help="damage the top N key heads by knockout delta (default: 2)")
     p.add_argument("--tol", action="append", default=[], metavar="NAME=VALUE", help="override a tolerance (repeatable)")
@@ -291,14 +350,55 @@ def _print_results(results, notes=()) -> bool:
     return passed
 
 
+def _missing_baseline(args) -> str:
+    """`circuits gate`'s line for a baseline file that does not exist: the complete command that records it
+    (a file named MODEL--RECIPE.json: that very file; another name: the reference build into its folder)."""
+    from .gate.fixes import file_record_command, record_command
+    from .gate.store import SEPARATOR, SUFFIX, shipped_baselines
+
+    path, settings = args.baseline, _session(args).settings
+    recipe = path.name.removesuffix(SUFFIX).rpartition(SEPARATOR)[2]
+    if path.name.endswith(SUFFIX) and SEPARATOR in path.name:
+        how = f"record it with: {file_record_command(settings, recipe, path)}"
+    else:
+        how = (
+            f"record one with: {record_command(settings, settings.reference, path.parent)} and pass the file it writes"
+        )
+    stem = path.name.removesuffix(SUFFIX)
+    if stem in shipped_baselines():
+        shipped = f"; or gate against the shipped baseline of that name: --baseline {stem}"
+    else:
+        shipped = "; or gate against a shipped baseline by name (circuits baselines lists them)"
+    return f"baseline {path} does not exist; {how}{shipped}"
+
+
+def cmd_baselines(args) -> int:
+    """The shipped baselines, one a line: the name `--baseline` takes anywhere, and the file."""
+    from .gate.store import shipped_baselines
+
+    shipped = shipped_baselines()
+    width = max(map(len, shipped), default=0)
+    for name, path in shipped.items():
+        print(f"{name:<{width}}  {path}")
+    print(
+        f"gate against one by its name, in any folder: circuits gate MODEL --build RECIPE --baseline {SHIPPED_EXAMPLE}"
+    )
+    return EXIT_OK
+
+
 def cmd_gate(args) -> int:
+    from .errors import BaselineMissing
     from .gate.fixes import file_fix_line
-    from .gate.store import compatibility, geometry_difference, geometry_record, read_baseline
+    from .gate.store import baseline_file, compatibility, geometry_difference, geometry_record, read_baseline
     from .gate.verdict import gate_file
     from .model.recipes import describe_identity
 
     tol = _tolerances(args.tol)
-    baseline = read_baseline(args.baseline)
+    args.baseline = baseline_file(args.baseline)
+    try:
+        baseline = read_baseline(args.baseline)
+    except BaselineMissing:
+        raise BaselineMissing(_missing_baseline(args)) from None
     session = _session(args, probe=baseline.get("probe"))
     build = _one_build(session, "gate")
     # refuse other probe settings before any figure is computed; another geometry is another base model
@@ -307,7 +407,7 @@ def cmd_gate(args) -> int:
     across = args.across_models or bool(geometry_difference(baseline, preflight))
     label = f"baseline {args.baseline.name}"
     fix = file_fix_line(session.settings, baseline, args.baseline, across)
-    candidate, notes, results = gate_file(session, build, baseline, label, tol, fix, across)
+    candidate, notes, results = gate_file(session, build, baseline, label, tol, fix, across, not args.no_knockout)
     identities = [
         f"{who} {line}"
         for who, record in (("candidate", candidate), ("baseline", baseline))
@@ -399,13 +499,13 @@ def cmd_diff(args) -> int:
 
 def cmd_sensitivity(args) -> int:
     """`sensitivity.run_command` on the build against its baseline (its probe settings)."""
-    from .gate.store import read_baseline
+    from .gate.store import baseline_file, read_baseline
     from .sensitivity import run_command
 
     tol = _tolerances(args.tol)
     if args.heads < 1:
         raise CircuitsError(f"--heads {args.heads}: damage at least 1 head")
-    baseline = read_baseline(args.baseline) if args.baseline is not None else None
+    baseline = read_baseline(baseline_file(args.baseline)) if args.baseline is not None else None
     session = _session(args, probe=None if baseline is None else baseline.get("probe"))
     build = _one_build(session, "sensitivity")
     if baseline is None:
@@ -420,6 +520,7 @@ COMMANDS = {
     "gate": cmd_gate,
     "diff": cmd_diff,
     "merge": cmd_merge,
+    "baselines": cmd_baselines,
 }
 
 

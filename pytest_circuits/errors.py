@@ -14,6 +14,14 @@ def one_line(error: BaseException) -> str:
     return " ".join(str(error).split()) or type(error).__name__
 
 
+def did_you_mean(word: object, choices) -> str:
+    """``" (did you mean 'X'?)"`` for the choice closest to a mistyped ``word`` (difflib), else ""."""
+    import difflib
+
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 class CircuitsError(Exception):
     """A problem with the user's input (model, build, baseline, option).
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import CircuitsError, ShardError
+from .errors import CircuitsError, ShardError, did_you_mean
 
 DEFAULT_MODEL = "tiny-induction"
 DEFAULT_BUILDS = ("fp32", "bnb-int8", "bnb-nf4")
@@ -89,7 +89,9 @@ class Option:
         if self.kind == "choice":
             choice = str(raw).strip()
             if choice not in self.choices:
-                raise OptionError(f"{said} must be one of {', '.join(self.choices)}, got {raw!r}")
+                raise OptionError(
+                    f"{said} must be one of {', '.join(self.choices)}, got {raw!r}{did_you_mean(choice, self.choices)}"
+                )
             return choice
         if self.kind == "path":
             return Path(str(raw)).expanduser()
@@ -132,7 +134,7 @@ OPTIONS: tuple[Option, ...] = (
         "baselines",
         "path",
         None,
-        "baselines folder (default: baselines/ at the rootdir; circuits: ./baselines)",
+        "baselines folder (default: baselines/ beside the ini file, else in the folder pytest started in; circuits: ./baselines)",
         cli=("record",),
         cli_default=Path("baselines"),
     ),

@@ -10,7 +10,9 @@ layer ``l`` of an ``n_layers`` model, the replay runs ``n_layers - l`` blocks), 
 so a scan that starts with the expensive shallow layers does not promise too much.
 
 A phase with no steps to count (a build load, rung 1, the repeat probe) runs inside `phase`:
-a heartbeat line every ``INTERVAL`` seconds while it lasts, nothing for a short one.
+a heartbeat line every ``INTERVAL`` seconds while it lasts, nothing for a short one. A
+`Progress` used as a context manager beats too: one item can take many minutes (a knockout pass
+of many heads of a 135M model on a CPU), and its plain line still comes every ``interval``.
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ class Progress:
         self.write = write
         self.start = clock()
         self.last_line = self.start
+        self._lock = threading.Lock()  # the heartbeat thread and update() both write lines
+        self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
         on_terminal = sys.stderr.isatty() if terminal is None else terminal
         self.bar = None
         if enabled and write is None and on_terminal:
@@ -99,27 +104,59 @@ class Progress:
         self.cost_done += n if cost is None else cost
         if stage is not None:
             self.stage = stage
-        if self.bar is not None:
-            eta = self.eta()
-            self.bar.set_postfix_str(
-                f"{self.stage} ETA {format_seconds(eta) if eta is not None else '?'}", refresh=False
+        with self._lock:
+            if self.bar is not None:
+                eta = self.eta()
+                self.bar.set_postfix_str(
+                    f"{self.stage} ETA {format_seconds(eta) if eta is not None else '?'}", refresh=False
+                )
+                self.bar.update(n)
+                return
+            # a line every ``interval`` seconds, and a closing one only for a scan that printed before
+            self._line_if(
+                lambda now: now - self.last_line >= self.interval or (self.done >= self.total and self.lines > 0)
             )
-            self.bar.update(n)
-            return
+
+    def _line_if(self, due: Callable[[float], bool]) -> None:
         now = self.clock()
-        # a line every ``interval`` seconds, and a closing one only for a scan that printed before
-        if now - self.last_line >= self.interval or (self.done >= self.total and self.lines):
+        if due(now):
             self.last_line = now
             self.lines += 1
             if self.write is not None:
                 self.write(self.line())
 
+    def beat(self) -> None:
+        """The heartbeat: a plain line when none came for ``interval`` seconds (the item under way is
+        long), or the terminal bar redrawn so its clock moves."""
+        if not self.enabled:
+            return
+        with self._lock:
+            if self.bar is not None:
+                self.bar.refresh()
+            else:
+                self._line_if(lambda now: now - self.last_line >= self.interval)
+
     def close(self) -> None:
+        if self._stop is not None and self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._stop = self._thread = None
         if self.bar is not None:
             self.bar.close()
             self.bar = None
 
     def __enter__(self) -> Progress:
+        """Start the heartbeat thread (`beat` every ``interval`` seconds) until `close`; an interval of
+        0 (a line at every update) needs none."""
+        if self.enabled and self.interval > 0 and (self.bar is not None or self.write is not None):
+            stop = self._stop = threading.Event()
+
+            def run() -> None:
+                while not stop.wait(self.interval):
+                    self.beat()
+
+            self._thread = threading.Thread(target=run, name="circuits-progress", daemon=True)
+            self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:

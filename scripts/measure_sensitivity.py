@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import shlex
 import time
 from pathlib import Path
@@ -183,9 +184,19 @@ def tally(trials: list[dict]) -> tuple[dict, list[str], dict]:
     return {k: tuple(v) for k, v in counts.items()}, lines, most
 
 
+def shown_command(command: str) -> str:
+    """``command`` with each ``--trials PATH`` and ``--kept PATHS`` cut to the files' names."""
+    return re.sub(
+        r"(--trials|--kept)(\s+|=)(\S+)",
+        lambda m: m.group(1) + m.group(2) + ",".join(Path(p).name for p in m.group(3).split(",")),
+        command,
+    )
+
+
 def trials_said(trials: list[dict], command: str) -> str:
     """Which commands measured the trials (a trial kept without one: this run's), over which seeds."""
-    commands = list(dict.fromkeys(t.get("command", command) for t in trials))
+    # a --trials file by its name: the page names no machine's folders
+    commands = list(dict.fromkeys(shown_command(t.get("command", command)) for t in trials))
     seeds = sorted({t["seed"] for t in trials})
     builds = list(dict.fromkeys(t["build"] for t in trials))
     return (

@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.table_only:
             note = (
                 f"Gathered from the runs `python scripts/measure_sizes.py --shapes SHAPE --rungs RUNGS --results "
-                f"{args.results}` made so far, each rung in its own process ({time.strftime('%Y-%m-%d')}, "
+                f"{args.results.name}` made so far, each rung in its own process ({time.strftime('%Y-%m-%d')}, "
                 f"{os.cpu_count()} cores shared with other jobs); a rung not in the table was not run:"
             )
         write_docs(text, note)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+import pytest_circuits
 from pytest_circuits.testing import TINY_FAMILIES, requires_embedded_model, requires_smollm2, save_tiny_model
 
 pytest_plugins = ["pytester"]
@@ -18,7 +19,12 @@ needs_embedded = requires_embedded_model()
 LEGACY_BASELINE = Path(__file__).resolve().parent / "data" / "tiny-induction--fp32.legacy.json"
 
 
-SHIPPED_BASELINES = Path(__file__).resolve().parent.parent / "pytest_circuits" / "baselines"
+# The package under test as Python imports it (an editable checkout or a wheel in site-packages): tests
+# read its files from here, never from this checkout's source tree, which a wheel install does not use.
+PACKAGE = Path(pytest_circuits.__file__).resolve().parent
+SHIPPED_BASELINES = PACKAGE / "baselines"
+PROBES = PACKAGE / "probes"  # the packaged gate suite
+IMPORT_ROOT = str(PACKAGE.parent)  # on a subprocess's PYTHONPATH: it imports this same package
 
 
 def _shipped_digests() -> dict[str, str]:

@@ -21,7 +21,7 @@ import pytest
 from pytest_circuits.cli import main
 from pytest_circuits.testing import save_tiny_model
 
-from .conftest import beyond_progress
+from .conftest import PROBES, SHIPPED_BASELINES, beyond_progress
 from .test_bad_inputs import unwritable_folder
 
 SMALL = ["--device", "cpu", "--probe-n", "4", "--probe-length", "16"]
@@ -324,7 +324,7 @@ def test_kill_9_during_record_keeps_the_old_baseline(recorded, tmp_path):
 # with a gate failure saying why, or exit 0 doing what was asked. Never a traceback, never a write into
 # the shipped baselines (a read-only copy stands in for them; its hashes are checked after every row).
 
-SHIPPED_SOURCE = Path(__file__).resolve().parent.parent / "pytest_circuits" / "baselines"
+SHIPPED_SOURCE = SHIPPED_BASELINES
 FAST = ["--no-knockout", "--probe-n", "4", "--probe-length", "16", "--device", "cpu"]
 TINY = ["--probe-n", "4", "--probe-length", "16", "--device", "cpu"]
 
@@ -596,8 +596,6 @@ def run_guarded(capsys, argv: list[str], fsize: int | None = None, deadline_s: f
 
 
 # ---------------------------------------------------------------- issue 27: the pytest front end, Ctrl-C
-
-PROBES = Path(__file__).resolve().parent.parent / "pytest_circuits" / "probes"
 
 
 def probes_suite(pytester, model: Path, baselines: Path):

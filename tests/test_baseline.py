@@ -16,6 +16,8 @@ from pytest_circuits.errors import BaselineError
 from pytest_circuits.gate import store as bl
 from pytest_circuits.gate.record import HEAD_COLUMNS, SCHEMA_VERSION, assemble_record, eigenvalue_map, head_rows
 
+from .conftest import SHIPPED_BASELINES
+
 GEOMETRY = {"n_layers": 2, "n_heads": 2, "n_kv_heads": 2, "d_model": 8, "d_head": 4, "vocab": 16}
 
 
@@ -308,7 +310,7 @@ def test_eigenvalue_map_labels_heads():
 
 # ---------------------------------------------------------------- the shipped baselines
 
-SHIPPED = Path(__file__).resolve().parent.parent / "baselines"
+SHIPPED = SHIPPED_BASELINES
 SHIPPED_FILES = sorted(SHIPPED.glob("*.json"))
 
 

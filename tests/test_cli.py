@@ -240,9 +240,9 @@ def test_head_table_shows_each_heads_ov_gain_against_the_largest():
 
 def test_diff_rows_stay_aligned_for_the_longest_metric_name(capsys):
     """``kappa_trace_uncentred`` (21 characters) pushed its row's numbers out of their columns."""
-    from pathlib import Path
 
-    shipped = Path(__file__).resolve().parent.parent / "pytest_circuits" / "baselines"
+    from .conftest import SHIPPED_BASELINES as shipped
+
     a, b = shipped / "tiny-induction--fp32.json", shipped / "tiny-induction--rtn-int4.json"
     assert main(["diff", str(a), str(b)]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -610,11 +610,11 @@ def test_circuits_scan_runs_on_every_type(saved_type, model_type, tmp_path, caps
 def test_pytest_probes_record_then_gate_on_the_type(saved_type, model_type, pytester, tmp_path):
     """``pytest probes --circuits-model FOLDER --circuits-builds fp32 --circuits-update``, then the
     same run without ``--circuits-update`` gates against what it wrote: nothing fails."""
-    from pathlib import Path
 
     folder = saved_type(model_type)
     _scan(folder, tmp_path / "warm.json")  # imports every module the inner runs use (pytester drops new ones)
-    probes = Path(__file__).resolve().parents[1] / "pytest_circuits" / "probes"
+    from .conftest import PROBES as probes
+
     for test in sorted(probes.glob("test_*.py")):
         pytester.makepyfile(**{test.stem: test.read_text()})
     baselines = tmp_path / "baselines"

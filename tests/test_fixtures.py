@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 from pytest_circuits.testing import save_tiny_model
 
-PLUGIN = Path(__file__).resolve().parent.parent / "pytest_circuits" / "plugin" / "__init__.py"
+from .conftest import IMPORT_ROOT, PACKAGE
+
+PLUGIN = PACKAGE / "plugin" / "__init__.py"
 
 
 def _fixtures() -> list[ast.FunctionDef]:
@@ -49,7 +50,7 @@ def test_old_name(ov_spectrum, circuits_ov_spectrum):
 
 
 def test_fixtures_hand_out_typed_objects_and_old_names_warn(pytester, tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(PLUGIN.parents[2]))  # this checkout's package in the subprocess
+    monkeypatch.setenv("PYTHONPATH", IMPORT_ROOT)  # the package under test in the subprocess
     model = save_tiny_model("gpt2", tmp_path / "m", seed=0)
     pytester.makepyfile(test_mine=TYPED)
     pytester.makeini(

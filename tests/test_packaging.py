@@ -4,6 +4,9 @@ pytest_circuits.probes` passes from an empty folder with only the installed whee
 from __future__ import annotations
 
 import os
+import re
+import shlex
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -28,6 +31,7 @@ def test_the_installed_wheel_runs_the_gate_suite(tmp_path):
     (wheel,) = wheels.glob("pytest_circuits-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for shipped in (
+        "pytest_circuits/py.typed",
         "pytest_circuits/probes/test_rung1_weights.py",
         "pytest_circuits/baselines/tiny-induction--fp32.json",
         "pytest_circuits/models/tiny-induction/model.safetensors",
@@ -77,6 +81,14 @@ def test_the_update_hint_pastes_from_an_installed_wheel(tmp_path):
     """``pytest --pyargs pytest_circuits.probes`` from a wheel: the failure's hint, pasted, records."""
     from .test_plugin import paste_the_update_hint
 
+    site = installed_wheel(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    paste_the_update_hint(work, "pyargs", site)
+
+
+def installed_wheel(tmp_path: Path) -> Path:
+    """This checkout built as a wheel and installed into a folder of its own (put it on PYTHONPATH)."""
     wheels, site = tmp_path / "wheels", tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(ROOT)],
@@ -89,6 +101,81 @@ def test_the_update_hint_pastes_from_an_installed_wheel(tmp_path):
         check=True,
         timeout=600,
     )
+    return site
+
+
+# Test files that need the package alone (no README, docs/ or scripts/ of the clone); the slow test
+# below runs them against an installed wheel. Add one here when it should hold for wheel users too.
+PACKAGE_ONLY_TESTS = ("test_public_api.py", "test_baseline.py", "test_import_layers.py")
+
+
+@pytest.mark.slow
+def test_the_package_only_tests_pass_from_an_installed_wheel(tmp_path):
+    """A copy of tests/ outside the clone, the package from a wheel: nothing reads the package's files
+    through the clone's source tree, and py.typed is in the installed distribution's file list."""
+    site = installed_wheel(tmp_path)
+    project = tmp_path / "project"
+    shutil.copytree(ROOT / "tests", project / "tests")
+    shutil.copy(ROOT / "pyproject.toml", project / "pyproject.toml")  # the pytest configuration, no package
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", *(f"tests/{name}" for name in PACKAGE_ONLY_TESTS)],
+        cwd=project,
+        env={**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout
+    where = subprocess.run(
+        [sys.executable, "-c", "import pytest_circuits; print(pytest_circuits.__file__)"],
+        cwd=project,
+        env={**os.environ, "PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+    )
+    assert where.stdout.startswith(str(site)), where.stdout  # the wheel's package, not this checkout's
+
+
+def _readme_circuits_lines() -> list[str]:
+    """Every ``circuits`` command of the README's bash blocks."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)
+    return [line.split("  #")[0].strip() for b in blocks for line in b.splitlines() if line.startswith("circuits ")]
+
+
+@pytest.mark.slow
+def test_the_readme_runs_from_a_wheel_outside_a_clone(tmp_path):
+    """From an installed wheel, in a folder beside the one it is installed in (their common parent holds
+    a corrupt baselines/ a wrong default would read): each README ``circuits`` line exits 0, and the
+    gate suite under --pyargs with no ini file reads ./baselines or the shipped ones, never the parent's."""
+    site = installed_wheel(tmp_path)
+    (tmp_path / "baselines").mkdir()
+    (tmp_path / "baselines" / "tiny-induction--fp32.json").write_text("{}")  # the common parent's, not ours
     work = tmp_path / "work"
     work.mkdir()
-    paste_the_update_hint(work, "pyargs", site)
+    env = {**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1"}
+    lines = _readme_circuits_lines()
+    assert any(" --baseline " in line for line in lines)
+    for line in lines:
+        words = shlex.split(line)
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest_circuits.cli", *words[1:]],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert done.returncode == 0, f"{line}: {done.stdout[-2000:]}{done.stderr[-2000:]}"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "pytest_circuits.probes", "-p", "no:cacheprovider"]
+        + ["--circuits-builds", "fp32", "-q", "-k", "copy_loss"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert str(site) in done.stdout and str(tmp_path / "baselines") not in done.stdout

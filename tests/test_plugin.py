@@ -17,6 +17,8 @@ from pytest_circuits.gate.invariants import per_build_invariants
 from pytest_circuits.probes.registered import gate_tests
 from pytest_circuits.testing import make_tiny_model, negate_head_ov, save_tiny_model
 
+from .conftest import IMPORT_ROOT, PROBES, SHIPPED_BASELINES
+
 RUNG1 = len(gate_tests("test_rung1_weights"))  # the suite's rung-1 tests (copying_heads, kappa_distribution, ov_gain)
 RUNG12 = len(gate_tests("test_rung12_repeat"))  # its probe tests (copy_loss, induction_heads)
 # induction_heads skips on the tiny random model (it has no induction head); the other rung-1/2 tests run
@@ -25,8 +27,7 @@ RUNG12_PASS, RUNG12_SKIP = RUNG12 - 1, 1
 RANDOM_SKIPS = ("induction_heads", "ov_gain", "knockout_deltas")
 
 ROOT = Path(__file__).resolve().parent.parent
-PROBES = ROOT / "pytest_circuits" / "probes"  # the packaged gate suite
-SHIPPED = ROOT / "pytest_circuits" / "baselines"
+SHIPPED = SHIPPED_BASELINES
 
 
 def ini(folder: Path, baselines: Path, builds: str = "fp32") -> str:
@@ -189,7 +190,10 @@ def test_ini_tolerance_and_bad_values(suite):
     pytester.makeini(ini(intact, baselines))
     result = pytester.runpytest("-p", "no:cacheprovider", "test_bad_marker.py")
     result.assert_outcomes(errors=1)
-    assert "@pytest.mark.circuits_tolerance: unknown tolerance(s) kapa; known: kappa" in text_of(result)
+    assert (
+        "@pytest.mark.circuits_tolerance: unknown tolerance(s) kapa (did you mean 'kappa'?); known: kappa"
+        in text_of(result)
+    )
     assert "During handling" not in text_of(result)
 
 
@@ -319,7 +323,7 @@ def test_xdist_workers_send_plain_data_and_the_report_is_written(suite, tmp_path
     """Under pytest-xdist every result a worker sends must be plain data (a torch version object
     once broke the run), and the controller writes the report."""
     # the subprocess imports this checkout's package (the probes import pytest_circuits.probes.registered)
-    monkeypatch.setenv("PYTHONPATH", str(PROBES.parents[1]))
+    monkeypatch.setenv("PYTHONPATH", IMPORT_ROOT)
     pytest.importorskip("xdist")
     pytest.importorskip("matplotlib")
     pytester, intact, baselines = suite

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from pytest_circuits.progress import Progress, format_seconds
 from pytest_circuits.rungs.replay import replay_cost
+
+from .conftest import IMPORT_ROOT
 
 
 class FakeClock:
@@ -135,10 +135,31 @@ def test_long_scan(circuits_session):
 
 def test_progress_shows_with_pytest_capture_on(pytester, monkeypatch):
     """Output capture is on (pytest's default): the lines still reach the terminal, for a test that passes."""
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent.parent))  # this checkout's package
+    monkeypatch.setenv("PYTHONPATH", IMPORT_ROOT)  # the package under test
     pytester.makepyfile(test_long=PROGRESS_TEST)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--circuits-model", "tiny-induction")
     result.assert_outcomes(passed=1)
     out = "\n".join(result.outlines)
     assert "circuits: knockout m:fp32: 4/8 heads, at L0H3, 10s elapsed, ETA 5s" in out
     assert "Captured stdout" not in out
+
+
+def test_a_long_item_still_gets_a_line_every_interval():
+    """Issue 42: one knockout pass of many heads ran 25 minutes with no line (lines came only as items
+    finished). Inside ``with``, the heartbeat writes the plain line every interval meanwhile, and
+    stops at the end; a bar used without ``with`` starts no thread."""
+    import threading
+    import time
+
+    lines: list[str] = []
+    with Progress(8, "knockout m:fp32", write=lines.append, interval=0.05) as bar:
+        time.sleep(0.35)  # the first item still under way
+        assert len(lines) >= 3 and all(line.startswith("knockout m:fp32: 0/8 heads") for line in lines)
+        bar.update(1, stage="L0H0")
+    after = len(lines)
+    time.sleep(0.2)
+    assert len(lines) == after  # the heartbeat stopped with the scan
+    assert not any(t.name == "circuits-progress" for t in threading.enumerate())
+    plain = Progress(8, "scan", write=lines.append, interval=0.01)
+    time.sleep(0.05)
+    assert len(lines) == after and plain._thread is None

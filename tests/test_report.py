@@ -361,9 +361,9 @@ def test_missing_matplotlib_is_one_line_naming_pip_install(tmp_path, monkeypatch
 def test_summary_says_why_an_invariant_was_skipped():
     """A gate across base models skips the per-head invariants: the summary says why, grouped by
     reason, rather than calling them 'nothing to compare'."""
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent / "baselines"
+    from .conftest import SHIPPED_BASELINES as root
+
     before, after = (json.loads((root / f"{m}--fp32.json").read_text()) for m in ("smollm2-135m", "tiny-induction"))
     results = gate_all(before, after, Tolerances(), "fp32", "smollm2-135m baseline")
     skipped = [r.invariant for r in results if r.skipped]
@@ -708,11 +708,11 @@ def test_a_build_that_could_not_be_gated_leads_the_report(tmp_path):
         settings = CircuitsSettings(model="tiny-induction", report=None)
 
         def load_baseline(self, recipe):
-            from pathlib import Path
 
             from pytest_circuits.gate.store import read_baseline
 
-            shipped = Path(__file__).resolve().parent.parent / "baselines"
+            from .conftest import SHIPPED_BASELINES as shipped
+
             return read_baseline(shipped / f"tiny-induction--{recipe}.json")
 
         def record(self, recipe, knockout=True, method=None):

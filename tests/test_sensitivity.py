@@ -13,6 +13,8 @@ from pytest_circuits.model.families import geometry_of, out_proj_module
 from pytest_circuits.sensitivity import Damage, Restorer, caught_table, gate_outcome, sweep
 from pytest_circuits.testing import make_tiny_model, requires_embedded_model
 
+from .conftest import SHIPPED_BASELINES
+
 needs_embedded = requires_embedded_model()
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -128,7 +130,7 @@ def embedded_gate():
     from pytest_circuits.settings import CircuitsSettings
 
     session = CircuitsSession(CircuitsSettings(model="tiny-induction", device="cpu"))
-    baseline = read_baseline(Path(__file__).resolve().parent.parent / "baselines" / "tiny-induction--fp32.json")
+    baseline = read_baseline(SHIPPED_BASELINES / "tiny-induction--fp32.json")
     return session, baseline, Tolerances()
 
 

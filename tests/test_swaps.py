@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from pathlib import Path
 
 import pytest
 
@@ -19,11 +18,11 @@ from pytest_circuits.gate.store import compatibility
 from pytest_circuits.gate.tolerances import Tolerances
 from pytest_circuits.testing import requires_embedded_model, save_tiny_model
 
-from .conftest import beyond_progress
+from .conftest import PROBES, SHIPPED_BASELINES, beyond_progress
 
 TOL = Tolerances()
 SWAPS = ("swap_copy", "swap_induction", "swap_kappa", "swap_knockout")
-BASELINES = Path(__file__).resolve().parent.parent / "baselines"
+BASELINES = SHIPPED_BASELINES
 SMOLLM2_FP32 = BASELINES / "smollm2-135m--fp32.json"
 TINY_FP32 = BASELINES / "tiny-induction--fp32.json"
 
@@ -343,7 +342,7 @@ def test_a_swap_from_the_embedded_model_to_a_random_one_fails_naming_both(random
 def test_pytest_swap_baseline_option_gates_against_the_replaced_model(pytester, random_records, tmp_path):
     """``--circuits-swap-baseline``: the probes' swap test gates each build against the replaced
     model's baseline; here the new model is a random one, so it fails naming both models."""
-    probes = Path(__file__).resolve().parent.parent / "pytest_circuits" / "probes"
+    probes = PROBES
     pytester.makepyfile(test_swap=(probes / "test_swap.py").read_text())
     model = save_tiny_model("gpt2", tmp_path / "m", seed=0)
     pytester.makeini(f"[pytest]\ncircuits_model = {model}\ncircuits_builds = fp32\ncircuits_device = cpu\n")

@@ -16,9 +16,10 @@ from pytest_circuits.gate.invariants import per_build_invariants
 from pytest_circuits.plugin.workers import group_name, load_lines
 from pytest_circuits.testing import requires_embedded_model, requires_smollm2
 
+from .conftest import PROBES
+
 pytest.importorskip("xdist")
 
-PROBES = Path(__file__).resolve().parent.parent / "pytest_circuits" / "probes"
 SMALL = ("--circuits-probe-n", "2", "--circuits-probe-length", "16", "--circuits-device", "cpu")
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..options import flag
 from ..settings import CircuitsSettings, recording_words
-from .store import SEPARATOR, SUFFIX
+from .store import SEPARATOR, SUFFIX, is_shipped
 
 RECORD_AGAIN = "if the change is intended, record the baseline again: "
 
@@ -25,9 +25,11 @@ def record_command(settings: CircuitsSettings, build: str, folder: str | Path, n
 
 
 def file_record_command(settings: CircuitsSettings, build: str, baseline: Path) -> str:
-    """`record_command` that rewrites the file ``baseline`` itself (its folder, its model name)."""
+    """`record_command` that rewrites the file ``baseline`` itself (its folder, its model name); a
+    shipped baseline is never rewritten: the command records the same name into ./baselines."""
     name = baseline.name.removesuffix(SUFFIX).rsplit(SEPARATOR, 1)[0]
-    return record_command(settings, build, baseline.parent, name=name)
+    folder = Path("baselines") if is_shipped(baseline.parent) else baseline.parent
+    return record_command(settings, build, folder, name=name)
 
 
 def update_command(config) -> str:

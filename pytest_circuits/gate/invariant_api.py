@@ -20,7 +20,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
-from ..errors import CircuitsError
+from ..errors import CircuitsError, did_you_mean
 from ..options import flag
 from . import tolerances as tolerances_module
 from .record import has_figures
@@ -158,7 +158,7 @@ tolerances_module.OWN_DEFAULTS = own_tolerance_defaults
 def get(name: str) -> Invariant:
     """The registered invariant called ``name``, or a one-line error listing the known ones."""
     if name not in REGISTRY:
-        raise CircuitsError(f"unknown invariant {name!r}; known: {', '.join(REGISTRY)}")
+        raise CircuitsError(f"unknown invariant {name!r}{did_you_mean(name, REGISTRY)}; known: {', '.join(REGISTRY)}")
     return REGISTRY[name]
 
 
@@ -273,9 +273,14 @@ def per_build_invariants() -> list[str]:
 def runnable(after: dict, names=None, across: bool = False) -> list[str]:
     """The invariants (all registered, or ``names``) whose figures the candidate record holds;
     the cross-model ones only ``across`` models (the others then report why they were skipped)."""
+    return [n for n in in_scope(names, across) if all(has_figures(after, need) for need in get(n).needs)]
+
+
+def in_scope(names=None, across: bool = False) -> list[str]:
+    """The invariants (all registered, or ``names``) a comparison runs, whatever figures they need:
+    the cross-model ones only ``across`` models."""
     chosen = list(REGISTRY) if names is None else list(names)
-    chosen = [n for n in chosen if across or not get(n).across_models]
-    return [n for n in chosen if all(has_figures(after, need) for need in get(n).needs)]
+    return [n for n in chosen if across or not get(n).across_models]
 
 
 def gate_all(
@@ -288,9 +293,17 @@ def gate_all(
     names=None,
     across: bool | None = None,
 ) -> list[InvariantResult]:
-    """`evaluate` every invariant the candidate has figures for (``across``: see `evaluate`)."""
+    """`evaluate` every invariant the candidate has figures for (``across``: see `evaluate`); one it
+    has none for (a scan without knockouts) is skipped saying so, so the verdict names it as not guarded."""
     across = bool(geometry_difference(before, after)) if across is None else across
-    return [evaluate(n, before, after, tol, build, against, fix, across) for n in runnable(after, names, across)]
+    run = runnable(after, names, across)
+    results = {n: evaluate(n, before, after, tol, build, against, fix, across) for n in run}
+    for n in in_scope(names, across):
+        if n not in results:
+            lacking = ", ".join(need for need in sorted(get(n).needs) if not has_figures(after, need))
+            why = f"not checked: the {build} record holds no {lacking} figures, it was measured without them"
+            results[n] = InvariantResult(n, build, against, "skipped", why)
+    return [results[n] for n in in_scope(names, across)]
 
 
 def guarded(results) -> str:

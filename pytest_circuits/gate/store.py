@@ -266,6 +266,23 @@ def is_shipped(folder: str | Path) -> bool:
         return False
 
 
+def shipped_baselines() -> dict[str, Path]:
+    """The package's shipped baseline files (`model.named.SHIPPED_BASELINES`) by name, ``tiny-induction--fp32``."""
+    from ..model import named
+
+    return {p.name.removesuffix(SUFFIX): p for p in sorted(Path(named.SHIPPED_BASELINES).glob(f"*{SUFFIX}"))}
+
+
+def baseline_file(text: str | Path) -> Path:
+    """The baseline file a user typed: the path itself when it exists or names a folder; a bare name
+    (``tiny-induction--fp32``, with or without ``.json``) that is no file here is the shipped baseline
+    of that name (`shipped_baselines`); anything else is returned as typed (reading it says why not)."""
+    path = Path(text)
+    if path.exists() or len(path.parts) != 1:
+        return path
+    return shipped_baselines().get(path.name.removesuffix(SUFFIX), path)
+
+
 def same_geometry(folder: str | Path, recipe: str, geometry: dict, exclude: str) -> dict[str, Path]:
     """Baselines of ``recipe`` in ``folder`` of other models than ``exclude`` whose geometry is
     ``geometry`` (a `Geometry`'s fields), by the model name in their file name: the baseline a

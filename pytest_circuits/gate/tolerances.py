@@ -9,6 +9,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from ..errors import did_you_mean
+
 INTEGER = ("top_k", "swap_induction_heads")  # counts; every other tolerance is a float
 
 
@@ -63,13 +65,16 @@ class Tolerances:
         defaults = OWN_DEFAULTS()
         if name in defaults:
             return defaults[name]
-        raise AttributeError(f"no tolerance {name!r}; known: {', '.join(self.all_names())}")
+        raise AttributeError(
+            f"no tolerance {name!r}{did_you_mean(name, self.all_names())}; known: {', '.join(self.all_names())}"
+        )
 
     def updated(self, overrides: dict) -> Tolerances:
         """A copy with ``overrides`` applied; unknown names or bad values raise ValueError."""
         unknown = sorted(set(overrides) - set(self.all_names()))
         if unknown:
-            raise ValueError(f"unknown tolerance(s) {', '.join(unknown)}; known: {', '.join(self.all_names())}")
+            said = ", ".join(name + did_you_mean(name, self.all_names()) for name in unknown)
+            raise ValueError(f"unknown tolerance(s) {said}; known: {', '.join(self.all_names())}")
         clean: dict[str, Any] = {}
         own_defaults = OWN_DEFAULTS()
         for name, value in overrides.items():

@@ -110,14 +110,24 @@ def gate_build(session, recipe: str, invariant: str, tol: Tolerances, fixes: dic
 
 
 def gate_against(
-    session, recipe: str, baseline: dict, label: str, tol: Tolerances, fix: str | None, *, invariant=None, across=False
+    session,
+    recipe: str,
+    baseline: dict,
+    label: str,
+    tol: Tolerances,
+    fix: str | None,
+    *,
+    invariant=None,
+    across=False,
+    knockout: bool | None = None,
 ) -> tuple[dict, list[str], list[invariants.InvariantResult]]:
     """The gate's one flow against one baseline: ``(candidate, notes, results)``. The candidate is
     measured the baseline's way (`candidate_record`), checked against it (`store.compatibility`:
     another probe raises a `BaselineError`), then ``invariant`` is evaluated (default: every one the
     candidate has figures for, `invariants.gate_all`), each failure ending with ``fix``."""
     inv = None if invariant is None else invariants.get(invariant) if isinstance(invariant, str) else invariant
-    knockout = "knockout" in inv.needs if inv is not None else has_figures(baseline, "knockout")
+    if knockout is None:  # measure knockouts when the invariant needs them, or the baseline has them
+        knockout = "knockout" in inv.needs if inv is not None else has_figures(baseline, "knockout")
     candidate = candidate_record(session, recipe, baseline, knockout=knockout)
     notes = compatibility(baseline, candidate, label, across=across)
     if inv is None:
@@ -126,13 +136,16 @@ def gate_against(
     return candidate, notes, [evaluated]
 
 
-def gate_file(session, recipe: str, baseline: dict, label: str, tol: Tolerances, fix: str, across: bool):
+def gate_file(
+    session, recipe: str, baseline: dict, label: str, tol: Tolerances, fix: str, across: bool, knockout: bool = True
+):
     """``circuits gate``: `gate_against` one baseline file with every invariant; on the same model
     its key heads are knocked out exactly even when the scan is screened (another model's key heads
-    are not this model's heads)."""
-    if not across:
+    are not this model's heads). ``knockout=False`` (``--no-knockout``): no knockouts measured, so
+    the invariants that need them are not run (the verdict says which are not guarded)."""
+    if not across and knockout:
         session.pin_key_heads(invariants.key_heads(baseline, "knockout_delta", tol.top_k, tol.min_delta))
-    return gate_against(session, recipe, baseline, label, tol, fix, across=across)
+    return gate_against(session, recipe, baseline, label, tol, fix, across=across, knockout=None if knockout else False)
 
 
 def swap_baseline(session) -> tuple[dict | None, str, str]:

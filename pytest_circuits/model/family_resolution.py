@@ -12,7 +12,7 @@ import torch
 
 from ..errors import ModelLoadError, UnknownFamilyError
 from . import family_table
-from .family_table import ENTRY_POINT_GROUP, HYBRID_LAYER_ATTRS, NO_PER_HEAD_OV, Family, Geometry
+from .family_table import ADD_FAMILY, ENTRY_POINT_GROUP, HYBRID_LAYER_ATTRS, NO_PER_HEAD_OV, Family, Geometry
 from .module_paths import attn_norm_module, modules_at
 
 # ---------------------------------------------------------------- resolution
@@ -81,8 +81,7 @@ def _hybrid_layers(config) -> str:
 
 def _unsupported_line(model_type) -> str:
     return (
-        f"model family {model_type!r} is not supported; supported: {', '.join(supported_model_types())} "
-        "(add one entry to pytest_circuits/model/family_table.py or a pytest_circuits.families entry point)"
+        f"model family {model_type!r} is not supported; supported: {', '.join(supported_model_types())} ({ADD_FAMILY})"
     )
 
 

@@ -22,6 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 ENTRY_POINT_GROUP = "pytest_circuits.families"
+# How to add a model type, as the errors say it: an entry point first (works with an installed wheel),
+# the table itself only in a clone of pytest-circuits
+ADD_FAMILY = (
+    f'declare a Family under [project.entry-points."{ENTRY_POINT_GROUP}"] in your package\'s pyproject.toml '
+    "(docs/families.md); in a clone of pytest-circuits, add one entry to pytest_circuits/model/family_table.py"
+)
 
 
 @dataclass(frozen=True)

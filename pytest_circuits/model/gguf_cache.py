@@ -33,6 +33,7 @@ from ..fsio import (
     remove_stale_staging,
     sha256_of,
 )
+from ..progress import phase
 
 SAFETENSORS_SUFFIX = ".safetensors"
 GGUF_MAGIC = b"GGUF"
@@ -194,29 +195,31 @@ def _cached_conversion(root: Path, convert: _Converter) -> Path:
             return target
         warn(f"GGUF cache entry {target} is bad ({problem}); rebuilding it")
         _discard(target, root)
-    convert.model()  # a GGUF read error is the file's fault, not the cache's: raise it before staging
-    staging = make_staging_dir(root, f"{STAGING_PREFIX}{convert.key[:16]}.")
-    try:
+    # a minute or so for a 135M model on a shared CPU: a heartbeat line meanwhile, never silence
+    with phase(f"converting {convert.path.name} to float32 safetensors, once (cached in {root})"):
+        convert.model()  # a GGUF read error is the file's fault, not the cache's: raise it before staging
+        staging = make_staging_dir(root, f"{STAGING_PREFIX}{convert.key[:16]}.")
         try:
-            convert.save(staging)
-            (staging / OWNER_FILE).unlink()
-            write_marker(staging, convert)
-            staging.chmod(0o755)
-        except CircuitsError:
-            raise
-        except Exception as error:  # OSError, or safetensors' own error wrapping one (disk full)
-            raise FileSystemError(
-                f"cannot write the converted {convert.path.name} into {root}: {first_line(error)}; "
-                "free space there or set PYTEST_CIRCUITS_CACHE to a writable folder"
-            ) from None
-        try:
-            staging.rename(target)
-        except OSError:  # another process finished first
-            if cache_entry_problem(target) is not None:
-                raise FileSystemError(f"cannot move the converted GGUF into {target}; remove that folder") from None
-        fsync_dir(root)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+            try:
+                convert.save(staging)
+                (staging / OWNER_FILE).unlink()
+                write_marker(staging, convert)
+                staging.chmod(0o755)
+            except CircuitsError:
+                raise
+            except Exception as error:  # OSError, or safetensors' own error wrapping one (disk full)
+                raise FileSystemError(
+                    f"cannot write the converted {convert.path.name} into {root}: {first_line(error)}; "
+                    "free space there or set PYTEST_CIRCUITS_CACHE to a writable folder"
+                ) from None
+            try:
+                staging.rename(target)
+            except OSError:  # another process finished first
+                if cache_entry_problem(target) is not None:
+                    raise FileSystemError(f"cannot move the converted GGUF into {target}; remove that folder") from None
+            fsync_dir(root)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..errors import RecipeError
+from ..errors import RecipeError, did_you_mean
 from .kv_formats import KV_SEPARATOR, KvSpec, split_kv
 
 
@@ -101,7 +101,8 @@ def get_recipe(name: str) -> Recipe:
     if recipe is None:
         known = "; ".join(f"{r.name} ({r.summary})" for r in RECIPES.values())
         raise RecipeError(
-            f"unknown build recipe {name!r}; known recipes: {known}; or an external build NAME=PATH (a .gguf file or folder)"
+            f"unknown build recipe {name!r}{did_you_mean(name, RECIPES)}; known recipes: {known}; "
+            "or an external build NAME=PATH (a .gguf file or folder)"
         )
     return recipe
 

@@ -73,6 +73,7 @@ from .families import (
     modules_at,
     post_attn_norm_module,
 )
+from .family_table import ADD_FAMILY
 from .llm_int8 import Int8Layer, int8_layer
 from .serialized import torchao_activation_quant
 from .unembedding import row_major_unembedding
@@ -420,7 +421,7 @@ def measure_decomposition(
         if unread is not None:
             raise DecompositionError(
                 f"model type {model_type!r}: its blocks hold {unread}, which the assumed {fam.name!r} layout never "
-                "reads; refusing a read that may miss it (add an entry to pytest_circuits/model/family_table.py)"
+                f"reads; refusing a read that may miss it ({ADD_FAMILY})"
             )
     parallel = fam.is_parallel(model.config)
     captured = [_Captured() for _ in blocks]

@@ -80,10 +80,20 @@ def pytest_plugin_registered(plugin, manager) -> None:
     _declare_own_tolerances()
 
 
-def settings_from_config(config: pytest.Config):
-    """Every circuits option: the command line over the ini file over the default."""
+def default_baselines(config: pytest.Config):
+    """The baselines folder when none is given: ``baselines/`` beside the ini file (pytest.ini,
+    pyproject.toml, ...: the project's rootdir), else in the folder pytest was started in. Never the
+    rootdir pytest guesses without an ini file: under ``--pyargs`` that is the common parent of the
+    working folder and site-packages. A named model falls back to its shipped baselines
+    (`gate.baselines.RunBaselines.store`)."""
     from pathlib import Path
 
+    folder = config.rootpath if config.inipath is not None else config.invocation_params.dir
+    return Path(folder) / "baselines"
+
+
+def settings_from_config(config: pytest.Config):
+    """Every circuits option: the command line over the ini file over the default."""
     from ..settings import build_settings
 
     raw = {}
@@ -92,7 +102,7 @@ def settings_from_config(config: pytest.Config):
         raw[option.name] = config.getini(option.ini) if value is None else value
     try:
         settings = build_settings(
-            raw, baselines=Path(config.rootpath) / "baselines", front_end="pytest", tolerances=_ini_tolerances(config)
+            raw, baselines=default_baselines(config), front_end="pytest", tolerances=_ini_tolerances(config)
         )
         from ..gate.shards import check_shard_job
 

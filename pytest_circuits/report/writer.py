@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import CircuitsError
 from ..fsio import atomic_write_bytes, atomic_write_text, ensure_dir, fs_error
-from ..gate.store import read_baseline
+from ..gate.store import baseline_file, read_baseline
 from . import data, figures, html, markdown
 from .arguments import report_parser
 from .sections import build_section, failing_first, overview_figures
@@ -96,6 +96,8 @@ def report_command(argv: Sequence[str] | None = None) -> int:
     report was drawn): ``circuits gate`` is the command whose status is the verdict.
     """
     args = report_parser().parse_args(argv)
+    if args.against:  # a file, or a shipped baseline's name
+        args.against = str(baseline_file(args.against))
     try:
         record = read_baseline(args.baseline)
         results = None
