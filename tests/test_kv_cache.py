@@ -21,6 +21,8 @@ from pytest_circuits.model.kv_cache import (
 from pytest_circuits.model.kv_formats import KV_FORMATS, parse_kv, split_kv
 from pytest_circuits.model.recipes import parse_build_spec, parse_build_specs
 
+from .conftest import needs_smollm2
+
 
 def _sample(shape, seed=0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
@@ -487,3 +489,22 @@ def test_a_family_whose_attention_a_cache_cannot_enter_is_refused(model_type):
     with pytest.raises(RecipeError, match="outside transformers' attention interface") as error:
         attach_kv_cache(build, parse_kv("fp8-e4m3"))
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+@pytest.mark.real
+@needs_smollm2
+@pytest.mark.parametrize("kv, verdict", [("q8_0", "PASS copy_loss"), ("q4_0", "FAIL copy_loss")])
+def test_smollm2_served_with_a_cache_gates_against_its_fp32_baseline(kv, verdict, capsys):
+    """SmolLM2-135M's bf16 weights with llama.cpp's q8_0 cache keep copying; with q4_0 they lose it
+    (measured +1.5 nats of copy loss at 64 tokens, docs/kv-cache.md), and the gate says so."""
+    from pytest_circuits.cli import main
+
+    code = main(
+        ["gate", "smollm2-135m", "--build", f"bf16+kv-{kv}", "--baseline", "smollm2-135m--fp32", "--no-knockout"]
+    )
+    out = capsys.readouterr().out
+    assert f"build bf16+kv-{kv} serves a KV cache: {kv}: llama.cpp {kv} blocks of 32" in out
+    assert verdict in out and "PASS copying_heads" in out
+    assert code == (0 if verdict.startswith("PASS") else 1)
+    assert "1 skipped (knockout_deltas)" in out  # no knockouts: skipped, and said
