@@ -44,6 +44,7 @@ bias (+2.4% at n = 32); its relative error is about ``1/sqrt(2n)`` (12.5% at 32 
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -104,20 +105,22 @@ def vocab_products(
     weights: Weights, rows: int | None = None, dtype: torch.dtype = PRODUCT_DTYPE
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """``(W_U W_E, W_U 1, 1^T W_E, vocab)``, float64, summed over blocks of ``rows`` vocabulary rows
-    (None: `vocab_rows`): ``W_U W_E = sum_b W_U[:, b] W_E[b]``, each block's product in ``dtype``.
+    (None: `vocab_rows`): ``W_U W_E = sum_b W_U[:, b] W_E[b]``, each block's product and sums in ``dtype``.
     Memory is two ``d_model x d_model`` matrices and one block, never ``vocab x vocab``."""
-    raw = u_sum = e_sum = None
-    vocab = 0
-    for W_U, W_E in weights.vocab_blocks(vocab_rows(weights) if rows is None else rows):
-        part = (W_U.to(dtype) @ W_E.to(dtype)).double()
-        u_part, e_part = W_U.sum(dim=1, dtype=torch.float64), W_E.sum(dim=0, dtype=torch.float64)
-        if raw is None or u_sum is None or e_sum is None:
-            raw, u_sum, e_sum = part, u_part, e_part
-        else:
-            raw, u_sum, e_sum = raw + part, u_sum + u_part, e_sum + e_part
-        vocab += W_E.shape[0]
-    if raw is None or u_sum is None or e_sum is None:
+    blocks = weights.vocab_blocks(vocab_rows(weights) if rows is None else rows)
+    first = next(blocks, None)
+    if first is None or first[1].shape[0] == 0:
         raise SpectrumError("the model's embedding has no rows: no W_U W_E to form")
+    d_out, d_in = first[0].shape[0], first[1].shape[1]
+    raw, u_sum, e_sum = (torch.zeros(shape, dtype=torch.float64) for shape in ((d_out, d_in), d_out, d_in))
+    part = torch.empty(d_out, d_in, dtype=dtype)  # one block's product, reused: no allocation per block
+    vocab = 0
+    for W_U, W_E in itertools.chain([first], blocks):
+        W_U, W_E = W_U.to(dtype), W_E.to(dtype)
+        raw += torch.matmul(W_U, W_E, out=part)
+        u_sum += W_U.sum(dim=1)
+        e_sum += W_E.sum(dim=0)
+        vocab += W_E.shape[0]
     return raw, u_sum, e_sum, vocab
 
 
@@ -178,6 +181,7 @@ def reduced_ov_stacks(
     (float64; no second ``d_model^2`` product per group).
     """
     stacks: list[list[torch.Tensor]] = [[] for _ in range(len(WUEs) + (shift is not None))]
+    WUEs = [WUE.to(dtype) for WUE in WUEs]  # converted once, not per layer
     for layer in range(weights.n_layers):
         lw = weights.layer(layer)
         for stack, WUE in zip(stacks, WUEs):
