@@ -612,9 +612,8 @@ def ov_spectrum(
     raw, u_sum, e_sum, vocab = vocab_products(weights, dtype=product_dtype)
     both = unembedding != "uncentred"
     if both:  # the centred stack multiplied, the uncentred one its rank-one shift: raw = centred + u e^T / vocab
-        centred = raw - torch.outer(u_sum, e_sum) / vocab
-        stacks = reduced_ov_stacks(weights, [centred], product_dtype, shift=(u_sum / vocab, e_sum))
-        del centred
+        raw.sub_(torch.outer(u_sum, e_sum) / vocab)  # centred in place: one d_model^2 float64 matrix held
+        stacks = reduced_ov_stacks(weights, [raw], product_dtype, shift=(u_sum / vocab, e_sum))
     else:
         stacks = reduced_ov_stacks(weights, [raw], product_dtype)
     del raw
