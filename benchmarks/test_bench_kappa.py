@@ -7,7 +7,12 @@ The naive loop (per head: ``M_h`` from scratch without sharing ``W_U W_E``, nump
 then one rotation at a time) runs on 9 heads (3 layers x the 3 key/value groups) and is
 extrapolated to all 270 (its cost is the same for every head); set
 ``PYTEST_CIRCUITS_BENCH_NAIVE=all`` to time it on every head (a few minutes on idle cores).
-Both see the same rotations, so their numbers must agree to 1e-6.
+Both see the same rotations, so their numbers must agree to 1e-6 with float64 products and null
+eigenvalues (kappa and kappa_trace to 1e-4 with the default float32 ones).
+
+``test_bench_rung1_against_the_matmul_ceiling`` (no SmolLM2 needed) times rung 1 at the Llama-3.2-1B
+shape (random weights held in memory) beside one large float32 and bf16 ``torch.matmul``: the ceiling,
+and rung 1's counted rate as a fraction of it.
 
 Besides wall time the scan's CPU time is recorded: on a machine shared with other jobs,
 ``cpu_s / threads`` estimates the wall time on otherwise idle cores.
@@ -15,8 +20,10 @@ Besides wall time the scan's CPU time is recorded: on a machine shared with othe
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,7 +36,8 @@ from pytest_circuits.rungs.kappa import ov_spectrum
 from pytest_circuits.rungs.reference import ov_spectrum_reference
 from pytest_circuits.testing import requires_smollm2
 
-pytestmark = [pytest.mark.real, pytest.mark.slow, requires_smollm2()]
+pytestmark = [pytest.mark.slow]
+real = [pytest.mark.real, requires_smollm2()]
 
 TARGET_S = 30.0
 NAIVE_HEADS = [(layer, head) for layer in (0, 14, 29) for head in (0, 4, 8)]
@@ -45,6 +53,7 @@ COMPARED = [
     "kappa_trace_z",
     "kappa_trace_p",
 ]
+SCORES = ["kappa", "kappa_trace"]
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +66,8 @@ def smollm2():
     return weights, loaded - start, time.perf_counter() - loaded
 
 
+@real[0]
+@real[1]
 def test_bench_kappa_scan_vs_naive(benchmark, smollm2):
     weights, load_s, extract_s = smollm2
     geo = weights.geometry
@@ -74,8 +85,11 @@ def test_bench_kappa_scan_vs_naive(benchmark, smollm2):
     naive_all_s = naive_s / len(heads) * n_heads
     naive_all_cpu_s = naive_cpu_s / len(heads) * n_heads
 
-    rows = df.set_index("head").loc[naive["head"]]
-    np.testing.assert_allclose(rows[COMPARED].to_numpy(), naive[COMPARED].to_numpy(), rtol=1e-6, atol=1e-6)
+    rows = df.set_index("head").loc[naive["head"]]  # float32 products: kappa and kappa_trace to 1e-4
+    np.testing.assert_allclose(rows[SCORES].to_numpy(), naive[SCORES].to_numpy(), rtol=0, atol=1e-4)
+    f64 = torch.float64  # the naive loop's precision: products and the null's eigenvalues
+    exact = ov_spectrum(weights, seed=0, product_dtype=f64, null_dtype=f64).set_index("head").loc[naive["head"]]
+    np.testing.assert_allclose(exact[COMPARED].to_numpy(), naive[COMPARED].to_numpy(), rtol=1e-6, atol=1e-6)
 
     summary = df.attrs["summary"]
     info = {
@@ -122,6 +136,8 @@ def test_bench_kappa_scan_vs_naive(benchmark, smollm2):
     assert len(df) == n_heads
 
 
+@real[0]
+@real[1]
 def test_bench_cheap_null_against_256_draws_and_calibration(smollm2):
     """The default null (32 draws, symmetric t, float32 eigenvalues) against the old default
     (256 draws, normal p, float64) on the same weights, and the share of random-model heads flagged."""
@@ -169,3 +185,84 @@ def test_bench_cheap_null_against_256_draws_and_calibration(smollm2):
     )
     print("\n".join(lines))
     assert flagged <= 0.05
+
+
+SIZES_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "measure_sizes.py"  # the shapes, the FLOP count
+CEILING_N = 4096  # one n x n x n matmul: the machine's rate at this dtype
+
+
+def matmul_rate(dtype: torch.dtype, n: int = CEILING_N) -> float:
+    """GFLOP/s (``2 n^3`` per CPU-second, over every thread) of one large ``torch.matmul`` in ``dtype``, after a warm-up."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
+    a @ b
+    cpu = time.process_time()
+    a @ b
+    return 2 * n**3 / (time.process_time() - cpu) / 1e9
+
+
+def random_weights(shape: str = "llama-3.2-1b"):
+    """`ModelWeights` of a `scripts/measure_sizes.py` shape: N(0, 0.02^2) weights rounded to bf16, W_U tied to W_E."""
+    from pytest_circuits.model.families import Geometry
+    from pytest_circuits.model.weights import LayerWeights, ModelWeights
+
+    spec = importlib.util.spec_from_file_location("measure_sizes", SIZES_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    sizes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sizes)
+    config = sizes.SHAPES[shape]
+    d, V, dh = config["hidden_size"], config["vocab_size"], config["head_dim"]
+    L, H, KV = config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]
+    gen = torch.Generator().manual_seed(0)
+
+    def draw(*size):
+        return (torch.randn(*size, generator=gen) * sizes.INIT_STD).bfloat16().float()
+
+    layers = [
+        LayerWeights(None, None, draw(KV, d, dh), draw(H, dh, d), None, None, None, None, torch.ones(d))
+        for _ in range(L)
+    ]
+    W_E = draw(V, d)
+    geometry = Geometry(n_layers=L, n_heads=H, n_kv_heads=KV, d_model=d, d_head=dh, vocab=V)
+    return ModelWeights("llama", geometry, layers, W_E, W_E.T, torch.ones(d), True), sizes.rung1_flops(geometry)
+
+
+def test_bench_rung1_against_the_matmul_ceiling(benchmark):
+    """Rung 1 at the Llama-3.2-1B shape, its ``W_U W_E`` alone in float32 and float64, and the ceiling."""
+    from pytest_circuits.rungs.kappa import vocab_products
+
+    weights, flops = random_weights()
+    ceiling = {str(dtype).removeprefix("torch."): matmul_rate(dtype) for dtype in (torch.float32, torch.bfloat16)}
+    d, V = weights.geometry.d_model, weights.geometry.vocab
+    products = {}
+    for dtype in (torch.float32, torch.float64):
+        cpu = time.process_time()
+        vocab_products(weights, dtype=dtype)
+        products[str(dtype).removeprefix("torch.")] = time.process_time() - cpu
+    cpu = time.process_time()
+    frame = benchmark.pedantic(ov_spectrum, args=(weights,), rounds=1, iterations=1)
+    rung1_s = time.process_time() - cpu
+    rate = flops / rung1_s / 1e9
+    product_rate = 2 * d * d * V / products["float32"] / 1e9
+    info = {
+        "threads": torch.get_num_threads(),
+        "load_average_1min": round(os.getloadavg()[0], 2),
+        "ceiling_gflops": {k: round(v) for k, v in ceiling.items()},
+        "rung1_cpu_s": round(rung1_s, 2),
+        "rung1_counted_tflop": round(flops / 1e12, 3),
+        "rung1_gflops": round(rate, 1),
+        "rung1_fraction_of_float32": round(rate / ceiling["float32"], 3),
+        "rung1_fraction_of_bf16": round(rate / ceiling["bfloat16"], 3),
+        "W_U_W_E_cpu_s": {k: round(v, 2) for k, v in products.items()},
+        "W_U_W_E_fraction_of_float32": round(product_rate / ceiling["float32"], 3),
+    }
+    benchmark.extra_info.update(info)
+    print(
+        f"\nrung 1 at the Llama-3.2-1B shape ({len(frame)} heads, {info['threads']} threads, load average "
+        f"{info['load_average_1min']}): {rung1_s:.1f} CPU-s, {flops / 1e12:.2f} TFLOP counted = {rate:.0f} GFLOP/s, "
+        f"{info['rung1_fraction_of_float32']:.0%} of float32 matmul ({ceiling['float32']:.0f} GFLOP/s), "
+        f"{info['rung1_fraction_of_bf16']:.0%} of bf16 ({ceiling['bfloat16']:.0f})\n"
+        f"W_U W_E alone: {products['float32']:.1f} CPU-s in float32 ({product_rate:.0f} GFLOP/s, "
+        f"{info['W_U_W_E_fraction_of_float32']:.0%} of the ceiling), {products['float64']:.1f} in float64"
+    )
+    assert len(frame) == weights.geometry.n_layers * weights.geometry.n_heads

@@ -199,11 +199,12 @@ def cpu_seconds() -> float:
 
 
 def rung1_flops(geometry) -> float:
-    """Counted FLOPs of rung 1: ``W_U W_E`` (``2 d^2 V``, float64), both reduced OV stacks per layer,
-    and the eigenvalues (``~25 d_head^3`` each: the head's two spectra and 32 null draws)."""
+    """Counted FLOPs of rung 1: ``W_U W_E`` (``2 d^2 V``, float32), the centred reduced OV stack per
+    layer (the uncentred one is its rank-one shift, not counted), and the eigenvalues (``~25 d_head^3``
+    each: the head's two spectra and 32 null draws)."""
     d, V, dh = geometry.d_model, geometry.vocab, geometry.d_head
     heads, kv = geometry.n_layers * geometry.n_heads, geometry.n_layers * geometry.n_kv_heads
-    reduced = 2 * (kv * 2 * d * d * dh + heads * 2 * dh * d * dh)
+    reduced = kv * 2 * d * d * dh + heads * 2 * dh * d * dh
     return 2 * d * d * V + reduced + heads * (2 + 32) * (25 + 2) * dh**3
 
 

@@ -44,6 +44,7 @@ bias (+2.4% at n = 32); its relative error is about ``1/sqrt(2n)`` (12.5% at 32 
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -54,7 +55,7 @@ import torch
 
 from ..errors import CircuitsError
 from ..model.families import head_label
-from ..model.weights import ModelWeights, StreamedWeights
+from ..model.weights import VOCAB_BLOCK_ELEMENTS, ModelWeights, StreamedWeights
 from . import figures
 from .kappa_method import P_METHODS, UNEMBEDDINGS, KappaMethod
 
@@ -84,71 +85,123 @@ def check_unembedding(unembedding: str) -> None:
 
 
 Weights = ModelWeights | StreamedWeights  # held whole, or read from the model one layer / vocabulary block at a time
+# The big products' precision: inputs and each vocabulary block's accumulation in float32 (the machine's
+# matmul rate), the blocks summed and every result held in float64. docs/definitions.md, "Rung 1's precision".
+PRODUCT_DTYPE = torch.float32
+PRODUCT_DTYPES = (torch.float32, torch.float64)
 
 
-def unembed_embed_pair(weights: Weights, rows: int | None = None) -> dict[str, torch.Tensor]:
-    """``W_U W_E`` (``d_model x d_model``, float64) on both unembeddings, from one product:
-    ``"uncentred"`` as stored, ``"centred"`` ``W_U (I - 11^T / vocab) W_E = W_U W_E - (W_U 1)(1^T W_E) / vocab``
-    (each residual direction's mean over the vocabulary removed from ``W_U``).
+def check_product_dtype(dtype) -> None:
+    if dtype not in PRODUCT_DTYPES:
+        raise SpectrumError(f"product_dtype must be torch.float32 (default) or torch.float64, got {dtype!r}")
 
-    Summed over blocks of ``rows`` vocabulary rows, ``W_U W_E = sum_b W_U[:, b] W_E[b]`` and
-    ``W_U 1 = sum_b W_U[:, b] 1`` (``weights.vocab_blocks``; None: `ModelWeights` in one block,
-    `StreamedWeights` in its default blocks): memory is two ``d_model x d_model`` matrices and
-    one block, never ``vocab x vocab`` nor a second full copy of the embedding.
-    """
-    raw = u_sum = e_sum = None
-    vocab = 0
-    for W_U_block, W_E_block in weights.vocab_blocks(rows):
-        W_U, W_E = W_U_block.double(), W_E_block.double()
-        part, u_part, e_part = W_U @ W_E, W_U.sum(dim=1), W_E.sum(dim=0)
-        if raw is None or u_sum is None or e_sum is None:
-            raw, u_sum, e_sum = part, u_part, e_part
-        else:
-            raw, u_sum, e_sum = raw + part, u_sum + u_part, e_sum + e_part
-        vocab += W_E.shape[0]
-    if raw is None or u_sum is None or e_sum is None:
+
+def vocab_rows(weights: Weights) -> int:
+    """Vocabulary rows per block of ``W_U W_E``: `VOCAB_BLOCK_ELEMENTS` entries of ``W_E``, held whole or streamed alike."""
+    return max(1, VOCAB_BLOCK_ELEMENTS // weights.geometry.d_model)
+
+
+def vocab_products(
+    weights: Weights, rows: int | None = None, dtype: torch.dtype = PRODUCT_DTYPE
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """``(W_U W_E, W_U 1, 1^T W_E, vocab)``, float64, summed over blocks of ``rows`` vocabulary rows
+    (None: `vocab_rows`): ``W_U W_E = sum_b W_U[:, b] W_E[b]``, each block's product and sums in ``dtype``.
+    Memory is two ``d_model x d_model`` matrices and one block, never ``vocab x vocab``."""
+    blocks = weights.vocab_blocks(vocab_rows(weights) if rows is None else rows)
+    first = next(blocks, None)
+    if first is None or first[1].shape[0] == 0:
         raise SpectrumError("the model's embedding has no rows: no W_U W_E to form")
+    d_out, d_in = first[0].shape[0], first[1].shape[1]
+    raw, u_sum, e_sum = (torch.zeros(shape, dtype=torch.float64) for shape in ((d_out, d_in), d_out, d_in))
+    part = torch.empty(d_out, d_in, dtype=dtype)  # one block's product, reused: no allocation per block
+    vocab = 0
+    for W_U, W_E in itertools.chain([first], blocks):
+        W_U, W_E = W_U.to(dtype), W_E.to(dtype)
+        raw += torch.matmul(W_U, W_E, out=part)
+        u_sum += W_U.sum(dim=1)
+        e_sum += W_E.sum(dim=0)
+        vocab += W_E.shape[0]
+    return raw, u_sum, e_sum, vocab
+
+
+def unembed_embed_pair(
+    weights: Weights, rows: int | None = None, dtype: torch.dtype = PRODUCT_DTYPE
+) -> dict[str, torch.Tensor]:
+    """``W_U W_E`` (``d_model x d_model``, float64) on both unembeddings, from one product
+    (`vocab_products`, each block in ``dtype``): ``"uncentred"`` as stored, ``"centred"``
+    ``W_U (I - 11^T / vocab) W_E = W_U W_E - (W_U 1)(1^T W_E) / vocab`` (each residual
+    direction's mean over the vocabulary removed from ``W_U``).
+    """
+    raw, u_sum, e_sum, vocab = vocab_products(weights, rows, dtype)
     return {"uncentred": raw, "centred": raw - torch.outer(u_sum, e_sum) / vocab}
 
 
-def shared_unembed_embed(weights: Weights, unembedding: str = DEFAULT.unembedding) -> torch.Tensor:
+def shared_unembed_embed(
+    weights: Weights, unembedding: str = DEFAULT.unembedding, dtype: torch.dtype = PRODUCT_DTYPE
+) -> torch.Tensor:
     """``W_U W_E`` (``d_model x d_model``, float64) of the ``unembedding`` chosen: formed once, shared by every head."""
     check_unembedding(unembedding)
-    return unembed_embed_pair(weights)[unembedding]
+    return unembed_embed_pair(weights, dtype=dtype)[unembedding]
 
 
-def reduced_ov_layer(weights: Weights, layer: int, WUE: torch.Tensor | None = None, lw=None) -> torch.Tensor:
-    """``M_h = W_O[h] (W_U W_E) W_V[group(h)]`` for every head of ``layer``: ``(n_heads, d_head, d_head)``.
+def reduced_ov_layer(
+    weights: Weights, layer: int, WUE: torch.Tensor | None = None, lw=None, dtype: torch.dtype = PRODUCT_DTYPE
+) -> torch.Tensor:
+    """``M_h = W_O[h] (W_U W_E) W_V[group(h)]`` for every head of ``layer``: ``(n_heads, d_head, d_head)``,
+    float64, multiplied in ``dtype``.
 
     ``(W_U W_E) W_V`` is formed once per key/value group, then batched over query heads;
     ``WUE`` defaults to the centred ``shared_unembed_embed``; ``lw``: the layer's weights, already read.
     """
-    WUE = shared_unembed_embed(weights) if WUE is None else WUE
+    WUE = shared_unembed_embed(weights, dtype=dtype) if WUE is None else WUE
     lw = weights.layer(layer) if lw is None else lw
-    read = WUE @ lw.W_V.double()  # (n_kv_heads, d_model, d_head)
+    read = WUE.to(dtype) @ lw.W_V.to(dtype)  # (n_kv_heads, d_model, d_head)
     read = read.repeat_interleave(weights.geometry.group_size, dim=0)
-    return lw.W_O.double() @ read
+    return (lw.W_O.to(dtype) @ read).double()
 
 
-def reduced_ov_stacks(weights: Weights, WUEs: list[torch.Tensor]) -> list[torch.Tensor]:
+def rank_one_shift(weights: Weights, lw, u: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """``(W_O[h] u)(e^T W_V[group(h)])`` of every head of a layer (float64, ``(n_heads, d_head, d_head)``):
+    what ``W_U W_E + u e^T`` adds to ``M_h``."""
+    written = lw.W_O.double() @ u  # (n_heads, d_head)
+    read = (e @ lw.W_V.double()).repeat_interleave(weights.geometry.group_size, dim=0)  # (n_heads, d_head)
+    return written.unsqueeze(-1) * read.unsqueeze(-2)
+
+
+def reduced_ov_stacks(
+    weights: Weights,
+    WUEs: list[torch.Tensor],
+    dtype: torch.dtype = PRODUCT_DTYPE,
+    shift: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
     """``M_h`` of every head for each ``W_U W_E`` in ``WUEs``, each ``(n_layers, n_heads, d_head, d_head)``,
-    float64; each layer is read once and dropped before the next (`StreamedWeights`)."""
-    stacks: list[list[torch.Tensor]] = [[] for _ in WUEs]
+    float64 (multiplied in ``dtype``); each layer is read once and dropped before the next (`StreamedWeights`).
+
+    ``shift=(u, e)``: one more stack, that of ``WUEs[0] + u e^T``, from the first plus `rank_one_shift`
+    (float64; no second ``d_model^2`` product per group).
+    """
+    stacks: list[list[torch.Tensor]] = [[] for _ in range(len(WUEs) + (shift is not None))]
+    WUEs = [WUE.to(dtype) for WUE in WUEs]  # converted once, not per layer
     for layer in range(weights.n_layers):
         lw = weights.layer(layer)
         for stack, WUE in zip(stacks, WUEs):
-            stack.append(reduced_ov_layer(weights, layer, WUE, lw))
+            stack.append(reduced_ov_layer(weights, layer, WUE, lw, dtype))
+        if shift is not None:
+            stacks[-1].append(stacks[0][-1] + rank_one_shift(weights, lw, *shift))
         del lw
     return [torch.stack(stack) for stack in stacks]
 
 
 def reduced_ov(
-    weights: Weights, unembedding: str = DEFAULT.unembedding, WUE: torch.Tensor | None = None
+    weights: Weights,
+    unembedding: str = DEFAULT.unembedding,
+    WUE: torch.Tensor | None = None,
+    dtype: torch.dtype = PRODUCT_DTYPE,
 ) -> torch.Tensor:
-    """``M_h`` of every head of the model: ``(n_layers, n_heads, d_head, d_head)``, float64
-    (``WUE``: an already formed ``shared_unembed_embed`` of ``unembedding``)."""
-    WUE = shared_unembed_embed(weights, unembedding) if WUE is None else WUE
-    return reduced_ov_stacks(weights, [WUE])[0]
+    """``M_h`` of every head of the model: ``(n_layers, n_heads, d_head, d_head)``, float64, multiplied
+    in ``dtype`` (``WUE``: an already formed ``shared_unembed_embed`` of ``unembedding``)."""
+    WUE = shared_unembed_embed(weights, unembedding, dtype) if WUE is None else WUE
+    return reduced_ov_stacks(weights, [WUE], dtype)[0]
 
 
 # ---------------------------------------------------------------- scores from eigenvalues
@@ -409,6 +462,7 @@ def spectrum_frame(
     null_dtype: torch.dtype = torch.float64,
     unembedding: str = DEFAULT.unembedding,
     uncentred: tuple[np.ndarray, np.ndarray] | None = None,
+    product_dtype: torch.dtype = torch.float64,
     min_effect: float = DEFAULT.min_effect,
 ) -> pd.DataFrame:
     """Turn per-head scores and nulls (``(n_layers, n_heads[, ...])`` arrays) into the result frame,
@@ -483,6 +537,7 @@ def spectrum_frame(
         "unembedding": unembedding,
         "p_method": p_method,
         "null_dtype": str(null_dtype).removeprefix("torch."),
+        "product_dtype": str(product_dtype).removeprefix("torch."),
         "eig_rel_tol": EIG_REL_TOL,
         "family": weights.family,
         "d_head": int(geo.d_head),
@@ -508,6 +563,7 @@ def ov_spectrum(
     null_dtype: torch.dtype = torch.float32,
     unembedding: str = DEFAULT.unembedding,
     min_effect: float = DEFAULT.min_effect,
+    product_dtype: torch.dtype = PRODUCT_DTYPE,
 ) -> pd.DataFrame:
     """kappa and kappa_trace of every head, each against its rotation null, BH across all heads.
 
@@ -532,8 +588,12 @@ def ov_spectrum(
     * ``"null_kappa"``, ``"null_kappa_trace"``: float64 ``(n_layers, n_heads, n_rotations)``;
     * ``"summary"``: dict with ``analytic_floor`` (``1/sqrt(2 d_head)``), ``median_null_sd``,
       ``median_trace_null_sd``, ``q``, ``min_effect``, ``n_rotations``, ``seed``, ``folded``, ``p_method``,
-      ``unembedding``, ``null_dtype``, ``eig_rel_tol``, ``family``, ``d_head``, ``n_heads_total``, ``n_copying``, ``n_suppression``.
+      ``unembedding``, ``null_dtype``, ``product_dtype``, ``eig_rel_tol``, ``family``, ``d_head``, ``n_heads_total``, ``n_copying``, ``n_suppression``.
 
+    ``W_U W_E`` and every ``M_h`` are multiplied in ``product_dtype`` (default float32: inputs and each
+    vocabulary block's accumulation; blocks summed, results and the centring in float64); the uncentred
+    ``M_h`` is the centred one plus its rank-one shift (`reduced_ov_stacks`). Against float64 products
+    kappa and kappa_trace move by under 1e-4 (tests/test_kappa.py; docs/definitions.md).
     The head's own eigenvalues are float64; the null's are ``null_dtype``, by default float32
     (about 1.3x faster; their rounding, ~1e-6 in kappa, is far below the null's sampling error).
     ``n_workers`` threads share the null (default ``torch.get_num_threads()``).
@@ -548,10 +608,15 @@ def ov_spectrum(
             "for a model use ov_spectrum_of_model"
         )
     check_unembedding(unembedding)
-    shared = unembed_embed_pair(weights)
+    check_product_dtype(product_dtype)
+    raw, u_sum, e_sum, vocab = vocab_products(weights, dtype=product_dtype)
     both = unembedding != "uncentred"
-    stacks = reduced_ov_stacks(weights, [shared[unembedding], shared["uncentred"]] if both else [shared[unembedding]])
-    del shared
+    if both:  # the centred stack multiplied, the uncentred one its rank-one shift: raw = centred + u e^T / vocab
+        raw.sub_(torch.outer(u_sum, e_sum) / vocab)  # centred in place: one d_model^2 float64 matrix held
+        stacks = reduced_ov_stacks(weights, [raw], product_dtype, shift=(u_sum / vocab, e_sum))
+    else:
+        stacks = reduced_ov_stacks(weights, [raw], product_dtype)
+    del raw
     M = stacks[0]
     lam, kappa, trace = kappa_scores(M)
     uncentred = None
@@ -573,6 +638,7 @@ def ov_spectrum(
         unembedding=unembedding,
         uncentred=uncentred,
         min_effect=min_effect,
+        product_dtype=product_dtype,
     )
 
 
