@@ -41,6 +41,7 @@ from ..model.families import (
     layer_modules,
     post_attn_norm_module,
 )
+from ..model.hooks import hooked
 from ..model.selfcheck import norm_divisor
 from ..options import flag
 from .figures import SAMPLED_MODEL_FIGURES, sequences_key
@@ -153,12 +154,8 @@ def routing_hooks(model, n_layers: int, L: int, offset: int):
 
         return hook
 
-    handles = [attention_module(model, l).register_forward_hook(make_hook(l)) for l in range(n_layers)]
-    try:
+    with hooked(*[(attention_module(model, l), "forward", make_hook(l)) for l in range(n_layers)]):
         yield sums
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 class PathFactors:
@@ -202,12 +199,8 @@ def path_factor_hooks(model, n_layers: int, L: int, offset: int):
     norms = [("final", 0, final_norm_module(model, fam))]
     for layer, block in enumerate(layer_modules(model)[:n_layers]):
         norms += [("pre", layer, attn_norm_module(block, fam)), ("post", layer, post_attn_norm_module(block, fam))]
-    handles = [m.register_forward_pre_hook(hook(w, l), with_kwargs=True) for w, l, m in norms if m is not None]
-    try:
+    with hooked(*[(m, "pre_kwargs", hook(w, l)) for w, l, m in norms if m is not None]):
         yield factors
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def input_device(model) -> torch.device:
