@@ -16,6 +16,7 @@ import torch
 
 from ..errors import CircuitsError
 from ..model.families import Geometry, head_label, out_proj_module
+from ..model.hooks import hooked
 from ..options import KNOCKOUT_MODES, flag
 from .figures import parse_label
 
@@ -85,11 +86,8 @@ def ablated(model, layer: int, d_head: int, assignments, means: torch.Tensor | N
                 z[rows, ..., cols] = means[head].to(device=z.device, dtype=z.dtype)
         return _replace_input(args, kwargs, z)
 
-    handle = out_proj_module(model, layer).register_forward_pre_hook(hook, with_kwargs=True)
-    try:
+    with hooked((out_proj_module(model, layer), "pre_kwargs", hook)):
         yield
-    finally:
-        handle.remove()
 
 
 @contextmanager
@@ -102,12 +100,8 @@ def z_observed(model, n_layers: int, observe):
 
         return hook
 
-    handles = [out_proj_module(model, l).register_forward_pre_hook(make(l), with_kwargs=True) for l in range(n_layers)]
-    try:
+    with hooked(*[(out_proj_module(model, l), "pre_kwargs", make(l)) for l in range(n_layers)]):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @contextmanager
@@ -128,12 +122,8 @@ def z_differentiable(model, n_layers: int):
 
         return hook
 
-    handles = [out_proj_module(model, l).register_forward_pre_hook(make(l), with_kwargs=True) for l in range(n_layers)]
-    try:
+    with hooked(*[(out_proj_module(model, l), "pre_kwargs", make(l)) for l in range(n_layers)]):
         yield leaves
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 class ZMeans:
