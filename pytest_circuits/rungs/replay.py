@@ -27,6 +27,7 @@ import torch
 from ..errors import CircuitsError
 from ..model.builds import LoadedBuild
 from ..model.families import layer_modules, tail_logits
+from ..model.hooks import Hook, hooked
 from ..model.unembedding import row_major_unembedding
 from ..options import flag
 from .ablation import ZMeans, z_observed
@@ -157,20 +158,16 @@ def intact_pass(
     stride = record_stride(build, ids.numel(), record_bytes) if record else 1
     for batch in batches(ids, batch_size):
         chunk = Chunk(batch, stride=stride)
-        handles = []
+        recording: list[Hook] = []
         if record:
 
             def keep(module, args, kwargs, _calls=chunk.calls, _stride=stride):
                 call = tree_map(lambda tensor: tensor.detach(), (args, kwargs))
                 _calls.append(call if len(_calls) % _stride == 0 else _without_hidden(*call))
 
-            handles = [b.register_forward_pre_hook(keep, with_kwargs=True) for b in blocks]
-        try:
-            with z_observed(model, geo.n_layers, z_means.observe):
-                per_seq = plain_copy_losses(model, batch, L, bos_offset(build.tokens), build.device)
-        finally:
-            for handle in handles:
-                handle.remove()
+            recording = [(b, "pre_kwargs", keep) for b in blocks]
+        with hooked(*recording), z_observed(model, geo.n_layers, z_means.observe):
+            per_seq = plain_copy_losses(model, batch, L, bos_offset(build.tokens), build.device)
         chunk.copy_losses = per_seq.float().cpu()
         per_sequence.append(per_seq.double().cpu())
         chunks.append(chunk)
@@ -290,15 +287,8 @@ def _rows_only(mlp, positions: slice):
         full[:, positions] = out
         return full
 
-    handles = [
-        mlp.register_forward_pre_hook(pick, with_kwargs=True),
-        mlp.register_forward_hook(place, with_kwargs=True),
-    ]
-    try:
+    with hooked((mlp, "pre_kwargs", pick), (mlp, "forward_kwargs", place)):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _call_args(args, kwargs, rows, k, memo, hidden):
