@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from ..model.families import attention_module, get_module, layer_modules, out_proj_module
+from ..model.hooks import Hook, hooked
 from ..model.kv_cache import cached
 from .ablation import z_differentiable
 from .repeat import bos_offset, copy_slices
@@ -227,15 +228,17 @@ def atp_star(
                 gated = inp + _Drop.apply(hidden - inp, gates, m)
                 return (gated, *out[1:]) if isinstance(out, (tuple, list)) else gated
 
-            handles = []
+            hooks: list[Hook] = []
             for m, block in enumerate(blocks):
-                handles.append(block.register_forward_pre_hook(partial(keep_block, m=m), with_kwargs=True))
-                handles.append(attn[m].register_forward_pre_hook(partial(keep_attn, m=m), with_kwargs=True))
+                hooks += [
+                    (block, "pre_kwargs", partial(keep_block, m=m)),
+                    (attn[m], "pre_kwargs", partial(keep_attn, m=m)),
+                ]
                 if grad_drop:
-                    handles.append(block.register_forward_hook(partial(drop_block, m=m), with_kwargs=True))
+                    hooks.append((block, "forward_kwargs", partial(drop_block, m=m)))
             try:
                 state.mode = "record"
-                with torch.enable_grad(), z_differentiable(model, geo.n_layers) as zleaves:
+                with hooked(*hooks), torch.enable_grad(), z_differentiable(model, geo.n_layers) as zleaves:
                     loss = _loss(build, batch, L).sum() / n
                     zs = [leaf for _, _, leaf in zleaves]
                     pattern_leaves = [state.leaves[m] for m in range(geo.n_layers)]
@@ -254,8 +257,6 @@ def atp_star(
                     del loss, grads, pattern_leaves
             finally:
                 state.mode = "off"
-                for handle in handles:
-                    handle.remove()
             with torch.no_grad():
                 _qk_fix(build, qk_term, dzs, residual, calls, norms, attn, rows)
             state.patterns, state.leaves, state.grads = {}, {}, {}
