@@ -74,6 +74,7 @@ from .families import (
     post_attn_norm_module,
 )
 from .family_table import ADD_FAMILY
+from .hooks import Hook, hooked
 from .llm_int8 import Int8Layer, int8_layer
 from .serialized import torchao_activation_quant
 from .unembedding import row_major_unembedding
@@ -272,8 +273,8 @@ class _Captured(dict):
     its MLP's), ``norm`` (the pre-attention norm's input and output)."""
 
 
-def _hooks(block, fam: Family, parallel: bool, seen: _Captured) -> list:
-    """Register the capturing hooks on one block; returns the handles."""
+def _hooks(block, fam: Family, parallel: bool, seen: _Captured) -> list[Hook]:
+    """The capturing hooks of one block (for `hooks.hooked`)."""
 
     def keep(key, value):
         if key not in seen:
@@ -302,26 +303,24 @@ def _hooks(block, fam: Family, parallel: bool, seen: _Captured) -> list:
         return hook
 
     attn = get_module(block, fam.attn)
-    handles = [
-        block.register_forward_pre_hook(block_pre, with_kwargs=True),
-        attn.register_forward_pre_hook(attn_pre, with_kwargs=True),
-        attn.register_forward_hook(attn_post, with_kwargs=True),
+    hooks: list[Hook] = [
+        (block, "pre_kwargs", block_pre),
+        (attn, "pre_kwargs", attn_pre),
+        (attn, "forward_kwargs", attn_post),
     ]
     if parallel:
-        handles.append(block.register_forward_hook(saver("out", "output"), with_kwargs=True))
-        handles.append(get_module(block, fam.mlp_out).register_forward_hook(saver("mlp", "output"), with_kwargs=True))
+        hooks.append((block, "forward_kwargs", saver("out", "output")))
+        hooks.append((get_module(block, fam.mlp_out), "forward_kwargs", saver("mlp", "output")))
     else:
-        handles.append(
-            get_module(block, fam.resid_mid).register_forward_pre_hook(saver("mid", "input"), with_kwargs=True)
-        )
+        hooks.append((get_module(block, fam.resid_mid), "pre_kwargs", saver("mid", "input")))
     norm = attn_norm_module(block, fam)
     if norm is not None:
 
         def norm_io(module, args, kwargs, output):
             keep("norm", (_first_tensor(args, kwargs), output))
 
-        handles.append(norm.register_forward_hook(norm_io, with_kwargs=True))
-    return handles
+        hooks.append((norm, "forward_kwargs", norm_io))
+    return hooks
 
 
 def _tensor_of(output) -> torch.Tensor:
@@ -374,20 +373,17 @@ def _tail_errors(model, fam: Family, ids: torch.Tensor) -> tuple[float, float]:
     stack = getattr(parent, attr)
     final = final_norm_module(model, fam)
     seen: dict = {}
-    hook = None
-    if final is not None:
 
-        def keep(module, args, kwargs):  # the last call: a model may run the same norm on its embedding first
-            seen["r"] = _first_tensor(args, kwargs)
+    def keep(module, args, kwargs):  # the last call: a model may run the same norm on its embedding first
+        seen["r"] = _first_tensor(args, kwargs)
 
-        hook = final.register_forward_pre_hook(keep, with_kwargs=True)
+    hooks: list[Hook] = [] if final is None else [(final, "pre_kwargs", keep)]
     setattr(parent, attr, torch.nn.ModuleList())
     try:
-        logits = model(input_ids=ids, use_cache=False).logits
+        with hooked(*hooks):
+            logits = model(input_ids=ids, use_cache=False).logits
     finally:
         setattr(parent, attr, stack)
-        if hook is not None:
-            hook.remove()
     if "r" not in seen:
         raise DecompositionError(f"{model.config.model_type}: the final norm never ran in the self-check forward")
     r = seen["r"].double()
@@ -425,13 +421,9 @@ def measure_decomposition(
             )
     parallel = fam.is_parallel(model.config)
     captured = [_Captured() for _ in blocks]
-    handles: list = []
     try:
-        for block, seen in zip(blocks, captured):
-            handles.extend(_hooks(block, fam, parallel, seen))
+        hooks = [hook for block, seen in zip(blocks, captured) for hook in _hooks(block, fam, parallel, seen)]
     except AttributeError as error:
-        for handle in handles:
-            handle.remove()
         raise DecompositionError(
             f"model type {model_type!r} ({fam.name} layout): {first_line(error)}; the family entry names a module "
             "its blocks do not have"
@@ -439,12 +431,8 @@ def measure_decomposition(
     causal_lm: Any = model  # its transformers methods (get_input_embeddings) are not on torch.nn.Module
     ids = _probe_ids(build_or_model, n_tokens, seed).to(causal_lm.get_input_embeddings().weight.device)
     extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    try:
-        with row_major_unembedding(model):  # the last position's slice, row-major (model/unembedding.py)
-            model(input_ids=ids, use_cache=False, **extra)  # logits of one position: the check needs none
-    finally:
-        for handle in handles:
-            handle.remove()
+    with hooked(*hooks), row_major_unembedding(model):  # the last position's slice, row-major (model/unembedding.py)
+        model(input_ids=ids, use_cache=False, **extra)  # logits of one position: the check needs none
     dtype = captured[0]["x"].dtype if captured and "x" in captured[0] else torch.float32
     check = DecompositionCheck(
         model_type=model_type,
