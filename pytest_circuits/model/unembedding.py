@@ -15,6 +15,8 @@ from contextlib import contextmanager
 
 import torch
 
+from .hooks import hooked
+
 
 def row_major_strides(shape) -> tuple[int, ...]:
     """The strides of a freshly allocated tensor of ``shape`` (``stride[i] = prod(shape[i+1:])``)."""
@@ -47,8 +49,5 @@ def row_major_unembedding(model):
         key = next(iter(kwargs), None)
         return args, kwargs if key is None else {**kwargs, key: row_major(kwargs[key])}
 
-    handle = head.register_forward_pre_hook(pack, with_kwargs=True)
-    try:
+    with hooked((head, "pre_kwargs", pack)):
         yield
-    finally:
-        handle.remove()
