@@ -29,6 +29,7 @@ def head_attention(build, settings, label: str) -> dict:
     import torch
 
     from ..model.families import attention_module
+    from ..model.hooks import hooked
     from ..rungs.probe import input_device
     from ..rungs.repeat import bos_offset, repeat_tokens
 
@@ -44,12 +45,8 @@ def head_attention(build, settings, label: str) -> dict:
         if weights is not None:
             caught.append(weights[0, head].detach().float().cpu())
 
-    handle = attention_module(build.model, layer).register_forward_hook(hook)
-    try:
-        with torch.no_grad():
-            build.model(input_ids=ids.to(input_device(build.model)), use_cache=False)
-    finally:
-        handle.remove()
+    with torch.no_grad(), hooked((attention_module(build.model, layer), "forward", hook)):
+        build.model(input_ids=ids.to(input_device(build.model)), use_cache=False)
     if not caught:
         raise ValueError(f"layer {layer}'s attention returned no weights")
     pattern = np.round(caught[0].numpy().astype(float), DIGITS)
