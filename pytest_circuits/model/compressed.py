@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ..errors import RecipeError
+from .hooks import hooked
 
 FORMATS_EXTRA = 'pip install "pytest-circuits[formats]"'
 PACKAGE = "compressed-tensors"
@@ -286,13 +287,9 @@ def input_ranges(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, tuple[t
 
         return record
 
-    handles = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    try:
+    with hooked(*[(m, "pre", hook(n)) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]):
         for row in ids:
             model(input_ids=row[None], use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
     return ranges
 
 
