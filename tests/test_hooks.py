@@ -80,7 +80,6 @@ def direct_registrations(path: Path) -> list[str]:
     ]
 
 
-@pytest.mark.xfail(strict=True, reason="the modules are converted one per commit")
 def test_no_module_but_the_primitive_registers_hooks():
     found = [hit for path in sorted(PACKAGE.rglob("*.py")) if path != PRIMITIVE for hit in direct_registrations(path)]
     assert not found, "hook through pytest_circuits.model.hooks.hooked, not directly: " + ", ".join(found)
