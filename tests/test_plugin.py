@@ -382,6 +382,58 @@ def test_no_unknown_mark_warning_without_xdist(tmp_path):
     assert done.returncode == 0 and "PytestUnknownMarkWarning" not in done.stdout, done.stdout[-2000:]
 
 
+HEAVY = ("torch", "pandas", "transformers", "numpy", "scipy")
+PLAIN_CONFTEST = f"""
+import json, sys
+
+def pytest_unconfigure(config):  # after the session's end, its summary and report hooks
+    heavy = sorted(m for m, v in sys.modules.items() if v is not None and m.split(".")[0] in {HEAVY!r})
+    seen = {{
+        "heavy": heavy,
+        "plugin": config.pluginmanager.hasplugin("circuits"),
+        "session": "pytest_circuits.session" in sys.modules,
+    }}
+    (config.rootpath / "seen.json").write_text(json.dumps(seen))
+"""
+
+
+def run_plain_project(tmp_path: Path, pythonpath: list[Path] = ()) -> tuple[subprocess.CompletedProcess, dict]:
+    """A project with one test and no circuits test, run by ``python -m pytest`` with the plugin
+    installed; what its conftest saw in ``sys.modules`` once the run ended."""
+    project = tmp_path / "plain"
+    project.mkdir()
+    (project / "pytest.ini").write_text("[pytest]\n")
+    (project / "conftest.py").write_text(PLAIN_CONFTEST)
+    (project / "test_one.py").write_text("def test_one():\n    assert 1 + 1 == 2\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, pythonpath), IMPORT_ROOT])}
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"]
+    done = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=600)
+    seen = json.loads((project / "seen.json").read_text()) if (project / "seen.json").is_file() else {}
+    return done, seen
+
+
+def test_a_project_without_circuits_tests_imports_nothing_heavy(tmp_path):
+    """The installed plugin costs a project without circuits tests no torch, pandas, transformers,
+    numpy or scipy import, no session and no ``circuits`` summary section."""
+    done, seen = run_plain_project(tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert seen["plugin"], "the circuits plugin was not loaded: this run tests nothing"
+    assert seen["heavy"] == [] and not seen["session"], seen
+    assert not re.search(r"=+ circuits =+", done.stdout), done.stdout[-2000:]  # no summary section
+    assert "Warning" not in done.stdout + done.stderr, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_a_project_without_circuits_tests_runs_where_pandas_and_torch_are_missing(tmp_path):
+    """Where importing pandas or torch fails, a project that never uses circuits still passes (it
+    once ended in an INTERNALERROR: the first test report imported pandas)."""
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(f"import sys\nfor name in {HEAVY!r}:\n    sys.modules[name] = None\n")
+    done, seen = run_plain_project(tmp_path, pythonpath=[blocker])
+    assert done.returncode == 0 and "INTERNALERROR" not in done.stdout + done.stderr, done.stdout[-3000:]
+    assert seen["plugin"] and "1 passed" in done.stdout, done.stdout[-2000:]
+
+
 def test_importing_bitsandbytes_through_a_bnb_build_raises_no_deprecation_warning(tmp_path):
     """Outside this clone (no filterwarnings of ours), loading a bnb build shows no torch.jit warning."""
     code = (

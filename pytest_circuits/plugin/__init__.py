@@ -3,8 +3,10 @@
 Thin by design: options (declared once in `options.py`) become a `CircuitsSettings`, one
 `CircuitsSession` per run computes and caches every figure, fixtures hand them out per
 build, and `collect.py` gathers gate results for the terminal summary and the report.
-Nothing heavy is imported here: torch, numpy and pandas load only when a fixture runs,
-so projects without circuits tests pay nothing for the installed plugin.
+Nothing heavy is imported here: torch, numpy and pandas load only when a fixture runs, and
+the session is made only once a circuits test is collected (or the run asks for circuits,
+`session_of`), so projects without circuits tests pay next to nothing for the installed plugin
+(tests/test_plugin.py checks that no heavy module is imported).
 """
 
 from __future__ import annotations
@@ -127,24 +129,36 @@ def _ini_tolerances(config: pytest.Config) -> dict:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    from ..session import CircuitsSession
+    """Markers, and the session when the run asks for circuits (`session_of`); else it waits."""
+    from . import workers
     from .collect import Collected, Collector
 
     config.addinivalue_line("markers", "circuits_tolerance(**tolerances): override gate tolerances for one test")
     if not config.pluginmanager.hasplugin("xdist"):  # our build groups mark tests even when xdist is absent
         config.addinivalue_line("markers", "xdist_group(name): pytest-xdist's group (circuits: one group per build)")
-    session = CircuitsSession(settings_from_config(config))
-    session.progress_write = lambda line: _report_progress(config, line)
-    config.stash[SESSION_KEY] = session
     config.stash[COLLECTED_KEY] = Collected()
     config.pluginmanager.register(Collector(config.stash[COLLECTED_KEY]), "circuits-collector")
-    from . import workers
+    if workers.asks_for_circuits(config) or workers.distributing(config) or hasattr(config, "workerinput"):
+        session = session_of(config)  # options checked before any test runs; xdist's run folder made now
+        if config.pluginmanager.hasplugin("xdist"):
+            config.pluginmanager.register(
+                workers.XdistHooks(config, session, config.stash[COLLECTED_KEY]), "circuits-xdist"
+            )
 
-    workers.configure(config, session)
-    if config.pluginmanager.hasplugin("xdist"):
-        config.pluginmanager.register(
-            workers.XdistHooks(config, session, config.stash[COLLECTED_KEY]), "circuits-xdist"
-        )
+
+def session_of(config: pytest.Config) -> CircuitsSession:
+    """The run's `CircuitsSession`, made on first use: at configure time when the run asks for
+    circuits (a circuits option on the command line or in the ini file, the packaged suite, an
+    xdist run), else when a circuits test is collected, so a project without any pays nothing."""
+    if SESSION_KEY not in config.stash:
+        from ..session import CircuitsSession
+        from . import workers
+
+        session = CircuitsSession(settings_from_config(config))
+        session.progress_write = lambda line: _report_progress(config, line)
+        config.stash[SESSION_KEY] = session
+        workers.configure(config, session)
+    return config.stash[SESSION_KEY]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -173,14 +187,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "circuits_recipe" in metafunc.fixturenames and "circuits_recipe" not in _direct_params(metafunc):
         from .workers import group_mark
 
-        settings = metafunc.config.stash[SESSION_KEY].settings
+        settings = session_of(metafunc.config).settings
         builds = sorted(settings.builds, key=lambda recipe: recipe != settings.reference)  # stable: reference first
         params = [pytest.param(recipe, id=recipe, marks=group_mark(recipe)) for recipe in builds]
         metafunc.parametrize("circuits_recipe", params, scope="session")
     if "circuits_knockout_shard" in metafunc.fixturenames:
         from .workers import group_mark
 
-        session = metafunc.config.stash[SESSION_KEY]
+        session = session_of(metafunc.config)
         count = session.shards
         job = session.settings.shard  # a shard job (--circuits-shard I/K): its one shard, whatever K
         indexes = [job[0] - 1] if job is not None else range(count if count > 1 else 0)
@@ -215,11 +229,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Check the model and probe once, before any test runs: a model we cannot gate is one
     line for the run (exit 4), not the same failure repeated by every test."""
     config = session.config
-    if config.option.collectonly or hasattr(config, "workerinput") or SESSION_KEY not in config.stash:
+    if config.option.collectonly or hasattr(config, "workerinput") or COLLECTED_KEY not in config.stash:
         return
     if any("circuits_recipe" in getattr(item, "fixturenames", ()) for item in session.items):
         try:
-            config.stash[SESSION_KEY].preflight()
+            session_of(config).preflight()
         except CircuitsError as error:
             raise pytest.UsageError(str(error)) from None
 
@@ -244,7 +258,7 @@ def _guard(compute):
 @pytest.fixture(scope="session")
 def circuits_session(pytestconfig: pytest.Config) -> CircuitsSession:
     """The run's `CircuitsSession`: settings plus every cached figure."""
-    return pytestconfig.stash[SESSION_KEY]
+    return session_of(pytestconfig)
 
 
 @pytest.fixture(scope="session")
@@ -373,10 +387,17 @@ def circuits_gate(
     )
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+def _ran_circuits(config: pytest.Config) -> bool:
+    """Whether this run gated, loaded or sharded anything: else the summary and report hooks do nothing."""
     collected = config.stash.get(COLLECTED_KEY, None)
-    shard_job = SESSION_KEY in config.stash and config.stash[SESSION_KEY].settings.shard is not None
-    if collected is not None and (collected.used or collected.loads or shard_job):
+    session = config.stash.get(SESSION_KEY, None)
+    if collected is None or session is None:  # no session: no circuits test was collected
+        return False
+    return bool(collected.used or collected.loads or session.loads or session.settings.shard is not None)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    if _ran_circuits(config):
         from .collect import terminal_summary
 
         terminal_summary(terminalreporter, config.stash[SESSION_KEY], config.stash[COLLECTED_KEY])
@@ -384,7 +405,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 
 def pytest_sessionfinish(session, exitstatus) -> None:
     config = session.config
-    if COLLECTED_KEY not in config.stash:
+    if not _ran_circuits(config):
         return
     if hasattr(config, "workerinput"):  # the controller writes the report
         from .workers import finish_worker

@@ -32,8 +32,7 @@ class Collected:
     parts: list[dict] = field(default_factory=list)  # the part a shard job wrote: recipe, path, index, of, layers
 
     def add(self, user_properties) -> None:
-        from ..gate.record import has_figures
-
+        """Gather one report's ``circuits_*`` properties (a report of another test adds nothing, imports nothing)."""
         for key, value in user_properties:
             if not key.startswith("circuits_"):
                 continue
@@ -46,6 +45,8 @@ class Collected:
                 bucket = self.notes if key == "circuits_notes" else self.problems
                 bucket.extend(v for v in value if v not in bucket)
             elif key == "circuits_record":
+                from ..gate.record import has_figures  # pandas and torch: only once a build was gated
+
                 recipe, record = value
                 old = self.records.get(recipe)
                 if old is None or has_figures(record, "knockout") or not has_figures(old, "knockout"):

@@ -83,9 +83,16 @@ def asks_for_circuits(config: pytest.Config) -> bool:
 
     if any(getattr(config.option, option.ini, None) not in (None, False) for option in OPTIONS):
         return True
-    if any(str(key).startswith("circuits_") for key in (getattr(config, "inicfg", None) or {})):
+    if any(str(key).startswith("circuits_") for key in _ini_keys(config)):
         return True
     return any("probes" in str(arg) for arg in config.args)
+
+
+def _ini_keys(config: pytest.Config):
+    """The keys the ini file sets. pytest 9 deprecates ``config.inicfg`` (a warning in every run,
+    now that `asks_for_circuits` is asked in every run) and keeps them in ``_inicfg``."""
+    found = getattr(config, "_inicfg", None)
+    return found if found is not None else (getattr(config, "inicfg", None) or {})
 
 
 def configure(config: pytest.Config, session) -> None:
