@@ -276,6 +276,7 @@ def gate_record(session, recipe: str, baseline: dict, tol, knockout: bool = True
     baseline's key heads only: the only ones `knockout_deltas` compares, so the verdict is the
     full scan's. ``knockout=False``: no knockouts, so `knockout_deltas` is not run (not passed)."""
     from .gate.invariants import gate_all, key_heads
+    from .gate.looks import extend
     from .gate.record import build_record, has_figures
     from .rungs import kappa_method
 
@@ -288,6 +289,7 @@ def gate_record(session, recipe: str, baseline: dict, tol, knockout: bool = True
     record = build_record(
         session, recipe, knockout=knockout, method=kappa_method.of_record(baseline), knockout_frame=frame
     )
+    record = extend(session, recipe, baseline, record, tol)  # the further looks an undecided row needs
     return gate_all(baseline, record, tol, recipe, "baseline"), record
 
 

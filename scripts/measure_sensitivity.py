@@ -34,6 +34,7 @@ import platform
 import re
 import shlex
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -42,7 +43,8 @@ from scipy.stats import binomtest
 
 from pytest_circuits import sensitivity as S
 from pytest_circuits.errors import CircuitsError
-from pytest_circuits.gate.invariants import get, key_heads, per_build_invariants
+from pytest_circuits.gate.invariants import gate_all, get, key_heads, per_build_invariants
+from pytest_circuits.gate.looks import SEQUENTIAL, with_looks
 from pytest_circuits.gate.record import has_figures
 from pytest_circuits.gate.store import read_baseline
 from pytest_circuits.gate.tolerances import Tolerances
@@ -54,6 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "sensitivity.md"
 BENIGN_RECIPES = ("bf16", "fp16", "rtn-int8")
 KNOCKOUT_SEED_OFFSET = 1000
+FIXED = Tolerances().updated({"looks": 1})  # today's fixed rule, measured beside the sequential default
 
 
 def floats(text: str) -> tuple[float, ...]:
@@ -115,10 +118,25 @@ def tolerance_used(baseline: dict, record: dict, tol) -> dict[str, float]:
         for row in inv.compare(baseline, record, tol).rows:
             if row.metric == "rank corr":
                 shares.append((1 - row.after) / (1 - row.limit))
-            elif row.limit > 0:
-                shares.append(abs(row.after - row.before) / row.limit)
+            elif row.limit > 0:  # a sampled row: the mean change over the sequences that decided it
+                change = (row.interval[0] + row.interval[1]) / 2 if row.interval else row.after - row.before
+                shares.append(abs(change) / row.limit)
         used[name] = max(shares, default=0.0)
     return used
+
+
+def rule_figures(baseline: dict, record: dict, tol, recipe: str) -> dict:
+    """``{"fixed": {invariant: status under the fixed rule}, "sequences": {invariant: the most
+    sequences that decided one of its rows under ``tol``'s sequential rule}}`` of a gated record."""
+    fixed = {r.invariant: r.status for r in gate_all(baseline, record, FIXED, recipe, "baseline")}
+    sequences = {}
+    for name in SEQUENTIAL:
+        inv = get(name)
+        if all(has_figures(record, need) and has_figures(baseline, need) for need in inv.needs):
+            counts = [r.sequences for r in inv.compare(baseline, record, tol).rows if r.sequences]
+            if counts:
+                sequences[name] = max(counts)
+    return {"fixed": fixed, "sequences": sequences}
 
 
 def false_alarms(session, tol, seeds, recipes, write, knockout: bool = True, keep=lambda trial: None) -> list[dict]:
@@ -132,17 +150,21 @@ def false_alarms(session, tol, seeds, recipes, write, knockout: bool = True, kee
     for seed in seeds:
         S.with_seeds(session, seed, KNOCKOUT_SEED_OFFSET + seed)
         torch.set_num_threads(1)
-        baseline = session.record("fp32", knockout=knockout)
+        baseline = with_looks(session, "fp32", session.record("fp32", knockout=knockout), tol.looks)
 
         def gated(name, recipe="fp32", threads=1, seed=seed, baseline=baseline):
             torch.set_num_threads(threads)
             results, record = S.gate_record(session, recipe, baseline, tol, knockout)
             torch.set_num_threads(1)
+            rules = rule_figures(baseline, record, tol, recipe)
             trial = {
                 "seed": seed,
                 "build": name,
                 "status": {r.invariant: r.status for r in results},
                 "used": tolerance_used(baseline, record, tol),
+                "fixed_status": rules["fixed"],
+                "fixed_used": tolerance_used(baseline, record, FIXED),
+                "sequences": rules["sequences"],
             }
             trials.append(trial)
             keep(trial)
@@ -232,6 +254,78 @@ def seed_range(text: str) -> range:
         raise SystemExit(f"--seeds {text}: give a count N (seeds 1..N) or a range A-B") from None
 
 
+def share(k: int, n: int) -> str:
+    """``"0 / 50 [0.000, 0.071]"``: a count of trials with its Clopper-Pearson 95% interval."""
+    if n == 0:
+        return "0 / 0"
+    ci = binomtest(k, n).proportion_ci(confidence_level=0.95, method="exact")
+    return f"{k} / {n} [{ci.low:.3f}, {ci.high:.3f}]"
+
+
+def mean_of(values) -> str:
+    values = list(values)
+    return f"{sum(values) / len(values):.1f}" if values else "n/a"
+
+
+def rules_rows(trials: list[dict], outcomes: list, rules: list[dict]) -> list[str]:
+    """The fixed and the sequential rule side by side, per sampled invariant and for the whole gate:
+    false alarms over the benign trials with the most of a tolerance used (the fixed rule's on look 1,
+    the sequential rule's on the look that decided), the sequences used, and the damages caught."""
+    lines = [
+        "| invariant | false alarms, fixed rule | false alarms, sequential rule | most of a tolerance used, "
+        "fixed / sequential | benign: mean sequences (sequential) | damages caught, fixed / sequential "
+        "| damages: mean sequences (sequential) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    kept = [t for t in trials if "fixed_status" in t]
+    damaged = [(o, r) for o, r in zip(outcomes, rules) if o.damage is not None]
+    for name in (*SEQUENTIAL, "gate"):
+
+        def failed(status: dict, name=name) -> bool:
+            return "failed" in status.values() if name == "gate" else status.get(name) == "failed"
+
+        def counted(status: dict, name=name) -> bool:
+            return bool(status) if name == "gate" else status.get(name) in ("passed", "failed")
+
+        fixed = [failed(t["fixed_status"]) for t in kept if counted(t["fixed_status"])]
+        seq = [failed(t["status"]) for t in kept if counted(t["status"])]
+
+        def used(key: str, name=name) -> str:
+            shares = [v for t in kept for k, v in t.get(key, {}).items() if name in ("gate", k)]
+            return f"{max(shares):.2f}" if shares else "n/a"
+
+        def sequences(per: dict, name=name):
+            return max(per.values(), default=None) if name == "gate" else per.get(name)
+
+        benign = [n for t in kept if (n := sequences(t.get("sequences", {}))) is not None]
+        caught_fixed = sum(
+            any(v == "failed" for v in r["fixed"].values()) if name == "gate" else r["fixed"].get(name) == "failed"
+            for _, r in damaged
+        )
+        caught_seq = sum(bool(o.failed) if name == "gate" else name in o.failed for o, _ in damaged)
+        damage_n = [n for _, r in damaged if (n := sequences(r["sequences"])) is not None]
+        shown = "the whole gate" if name == "gate" else f"`{name}`"
+        lines.append(
+            f"| {shown} | {share(sum(fixed), len(fixed))} | {share(sum(seq), len(seq))} "
+            f"| {used('fixed_used')} / {used('used')} | {mean_of(benign)} "
+            f"| {caught_fixed} / {caught_seq} of {len(damaged)} | {mean_of(damage_n)} |"
+        )
+    return lines
+
+
+def differing_rows(outcomes: list, rules: list[dict]) -> list[str]:
+    """The damages and builds whose verdict the two rules differ on, with the sequences used."""
+    lines = ["| damage | fixed rule | sequential rule | sequences (sequential) |", "|---|---|---|---|"]
+    for o, r in zip(outcomes, rules):
+        fixed = sorted(k for k, v in r["fixed"].items() if v == "failed")
+        if fixed != sorted(o.failed):
+            counts = ", ".join(f"`{k}` {v}" for k, v in r["sequences"].items())
+            lines.append(
+                f"| {o.label} | {'FAIL ' + ', '.join(fixed) if fixed else 'pass'} | {verdict_cell(o)} | {counts} |"
+            )
+    return lines if len(lines) > 2 else lines + ["| (none: both rules give every verdict alike) | | | |"]
+
+
 def rate_rows(counts: dict, most: dict) -> list[str]:
     lines = [
         "| invariant | false alarms / trials | rate | 95% interval (Clopper-Pearson) | most of its tolerance used |",
@@ -257,8 +351,9 @@ def measure(args, model: str, write) -> dict[str, str]:
     raw = {"model": model, "builds": ",".join(["fp32", *(f"{name}={path}" for name, path in files.items())])}
     session = CircuitsSession(build_settings(raw, Path("baselines"), device="cpu"))
     session.progress_write = lambda line: None
-    baseline = read_baseline(ROOT / "baselines" / f"{model}--fp32.json")
     tol = Tolerances()
+    # every look of the sequential rule, measured from the intact fp32 build (as `circuits record` stores them)
+    baseline = with_looks(session, "fp32", read_baseline(ROOT / "baselines" / f"{model}--fp32.json"), tol.looks)
     keys = key_heads(baseline, "knockout_delta", tol.top_k, tol.min_delta)
     heads = S.damaged_heads(baseline, tol, args.heads if args.heads else len(keys))
 
@@ -325,6 +420,31 @@ def measure(args, model: str, write) -> dict[str, str]:
             )
         )
         blocks[f"{block}-gguf"] = "\n".join([said, "", *outcome_rows(gguf_builds, baseline, tol)]) + "\n"
+    if trials or outcomes:
+        rules = [rule_figures(baseline, o.record, tol, "fp32") for o in ran]
+        fixed_outcomes = [
+            replace(o, failed=[k for k, v in r["fixed"].items() if v == "failed"]) for o, r in zip(outcomes, rules)
+        ]
+        blocks[f"{block}-rules"] = (
+            "\n".join(
+                [
+                    f"Measured by `{command}`: the sequential rule (default, at most {tol.looks} looks of "
+                    f"{session.settings.probe.n} sequences) and the fixed rule (`looks=1`) on the same records.",
+                    "",
+                    *rules_rows(trials, outcomes, rules),
+                    "",
+                    "Verdicts the two rules differ on:",
+                    "",
+                    *differing_rows(ran, rules),
+                    "",
+                    "The mildest damage each invariant catches under the fixed rule (compare the table above, "
+                    "the sequential rule's):",
+                    "",
+                    *S.caught_table(fixed_outcomes, invariants),
+                ]
+            )
+            + "\n"
+        )
     if trials:
         blocks[f"{block}-false-alarms"] = "\n".join([trials_said(trials, command), "", *rate_rows(counts, most)]) + "\n"
         blocks[f"{block}-trials"] = "\n".join(["| seed | build | gate |", "|---|---|---|", *alarm_lines]) + "\n"

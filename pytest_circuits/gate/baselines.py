@@ -59,7 +59,9 @@ class RunBaselines:
 
         def write() -> Path:
             self.store.check_writable(self.path(recipe))  # a path it cannot write ends here, not after the scan
-            record = session.record(recipe, knockout=True)
+            from .looks import with_looks  # every look of the sequential rule, measured once (gate/looks.py)
+
+            record = with_looks(session, recipe, session.record(recipe, knockout=True), session.tolerances.looks)
             path, written = self.store.write(session.model_name, recipe, record, force=session.settings.update_all)
             self.events.append({"event": "written" if written else "unchanged", "recipe": recipe, "path": str(path)})
             return path

@@ -61,15 +61,24 @@ NO_INTERVAL = (
 
 
 def sampled_within(
-    subject: str, metric: str, before: dict, after: dict, limit: float, tol: Tolerances, note: str = ""
+    subject: str,
+    metric: str,
+    before: dict,
+    after: dict,
+    limit: float,
+    tol: Tolerances,
+    note: str = "",
+    looks: tuple[list, list] = ([], []),
 ) -> Row:
     """A row of a sampled figure (a mean over the probe's sequences; rungs/figures.py), read from
-    ``before`` / ``after`` (a record, or one of its head rows) with its per-sequence values.
+    ``before`` / ``after`` (a record, or one of its head rows) with its per-sequence values, and
+    ``looks``: the per-sequence values of each side's further looks (`gate.looks.look_values`).
 
-    Its interval is the 95% paired t interval of the change (`stats.paired_interval`). It breaks
-    when ``|after - before| > limit`` and, with ``tol.outside_interval`` (the default), the
-    interval excludes 0; without per-sequence values on both sides the plain tolerance applies
-    and the note says so.
+    With ``tol.outside_interval`` (the default) and a baseline holding further looks (up to
+    ``tol.looks``), the sequential rule decides (`sequential_row`). Else the fixed rule: its interval
+    is the 95% paired t interval of the change (`stats.paired_interval`); it breaks when
+    ``|after - before| > limit`` and, with ``tol.outside_interval``, the interval excludes 0; without
+    per-sequence values on both sides the plain tolerance applies and the note says so.
     """
     from ..rungs.figures import sequences_key
 
@@ -79,6 +88,10 @@ def sampled_within(
     interval = paired_interval(xs, ys) if xs is not None and ys is not None else None
     beyond = not abs(y - x) <= limit
     said = [note] if note else []
+    if interval is not None and tol.outside_interval and math.isfinite(limit):
+        row = sequential_row(subject, metric, x, y, xs, ys, looks, limit, tol, said)
+        if row is not None:
+            return row
     if interval is None:
         if math.isfinite(y) and (xs is None or ys is None):
             said.append(NO_INTERVAL.format(side="baseline" if xs is None else "build"))
@@ -95,7 +108,54 @@ def sampled_within(
             said.append(f"beyond {limit:.3g} but {SPARED} (the {LEVEL:.0%} interval holds 0)")
     else:
         broken = beyond
-    return Row(subject, metric, x, y, limit, broken, " ".join(said), interval)
+    sequences = len(xs) if interval is not None and xs is not None else None
+    if sequences is not None and tol.outside_interval:
+        said.append(FIXED.format(n=sequences))
+    return Row(subject, metric, x, y, limit, broken, " ".join(said), interval, sequences)
+
+
+FIXED = "fixed rule on {n} sequences"  # the note of a sampled row decided by the fixed rule
+NO_LOOKS = "; fixed rule: the baseline holds no further looks (record it again for the sequential rule)"
+
+
+def fixed_why(before: dict, rows: list[Row], tol: Tolerances) -> str:
+    """The invariant's words (a `Comparison.left_out`) when the fixed rule decided a row because the
+    baseline holds no further looks ("" otherwise: the sequential rule, or ``looks`` = 1 asked)."""
+    fixed = any(FIXED.format(n=r.sequences) in r.note for r in rows if r.sequences is not None)
+    return NO_LOOKS if fixed and tol.looks > 1 and not before.get("looks") else ""
+
+
+def sequential_row(subject, metric, x, y, xs, ys, looks, limit, tol, said) -> Row | None:
+    """The row the sequential rule (`gate.sequential.decide`) gives: over look 1 (``xs``, ``ys``)
+    and the further looks both sides hold, at most ``tol.looks`` (and the baseline's count). None
+    when the baseline holds no further look (or ``tol.looks`` is 1): the fixed rule applies. A row
+    still undecided after the build's last measured look asks for the next (``wants``) and is
+    judged by the fixed rule meanwhile, saying so."""
+    from .sequential import decide
+
+    before_looks, after_looks = looks
+    most = min(max(int(tol.looks), 1), 1 + len(before_looks))
+    if most < 2 or len(xs) != len(ys):
+        return None
+    parts = [np.subtract(np.asarray(ys, float), np.asarray(xs, float))]
+    for b, a in zip(before_looks[: most - 1], after_looks):
+        if len(a) != len(b):
+            break
+        parts.append(np.subtract(np.asarray(a, float), np.asarray(b, float)))
+    decision = decide(parts, limit, most)
+    if decision is None:
+        return None
+    if decision.verdict == "more":  # the caller measures the next look (gate.looks.extend); until then: fixed rule
+        interval = paired_interval(xs, ys)
+        broken = not abs(y - x) <= limit and excludes_zero(interval)
+        why = f"(the build's look {decision.look + 1} is not measured: a record read from a file)"
+        note = " ".join([*said, f"undecided after look {decision.look} of {most};", FIXED.format(n=len(xs)), why])
+        return Row(subject, metric, x, y, limit, broken, note, interval, len(xs), wants=decision.look + 1)
+    low, high = decision.interval
+    shown_beyond = low > limit or high < -limit
+    rule = "shown within" if decision.verdict == "pass" else "shown beyond" if shown_beyond else "not shown within"
+    note = " ".join([*said, f"{rule} {limit:.3g}: mean change {signed(decision.mean)}, {decision.said()}"])
+    return Row(subject, metric, x, y, limit, decision.verdict == "fail", note, decision.interval, decision.sequences)
 
 
 # A baseline whose per-sequence values spread implausibly for its n (`stats.implausible_spread`) cannot
@@ -125,7 +185,18 @@ def interval_detail(rows: list[Row], shown: list[Row] | None = None) -> str:
     missing = {r.note[r.note.index("interval not available") :] for r in rows if "interval not available" in r.note}
     said = [", ".join(parts)] if parts else []
     said += [f"{kept} beyond tolerance but {SPARED}"] if kept else []
-    return "; ".join(said + sorted(missing))
+    return "; ".join(said + sorted(missing) + [s for s in [sequences_said(rows)] if s])
+
+
+def sequences_said(rows: list[Row]) -> str:
+    """``"decided on 16-48 sequences (sequential rule)"`` / ``"... (fixed rule)"``: how many paired
+    sequences decided the sampled rows ("" when none had per-sequence values)."""
+    counts = sorted({r.sequences for r in rows if r.sequences is not None})
+    if not counts:
+        return ""
+    span = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    fixed = any("fixed rule" in r.note for r in rows if r.sequences is not None)
+    return f"decided on {span} sequences ({'fixed' if fixed else 'sequential'} rule)"
 
 
 def ov_gains(record: dict) -> dict[str, float]:
@@ -379,17 +450,27 @@ class CopyLoss(Invariant):
     suite_module = "test_rung12_repeat"
     guards = "the copy loss"
     per_head = False
-    tolerances = ("copy_loss", "copy_gain", "outside_interval")
+    tolerances = ("copy_loss", "copy_gain", "outside_interval", "looks")
     held = "copy behaviour of {build} within tolerance of the {against}"
     moved = "copy behaviour of {build} moved against the {against}"
 
     def compare(self, before, after, tol):
+        from .looks import look_values
+
         rows = [
-            sampled_within("model", metric, before, after, limit, tol)
+            sampled_within(
+                "model",
+                metric,
+                before,
+                after,
+                limit,
+                tol,
+                looks=(look_values(before, metric), look_values(after, metric)),
+            )
             for metric, limit in (("copy_loss", tol.copy_loss), ("copy_gain", tol.copy_gain))
         ]
         detail = f"copy loss {num(after.get('copy_loss')):.3f}, gain {num(after.get('copy_gain')):.3f}; "
-        return Comparison(rows, spared(rows), detail=detail + interval_detail(rows))
+        return Comparison(rows, spared(rows), fixed_why(before, rows, tol), detail + interval_detail(rows))
 
 
 @register
@@ -430,11 +511,13 @@ class KnockoutDeltas(Invariant):
     suite_module = "test_rung2_knockout"
     guards = "the key knockout heads"
     needs = frozenset({"knockout"})
-    tolerances = ("knockout", "top_k", "min_delta", "outside_interval")
+    tolerances = ("knockout", "top_k", "min_delta", "outside_interval", "looks")
     held = "knockout deltas of {build}'s key heads keep their size against the {against}"
     moved = "knockout deltas of {build}'s key heads changed against the {against}"
 
     def compare(self, before, after, tol):
+        from .looks import look_values
+
         other = other_knockout_settings(before, after)
         if other:  # deltas of another ablation or other sequences are other figures, not a change
             return Comparison(
@@ -457,13 +540,14 @@ class KnockoutDeltas(Invariant):
                 if not math.isnan(y)
                 else "NOT MEASURED in this build (screened out): an error, not a change; measure it exactly"
             )
-            rows.append(
-                sampled_within(name, "knockout_delta", b[name], a.get(name, {}), tol.knockout * abs(x), tol, note)
-            )
+            looks = (look_values(before, "knockout_delta", name), look_values(after, "knockout_delta", name))
+            limit = tol.knockout * abs(x)
+            rows.append(sampled_within(name, "knockout_delta", b[name], a.get(name, {}), limit, tol, note, looks))
         return Comparison(
             rows,
             spared(rows),
-            detail=interval_detail(rows, spared(rows)[:5]),
+            fixed_why(before, rows, tol),
+            interval_detail(rows, spared(rows)[:5]),
             nothing_is_skip=True,
             nothing=(f"the {{against}} has no head with knockout delta >= {tol.min_delta:g} nats; nothing to check"),
         )

@@ -69,6 +69,8 @@ class Row:
     broken: bool
     note: str = ""
     interval: tuple[float, float] | None = None  # 95% paired interval of after - before (sampled figures)
+    sequences: int | None = None  # the paired sequences that decided a sampled row (all looks)
+    wants: int = 0  # the look an undecided sampled row needs next (gate.looks.extend measures it); 0: decided
 
     def as_dict(self) -> dict:
         return {

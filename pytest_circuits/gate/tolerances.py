@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import did_you_mean
 
-INTEGER = ("top_k", "swap_induction_heads")  # counts; every other tolerance is a float
+INTEGER = ("top_k", "swap_induction_heads", "looks")  # counts; every other tolerance is a float
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,9 @@ class Tolerances:
     # copy_loss and knockout_deltas fail only when a change is both beyond its tolerance and
     # outside sampling noise: its 95% paired interval over the probe's sequences excludes 0
     outside_interval: bool = True
+    # with outside_interval: the most looks of the sequential rule (gate/sequential.py), each n fresh
+    # probe sequences, drawn only while a change is undecided; 1: the fixed rule above
+    looks: int = 4
     # across base models (gate/profile.py; docs/definitions.md, "Across base models")
     swap_copy_loss: float = 0.5  # how far copy loss may rise, nats
     swap_copy_gain: float = 0.1  # how far copy_gain / first_copy_loss may fall

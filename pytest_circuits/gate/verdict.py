@@ -130,6 +130,10 @@ def gate_against(
         knockout = "knockout" in inv.needs if inv is not None else has_figures(baseline, "knockout")
     candidate = candidate_record(session, recipe, baseline, knockout=knockout)
     notes = compatibility(baseline, candidate, label, across=across)
+    if not across:  # the further looks an undecided sampled row needs (gate/looks.py)
+        from .looks import extend
+
+        candidate = extend(session, recipe, baseline, candidate, tol)
     if inv is None:
         return candidate, notes, invariants.gate_all(baseline, candidate, tol, recipe, label, fix, across=across)
     evaluated = invariants.evaluate(inv, baseline, candidate, tol, recipe, label, fix, across=True if across else None)

@@ -1,0 +1,129 @@
+"""The further looks of the sequential rule (`gate.sequential`): fresh probe sequences per look,
+stored in a baseline and measured for a build only when its verdict needs them.
+
+A record's ``looks`` is a list of the looks after the first (look 1 is the record's own
+figures), each ``{"look": k, "probe_seed", "knockout_seed", "copy_loss_sequences",
+"copy_gain_sequences", ..., "knockout_delta_sequences": {head: [...]}}`` with ``n`` values per
+figure. A baseline is recorded with every look once (`with_looks`: the baseline's build need not
+be loaded when a build is gated against it); a build measures look ``k`` on the baseline's seeds of
+look ``k`` when a row asks for it (`extend`), so both sides pair on the same sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from ..rungs.figures import sequences_key
+
+SEQUENTIAL = ("copy_loss", "knockout_deltas")  # the invariants that read further looks
+KNOCKOUT_KEY = sequences_key("knockout_delta")
+
+
+def look_seed(seed: int, look: int) -> int:
+    """The seed of look ``look`` of a probe seeded ``seed``: ``seed`` itself for look 1 (today's
+    batch), else the first 32-bit word of ``numpy.random.SeedSequence([seed, look])``."""
+    if look == 1:
+        return int(seed)
+    return int(np.random.SeedSequence([int(seed), int(look)]).generate_state(1, np.uint32)[0])
+
+
+def look_values(record: dict, metric: str, head: str | None = None) -> list[list[float]]:
+    """The per-sequence values of ``metric`` (of ``head``) in each further look of ``record``, in
+    look order, stopping at the first look that lacks them."""
+    out = []
+    for entry in sorted(record.get("looks") or [], key=lambda e: e.get("look", 0)):
+        values = entry.get(sequences_key(metric))
+        if head is not None:
+            values = (values or {}).get(head)
+        if values is None:
+            break
+        out.append(list(values))
+    return out
+
+
+def _look(session, recipe: str, k: int, probe_seed: int, knockout_seed: int, heads, mode: str | None) -> dict:
+    """Look ``k`` of build ``recipe``: the probe's per-sequence figures on ``probe_seed`` and, with
+    ``heads``, their exact knockout deltas (``mode``) on ``knockout_seed`` (memoised per build)."""
+    s = session.settings
+
+    def measure() -> dict:
+        from ..rungs.knockout import knockout_scan
+        from ..rungs.probe import run_repeat_probe
+
+        build = session.build(recipe)
+        with session._phase(f"look {k} (n={s.probe.n}) {session.model_name}:{recipe}"):
+            probe = run_repeat_probe(build, replace(s.probe, seed=probe_seed), batch_size=s.batch_size)
+            entry: dict = {"look": k, "probe_seed": probe_seed, "knockout_seed": knockout_seed}
+            entry.update({key: v for key, v in probe.sequence_figures().items()})
+            if heads:
+                frame = knockout_scan(
+                    build,
+                    replace(s.knockout_probe, seed=knockout_seed),
+                    mode=mode or s.knockout_mode,
+                    heads=list(heads),
+                    batch_size=s.batch_size,
+                    progress=False,
+                )
+                entry[KNOCKOUT_KEY] = {
+                    str(r["head"]): [float(v) for v in r[KNOCKOUT_KEY]]
+                    for _, r in frame.iterrows()
+                    if isinstance(r.get(KNOCKOUT_KEY), list)
+                }
+        return entry
+
+    key = ("look", recipe, k, probe_seed, knockout_seed, tuple(heads or ()), mode)
+    return session.memo(key, measure)
+
+
+def with_looks(session, recipe: str, record: dict, looks: int) -> dict:
+    """``record`` (a record of ``recipe`` measured now) with its looks 2 .. ``looks`` (a baseline's:
+    measured once, with the knockouts of its key heads when it has knockouts)."""
+    from .invariants import key_heads
+
+    tol = session.tolerances
+    knocked = record.get("knockout")
+    heads = key_heads(record, "knockout_delta", tol.top_k, tol.min_delta) if knocked else []
+    mode = (knocked or {}).get("mode")
+    probe_seed, knockout_seed = int(record["probe"]["seed"]), int((knocked or {}).get("seed", 0))
+    entries = [
+        _look(session, recipe, k, look_seed(probe_seed, k), look_seed(knockout_seed, k), heads, mode)
+        for k in range(2, looks + 1)
+    ]
+    return {**record, "looks": entries}
+
+
+def wanted(baseline: dict, candidate: dict, tol) -> int:
+    """The largest look a row of the sequential invariants asks for (0: every row is decided)."""
+    from .invariants import get
+    from .record import has_figures
+
+    most = 0
+    for name in SEQUENTIAL:
+        inv = get(name)
+        if not all(has_figures(baseline, need) and has_figures(candidate, need) for need in inv.needs):
+            continue
+        try:
+            rows = inv.compare(baseline, candidate, tol).rows
+        except Exception:  # the gate's own evaluation reports it
+            continue
+        most = max([most, *(r.wants for r in rows)])
+    return most
+
+
+def extend(session, recipe: str, baseline: dict, candidate: dict, tol) -> dict:
+    """``candidate`` with the further looks its undecided rows ask for, measured on the baseline's
+    seeds of those looks, one look at a time until every row is decided (the candidate's own dict
+    is extended in place: the session's record of the build keeps them)."""
+    stored = {e.get("look"): e for e in baseline.get("looks") or []}
+    while True:
+        k = wanted(baseline, candidate, tol)
+        have = 1 + len(candidate.get("looks") or [])
+        if k <= have or k not in stored:
+            return candidate
+        entry = stored[k]
+        heads = sorted(entry.get(KNOCKOUT_KEY) or {}) if candidate.get("knockout") else []
+        mode = (baseline.get("knockout") or {}).get("mode")
+        look = _look(session, recipe, k, entry["probe_seed"], entry["knockout_seed"], heads, mode)
+        candidate.setdefault("looks", []).append(look)

@@ -1,0 +1,118 @@
+"""The sequential rule of the sampled invariants (gate/sequential.py, gate/looks.py)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from pytest_circuits.gate.builtin_invariants import sampled_within
+from pytest_circuits.gate.looks import look_seed, look_values
+from pytest_circuits.gate.sequential import boundaries, decide
+from pytest_circuits.gate.tolerances import Tolerances
+
+# Jennison & Turnbull (2000), Table 2.1 (Pocock C_P(K)) and Table 2.3 (O'Brien-Fleming C_B(K)):
+# two-sided alpha = 0.05, K equally spaced looks, printed to 3 decimals
+POCOCK = {1: 1.960, 2: 2.178, 3: 2.289, 4: 2.361, 5: 2.413}
+OBRIEN_FLEMING = {1: 1.960, 2: 1.977, 3: 2.004, 4: 2.024, 5: 2.040}
+
+
+@pytest.mark.parametrize("looks", sorted(POCOCK))
+def test_boundaries_match_the_published_tables(looks):
+    pocock = boundaries(looks, 0.05, "pocock")
+    assert len(pocock) == looks and max(pocock) - min(pocock) < 1e-12
+    assert pocock[0] == pytest.approx(POCOCK[looks], abs=1.5e-3)
+    obf = boundaries(looks, 0.05, "obrien_fleming")
+    assert obf[-1] == pytest.approx(OBRIEN_FLEMING[looks], abs=1.5e-3)  # C_B(K) is the last look's
+    assert obf[0] == pytest.approx(obf[-1] * math.sqrt(looks), rel=1e-9)
+
+
+def test_an_unknown_design_or_no_look_is_refused():
+    with pytest.raises(ValueError, match="unknown sequential design"):
+        boundaries(3, 0.05, "haybittle")
+    with pytest.raises(ValueError, match="looks must be >= 1"):
+        boundaries(0)
+
+
+def simulate(mean: float, limit: float, trials: int, n: int = 16, looks: int = 4, seed: int = 0):
+    """``(verdicts, looks used)`` of `decide` on normal paired differences N(mean, 1)."""
+    rng = np.random.default_rng(seed)
+    verdicts, used = [], []
+    for _ in range(trials):
+        draws = rng.normal(mean, 1.0, size=(looks, n))
+        decision = decide(list(draws), limit, looks)
+        verdicts.append(decision.verdict)
+        used.append(decision.look)
+    return np.array(verdicts), np.array(used)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_a_change_exactly_at_the_tolerance_passes_at_most_alpha_over_two(sign):
+    # the rule's type-I error: passing a build whose true change is its tolerance; bounded by
+    # alpha / 2 = 0.025 (repeated intervals cover with 95% over all looks), within 3 Monte-Carlo sds
+    trials, limit = 3000, 0.5
+    verdicts, _ = simulate(sign * limit, limit, trials, seed=1 if sign > 0 else 2)
+    rate = float(np.mean(verdicts == "pass"))
+    assert set(verdicts) <= {"pass", "fail"}
+    assert rate <= 0.025 + 3 * math.sqrt(0.025 * 0.975 / trials), rate
+
+
+def test_clear_changes_take_one_look_and_a_marginal_one_takes_more():
+    verdicts, used = simulate(0.0, 2.0, 200, seed=3)  # far within: every build passes at once
+    assert (verdicts == "pass").all() and (used == 1).all()
+    verdicts, used = simulate(5.0, 2.0, 200, seed=4)  # far beyond: every build fails at once
+    assert (verdicts == "fail").all() and (used == 1).all()
+    verdicts, used = simulate(0.25, 0.6, 400, seed=5)  # near the margin: more looks, most end within
+    assert used.mean() > 1.5 and (verdicts == "pass").mean() > 0.5
+
+
+def test_a_decision_names_its_sequences_and_waits_for_a_missing_look():
+    rng = np.random.default_rng(6)
+    parts = list(rng.normal(0.45, 1.0, size=(4, 16)))
+    first = decide(parts[:1], 0.5, 4)
+    assert first.verdict == "more" and first.sequences == 16 and first.look == 1
+    again = decide(parts, 0.5, 4)
+    assert again.look > 1 and again.sequences == 16 * again.look
+    assert again.verdict in ("pass", "fail") or again.look < 4
+    assert decide(parts, 0.5, 4) == again  # identical reruns
+    assert "decided on" in again.said() and f"of {again.looks}" in again.said()
+    assert decide([[1.0]], 0.5, 4) is None  # one sequence: no interval, the fixed rule applies
+
+
+def test_look_seeds_are_the_probe_seed_first_then_fixed_and_distinct():
+    assert look_seed(7, 1) == 7
+    seeds = [look_seed(7, k) for k in range(2, 6)]
+    assert seeds == [look_seed(7, k) for k in range(2, 6)]  # deterministic
+    assert len(set(seeds + [7, look_seed(8, 2)])) == 6
+
+
+def record(values, looks=()):
+    """A minimal record: copy_loss with its sequences and further looks."""
+    out = {"copy_loss": float(np.mean(values)), "copy_loss_sequences": list(values)}
+    if len(looks):
+        out["looks"] = [{"look": k, "copy_loss_sequences": list(v)} for k, v in enumerate(looks, start=2)]
+    return out
+
+
+def test_sampled_rows_take_the_sequential_rule_when_the_baseline_has_looks():
+    rng = np.random.default_rng(8)
+    base = rng.normal(1.0, 0.2, size=(4, 16))
+    build = base + rng.normal(0.2, 0.2, size=(4, 16))  # a change near the tolerance 0.25
+    tol = Tolerances()
+    before = record(base[0], base[1:])
+    old = record(base[0])  # a baseline recorded before the looks: the fixed rule, said
+    row = sampled_within("model", "copy_loss", old, record(build[0]), 0.25, tol)
+    assert "fixed rule on 16 sequences" in row.note and row.sequences == 16 and row.wants == 0
+
+    def row_of(after):
+        looks = (look_values(before, "copy_loss"), look_values(after, "copy_loss"))
+        return sampled_within("model", "copy_loss", before, after, 0.25, tol, looks=looks)
+
+    first = row_of(record(build[0]))
+    assert first.wants == 2 and "undecided after look 1 of 4" in first.note
+    final = row_of(record(build[0], build[1:]))
+    assert final.wants == 0 and final.sequences > 16 and "decided on" in final.note
+    fixed = sampled_within("model", "copy_loss", before, record(build[0]), 0.25, Tolerances().updated({"looks": 1}))
+    assert "fixed rule" in fixed.note and fixed.wants == 0
