@@ -154,7 +154,8 @@ def sequential_row(subject, metric, x, y, xs, ys, looks, limit, tol, said) -> Ro
     low, high = decision.interval
     shown_beyond = low > limit or high < -limit
     rule = "shown within" if decision.verdict == "pass" else "shown beyond" if shown_beyond else "not shown within"
-    note = " ".join([*said, f"{rule} {limit:.3g}: mean change {signed(decision.mean)}, {decision.said()}"])
+    mean = f": mean change {signed(decision.mean)}" if decision.look > 1 else ""  # look 1: the change shown
+    note = " ".join([*said, f"{rule} {limit:.3g}{mean}, {decision.said()}"])
     return Row(subject, metric, x, y, limit, decision.verdict == "fail", note, decision.interval, decision.sequences)
 
 

@@ -114,16 +114,20 @@ def wanted(baseline: dict, candidate: dict, tol) -> int:
 
 def extend(session, recipe: str, baseline: dict, candidate: dict, tol) -> dict:
     """``candidate`` with the further looks its undecided rows ask for, measured on the baseline's
-    seeds of those looks, one look at a time until every row is decided (the candidate's own dict
-    is extended in place: the session's record of the build keeps them)."""
+    seeds of those looks, in look order, until every row is decided (the candidate's own dict is
+    extended in place: the session's record of the build keeps them). A merge of shard parts
+    (``--circuits-shard-parts``) loads no build: its undecided rows keep the fixed rule, said."""
+    if getattr(session.settings, "shard_parts", None) is not None:
+        return candidate
     stored = {e.get("look"): e for e in baseline.get("looks") or []}
     while True:
         k = wanted(baseline, candidate, tol)
         have = 1 + len(candidate.get("looks") or [])
-        if k <= have or k not in stored:
+        if k <= have or any(j not in stored for j in range(have + 1, k + 1)):
             return candidate
-        entry = stored[k]
-        heads = sorted(entry.get(KNOCKOUT_KEY) or {}) if candidate.get("knockout") else []
-        mode = (baseline.get("knockout") or {}).get("mode")
-        look = _look(session, recipe, k, entry["probe_seed"], entry["knockout_seed"], heads, mode)
-        candidate.setdefault("looks", []).append(look)
+        for j in range(have + 1, k + 1):
+            entry = stored[j]
+            heads = sorted(entry.get(KNOCKOUT_KEY) or {}) if candidate.get("knockout") else []
+            mode = (baseline.get("knockout") or {}).get("mode")
+            look = _look(session, recipe, j, entry["probe_seed"], entry["knockout_seed"], heads, mode)
+            candidate.setdefault("looks", []).append(look)
