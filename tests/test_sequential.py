@@ -160,3 +160,20 @@ def test_extend_measures_only_the_looks_an_undecided_row_needs(monkeypatch):
         SimpleNamespace(settings=SimpleNamespace(shard_parts="parts/*.json")), "fp32", baseline, merged, Tolerances()
     )
     assert "looks" not in merged  # a merge job loads no build
+
+
+def test_looks_below_one_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"tolerance looks must be >= 1 \(1: the fixed rule\), got 0"):
+        Tolerances().updated({"looks": 0})
+    assert Tolerances().updated({"looks": "2"}).looks == 2
+
+
+def test_a_baseline_of_implausible_spread_carries_no_evidence_for_the_sequential_rule_either():
+    rng = np.random.default_rng(10)
+    base = rng.normal(1.0, 0.05, size=(4, 16))
+    build = base + 0.01 * rng.normal(size=(4, 16))
+    doctored = base[0] + 1.0 + 3.0 * (-1.0) ** np.arange(16)  # moved 1 nat, spread +-3 (the means still move)
+    before = record(doctored, base[1:])
+    looks = (look_values(before, "copy_loss"), [])
+    row = sampled_within("model", "copy_loss", before, record(build[0]), 0.25, Tolerances(), looks=looks)
+    assert row.broken and "carry no evidence" in row.note and row.wants == 0

@@ -88,7 +88,8 @@ def sampled_within(
     interval = paired_interval(xs, ys) if xs is not None and ys is not None else None
     beyond = not abs(y - x) <= limit
     said = [note] if note else []
-    if interval is not None and tol.outside_interval and math.isfinite(limit):
+    # a baseline whose values spread implausibly carries no evidence for either rule: the fixed path says so
+    if interval is not None and tol.outside_interval and math.isfinite(limit) and implausible_spread(xs, ys) is None:
         row = sequential_row(subject, metric, x, y, xs, ys, looks, limit, tol, said)
         if row is not None:
             return row

@@ -30,11 +30,12 @@ class Tolerances:
     min_score: float = 0.2  # a routing score below this does not make a key head
     min_delta: float = 0.1  # a knockout delta below this (nats) does not make a key head
     min_ov_gain: float = 0.01  # heads with OV gain below this x the largest: kappa not compared
-    # copy_loss and knockout_deltas fail only when a change is both beyond its tolerance and
-    # outside sampling noise: its 95% paired interval over the probe's sequences excludes 0
+    # copy_loss and knockout_deltas weigh sampling noise: by the sequential rule (looks), or, against a
+    # baseline without looks, a change fails only when beyond its tolerance and its 95% paired interval
+    # over the probe's sequences excludes 0 (the fixed rule); off: the plain tolerance
     outside_interval: bool = True
-    # with outside_interval: the most looks of the sequential rule (gate/sequential.py), each n fresh
-    # probe sequences, drawn only while a change is undecided; 1: the fixed rule above
+    # the most looks of the sequential rule (gate/sequential.py), each n fresh probe sequences, drawn
+    # while a change is undecided; a pass needs the change shown within its tolerance; 1: the fixed rule
     looks: int = 4
     # across base models (gate/profile.py; docs/definitions.md, "Across base models")
     swap_copy_loss: float = 0.5  # how far copy loss may rise, nats
@@ -94,6 +95,8 @@ class Tolerances:
                 raise ValueError(f"tolerance {name} must be a number, got {value!r}")
             if clean[name] < 0 and name != "rank":
                 raise ValueError(f"tolerance {name} must be >= 0, got {value!r}")
+            if name == "looks" and clean[name] < 1:
+                raise ValueError(f"tolerance looks must be >= 1 (1: the fixed rule), got {value!r}")
         own = {name: clean.pop(name) for name in list(clean) if name not in self.names()}
         return replace(self, own={**self.own, **own}, **clean)
 
