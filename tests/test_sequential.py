@@ -177,3 +177,32 @@ def test_a_baseline_of_implausible_spread_carries_no_evidence_for_the_sequential
     looks = (look_values(before, "copy_loss"), [])
     row = sampled_within("model", "copy_loss", before, record(build[0]), 0.25, Tolerances(), looks=looks)
     assert row.broken and "carry no evidence" in row.note and row.wants == 0
+
+
+@pytest.mark.slow
+def test_the_live_gate_draws_looks_for_an_undecided_change_and_reruns_alike(tmp_path, capsys):
+    import json
+    import re
+
+    from pytest_circuits.cli import main
+    from pytest_circuits.testing import save_tiny_model
+
+    small = ["--device", "cpu", "--probe-n", "4", "--probe-length", "16"]
+    model = save_tiny_model("gpt2", tmp_path / "m", seed=0)
+    baselines = tmp_path / "baselines"
+    assert main(["record", str(model), "--build", "fp32,rtn-int8", "--baselines", str(baselines), *small]) == 0
+    before = json.loads((baselines / "m--fp32.json").read_text())
+    after = json.loads((baselines / "m--rtn-int8.json").read_text())
+    assert [e["look"] for e in before["looks"]] == [2, 3, 4]  # recorded once with every look
+    assert before["looks"][0]["probe_seed"] == look_seed(before["probe"]["seed"], 2)
+    change = np.mean(np.subtract(after["copy_loss_sequences"], before["copy_loss_sequences"]))
+    tight = f"copy_loss={abs(change) * 1.01 + 1e-6:.9f}"  # the first look's interval straddles it
+    gate = ["gate", str(model), "--build", "rtn-int8", "--baseline", str(baselines / "m--fp32.json"), *small]
+    outs = []
+    for _ in range(2):
+        main([*gate, "--tol", tight])
+        outs.append([line for line in capsys.readouterr().out.splitlines() if "copy_loss" in line])
+    assert outs[0] == outs[1]  # identical reruns
+    text = "\n".join(outs[0])
+    looks = [int(k) for k in re.findall(r"\(look (\d) of 4\)", text)]
+    assert looks and max(looks) >= 2 and f"decided on {4 * max(looks)} sequences" in text, text
