@@ -588,12 +588,15 @@ def test_a_decode_only_cache_refuses_the_knockout_scan_and_the_screen_in_one_lin
 
     build = attach_kv_cache(copy.deepcopy(tiny_build), parse_kv("quanto-int4-r8"))
     settings = RepeatSettings(seed=0, n=2, L=16)
-    for run in (lambda: knockout_scan(build, settings, progress=False), lambda: screen_estimate(
-        build, None, 16, "zero", None, "atp", 2
-    )):
+    for run in (
+        lambda: knockout_scan(build, settings, progress=False),
+        lambda: screen_estimate(build, None, 16, "zero", None, "atp", 2),
+    ):
         with pytest.raises(RecipeError) as info:
             run()
-        assert "\n" not in str(info.value) and "decode mode only" in str(info.value) and "--no-knockout" in str(info.value)
+        assert (
+            "\n" not in str(info.value) and "decode mode only" in str(info.value) and "--no-knockout" in str(info.value)
+        )
 
 
 def test_hqq_without_its_package_is_refused_naming_the_install(tiny_build):
@@ -610,7 +613,14 @@ def test_hqq_without_its_package_is_refused_naming_the_install(tiny_build):
 def test_a_quantized_cache_whose_default_window_covers_the_probe_is_refused(capsys):
     from pytest_circuits.cli import main
 
-    argv = ["gate", "tiny-induction", "--build", "fp32+kv-quanto-int4", "--baseline", "baselines/tiny-induction--fp32.json"]
+    argv = [
+        "gate",
+        "tiny-induction",
+        "--build",
+        "fp32+kv-quanto-int4",
+        "--baseline",
+        "baselines/tiny-induction--fp32.json",
+    ]
     code = main([*argv, "--no-knockout"])
     err = capsys.readouterr().err
     assert code == 2 and "window of 128 tokens covers every position of the probe (128 tokens)" in err

@@ -68,8 +68,12 @@ KV_FORMATS: dict[str, KvFormat] = {
         KvFormat("q4_1", "ggml", "llama.cpp q4_1 blocks of 32", 4),
         KvFormat("q4_0", "ggml", "llama.cpp q4_0 blocks of 32", 4),
         KvFormat("iq4_nl", "ggml", "llama.cpp iq4_nl blocks of 32 (non-linear 4-bit grid)", 4),
-        KvFormat("quanto-int4", "transformers", "transformers QuantizedCache, quanto backend, 4 bits", 4, None, "quanto"),
-        KvFormat("quanto-int2", "transformers", "transformers QuantizedCache, quanto backend, 2 bits", 2, None, "quanto"),
+        KvFormat(
+            "quanto-int4", "transformers", "transformers QuantizedCache, quanto backend, 4 bits", 4, None, "quanto"
+        ),
+        KvFormat(
+            "quanto-int2", "transformers", "transformers QuantizedCache, quanto backend, 2 bits", 2, None, "quanto"
+        ),
         KvFormat("hqq-int8", "transformers", "transformers QuantizedCache, HQQ backend, 8 bits", 8, None, "hqq"),
         KvFormat("hqq-int4", "transformers", "transformers QuantizedCache, HQQ backend, 4 bits", 4, None, "hqq"),
         KvFormat("hqq-int2", "transformers", "transformers QuantizedCache, HQQ backend, 2 bits", 2, None, "hqq"),

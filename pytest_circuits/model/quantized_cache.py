@@ -57,10 +57,15 @@ class DecodeCache:
 
         try:
             return QuantizedCache(
-                self.spec.format.backend or "", self.config, nbits=self.spec.format.bits, residual_length=self.spec.window or None
+                self.spec.format.backend or "",
+                self.config,
+                nbits=self.spec.format.bits,
+                residual_length=self.spec.window or None,
             )
         except (ValueError, ImportError) as exc:
-            raise RecipeError(f"the {self.spec.name} cache: transformers' QuantizedCache refuses this model: {exc}") from None
+            raise RecipeError(
+                f"the {self.spec.name} cache: transformers' QuantizedCache refuses this model: {exc}"
+            ) from None
 
     def describe(self) -> str:
         import transformers

@@ -36,8 +36,9 @@ from ..options import KNOCKOUT_MODES, SCREEN_METHODS, flag
 from ..progress import Progress, phase
 from .ablation import ablated, check_mode, parse_heads
 from .figures import sequences_key
+from .query_blocks import query_block
 from .reference import naive_losses
-from .repeat import KNOCKOUT_CPU_TOKENS
+from .repeat import KNOCKOUT_CPU_TOKENS, check_probe_memory
 from .repeat_settings import RepeatSettings
 from .replay import (
     Intact,
@@ -143,6 +144,9 @@ def knockout_scan(
     ``layers`` (the shard's layers, None for the whole model).
     """
     refuse_decode_only(build, "the knockout scan")
+    T = 2 * settings.L + (build.tokens.bos_id is not None)
+    if query_block(build.geometry, min(batch_size, settings.n), T) < T:  # a long probe: preflight left this out
+        check_probe_memory(build.geometry, settings.n, settings.L, batch_size, knockout=True, device=str(build.device))
     check_mode(mode)
     if screen_method not in SCREEN_METHODS:
         raise CircuitsError(f"screen method {screen_method!r} is unknown; use one of: {', '.join(SCREEN_METHODS)}")
