@@ -638,3 +638,19 @@ def test_the_decode_loop_through_a_plain_dynamic_cache_is_the_one_forward_probe(
     np.testing.assert_allclose(step.copy_losses, whole.copy_losses, rtol=0, atol=1e-5)
     np.testing.assert_allclose(step.first_copy_losses, whole.first_copy_losses, rtol=0, atol=1e-5)
     np.testing.assert_allclose(step.heads[list(SCORES)], whole.heads[list(SCORES)], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv", ["int4-r8", "q4_0"])
+def test_a_simulated_cache_gives_the_same_figures_in_blocks_of_queries(kv, tiny_build):
+    """A long probe runs in blocks through a DynamicCache (`rungs.query_blocks`): the simulated
+    cache then quantizes the past keys with the block's, as one forward does."""
+    import copy
+
+    from pytest_circuits.rungs.probe import SCORES, run_repeat_probe
+    from pytest_circuits.rungs.repeat_settings import RepeatSettings
+
+    build = attach_kv_cache(copy.deepcopy(tiny_build), parse_kv(kv))
+    settings = RepeatSettings(seed=0, n=4, L=40)
+    whole, part = run_repeat_probe(build, settings), run_repeat_probe(build, settings, block=24)
+    np.testing.assert_allclose(part.copy_losses, whole.copy_losses, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(part.heads[list(SCORES)], whole.heads[list(SCORES)], rtol=0, atol=1e-6)
