@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     if args.write_docs:
-        shown = " ".join(measure.shown_arguments(sys.argv[1:] if argv is None else argv, ("--folder", "--write-docs")))
+        given = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--write-docs"]
+        shown = " ".join(measure.shown_arguments(given, ("--folder",)))
         command = f"`OMP_NUM_THREADS=1 python scripts/measure_long_probe.py{' ' + shown if shown else ''}`"
         measure.write_blocks(DOCS, {"long-probe": f"{command}\n\n{text}"})
     return 0
