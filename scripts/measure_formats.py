@@ -67,6 +67,7 @@ KV_BUILDS = (
 )
 KV_TINY = KV_BUILDS.format(w=32) + "rtn-int4,rtn-int4+kv-fp8-e4m3,rtn-int4+kv-int4,rtn-int4+kv-q8_0,rtn-int4+kv-q4_0"
 KV_SMOLLM2 = KV_BUILDS.format(w=64) + "bnb-nf4,bnb-nf4+kv-fp8-e4m3,bnb-nf4+kv-q8_0,bnb-nf4+kv-q4_0"
+KV_QUANTO = "bf16,bf16+kv-quanto-int4-r{w},bf16+kv-quanto-int2-r{w},bf16+kv-int4-r{w},bf16+kv-int2-r{w}"
 FORMATS_TINY = (
     "fp32,fp8-e4m3,fp8-e4m3-dyn,int8-w8a8,rtn-int8,rtn-int4,w4a16-rtn-g128,gptq-int4,awq-int4,w4a16-rtn-g32,"
     "torchao-int8,torchao-int8-dyn,quanto-int8,quanto-int4,awq-int4-g64,gptq-int4-g64"
@@ -85,6 +86,10 @@ PLANS: dict[str, tuple[str, list[str]]] = {  # block: (page, arguments); each fa
     "kv-smollm2-L512": (
         "docs/kv-cache.md",
         [*SMOLLM2, "--no-knockout", "--probe-length", "512", "--builds", KV_SMOLLM2],
+    ),
+    "kv-quanto-tiny": (  # transformers' QuantizedCache reads in decode mode only: no knockouts
+        "docs/kv-cache.md",
+        ["--no-knockout", "--probe-length", "64", "--builds", KV_QUANTO.format(w=32)],
     ),
     "long-probe": ("docs/kv-cache.md", []),  # scripts/measure_long_probe.py
 }
