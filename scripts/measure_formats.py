@@ -188,8 +188,9 @@ def change(before: dict, after: dict) -> str:
     return f"{d:+.3f} [{interval[0]:+.3f}, {interval[1]:+.3f}]" if interval else f"{d:+.3f}"
 
 
-def run_plans(only: str | None, write: bool) -> None:
-    """Each of `PLANS` (or those named in ``only``), one after the other; ``write``: into its block."""
+def run_plans(only: str | None, write: bool, records: str | None = None) -> None:
+    """Each of `PLANS` (or those named in ``only``), one after the other; ``write``: into its block;
+    ``records``: the record folder of every run (default each run's own)."""
     chosen = only.split(",") if only else list(PLANS)
     unknown = [name for name in chosen if name not in PLANS]
     if unknown:
@@ -202,7 +203,8 @@ def run_plans(only: str | None, write: bool) -> None:
             command = [sys.executable, str(script), *(["--write-docs"] if write else [])]
             subprocess.run(command, check=True)
             continue
-        main([*arguments, *(["--write-docs", f"{page}:{block}"] if write else [])])
+        kept = ["--records", records] if records else []
+        main([*arguments, *kept, *(["--write-docs", f"{page}:{block}"] if write else [])])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -212,8 +214,9 @@ def main(argv: list[str] | None = None) -> None:
         plans.add_argument("--all", action="store_true")
         plans.add_argument("--only", default=None, help="comma list of blocks: " + ", ".join(PLANS))
         plans.add_argument("--write-docs", action="store_true", help="rewrite each block")
+        plans.add_argument("--records", default=None, help="record folder (default: each run's own)")
         chosen = plans.parse_args(argv)
-        run_plans(chosen.only, chosen.write_docs)
+        run_plans(chosen.only, chosen.write_docs, chosen.records)
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-induction")
