@@ -54,19 +54,20 @@ def test_scan_peak_memory_within_the_goal(shape, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_long_probe_stays_within_the_goal(tmp_path_factory):
-    """The repeat probe alone at 8k tokens (L 4096, n 1) on the Llama-3.2-1B shape: it runs in
-    blocks of queries (`rungs.query_blocks`), so its peak RSS stays within the scan's goal
-    (measured here: see docs/kv-cache.md, "Long probes at size: memory")."""
+def test_a_long_probe_stays_bounded(tmp_path_factory):
+    """The repeat probe alone at 8k tokens (L 4096, n 1) on the Llama-3.2-1B shape runs in blocks of
+    queries (`rungs.query_blocks`): it holds at most 2 GB beyond the loaded build (measured 1.72 GB,
+    docs/kv-cache.md, "Long probes at size: memory"), where one forward's pattern and logits alone
+    would take about 21 GB."""
     sizes = _script()
     root = Path(os.environ.get("CIRCUITS_SIZES_DIR") or tmp_path_factory.mktemp("sizes"))
     folder = root / "llama-3.2-1b"
     try:
-        weights = sizes.build_checkpoint("llama-3.2-1b", folder, seed=0)
+        sizes.build_checkpoint("llama-3.2-1b", folder, seed=0)
         options = sizes.parse_options(["--probe-n", "1", "--probe-length", "4096", "--build", "bf16"])
         result = sizes.run_stage("llama-3.2-1b", folder, "probe", options)
         assert "error" not in result, result.get("error")
-        goal = 1.25 * weights + 1.5e9
-        assert result["rss"] <= goal, f"peak RSS {result['rss'] / 1e9:.2f} GB > {goal / 1e9:.2f} GB"
+        grown = result["rss"] - result["load_rss"]
+        assert grown <= 2e9, f"the probe held {grown / 1e9:.2f} GB beyond the loaded build"
     finally:
         shutil.rmtree(folder, ignore_errors=True)
