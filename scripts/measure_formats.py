@@ -91,6 +91,10 @@ PLANS: dict[str, tuple[str, list[str]]] = {  # block: (page, arguments); each fa
         "docs/kv-cache.md",
         ["--no-knockout", "--probe-length", "64", "--builds", KV_QUANTO.format(w=32)],
     ),
+    "kv-quanto-smollm2": (
+        "docs/kv-cache.md",
+        [*SMOLLM2, "--no-knockout", "--probe-length", "64", "--builds", KV_QUANTO.format(w=32)],
+    ),
     "long-probe": ("docs/kv-cache.md", []),  # scripts/measure_long_probe.py
 }
 
