@@ -51,3 +51,23 @@ def test_scan_peak_memory_within_the_goal(shape, tmp_path_factory):
         assert row["rungs"]["scan"]["exit"] == 0
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_long_probe_stays_bounded(tmp_path_factory):
+    """The repeat probe alone at 8k tokens (L 4096, n 1) on the Llama-3.2-1B shape runs in blocks of
+    queries (`rungs.query_blocks`): it holds at most 2 GB beyond the loaded build (measured 1.72 GB,
+    docs/kv-cache.md, "Long probes at size: memory"), where one forward's pattern and logits alone
+    would take about 21 GB."""
+    sizes = _script()
+    root = Path(os.environ.get("CIRCUITS_SIZES_DIR") or tmp_path_factory.mktemp("sizes"))
+    folder = root / "llama-3.2-1b"
+    try:
+        sizes.build_checkpoint("llama-3.2-1b", folder, seed=0)
+        options = sizes.parse_options(["--probe-n", "1", "--probe-length", "4096", "--build", "bf16"])
+        result = sizes.run_stage("llama-3.2-1b", folder, "probe", options)
+        assert "error" not in result, result.get("error")
+        grown = result["rss"] - result["load_rss"]
+        assert grown <= 2e9, f"the probe held {grown / 1e9:.2f} GB beyond the loaded build"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -89,6 +89,7 @@ class CircuitsSession:
             check_vocabulary(tokens)
             check_fits(config, tokens, s.probe.L)
             from .model.kv_formats import check_window_fits
+            from .rungs.query_blocks import query_block
             from .rungs.repeat import bos_offset
 
             for name in dict.fromkeys((*s.builds, s.reference)):  # a cache window the probe cannot exceed
@@ -96,7 +97,9 @@ class CircuitsSession:
             _, geometry = family_and_geometry(config)
             check_geometry(self.settings.model, geometry)
             if s.shard_parts is None:  # a merge job runs no probe: it gates the parts' figures
-                check_probe_memory(geometry, s.probe.n, s.probe.L, s.batch_size, knockout=True, device=str(self.device))
+                T = 2 * s.probe.L + bos_offset(tokens)  # a probe run in blocks: its knockout pass checked as it starts
+                knockout = query_block(geometry, min(s.batch_size, s.probe.n), T) >= T
+                check_probe_memory(geometry, s.probe.n, s.probe.L, s.batch_size, knockout, device=str(self.device))
             return geometry
 
         return self.memo(("preflight",), check)

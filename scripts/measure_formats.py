@@ -23,6 +23,14 @@ record ``circuits record`` writes with these settings).
     python scripts/measure_formats.py --model smollm2-135m --stored-reference --knockout-screen 12 \\
         --knockout-screen-method atp --builds fp8-e4m3,fp8-e4m3-dyn,int8-w8a8,rtn-int4,\\
         w4a16-rtn-g64,gptq-int4-g64,awq-int4-g64
+
+Every measured table of docs/formats.md and docs/kv-cache.md is one entry of `PLANS` (its page,
+its block and its arguments): ``--all --write-docs`` runs each and rewrites its block, ``--only
+BLOCK,...`` some of them (the long-probe block runs scripts/measure_long_probe.py). A build named
+``torchao-int8``, ``torchao-int8-dyn``, ``quanto-int8`` or ``quanto-int4`` (no path) is a
+checkpoint of the model saved by that library (`LIBRARY_CHECKPOINTS`), written once into ``--records``.
+
+    OMP_NUM_THREADS=1 python scripts/measure_formats.py --all --write-docs
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,14 +50,53 @@ from pytest_circuits.gate.stats import paired_interval
 from pytest_circuits.gate.store import dumps
 from pytest_circuits.gate.tolerances import Tolerances
 from pytest_circuits.model.calibrated import HELD_OUT_MODULES, text_ids
+from pytest_circuits.model.quantized_cache import decode_cache_of
 from pytest_circuits.model.recipes import RECIPES
 from pytest_circuits.rungs.figures import sequences_key
+from pytest_circuits.rungs.query_blocks import block_losses, forward_blocks
 from pytest_circuits.session import CircuitsSession
 from pytest_circuits.settings import build_settings
 
 HELD_OUT_ROWS, HELD_OUT_LENGTH = 8, 256
 BLOCK = re.compile(r"(<!-- measured: ([\w.-]+) -->\n)(.*?)(<!-- /measured: \2 -->)", re.S)
 RTN_CHECKPOINT = re.compile(r"w4a16-rtn-g(\d+)$")
+LIBRARY_CHECKPOINTS = ("torchao-int8", "torchao-int8-dyn", "quanto-int8", "quanto-int4")
+KV_BUILDS = (
+    "bf16,bf16+kv-fp8-e4m3,bf16+kv-fp8-e5m2,bf16+kv-int8,bf16+kv-int4,bf16+kv-int2,bf16+kv-int2-r{w},"
+    "bf16+kv-q8_0,bf16+kv-q5_1,bf16+kv-q5_0,bf16+kv-q4_1,bf16+kv-q4_0,bf16+kv-iq4_nl,"
+)
+KV_TINY = KV_BUILDS.format(w=32) + "rtn-int4,rtn-int4+kv-fp8-e4m3,rtn-int4+kv-int4,rtn-int4+kv-q8_0,rtn-int4+kv-q4_0"
+KV_SMOLLM2 = KV_BUILDS.format(w=64) + "bnb-nf4,bnb-nf4+kv-fp8-e4m3,bnb-nf4+kv-q8_0,bnb-nf4+kv-q4_0"
+KV_QUANTO = "bf16,bf16+kv-quanto-int4-r{w},bf16+kv-quanto-int2-r{w},bf16+kv-int4-r{w},bf16+kv-int2-r{w}"
+FORMATS_TINY = (
+    "fp32,fp8-e4m3,fp8-e4m3-dyn,int8-w8a8,rtn-int8,rtn-int4,w4a16-rtn-g128,gptq-int4,awq-int4,w4a16-rtn-g32,"
+    "torchao-int8,torchao-int8-dyn,quanto-int8,quanto-int4,awq-int4-g64,gptq-int4-g64"
+)
+FORMATS_SMOLLM2 = "w4a16-rtn-g64,gptq-int4-g64,awq-int4-g64,rtn-int4,fp8-e4m3-dyn,int8-w8a8,fp8-e4m3"
+SMOLLM2 = ["--model", "smollm2-135m"]
+PLANS: dict[str, tuple[str, list[str]]] = {  # block: (page, arguments); each fact of a table declared here
+    "formats-tiny": ("docs/formats.md", ["--builds", FORMATS_TINY]),
+    "formats-smollm2": (
+        "docs/formats.md",
+        [*SMOLLM2, "--stored-reference", "--stored-builds", "--no-knockout", "--builds", FORMATS_SMOLLM2],
+    ),
+    "kv-tiny-L32": ("docs/kv-cache.md", ["--probe-length", "32", "--builds", KV_TINY]),
+    "kv-tiny-L64": ("docs/kv-cache.md", ["--probe-length", "64", "--builds", KV_TINY]),
+    "kv-smollm2-L64": ("docs/kv-cache.md", [*SMOLLM2, "--no-knockout", "--probe-length", "64", "--builds", KV_SMOLLM2]),
+    "kv-smollm2-L512": (
+        "docs/kv-cache.md",
+        [*SMOLLM2, "--no-knockout", "--probe-length", "512", "--builds", KV_SMOLLM2],
+    ),
+    "kv-quanto-tiny": (  # transformers' QuantizedCache reads in decode mode only: no knockouts
+        "docs/kv-cache.md",
+        ["--no-knockout", "--probe-length", "64", "--builds", KV_QUANTO.format(w=32)],
+    ),
+    "kv-quanto-smollm2": (
+        "docs/kv-cache.md",
+        [*SMOLLM2, "--no-knockout", "--probe-length", "64", "--builds", KV_QUANTO.format(w=32)],
+    ),
+    "long-probe": ("docs/kv-cache.md", []),  # scripts/measure_long_probe.py
+}
 
 
 @torch.no_grad()
@@ -58,7 +106,14 @@ def held_out_loss(session: CircuitsSession, name: str) -> float | None:
     if ids is None:
         return None
     model = session.build(name).model
-    losses = [float(model(input_ids=row[None], labels=row[None], use_cache=False).loss) for row in ids]
+    decode = decode_cache_of(model)
+    if decode is not None:  # transformers' QuantizedCache: one token at a time through it, as the probe
+        losses = []
+        for row in ids:
+            parts = [block_losses(lg, row[None], s) for s, lg in forward_blocks(model, row[None], 1, decode.new())]
+            losses.append(float(torch.cat(parts, dim=1).mean()))
+    else:
+        losses = [float(model(input_ids=row[None], labels=row[None], use_cache=False).loss) for row in ids]
     return sum(losses) / len(losses)
 
 
@@ -94,13 +149,39 @@ def build_specs(builds: str, model: str, records: Path) -> str:
     specs = []
     for name in builds.split(","):
         match = RTN_CHECKPOINT.match(name)
+        folder = records / f"{name}-checkpoint"
         if match:
-            folder = records / f"{name}-checkpoint"
             if not (folder / "config.json").is_file():
                 write_checkpoint(resolve_model(model).folder, folder, "W4A16", int(match.group(1)))
             name = f"{name}={folder}"
+        elif name in LIBRARY_CHECKPOINTS:
+            if not (folder / "config.json").is_file():
+                write_library_checkpoint(name, resolve_model(model).folder, folder)
+            name = f"{name}={folder}"
         specs.append(name)
     return ",".join(specs)
+
+
+def write_library_checkpoint(name: str, model: Path, folder: Path) -> None:
+    """``model`` quantized and saved by torchao (int8 weight-only, int8 dynamic) or optimum-quanto
+    (int8, int4; ``lm_head`` left out), as tests/test_formats.py makes them."""
+    from transformers import AutoModelForCausalLM
+
+    if name.startswith("torchao"):
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig
+        from transformers import TorchAoConfig
+
+        config = Int8DynamicActivationInt8WeightConfig() if name.endswith("-dyn") else Int8WeightOnlyConfig()
+        quantization = TorchAoConfig(quant_type=config)
+        AutoModelForCausalLM.from_pretrained(
+            model, dtype=torch.float32, quantization_config=quantization
+        ).save_pretrained(folder)
+        return
+    from optimum.quanto import QuantizedModelForCausalLM, qint4, qint8
+
+    loaded = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    weights = qint8 if name == "quanto-int8" else qint4
+    QuantizedModelForCausalLM.quantize(loaded, weights=weights, exclude="lm_head").save_pretrained(folder)
 
 
 def change(before: dict, after: dict) -> str:
@@ -111,7 +192,36 @@ def change(before: dict, after: dict) -> str:
     return f"{d:+.3f} [{interval[0]:+.3f}, {interval[1]:+.3f}]" if interval else f"{d:+.3f}"
 
 
-def main() -> None:
+def run_plans(only: str | None, write: bool, records: str | None = None) -> None:
+    """Each of `PLANS` (or those named in ``only``), one after the other; ``write``: into its block;
+    ``records``: the record folder of every run (default each run's own)."""
+    chosen = only.split(",") if only else list(PLANS)
+    unknown = [name for name in chosen if name not in PLANS]
+    if unknown:
+        raise SystemExit(f"--only: no block {', '.join(unknown)}; the blocks are {', '.join(PLANS)}")
+    for block in chosen:
+        page, arguments = PLANS[block]
+        print(f"== {page}:{block}", flush=True)
+        if block == "long-probe":
+            script = Path(__file__).resolve().parent / "measure_long_probe.py"
+            command = [sys.executable, str(script), *(["--write-docs"] if write else [])]
+            subprocess.run(command, check=True)
+            continue
+        kept = ["--records", records] if records else []
+        main([*arguments, *kept, *(["--write-docs", f"{page}:{block}"] if write else [])])
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--all" in argv or any(a == "--only" or a.startswith("--only=") for a in argv):
+        plans = argparse.ArgumentParser(description="every measured table of docs/formats.md and docs/kv-cache.md")
+        plans.add_argument("--all", action="store_true")
+        plans.add_argument("--only", default=None, help="comma list of blocks: " + ", ".join(PLANS))
+        plans.add_argument("--write-docs", action="store_true", help="rewrite each block")
+        plans.add_argument("--records", default=None, help="record folder (default: each run's own)")
+        chosen = plans.parse_args(argv)
+        run_plans(chosen.only, chosen.write_docs, chosen.records)
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-induction")
     parser.add_argument("--builds", default="fp32,fp8-e4m3,fp8-e4m3-dyn,int8-w8a8,rtn-int4")
@@ -126,7 +236,7 @@ def main() -> None:
     parser.add_argument(
         "--write-baselines", action="store_true", help="store a recipe's record as its missing baseline"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     records = args.records / (args.model + (f"-L{args.probe_length}" if args.probe_length else ""))
     records.mkdir(parents=True, exist_ok=True)
     raw = {
@@ -199,7 +309,7 @@ def main() -> None:
         )
     if args.write_docs:
         page, _, block = args.write_docs.partition(":")
-        command = "python scripts/measure_formats.py " + " ".join(shown_arguments(sys.argv[1:]))
+        command = "python scripts/measure_formats.py " + " ".join(shown_arguments(argv))
         write_blocks(Path(page), {block: "\n".join([f"`{command}`", "", *lines]) + "\n"})
 
 

@@ -153,3 +153,22 @@ def test_the_readme_stays_short_and_names_no_chapter():
     assert len(text.encode()) < 12 * 1024, "README.md over 12 KB: move the section to a page of docs/"
     for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
         assert not re.search(r"\bthe chapter\b", page.read_text(encoding="utf-8")), page.name
+
+
+def test_every_measured_table_of_formats_and_kv_cache_is_one_plan_of_one_command():
+    """``python scripts/measure_formats.py --all --write-docs`` rewrites every ``measured`` block of
+    docs/formats.md and docs/kv-cache.md: each block is one of its `PLANS`, each plan a block."""
+    spec = importlib.util.spec_from_file_location("measure_formats", ROOT / "scripts" / "measure_formats.py")
+    assert spec is not None and spec.loader is not None
+    measure = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(measure)
+    found = {
+        (page, match.group(2))
+        for page in ("docs/formats.md", "docs/kv-cache.md")
+        for match in measure.BLOCK.finditer((ROOT / page).read_text(encoding="utf-8"))
+    }
+    assert found == {(page, block) for block, (page, _) in measure.PLANS.items()}
+    text = (ROOT / "docs" / "kv-cache.md").read_text(encoding="utf-8")
+    for block, (page, arguments) in measure.PLANS.items():  # a block written by its plan shows its plan's command
+        if page.endswith("kv-cache.md") and arguments:
+            assert f"<!-- measured: {block} -->\n`python scripts/measure_formats.py {' '.join(arguments)}`" in text

@@ -508,3 +508,149 @@ def test_smollm2_served_with_a_cache_gates_against_its_fp32_baseline(kv, verdict
     assert verdict in out and "PASS copying_heads" in out
     assert code == (0 if verdict.startswith("PASS") else 1)
     assert "1 skipped (knockout_deltas)" in out  # no knockouts: skipped, and said
+
+
+# ----- transformers' own QuantizedCache, the probe in decode mode (model/quantized_cache.py)
+
+
+def test_a_quantized_cache_without_a_window_keeps_transformers_own_default():
+    import inspect
+
+    from transformers.cache_utils import QuantizedLayer
+
+    from pytest_circuits.model.kv_formats import QUANTIZED_CACHE_RESIDUAL
+
+    default = inspect.signature(QuantizedLayer.__init__).parameters["residual_length"].default
+    assert QUANTIZED_CACHE_RESIDUAL == default
+    assert parse_kv("quanto-int4").full_window == default and parse_kv("quanto-int2-r32").full_window == 32
+    assert parse_kv("hqq-int4-r8").decode and not parse_kv("int4").decode
+    assert split_kv("bf16+kv-quanto-int2-r16")[1].name == "quanto-int2-r16"  # type: ignore[union-attr]
+
+
+@pytest.fixture(scope="module")
+def decode_probes(tiny_build):
+    """The embedded model's probe (L = 64, n = 8) in fp32 and through quanto's int4 and int2
+    caches with a 32-token window, each counting the calls of transformers' own quanto layer."""
+    import copy
+
+    from transformers.cache_utils import QuantoQuantizedLayer
+
+    from pytest_circuits.rungs.probe import run_repeat_probe
+    from pytest_circuits.rungs.repeat_settings import RepeatSettings
+
+    settings = RepeatSettings(seed=0, n=8, L=64)
+    probes, calls = {"fp32": run_repeat_probe(tiny_build, settings)}, {}
+    real = QuantoQuantizedLayer._dequantize
+    for kv in ("quanto-int4-r32", "quanto-int2-r32"):
+        build = attach_kv_cache(copy.deepcopy(tiny_build), parse_kv(kv))
+        count = [0]
+
+        def spy(self, qtensor, count=count):
+            count[0] += 1
+            return real(self, qtensor)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(QuantoQuantizedLayer, "_dequantize", spy)
+            probes[kv] = run_repeat_probe(build, settings)
+        calls[kv] = count[0]
+        probes[kv + " identity"] = build.identity.kv_cache
+    return probes, calls
+
+
+def test_a_quanto_cache_is_read_through_transformers_own_code(decode_probes):
+    probes, calls = decode_probes
+    steps = 2 * 64 - 1  # decode steps after the one-token prefill, 2 keys + values reads per layer each
+    assert calls["quanto-int4-r32"] == calls["quanto-int2-r32"] == steps * 2 * 2
+    identity = probes["quanto-int4-r32 identity"]
+    assert identity.startswith("quanto-int4-r32: transformers QuantizedCache, quanto backend, 4 bits (optimum-quanto ")
+    assert "residual_length 32" in identity and "run in decode mode" in identity
+
+
+def test_quanto_int4_with_a_window_changes_copying_little_and_int2_measurably(decode_probes):
+    """Measured: +0.006 (int4) and +0.51 (int2) nats on fp32's 0.078; prefix matching 0.861 and
+    0.778 against 0.864. (quanto stores 2 or 4 bits only: there is no quanto int8.)"""
+    probes, _ = decode_probes
+    fp32, int4, int2 = probes["fp32"], probes["quanto-int4-r32"], probes["quanto-int2-r32"]
+    assert abs(int4.copy_loss - fp32.copy_loss) < 0.03
+    assert int2.copy_loss - fp32.copy_loss > 0.2
+    assert (int2.copy_losses > fp32.copy_losses).all()  # every sequence copies worse
+    top = fp32.heads.prefix_matching.idxmax()
+    assert fp32.heads.prefix_matching[top] - int2.heads.prefix_matching[top] > 0.03
+    assert abs(fp32.heads.prefix_matching[top] - int4.heads.prefix_matching[top]) < 0.01
+
+
+def test_a_decode_only_cache_refuses_the_knockout_scan_and_the_screen_in_one_line(tiny_build):
+    import copy
+
+    from pytest_circuits.rungs.knockout import knockout_scan
+    from pytest_circuits.rungs.repeat_settings import RepeatSettings
+    from pytest_circuits.rungs.screen import screen_estimate
+
+    build = attach_kv_cache(copy.deepcopy(tiny_build), parse_kv("quanto-int4-r8"))
+    settings = RepeatSettings(seed=0, n=2, L=16)
+    for run in (
+        lambda: knockout_scan(build, settings, progress=False),
+        lambda: screen_estimate(build, None, 16, "zero", None, "atp", 2),
+    ):
+        with pytest.raises(RecipeError) as info:
+            run()
+        assert (
+            "\n" not in str(info.value) and "decode mode only" in str(info.value) and "--no-knockout" in str(info.value)
+        )
+
+
+def test_hqq_without_its_package_is_refused_naming_the_install(tiny_build):
+    import copy
+    import importlib.util
+
+    if importlib.util.find_spec("hqq") is not None:
+        pytest.skip("hqq is installed here")
+    with pytest.raises(RecipeError) as info:
+        attach_kv_cache(copy.deepcopy(tiny_build), parse_kv("hqq-int4-r16"))
+    assert "\n" not in str(info.value) and "pip install hqq" in str(info.value)
+
+
+def test_a_quantized_cache_whose_default_window_covers_the_probe_is_refused(capsys):
+    from pytest_circuits.cli import main
+
+    argv = [
+        "gate",
+        "tiny-induction",
+        "--build",
+        "fp32+kv-quanto-int4",
+        "--baseline",
+        "baselines/tiny-induction--fp32.json",
+    ]
+    code = main([*argv, "--no-knockout"])
+    err = capsys.readouterr().err
+    assert code == 2 and "window of 128 tokens covers every position of the probe (128 tokens)" in err
+    assert err.count("\n") == 1
+
+
+def test_the_decode_loop_through_a_plain_dynamic_cache_is_the_one_forward_probe(decode_probes, tiny_build):
+    """The independent check of decode mode: the same loop with a full-precision ``DynamicCache``
+    (one query per step) gives the one-forward figures, per sequence."""
+    from pytest_circuits.rungs.probe import SCORES, run_repeat_probe
+
+    probes, _ = decode_probes
+    whole = probes["fp32"]
+    step = run_repeat_probe(tiny_build, whole.settings, block=1)
+    np.testing.assert_allclose(step.copy_losses, whole.copy_losses, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(step.first_copy_losses, whole.first_copy_losses, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(step.heads[list(SCORES)], whole.heads[list(SCORES)], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv", ["int4-r8", "q4_0"])
+def test_a_simulated_cache_gives_the_same_figures_in_blocks_of_queries(kv, tiny_build):
+    """A long probe runs in blocks through a DynamicCache (`rungs.query_blocks`): the simulated
+    cache then quantizes the past keys with the block's, as one forward does."""
+    import copy
+
+    from pytest_circuits.rungs.probe import SCORES, run_repeat_probe
+    from pytest_circuits.rungs.repeat_settings import RepeatSettings
+
+    build = attach_kv_cache(copy.deepcopy(tiny_build), parse_kv(kv))
+    settings = RepeatSettings(seed=0, n=4, L=40)
+    whole, part = run_repeat_probe(build, settings), run_repeat_probe(build, settings, block=24)
+    np.testing.assert_allclose(part.copy_losses, whole.copy_losses, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(part.heads[list(SCORES)], whole.heads[list(SCORES)], rtol=0, atol=1e-6)

@@ -15,7 +15,14 @@ from pytest_circuits.model.builds import LoadedBuild, load_build
 from pytest_circuits.model.families import attention_module
 from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.model.vocab import TokenInfo
-from pytest_circuits.rungs.probe import SCORES, RepeatProbe, routing_hooks, routing_scores, run_repeat_probe
+from pytest_circuits.rungs.probe import (
+    SCORES,
+    RepeatProbe,
+    routing_hooks,
+    routing_scores,
+    routing_sums,
+    run_repeat_probe,
+)
 from pytest_circuits.rungs.repeat import repeat_tokens
 from pytest_circuits.rungs.repeat_settings import RepeatSettings
 from pytest_circuits.testing import make_tiny_model
@@ -338,3 +345,50 @@ def test_smollm2_copies_the_second_segment():
     assert probe.copy_loss < probe.uniform_loss - 3, probe.model_figures()
     top = probe.heads.nlargest(1, "prefix_matching").iloc[0]
     assert top["prefix_matching"] > 0.5 and top["layer"] > 0, top.to_dict()
+
+
+# --- a long probe in blocks of queries (rungs/query_blocks.py) ---------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("block", [1, 5])
+def test_blocks_of_queries_give_the_one_forward_figures(tiny_build, family, block):
+    """Run through a DynamicCache, ``block`` queries at a time (1: a decode loop), the probe reads
+    the same diagonals and losses as one forward over the whole sequence."""
+    build = tiny_build(family)
+    whole = run_repeat_probe(build, SMALL, batch_size=2)
+    part = run_repeat_probe(build, SMALL, batch_size=2, block=block)
+    assert whole.copy_losses is not None and part.copy_losses is not None
+    np.testing.assert_allclose(part.copy_losses, whole.copy_losses, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(part.first_copy_losses, whole.first_copy_losses, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(part.position_loss, whole.position_loss, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(part.heads[list(SCORES)], whole.heads[list(SCORES)], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(part.heads["path_factor"], whole.heads["path_factor"], rtol=1e-6)
+
+
+def test_blocks_of_queries_with_bos_give_the_one_forward_figures(tiny_build):
+    build = with_bos(tiny_build("llama"), bos_id=7)
+    whole, part = run_repeat_probe(build, SMALL), run_repeat_probe(build, SMALL, block=4)
+    np.testing.assert_allclose(part.copy_losses, whole.copy_losses, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(part.heads[list(SCORES)], whole.heads[list(SCORES)], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(part.heads["path_factor"], whole.heads["path_factor"], rtol=1e-6)
+
+
+def test_a_block_of_queries_sums_its_rows_of_the_pattern():
+    pattern = random_pattern(2, 3, 2 * 6 + 1)
+    whole = routing_sums(pattern, 6, 1)
+    for size in (1, 4, 13):
+        blocks = [pattern[:, :, start : start + size, : start + size] for start in range(0, 13, size)]
+        torch.testing.assert_close(sum(routing_sums(b, 6, 1) for b in blocks), whole, rtol=0, atol=1e-12)
+
+
+def test_the_query_block_bounds_the_pattern_and_the_logits():
+    from pytest_circuits.model.family_table import Geometry
+    from pytest_circuits.rungs.query_blocks import BLOCK_BYTES, query_block
+
+    one_b = Geometry(n_layers=16, n_heads=32, n_kv_heads=8, d_model=2048, d_head=64, vocab=128256)
+    T = 8193
+    c = query_block(one_b, 1, T)
+    assert 1 <= c < T and 8 * 32 * c * T <= BLOCK_BYTES and 4 * c * 128256 <= BLOCK_BYTES
+    tiny = Geometry(n_layers=2, n_heads=4, n_kv_heads=4, d_model=128, d_head=32, vocab=512)
+    assert query_block(tiny, 8, 129) == 129  # the default probe: one forward, as before

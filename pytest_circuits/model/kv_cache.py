@@ -328,6 +328,10 @@ def attach_kv_cache(build, spec: KvSpec, k_scales=None, v_scales=None, origin: s
     Refuses a second cache on a build that already serves one (its checkpoint declares it), a
     cache whose blocks do not tile the head dimension, and a build without a switchable attention
     implementation (the cache could not be put in its path)."""
+    if spec.decode:  # transformers' own QuantizedCache: run in decode mode, not simulated
+        from .quantized_cache import attach_quantized_cache
+
+        return attach_quantized_cache(build, spec)
     what = f"build {build.recipe}+kv-{spec.name}" if rename else f"build {build.recipe}"
     if build.identity.kv_cache:
         raise RecipeError(

@@ -17,8 +17,16 @@ Three layouts, each named by the engine or paper that defines it:
 - ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``, ``iq4_nl`` (llama.cpp ``--cache-type-k/-v``):
   blocks of 32 along the head dimension, per token, ggml's own rounding (fp16 block scales).
 
+A fourth layout runs transformers' own ``QuantizedCache`` (`quantized_cache`), not a simulation:
+
+- ``quanto-int4``, ``quanto-int2`` (optimum-quanto backend), ``hqq-int8``, ``hqq-int4``,
+  ``hqq-int2`` (HQQ backend): the probe runs in decode mode, one token at a time through the
+  cache, so every query reads what the cache stores.
+
 ``-rN`` keeps the last ``N`` tokens before each query in full precision (transformers'
-``QuantizedCache`` ``residual_length``). Light: no torch, so option parsing can use it.
+``QuantizedCache`` ``residual_length``; for its own layout ``-rN`` is that argument, and without
+it the cache keeps `QUANTIZED_CACHE_RESIDUAL`, its own default). Light: no torch, so option
+parsing can use it.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from ..errors import RecipeError
 KV_SEPARATOR = "+kv-"
 KIVI_GROUP = 32  # KIVI's group: tokens per key block, channels per value group
 GGML_BLOCK = 32  # QK8_0 = QK4_0 = QK4_1 = QK5_0 = QK5_1 = QK4_NL
+QUANTIZED_CACHE_RESIDUAL = 128  # transformers' QuantizedLayer residual_length default (tests check it)
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,7 @@ class KvFormat:
     summary: str
     bits: int
     dtype: str | None = None  # fp8: torch's float8 dtype name
+    backend: str | None = None  # transformers' QuantizedCache backend (layout "transformers")
 
 
 KV_FORMATS: dict[str, KvFormat] = {
@@ -58,10 +68,19 @@ KV_FORMATS: dict[str, KvFormat] = {
         KvFormat("q4_1", "ggml", "llama.cpp q4_1 blocks of 32", 4),
         KvFormat("q4_0", "ggml", "llama.cpp q4_0 blocks of 32", 4),
         KvFormat("iq4_nl", "ggml", "llama.cpp iq4_nl blocks of 32 (non-linear 4-bit grid)", 4),
+        KvFormat(
+            "quanto-int4", "transformers", "transformers QuantizedCache, quanto backend, 4 bits", 4, None, "quanto"
+        ),
+        KvFormat(
+            "quanto-int2", "transformers", "transformers QuantizedCache, quanto backend, 2 bits", 2, None, "quanto"
+        ),
+        KvFormat("hqq-int8", "transformers", "transformers QuantizedCache, HQQ backend, 8 bits", 8, None, "hqq"),
+        KvFormat("hqq-int4", "transformers", "transformers QuantizedCache, HQQ backend, 4 bits", 4, None, "hqq"),
+        KvFormat("hqq-int2", "transformers", "transformers QuantizedCache, HQQ backend, 2 bits", 2, None, "hqq"),
     )
 }
 
-_SPEC = re.compile(r"(?P<format>[a-z0-9_]+(?:-e[45]m[23])?)(?P<dyn>-dyn)?(?:-r(?P<window>\d+))?")
+_SPEC = re.compile(r"(?P<format>[a-z0-9_]+(?:-e[45]m[23]|-int[248])?)(?P<dyn>-dyn)?(?:-r(?P<window>\d+))?")
 
 
 @dataclass(frozen=True)
@@ -76,6 +95,16 @@ class KvSpec:
     @property
     def name(self) -> str:
         return self.format.name + ("-dyn" if self.dynamic else "") + (f"-r{self.window}" if self.window else "")
+
+    @property
+    def decode(self) -> bool:
+        """Run by transformers' own ``QuantizedCache``, one token at a time (not simulated in one forward)."""
+        return self.format.layout == "transformers"
+
+    @property
+    def full_window(self) -> int:
+        """Tokens before a query that may read full precision: ``-rN``, else QuantizedCache's own default."""
+        return self.window or (QUANTIZED_CACHE_RESIDUAL if self.decode else 0)
 
     def describe(self, scales: str | None = None) -> str:
         """The identity's ``kv_cache`` line: ``"fp8-e4m3: float8 e4m3, ...; scales 1.0 (none in the checkpoint)"``."""
@@ -124,9 +153,9 @@ def check_window_fits(spec, positions: int, length_flag: str) -> None:
     """Refuse a build (`recipes.BuildSpec`) whose full-precision window covers every position of the
     probe: no query would read a key from the cache, so the cache would not be gated."""
     kv: KvSpec | None = getattr(spec, "kv", None)
-    if kv is not None and kv.window >= positions:
+    if kv is not None and kv.full_window >= positions:
         raise RecipeError(
-            f"build {spec.name!r}: its full-precision window of {kv.window} tokens covers every position of the "
+            f"build {spec.name!r}: its full-precision window of {kv.full_window} tokens covers every position of the "
             f"probe ({positions} tokens), so nothing would be read from the cache; use -r{max(1, positions // 4)} "
             f"or a longer probe ({length_flag})"
         )

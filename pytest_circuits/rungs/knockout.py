@@ -31,12 +31,14 @@ import torch
 from ..errors import CircuitsError
 from ..model.builds import LoadedBuild
 from ..model.families import flattens_batch_with_heads, head_label
+from ..model.quantized_cache import refuse_decode_only
 from ..options import KNOCKOUT_MODES, SCREEN_METHODS, flag
 from ..progress import Progress, phase
 from .ablation import ablated, check_mode, parse_heads
 from .figures import sequences_key
+from .query_blocks import query_block
 from .reference import naive_losses
-from .repeat import KNOCKOUT_CPU_TOKENS
+from .repeat import KNOCKOUT_CPU_TOKENS, check_probe_memory
 from .repeat_settings import RepeatSettings
 from .replay import (
     Intact,
@@ -141,6 +143,10 @@ def knockout_scan(
     ``screen_top_k``, ``screen_method``, ``exact_heads``, ``cached`` (whether the replay ran),
     ``layers`` (the shard's layers, None for the whole model).
     """
+    refuse_decode_only(build, "the knockout scan")
+    T = 2 * settings.L + (build.tokens.bos_id is not None)
+    if query_block(build.geometry, min(batch_size, settings.n), T) < T:  # a long probe: preflight left this out
+        check_probe_memory(build.geometry, settings.n, settings.L, batch_size, knockout=True, device=str(build.device))
     check_mode(mode)
     if screen_method not in SCREEN_METHODS:
         raise CircuitsError(f"screen method {screen_method!r} is unknown; use one of: {', '.join(SCREEN_METHODS)}")
@@ -227,5 +233,6 @@ def knockout_scan(
 
 def head_means(build: LoadedBuild, settings: RepeatSettings, batch_size: int = 8) -> torch.Tensor:
     """``(n_layers, n_heads, d_head)``: the mean-ablation ``mu_h``, over every position of every held-out sequence."""
+    refuse_decode_only(build, "the mean-ablation pass")
     ids = held_out_ids(build, settings)
     return intact_pass(build, ids, settings.L, batch_size, record=False).means

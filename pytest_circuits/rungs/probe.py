@@ -17,7 +17,10 @@ actually used, averaged over sequences ``b``:
 
 Memory: a forward hook on every attention module reduces that layer's pattern
 ``(batch, heads, T, T)`` to per-head sums as the layer runs, so no more than about one
-layer's pattern is alive at a time; ``output_attentions`` is never requested.
+layer's pattern is alive at a time; ``output_attentions`` is never requested. A long probe runs
+in blocks of queries (`query_blocks`: a layer's pattern ``(batch, heads, c, T)``, logits ``c x
+vocab``), and a build served with transformers' ``QuantizedCache`` in decode mode (``c = 1``
+through that cache); the hooks read the diagonals each block holds.
 """
 
 from __future__ import annotations
@@ -42,9 +45,11 @@ from ..model.families import (
     post_attn_norm_module,
 )
 from ..model.hooks import hooked
+from ..model.quantized_cache import decode_cache_of
 from ..model.selfcheck import norm_divisor
 from ..options import flag
 from .figures import SAMPLED_MODEL_FIGURES, sequences_key
+from .query_blocks import block_losses, forward_blocks, query_block
 from .repeat import bos_offset, check_fits, next_token_losses, repeat_losses, repeat_tokens
 from .repeat_settings import RepeatSettings
 
@@ -106,19 +111,26 @@ def score_counts(L: int) -> tuple[int, int, int]:
 
 
 def routing_sums(pattern: torch.Tensor, L: int, offset: int) -> torch.Tensor:
-    """``(3, heads)`` float64 sums of the score entries of ``pattern`` ``(batch, heads, T, T)``.
+    """``(3, heads)`` float64 sums of the score entries of ``pattern`` ``(batch, heads, T, T)``, or
+    of one block of its queries ``(batch, heads, c, T_k)``: the rows of positions ``T_k - c ..
+    T_k - 1`` (`query_blocks`); summed over the blocks, the whole pattern's sums.
 
     Rows follow `SCORES`; divide by ``batch * score_counts(L)`` for the means.
     """
-    if pattern.dim() != 4 or pattern.shape[-1] != pattern.shape[-2]:
+    if pattern.dim() != 4 or pattern.shape[-2] > pattern.shape[-1]:
         raise ValueError(f"attention pattern must be (batch, heads, T, T), got {tuple(pattern.shape)}")
-    T = pattern.shape[-1]
-    if T != 2 * L + offset:
+    Tq, T = pattern.shape[-2], pattern.shape[-1]
+    if T > 2 * L + offset:
         raise ValueError(f"attention pattern covers {T} positions but the probe has 2L+offset={2 * L + offset}")
-    rows = []
+    start, rows = T - Tq, []
     for name in SCORES:
         k, cols = score_diagonals(L, offset)[name]
-        entries = pattern.diagonal(offset=-k, dim1=-2, dim2=-1)[..., cols]  # (batch, heads, count)
+        if Tq == T == 2 * L + offset:
+            entries = pattern.diagonal(offset=-k, dim1=-2, dim2=-1)[..., cols]  # (batch, heads, count)
+        else:  # destinations cols.start + k .. cols.stop - 1 + k, those in this block
+            lo = max(cols.start + k, start)
+            dst = torch.arange(lo, max(lo, min(cols.stop + k, T)), device=pattern.device)
+            entries = pattern[:, :, dst - start, dst - k]
         rows.append(entries.to(torch.float64).sum(dim=(0, 2)))
     return torch.stack(rows)
 
@@ -164,14 +176,16 @@ class PathFactors:
     attention output (where the family has one) and of the final norm's input (`norm_divisor`)."""
 
     def __init__(self, n_layers: int, L: int, offset: int):
-        self.rows, self.sums = slice(offset, offset + 2 * L), torch.zeros(n_layers, dtype=torch.float64)
+        self.rows, self.sums = (offset, offset + 2 * L), torch.zeros(n_layers, dtype=torch.float64)
         self.seen: dict[tuple[str, int], torch.Tensor] = {}
 
     def keep(self, where: str, layer: int, module, fam, r: torch.Tensor) -> None:
-        self.seen[(where, layer)] = 1.0 / norm_divisor(module, fam, r.detach()[:, self.rows])[..., 0].cpu()
+        self.seen[(where, layer)] = 1.0 / norm_divisor(module, fam, r.detach())[..., 0].cpu()
 
-    def flush(self) -> None:
-        """Add one batch's products (after its forward) and forget it."""
+    def flush(self, start: int = 0) -> None:
+        """Add one batch's products (after its forward; of a block of queries from ``start``) and forget it."""
+        rows = slice(max(self.rows[0] - start, 0), max(self.rows[1] - start, 0))
+        self.seen = {key: factor[:, rows] for key, factor in self.seen.items()}
         final = self.seen.pop(("final", 0), None)
         for layer in range(len(self.sums)):
             product = final if final is not None else torch.ones(())
@@ -229,13 +243,17 @@ def sequence_losses(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def run_repeat_probe(build: LoadedBuild, settings: RepeatSettings, batch_size: int = 8) -> RepeatProbe:
+def run_repeat_probe(
+    build: LoadedBuild, settings: RepeatSettings, batch_size: int = 8, block: int | None = None
+) -> RepeatProbe:
     """Copy losses and per-head routing scores of ``build`` on ``settings.n`` seeded repeat sequences.
 
     copy loss = mean CE over ``t in L+1 .. 2L-1``; first-copy loss = mean CE over
     ``t in 1 .. L-1``; copy gain = their difference; uniform loss = ``ln(vocab)``. Each is the
     mean over the ``n`` sequences of its per-sequence value, kept in ``copy_losses`` and
-    ``first_copy_losses`` (the gate's intervals come from them).
+    ``first_copy_losses`` (the gate's intervals come from them). ``block``: queries per forward
+    (default `query_blocks.query_block`: one forward when it fits; 1 in decode mode, a build
+    served with transformers' ``QuantizedCache``).
     """
     model = build.model
     L, n = settings.L, settings.n
@@ -248,19 +266,26 @@ def run_repeat_probe(build: LoadedBuild, settings: RepeatSettings, batch_size: i
     ids = repeat_tokens(build.tokens, n, L, settings.seed)
     n_layers = build.geometry.n_layers
     device = input_device(model)
+    decode = decode_cache_of(model)
+    if decode is not None:
+        block = 1
     first_parts, copy_parts = [], []
     position_sums = torch.zeros(2 * L - 1, dtype=torch.float64)
     with routing_hooks(model, n_layers, L, offset) as sums, path_factor_hooks(model, n_layers, L, offset) as path:
         for start in range(0, n, batch_size):
             batch = ids[start : start + batch_size].to(device)
-            logits = model(input_ids=batch, use_cache=False).logits
-            path.flush()
-            losses = sequence_losses(logits, batch)
+            rows = block or query_block(build.geometry, batch.shape[0], batch.shape[1])
+            parts = []
+            for begin, logits in forward_blocks(model, batch, rows, decode.new() if decode else None):
+                path.flush(begin)
+                whole = begin == 0 and logits.shape[1] == batch.shape[1]
+                parts.append(sequence_losses(logits, batch) if whole else block_losses(logits, batch, begin))
+                del logits
+            losses = torch.cat(parts, dim=1)
             first, copy = repeat_losses(losses, L, offset)
             position_sums += losses[:, position_slice(L, offset)].double().sum(dim=0).cpu()
             first_parts.append(first.double().cpu())
             copy_parts.append(copy.double().cpu())
-            del logits
     missing = [l for l, s in enumerate(sums) if s is None]
     if missing:
         raise CircuitsError(f"the attention of layers {missing} never ran; is {build.label} a decoder-only LM?")

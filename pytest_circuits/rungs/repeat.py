@@ -16,6 +16,7 @@ import torch
 from ..errors import CircuitsError
 from ..model.vocab import TokenInfo
 from ..options import flag
+from .query_blocks import query_block
 
 CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
 MIN_ORDINARY_IDS = 2  # with one id every sequence is the same token: no copying to measure
@@ -70,7 +71,9 @@ def probe_memory(geometry, n: int, L: int, batch_size: int, knockout: bool = Tru
     a forward of ``r`` rows holds one layer's attention ``2 * 4 r H T^2`` (scores, softmax) and
     activations ``8 * 4 r T d`` (float32). Token arrays: ``8 n (5L + 2) + 24 V`` bytes per probe
     plus 64 KiB (draw, copy, BOS column and array; the ordinary ids), twice with knockouts. Probe pass: logits ``4 b T V`` plus one sequence's
-    float copies ``8 T V``. Knockout pass: every block's recorded input ``4 n T d n_layers`` plus
+    float copies ``8 T V``; a long probe runs in blocks of ``c`` queries (`query_blocks.query_block`),
+    each forward then holds ``2 * 4 b H c T``, logits ``4 b c V`` and the keys and values of the
+    cache, ``2 * 4 b T n_kv d_head n_layers``. Knockout pass: every block's recorded input ``4 n T d n_layers`` plus
     the larger of the intact pass (logits, float copy, log-softmax: ``12 b T V``) and a replay of
     ``R`` rows (`replay_rows`: ``min(max(b, 64), n H)`` on an accelerator, about 2,048 tokens' worth
     on a CPU) unembedding the ``L`` copy positions (``8 R L V``).
@@ -82,10 +85,13 @@ def probe_memory(geometry, n: int, L: int, batch_size: int, knockout: bool = Tru
         return 2 * 4 * rows * H * T * T + 8 * 4 * rows * T * d
 
     b = min(batch_size, n)
-    parts = {
-        "tokens": token_bytes(n, L, V) * (2 if knockout else 1),
-        "probe pass": forward(b) + 4 * b * T * V + 8 * T * V,
-    }
+    c = query_block(geometry, b, T)
+    if c >= T:
+        probe = forward(b) + 4 * b * T * V + 8 * T * V
+    else:
+        cache = 2 * 4 * b * T * geometry.n_kv_heads * geometry.d_head * layers
+        probe = 2 * 4 * b * H * c * T + 8 * 4 * b * c * d + cache + 4 * b * c * V + 8 * c * V
+    parts = {"tokens": token_bytes(n, L, V) * (2 if knockout else 1), "probe pass": probe}
     if knockout:
         replay = replay_rows(n, L, batch_size, H, device)
         intact = forward(b) + 12 * b * T * V

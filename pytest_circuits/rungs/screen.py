@@ -375,6 +375,9 @@ def screen_estimate(
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(estimate, rank_score)`` of every head by ``method``: "atp*", "atp*gd" (with GradDrop) or "atp";
     ``bar`` (a `progress.Progress`) counts the chunks of ``batch_size`` sequences."""
+    from ..model.quantized_cache import refuse_decode_only
+
+    refuse_decode_only(build, "the attribution screen")
     batch_size = screen_rows(build, batch_size, L)
     if method == "atp":
         est = plain_atp(build, ids, L, mode, means, batch_size, bar)
