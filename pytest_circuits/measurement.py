@@ -17,8 +17,8 @@ from .progress import stderr_line
 from .settings import CircuitsSettings
 
 
-class BuildMeasurement:
-    """Memoises, per build: the loaded build and its rung 1, probe and knockout figures."""
+class LoadedBuilds:
+    """The memo of one run, its model (source, device, preflight) and each build loaded once."""
 
     NOT_FIGURES = ("preflight", "build", "written", "baseline")  # memo entries that outlive a weight edit
 
@@ -107,6 +107,24 @@ class BuildMeasurement:
 
         return self.memo(("weights", recipe, fold), lambda: extract_weights(self.build(recipe).model, fold))
 
+    def _phase(self, label: str):
+        """A heartbeat line every few seconds while a long step runs (`progress.phase`)."""
+        from .progress import phase
+
+        return phase(label, self.progress_write)
+
+    @property
+    def run_folder(self):
+        """The run's shared folder (`fsio.RunFolder`) under pytest-xdist, else None."""
+        from .fsio import RunFolder
+
+        return None if self.shared_dir is None else RunFolder(self.shared_dir)
+
+
+class BuildMeasurement(LoadedBuilds):
+    """Memoises, per build: its rung 1, probe and knockout figures (the knockouts under the run's
+    `rung2_plan`)."""
+
     def ov_spectrum(self, recipe: str, method=None):
         """Rung 1: kappa of every head against the rotation null (DataFrame), measured by ``method``
         (a `rungs.kappa_method.KappaMethod`; default: the settings')."""
@@ -139,12 +157,6 @@ class BuildMeasurement:
                 return run_repeat_probe(build, s.probe, batch_size=s.batch_size)
 
         return self.memo(("repeat_probe", recipe), measure)
-
-    def _phase(self, label: str):
-        """A heartbeat line every few seconds while a long step runs (`progress.phase`)."""
-        from .progress import phase
-
-        return phase(label, self.progress_write)
 
     def head_knockout(self, recipe: str, heads=None):
         """Rung 2: knockout delta of every head (or of ``heads``) on held-out repeat sequences (DataFrame).
@@ -224,13 +236,6 @@ class BuildMeasurement:
 
         return layer_shards(self.preflight().n_layers, self.shards)
 
-    @property
-    def run_folder(self):
-        """The run's shared folder (`fsio.RunFolder`) under pytest-xdist, else None."""
-        from .fsio import RunFolder
-
-        return None if self.shared_dir is None else RunFolder(self.shared_dir)
-
     def knockout_shard(self, recipe: str, index: int):
         """Shard ``index`` of the knockout scan of ``recipe`` (its intact pass and its layers' knockouts).
         Under pytest-xdist measured once per run: under a file lock in the shared run folder, the first
@@ -258,7 +263,7 @@ class BuildMeasurement:
 
 
 class _Failed:
-    """A memoised failure (`BuildMeasurement.memo`)."""
+    """A memoised failure (`LoadedBuilds.memo`)."""
 
     def __init__(self, error: Exception):
         self.error = error

@@ -174,3 +174,20 @@ def test_the_gate_takes_typed_inputs_never_the_session():
     # what the check finds: the older shape, a gate function that takes the session and calls back into it
     assert len(session_uses("def gate(session):\n    return session.record('fp32')\n")) == 2
     assert len(session_uses("def gate(self):\n    return self.session.baselines\n")) == 1
+
+
+def long_classes(source: str, most: int = 200) -> list[str]:
+    """The classes of ``source`` longer than ``most`` lines."""
+    return [
+        f"{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ClassDef) and node.end_lineno is not None and node.end_lineno - node.lineno >= most
+    ]
+
+
+def test_the_session_and_its_parts_have_no_class_over_200_lines():
+    """The run's objects split by job (docs/architecture.md, "One run"): none grows back into the whole program."""
+    parts = ("session", "measurement", "measure_steps", "records", "rung2_plan", "gate.baselines", "gate.verdict")
+    found = [f"{p}: {c}" for p in parts for c in long_classes(MODULES[f"{ROOT}.{p}"].read_text(encoding="utf-8"))]
+    assert not found, "\n".join(found)
+    assert long_classes("class Big:\n" + "    x = 1\n" * 200) == ["Big (201 lines)"]
