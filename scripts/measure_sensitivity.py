@@ -6,7 +6,7 @@ Per model (the fp32 build, its shipped fp32 baseline, the default tolerances):
 1. graded damage to each of the baseline's key heads, one at a time (`pytest_circuits.sensitivity`:
    OV scaled / negated, QK logits scaled, OV rotated into the next head, noise in the head's
    layer), whole-model noise and low-rank updates, and the recipes' builds, each gated with the
-   gate's own code (`sensitivity.gate_record`: `build_record` measured the baseline's way, then
+   gate's own code (`sensitivity.gate_record`: `records.measure_record` measured the baseline's way, then
    `gate_all`), beside the held-out text loss of `measure_formats.held_out_loss`;
 2. false alarms: for each held-out probe seed (knockout seed 1000 + seed), an fp32 baseline is
    recorded at 1 thread and the benign builds are gated against it: fp32 at 2 threads, bf16, fp16,
