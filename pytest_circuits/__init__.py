@@ -39,7 +39,7 @@ _LAZY = {  # the supported names (docs/api.md), each loaded from its module on f
     "knockout_scan": "rungs.knockout",
     # the gate, its fixture's type and its extension points
     "CircuitsGate": "plugin.fixture_types",
-    "CircuitsDeprecationWarning": "plugin.fixture_types",
+    "CircuitsDeprecationWarning": "errors",
     "Comparison": "gate.invariants",
     "Invariant": "gate.invariants",
     "Row": "gate.invariants",
@@ -58,15 +58,29 @@ _LAZY = {  # the supported names (docs/api.md), each loaded from its module on f
     "RecipeError": "errors",
     "UnknownFamilyError": "errors",
 }
-__all__ = sorted(_LAZY)
+_DEPRECATED = {  # still importable, each with a CircuitsDeprecationWarning saying what replaces it
+    "register_invariant": "use pytest_circuits.register",
+    "CircuitsSession": "the gate takes its parts (records, baselines); pytest_circuits.session.CircuitsSession still works",
+}
+__all__ = sorted(name for name in _LAZY if name not in _DEPRECATED)
 
 
-def __dir__() -> list[str]:
+def __dir__() -> list[str]:  # the supported names, not the deprecated ones
     return sorted({*globals(), *__all__})
 
 
 def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'pytest_circuits' has no attribute {name!r}")
+    if name in _DEPRECATED:
+        import warnings
+
+        from .errors import CircuitsDeprecationWarning
+
+        warnings.warn(
+            f"pytest_circuits.{name} is deprecated and goes in 0.3; {_DEPRECATED[name]}",
+            CircuitsDeprecationWarning,
+            stacklevel=2,
+        )
     module = importlib.import_module(f".{_LAZY[name]}", __name__)
     return getattr(module, "register" if name == "register_invariant" else name)

@@ -58,6 +58,29 @@ def _no_knockout(p: argparse.ArgumentParser, consequence: str) -> None:
     p.add_argument("--no-knockout", action="store_true", help=f"skip the head knockouts (rung 2){consequence}")
 
 
+def _invariants_option(p: argparse.ArgumentParser) -> None:
+    """``--invariants MODULE``, declared once for every command that gates."""
+    p.add_argument(
+        "--invariants",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="also gate the invariants MODULE registers (repeatable; MODULE or MODULE:OBJECT); the conftest.py "
+        "files of this folder up to the project's root and the pytest_circuits.invariants entry points always are",
+    )
+
+
+def _user_invariants(args) -> None:
+    """Register the invariants pytest would gate, in its order: the built-in ones and the entry points'
+    (on import), the conftest.py files from the rootdir down to this folder, then ``--invariants``."""
+    from .gate import invariants  # noqa: F401  (built-in and entry-point invariants first)
+    from .gate.user_invariants import load_conftests, load_module
+
+    load_conftests(Path.cwd())
+    for name in args.invariants:
+        load_module(name)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that adds "did you mean" to a mistyped option or command (its subcommands are of this class)."""
 
@@ -148,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="gate as a base-model swap (model-level swap_* invariants only) also when the geometry is the "
         "same; another geometry always is one",
     )
+    _invariants_option(p)
     _no_knockout(
         p,
         ": knockout_deltas is not checked (the verdict says so); SmolLM2-135M on a CPU: about a minute instead of tens of minutes",
@@ -160,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file_a", type=Path, metavar="A", help="the earlier scan record or baseline file")
     p.add_argument("file_b", type=Path, metavar="B", help="the later scan record or baseline file")
     p.add_argument("--min-change", type=float, default=0.01, help="hide changes smaller than this (default: 0.01)")
+    _invariants_option(p)
 
     p = sub.add_parser(
         "sensitivity",
@@ -176,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--heads", type=int, default=2, help="damage the top N key heads by knockout delta (default: 2)")
     p.add_argument("--tol", action="append", default=[], metavar="NAME=VALUE", help="override a tolerance (repeatable)")
+    _invariants_option(p)
 
     sub.add_parser(
         "report", help="write the HTML report of baseline files (see circuits report --help)", add_help=False
@@ -186,8 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------- helpers
 
 
-def _session(args, probe: dict | None = None, **fixed):
-    """A session from the parsed arguments; a gated baseline's probe settings fill the unset ones."""
+def _session(args, probe: dict | None = None, key_heads_of=(), **fixed):
+    """A session from the parsed arguments; a gated baseline's probe settings fill the unset ones;
+    ``key_heads_of``: records whose key heads a screened scan knocks out exactly."""
     from .session import CircuitsSession
     from .settings import build_settings
 
@@ -197,7 +224,8 @@ def _session(args, probe: dict | None = None, **fixed):
             raw[name] = probe.get(key)
     raw["model"] = args.model
     raw["builds"] = args.build  # recipes and NAME=PATH external builds (model/recipes.py)
-    return CircuitsSession(build_settings(raw, baselines=Path("baselines"), front_end="cli", **fixed))
+    settings = build_settings(raw, baselines=Path("baselines"), front_end="cli", **fixed)
+    return CircuitsSession(settings, key_heads_of=key_heads_of)
 
 
 def _one_build(session, command: str) -> str:
@@ -261,15 +289,15 @@ def model_lines(record: dict) -> list[str]:
 def cmd_scan(args) -> int:
     from .fsio import atomic_write_text, check_output, remove_stale_temps
     from .gate.profile import profile, profile_line
-    from .gate.record import build_record
     from .gate.store import dumps
     from .gate.tolerances import Tolerances
+    from .records import measure_record
 
     if args.json:
         check_output(args.json)  # a link or a folder ends the command now, not after the scan
     session = _session(args)
     build = _one_build(session, "scan")
-    record = build_record(session, build, knockout=not args.no_knockout)
+    record = measure_record(session, build, knockout=not args.no_knockout)
     print("\n".join(model_lines(record)))
     print(profile_line(profile(record, Tolerances().swap_induction_score)))
     print(head_table(record))
@@ -300,8 +328,8 @@ def cmd_record(args) -> int:
 
 def _record_shard(args) -> int:
     """One shard of one build's record, as its own job: ``--shard I/K --out FILE`` (`gate.shards`)."""
-    from .gate.shards import write_part
     from .options import parse_shard
+    from .records import write_part
 
     index, total = parse_shard(args.shard)
     if args.out is None:
@@ -389,7 +417,7 @@ def cmd_baselines(args) -> int:
 def cmd_gate(args) -> int:
     from .errors import BaselineMissing
     from .gate.fixes import file_fix_line
-    from .gate.store import baseline_file, compatibility, geometry_difference, geometry_record, read_baseline
+    from .gate.store import baseline_file, geometry_difference, read_baseline
     from .gate.verdict import gate_file
     from .model.recipes import describe_identity
 
@@ -399,15 +427,15 @@ def cmd_gate(args) -> int:
         baseline = read_baseline(args.baseline)
     except BaselineMissing:
         raise BaselineMissing(_missing_baseline(args)) from None
-    session = _session(args, probe=baseline.get("probe"))
+    # on the same model a screened scan knocks the file's key heads out exactly (another model's are skipped)
+    key_heads_of = () if args.across_models else (baseline,)
+    session = _session(args, probe=baseline.get("probe"), key_heads_of=key_heads_of)
     build = _one_build(session, "gate")
-    # refuse other probe settings before any figure is computed; another geometry is another base model
-    preflight = geometry_record(session.preflight().__dict__, probe=session.settings.probe.as_dict())
-    compatibility(baseline, preflight, f"baseline {args.baseline.name}")
-    across = args.across_models or bool(geometry_difference(baseline, preflight))
+    records = session.records
+    across = args.across_models or bool(geometry_difference(baseline, records.stand_in()))
     label = f"baseline {args.baseline.name}"
     fix = file_fix_line(session.settings, baseline, args.baseline, across)
-    candidate, notes, results = gate_file(session, build, baseline, label, tol, fix, across, not args.no_knockout)
+    candidate, notes, results = gate_file(records, build, baseline, label, tol, fix, across, not args.no_knockout)
     identities = [
         f"{who} {line}"
         for who, record in (("candidate", candidate), ("baseline", baseline))
@@ -556,6 +584,8 @@ def _run(argv: list[str]) -> int:
         parser = build_parser()
         args = parser.parse_args(argv)  # exits 2 on a usage error, 0 on --help
         try:
+            if hasattr(args, "invariants"):  # a command that gates: the same invariants as pytest
+                _user_invariants(args)
             return COMMANDS[args.command](args)
         except CircuitsError as error:
             print(f"circuits {args.command}: {error}", file=sys.stderr)

@@ -68,3 +68,7 @@ def warn(text: str) -> None:
 
 class ShardError(CircuitsError):
     """A bad ``--shard``, or parts that are not one build's shards."""
+
+
+class CircuitsDeprecationWarning(DeprecationWarning):
+    """A pytest-circuits name that still works but will go (docs/api.md, "Versioning")."""

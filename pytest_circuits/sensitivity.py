@@ -1,7 +1,7 @@
 """What the gate catches: graded damage to a model's key heads, gated against its baseline.
 
 A damage is a weight edit of the in-memory float build (``fp32``), applied, gated through the
-gate's own code (`gate.record.build_record` measured the baseline's way, `gate.invariants.gate_all`),
+gate's own code (`records.measure_record` measured the baseline's way, `gate.invariants.gate_all`),
 then undone exactly (`Restorer`, checked bit for bit). Damages of head ``L{l}H{h}`` (``d`` its
 slice of ``z``, the input of layer ``l``'s output projection; rows of ``W_Q`` per head as in
 `model.families.qkv_rows`):
@@ -277,7 +277,8 @@ def gate_record(session, recipe: str, baseline: dict, tol, knockout: bool = True
     full scan's. ``knockout=False``: no knockouts, so `knockout_deltas` is not run (not passed)."""
     from .gate.invariants import gate_all, key_heads
     from .gate.looks import extend
-    from .gate.record import build_record, has_figures
+    from .gate.record import has_figures
+    from .records import measure_record
     from .rungs import kappa_method
 
     session.forget_figures(recipe)
@@ -286,10 +287,10 @@ def gate_record(session, recipe: str, baseline: dict, tol, knockout: bool = True
     if knockout:
         keys = key_heads(baseline, "knockout_delta", tol.top_k, tol.min_delta)
         frame = session.head_knockout(recipe, heads=keys or None)
-    record = build_record(
+    record = measure_record(
         session, recipe, knockout=knockout, method=kappa_method.of_record(baseline), knockout_frame=frame
     )
-    record = extend(session, recipe, baseline, record, tol)  # the further looks an undecided row needs
+    record = extend(session.records, recipe, baseline, record, tol)  # the further looks an undecided row needs
     return gate_all(baseline, record, tol, recipe, "baseline"), record
 
 

@@ -115,7 +115,7 @@ def main() -> None:
     records = {
         r: cached(out / f"{args.model}--{r}--{tag}.json", lambda r=r: sampled_record(session, r, heads)) for r in builds
     }
-    plain, rule = replace(tol, outside_interval=False), tol
+    plain, rule = tol.updated({"outside_interval": False}), tol
     print(
         "build | d copy loss [95% paired] | d copy gain [95% paired] | "
         + " | ".join(f"{n} plain | {n} outside-interval" for n in INVARIANTS if heads or n == "copy_loss")

@@ -6,7 +6,7 @@ Per model (the fp32 build, its shipped fp32 baseline, the default tolerances):
 1. graded damage to each of the baseline's key heads, one at a time (`pytest_circuits.sensitivity`:
    OV scaled / negated, QK logits scaled, OV rotated into the next head, noise in the head's
    layer), whole-model noise and low-rank updates, and the recipes' builds, each gated with the
-   gate's own code (`sensitivity.gate_record`: `build_record` measured the baseline's way, then
+   gate's own code (`sensitivity.gate_record`: `records.measure_record` measured the baseline's way, then
    `gate_all`), beside the held-out text loss of `measure_formats.held_out_loss`;
 2. false alarms: for each held-out probe seed (knockout seed 1000 + seed), an fp32 baseline is
    recorded at 1 thread and the benign builds are gated against it: fp32 at 2 threads, bf16, fp16,
@@ -150,7 +150,7 @@ def false_alarms(session, tol, seeds, recipes, write, knockout: bool = True, kee
     for seed in seeds:
         S.with_seeds(session, seed, KNOCKOUT_SEED_OFFSET + seed)
         torch.set_num_threads(1)
-        baseline = with_looks(session, "fp32", session.record("fp32", knockout=knockout), tol.looks)
+        baseline = with_looks(session.records, "fp32", session.record("fp32", knockout=knockout), tol)
 
         def gated(name, recipe="fp32", threads=1, seed=seed, baseline=baseline):
             torch.set_num_threads(threads)
@@ -353,7 +353,7 @@ def measure(args, model: str, write) -> dict[str, str]:
     session.progress_write = lambda line: None
     tol = Tolerances()
     # every look of the sequential rule, measured from the intact fp32 build (as `circuits record` stores them)
-    baseline = with_looks(session, "fp32", read_baseline(ROOT / "baselines" / f"{model}--fp32.json"), tol.looks)
+    baseline = with_looks(session.records, "fp32", read_baseline(ROOT / "baselines" / f"{model}--fp32.json"), tol)
     keys = key_heads(baseline, "knockout_delta", tol.top_k, tol.min_delta)
     heads = S.damaged_heads(baseline, tol, args.heads if args.heads else len(keys))
 

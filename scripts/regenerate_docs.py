@@ -6,11 +6,13 @@ the start of a line, in README.md or a page of docs/; `GENERATORS` says what wri
 - ``options``: the options table, from `pytest_circuits.options.OPTIONS`;
 - ``invariants``: one row per registered invariant, from its own metadata (name, docstring,
   the tolerances it reads, whether it compares builds of one model or two base models);
-- ``tolerances``: one row per `Tolerances` field with its default and the comment declaring it;
+- ``tolerances``: one row per tolerance with its default and what it means, as its invariant declares it;
 - ``public_api``: ``pytest_circuits.__all__`` with each name's module and docstring summary;
 - ``failure``: the output of a real ``circuits gate`` of the embedded model with its induction
   head's OV reversed, quantized to nf4, against the shipped fp32 baseline (about 10 s of CPU).
 
+``pytest_circuits/gate/tolerance_table.py`` is written whole (`tolerance_table_module`): the
+built-in invariants' tolerances, for the plugin to declare its ini keys without importing them.
 docs/families.md ends with `families_markdown()` (from its header row to the end of the file).
 ``--check`` writes nothing and exits 1 naming each stale block (tests/test_docs.py does the same).
 The ``failure`` block is stale only when `failure_differs` says so: its figures may move within
@@ -20,6 +22,7 @@ The ``failure`` block is stale only when `failure_differs` says so: its figures 
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import subprocess
 import sys
@@ -54,46 +57,49 @@ def _words(text: str | None) -> str:
     return " ".join((text or "").split()).replace("|", "\\|")
 
 
-def tolerance_docs() -> dict[str, str]:
-    """Each `Tolerances` field's comment (the line declaring it, or the comment lines above it)."""
-    from pytest_circuits.gate.tolerances import Tolerances
-
-    docs: dict[str, str] = {}
-    above: list[str] = []
-    for line in inspect.getsource(Tolerances).splitlines():
-        stripped = line.strip()
-        if stripped.startswith("#"):
-            above.append(stripped.lstrip("# "))
-            continue
-        found = re.match(r"(\w+): \w+ = [^#]+(?:#\s*(.*))?$", stripped)
-        if found:
-            docs[found.group(1)] = found.group(2) or " ".join(above)
-        above = []
-    return docs
-
-
 def tolerances_table() -> str:
-    from pytest_circuits.gate.tolerances import Tolerances
+    from pytest_circuits.gate.invariants import declared_tolerances
 
-    docs = tolerance_docs()
     rows = ["| tolerance | default | meaning |", "|---|---|---|"]
-    for name, value in Tolerances().as_dict().items():
-        rows.append(f"| `{name}` | `{value}` | {_words(docs.get(name))} |")
+    for name, tolerance in declared_tolerances().items():
+        rows.append(f"| `{name}` | `{tolerance.default}` | {_words(tolerance.doc)} |")
     return "\n".join(rows) + "\n"
 
 
+TABLE_MODULE = ROOT / "pytest_circuits" / "gate" / "tolerance_table.py"
+
+
+def tolerance_table_module() -> str:
+    """``tolerance_table.py``: each built-in invariant's declared tolerance, in gate order."""
+    from pytest_circuits.gate.invariant_api import _DECLARED, BUILT_IN_MODULES, REGISTRY
+
+    lines = [
+        '"""The built-in invariants\' tolerances, name -> (default, meaning, least value or None), in gate order.',
+        "",
+        "Generated from the invariant registry by ``python scripts/regenerate_docs.py``: do not edit; declare a",
+        "tolerance on its invariant (``Invariant.tolerances``). Light: the plugin reads it at start-up.",
+        '"""',
+        "",
+        "# fmt: off",
+        "BUILT_IN: dict[str, tuple[float | int | bool, str, float | int | None]] = {",
+    ]
+    for name, declared in _DECLARED.items():
+        if type(REGISTRY[name]).__module__ not in BUILT_IN_MODULES:
+            continue
+        for tolerance, t in declared.items():
+            lines.append(f"    {json.dumps(tolerance)}: ({t.default!r}, {json.dumps(t.doc)}, {t.minimum!r}),")
+    return "\n".join([*lines, "}", "# fmt: on", ""])
+
+
 def invariants_table() -> str:
-    from pytest_circuits.gate.invariants import REGISTRY
+    from pytest_circuits.gate.invariants import REGISTRY, tolerances_of
     from pytest_circuits.gate.tolerances import Tolerances
 
-    defaults = Tolerances().as_dict()
+    defaults = Tolerances().values()
     rows = ["| invariant | compares | what it guards | tolerances (default) |", "|---|---|---|---|"]
     for name, invariant in REGISTRY.items():
         scope = "two base models" if invariant.across_models else "builds of one model"
-        tolerances = ", ".join(
-            [f"`{t}` {defaults[t]}" for t in invariant.tolerances]
-            + [f"`{t}` {value} (its own)" for t, value in invariant.own_tolerances.items()]
-        )
+        tolerances = ", ".join(f"`{t}` {defaults[t]}" for t in tolerances_of(invariant))
         rows.append(f"| `{name}` | {scope} | {_words(type(invariant).__doc__)} | {tolerances} |")
     return "\n".join(rows) + "\n"
 
@@ -202,6 +208,11 @@ def main(argv: list[str]) -> int:
             stale.append(page.relative_to(ROOT))
             if not check:
                 page.write_text(new, encoding="utf-8")
+    module = tolerance_table_module()
+    if TABLE_MODULE.read_text(encoding="utf-8") != module:
+        stale.append(TABLE_MODULE.relative_to(ROOT))
+        if not check:
+            TABLE_MODULE.write_text(module, encoding="utf-8")
     verb = "stale" if check else "rewritten"
     print(f"{verb}: {', '.join(map(str, stale))}" if stale else "every generated block is current")
     return 1 if check and stale else 0

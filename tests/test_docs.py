@@ -46,6 +46,11 @@ def test_the_generated_tables_are_current(name):
             assert text == expected, f"{page.name}: block {name} is stale; {FIX}"
 
 
+def test_the_built_in_tolerance_table_is_generated_from_the_invariants():
+    """The table the plugin declares its ini keys from at start-up is what the invariants declare."""
+    assert REGENERATE.TABLE_MODULE.read_text(encoding="utf-8") == REGENERATE.tolerance_table_module(), FIX
+
+
 def test_the_failure_example_is_what_the_gate_prints_today():
     """The README's example is a real `circuits gate` run (about 10 s of CPU), not typed text: its verdicts,
     names, counts and lines exactly, its figures within the rounding of another CPU (`FIGURE_TOLERANCE`)."""

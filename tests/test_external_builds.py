@@ -200,7 +200,7 @@ def test_q8_file_passes_the_gate_against_fp32(q8_session, q8_file):
     from pytest_circuits.gate.verdict import gate_build
 
     for invariant in INVARIANTS:
-        outcome = gate_build(q8_session, "q8", invariant, Tolerances(), FIXES)
+        outcome = gate_build(q8_session.records, q8_session.baselines, "q8", invariant, Tolerances(), FIXES)
         assert outcome.passed, outcome.message()
         assert [r.against for r in outcome.results] == ["fp32 baseline"]  # no own baseline shipped: drift skipped
     line = q8_session.identity_lines("q8")[0]
@@ -245,7 +245,7 @@ def test_record_then_gate_against_an_external_reference(q8_session, q8_file, tmp
     assert f"candidate external build q8 = {q8_file} (gguf" in out and f"baseline external build q8 = {q8_file}" in out
     session = CircuitsSession(settings(f"fp32,q8={q8_file}", reference="q8", baselines=tmp_path, device="cpu"))
     session._cache.update({k: v for k, v in q8_session._cache.items() if k[0] in ("build", "weights")})
-    outcome = gate_build(session, "fp32", "copying_heads", Tolerances(), FIXES)
+    outcome = gate_build(session.records, session.baselines, "fp32", "copying_heads", Tolerances(), FIXES)
     assert outcome.passed and outcome.results[0].against == "q8 baseline", outcome.message()
     assert any(line.startswith("reference external build q8 = ") for line in session.identity_lines("fp32"))
 
@@ -287,7 +287,7 @@ def test_smollm2_q8_file_passes_the_gate_against_fp32(env):
     )
     session = CircuitsSession(s)
     for invariant in ("copying_heads", "copy_loss", "induction_heads"):
-        outcome = gate_build(session, "q8", invariant, Tolerances(), FIXES)
+        outcome = gate_build(session.records, session.baselines, "q8", invariant, Tolerances(), FIXES)
         assert outcome.passed, outcome.message()
     assert session.record("q8", knockout=False)["build"]["tensor_types"] == file_types(q8)
 

@@ -241,7 +241,9 @@ def test_gate_runs_on_a_checkpoint_against_fp32(session):
     from pytest_circuits.gate.tolerances import Tolerances
     from pytest_circuits.gate.verdict import gate_build
 
-    outcome = gate_build(session, "fp8-dynamic", "copying_heads", Tolerances(), {"own": "F", "reference": "F"})
+    outcome = gate_build(
+        session.records, session.baselines, "fp8-dynamic", "copying_heads", Tolerances(), {"own": "F", "reference": "F"}
+    )
     assert outcome.passed and outcome.results[0].against == "fp32 baseline", outcome.message()
     record = session.record("fp8-dynamic", knockout=False)
     Record.model_validate(json.loads(json.dumps(record)))  # the identity's new fields validate

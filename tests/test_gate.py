@@ -430,19 +430,28 @@ class FakeSession:
         from types import SimpleNamespace
 
         self.settings = SimpleNamespace(reference=reference)
-        self.baselines, self.candidate = baselines, candidate
+        self.saved, self.candidate = baselines, candidate
+        self.records = self.baselines = self  # the record source and the baselines, both typed inputs of the gate
 
     def record(self, recipe, knockout=True, method=None):
         return self.candidate
 
-    def load_baseline(self, recipe):
+    def stand_in(self):
+        return {"model": dict(self.candidate.get("model") or {}), "probe": self.candidate.get("probe")}
+
+    def load(self, recipe):
         from pytest_circuits.errors import BaselineMissing
 
-        if recipe not in self.baselines:
+        if recipe not in self.saved:
             raise BaselineMissing(
                 f"baseline {recipe}.json does not exist; record it with: circuits record m --build {recipe}"
             )
-        return self.baselines[recipe]
+        return self.saved[recipe]
+
+
+def gate_build(session, *rest):
+    """`verdict.gate_build` of a session's typed parts."""
+    return verdict.gate_build(session.records, session.baselines, *rest)
 
 
 def with_model(rec, fingerprint="sha256:aa", n_heads=4):
@@ -459,7 +468,7 @@ def test_gate_build_against_reference_and_own():
     cand = with_model(record())
     head(cand, "L1H2")["kappa_trace"] = -0.9
     both = FakeSession({"fp32": with_model(record()), "bnb-nf4": with_model(record())}, cand)
-    outcome = verdict.gate_build(both, "bnb-nf4", "copying_heads", TOL, fixes)
+    outcome = gate_build(both, "bnb-nf4", "copying_heads", TOL, fixes)
     assert [r.against for r in outcome.results] == ["fp32 baseline", "own baseline"]
     assert not outcome.passed and outcome.message().count("L1H2") == 2
     assert "REF FIX" in outcome.message() and outcome.message().endswith("OWN FIX")
@@ -468,21 +477,21 @@ def test_gate_build_against_reference_and_own():
 def test_gate_build_missing_own_is_skipped_missing_reference_fails():
     cand = with_model(record())
     only_ref = FakeSession({"fp32": with_model(record())}, cand)
-    outcome = verdict.gate_build(only_ref, "bnb-nf4", "copy_loss", TOL, {})
+    outcome = gate_build(only_ref, "bnb-nf4", "copy_loss", TOL, {})
     assert outcome.passed and [r.against for r in outcome.results] == ["fp32 baseline"]
     no_ref = FakeSession({"bnb-nf4": with_model(record())}, cand)
-    outcome = verdict.gate_build(no_ref, "bnb-nf4", "copy_loss", TOL, {})
+    outcome = gate_build(no_ref, "bnb-nf4", "copy_loss", TOL, {})
     assert not outcome.passed and "circuits record m --build fp32" in outcome.problems[0]
-    outcome = verdict.gate_build(FakeSession({}, cand), "fp32", "copy_loss", TOL, {})  # the reference build itself
+    outcome = gate_build(FakeSession({}, cand), "fp32", "copy_loss", TOL, {})  # the reference build itself
     assert not outcome.passed and "does not exist" in outcome.message()
 
 
 def test_gate_build_skips_other_geometry_and_notes_other_weights():
     cand = with_model(record(), fingerprint="sha256:bb")
-    outcome = verdict.gate_build(FakeSession({"fp32": with_model(record())}, cand), "fp32", "copy_loss", TOL, {})
+    outcome = gate_build(FakeSession({"fp32": with_model(record())}, cand), "fp32", "copy_loss", TOL, {})
     assert outcome.passed and len(outcome.notes) == 1 and "weights differ" in outcome.notes[0]
     other = with_model(record(), n_heads=2)  # same heads listed, another geometry declared: another model
-    outcome = verdict.gate_build(FakeSession({"fp32": other}, cand), "fp32", "copy_loss", TOL, {})
+    outcome = gate_build(FakeSession({"fp32": other}, cand), "fp32", "copy_loss", TOL, {})
     assert outcome.skipped and not outcome.passed and not outcome.problems
     assert "copy_loss (builds of one model) is not compared across models (geometry n_heads 2 vs 4" in outcome.message()
     assert "per-head invariants were not compared" in outcome.notes[0]
@@ -492,7 +501,7 @@ def test_gate_build_unknown_invariant():
     from pytest_circuits.errors import CircuitsError
 
     with pytest.raises(CircuitsError, match="unknown invariant 'copying'"):
-        verdict.gate_build(FakeSession({}, record()), "fp32", "copying", TOL, {})
+        gate_build(FakeSession({}, record()), "fp32", "copying", TOL, {})
 
 
 # ---------------------------------------------------------------- a user's own invariant
@@ -580,7 +589,7 @@ def test_knockouts_of_other_settings_are_not_compared():
 def test_one_comparison_skipped_and_one_passed_is_a_pass():
     cand = with_model(record())
     own = with_model(_flat())
-    outcome = verdict.gate_build(
+    outcome = gate_build(
         FakeSession({"fp32": with_model(record()), "bnb-nf4": own}, cand), "bnb-nf4", "induction_heads", TOL, {}
     )
     assert [r.status for r in outcome.results] == ["passed", "skipped"] and outcome.passed
@@ -593,7 +602,7 @@ def test_a_failure_leads_with_the_invariant_and_its_worst_row_notes_after():
     head(cand, "L1H2")["kappa_trace"] = -0.9  # 1.85 / 0.15 = 12 tolerances
     head(cand, "L1H3")["kappa_trace"] = 0.0  # suppression lost: 0.7 / 0.15
     base = with_model(record(), fingerprint="sha256:" + "a" * 64)
-    outcome = verdict.gate_build(FakeSession({"fp32": base}, cand), "fp32", "copying_heads", TOL, {})
+    outcome = gate_build(FakeSession({"fp32": base}, cand), "fp32", "copying_heads", TOL, {})
     first, *rest = outcome.message().splitlines()
     assert first.startswith("copying_heads: L1H2 kappa_trace +0.950 -> -0.900 (tolerance 0.15)")
     assert rest[-1] == (

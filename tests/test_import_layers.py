@@ -4,7 +4,8 @@ Read from the source with ``ast`` (imports inside functions count too), so it ne
 linter. The layers, highest first; a module may import its own layer and any layer below:
 
 1. front ends: the package root, ``plugin``, ``cli`` (and ``entry``, its console script), ``probes``
-2. ``session``, ``assertions``, ``testing``
+2. ``session`` and its parts (``measurement``, ``measure_steps``, ``records``, ``rung2_plan``),
+   ``assertions``, ``testing``
 3. ``report``
 4. ``gate``
 5. ``settings``
@@ -27,7 +28,7 @@ PACKAGE = Path(pytest_circuits.__file__).resolve().parent
 ROOT = "pytest_circuits"
 LAYERS = (
     (ROOT, "plugin", "cli", "entry", "probes"),
-    ("session", "assertions", "testing", "sensitivity"),
+    ("session", "measurement", "measure_steps", "records", "rung2_plan", "assertions", "testing", "sensitivity"),
     ("report",),
     ("gate",),
     ("settings",),
@@ -146,3 +147,47 @@ def test_the_checks_see_a_cycle_and_an_upward_import():
     assert layer_of("pytest_circuits.errors") == len(LAYERS) - 1
     screen_imports = dict(imports_of("pytest_circuits.rungs.screen"))
     assert "pytest_circuits.rungs.replay" in screen_imports  # relative imports resolve to full names
+
+
+def session_uses(source: str) -> list[str]:
+    """Where ``source`` names a session: a parameter, variable or attribute called ``session``."""
+    tree = ast.parse(source)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and node.arg == "session":
+            found.append(f"parameter session (line {node.lineno})")
+        elif isinstance(node, ast.Name) and node.id == "session":
+            found.append(f"name session (line {node.lineno})")
+        elif isinstance(node, ast.Attribute) and node.attr == "session":
+            found.append(f".session (line {node.lineno})")
+    return found
+
+
+def test_the_gate_takes_typed_inputs_never_the_session():
+    """No call from gate/ back into the session: its functions take the records (`RecordSource`), the
+    baselines and the tolerances, so no gate module names a session at all (the import test alone
+    cannot see a session passed in as an argument)."""
+    gate = [name for name in MODULES if name.startswith(f"{ROOT}.gate.")]
+    assert len(gate) > 10
+    found = [f"{name}: {use}" for name in gate for use in session_uses(MODULES[name].read_text(encoding="utf-8"))]
+    assert not found, "\n".join(found)
+    # what the check finds: the older shape, a gate function that takes the session and calls back into it
+    assert len(session_uses("def gate(session):\n    return session.record('fp32')\n")) == 2
+    assert len(session_uses("def gate(self):\n    return self.session.baselines\n")) == 1
+
+
+def long_classes(source: str, most: int = 200) -> list[str]:
+    """The classes of ``source`` longer than ``most`` lines."""
+    return [
+        f"{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ClassDef) and node.end_lineno is not None and node.end_lineno - node.lineno >= most
+    ]
+
+
+def test_the_session_and_its_parts_have_no_class_over_200_lines():
+    """The run's objects split by job (docs/architecture.md, "One run"): none grows back into the whole program."""
+    parts = ("session", "measurement", "measure_steps", "records", "rung2_plan", "gate.baselines", "gate.verdict")
+    found = [f"{p}: {c}" for p in parts for c in long_classes(MODULES[f"{ROOT}.{p}"].read_text(encoding="utf-8"))]
+    assert not found, "\n".join(found)
+    assert long_classes("class Big:\n" + "    x = 1\n" * 200) == ["Big (201 lines)"]

@@ -395,7 +395,7 @@ def test_gate_measures_the_candidate_as_its_baseline_was_measured(tiny_induction
 
     session = tiny_induction_session
     baseline = json.loads(LEGACY_BASELINE.read_text())
-    old_way = candidate_record(session, "fp32", baseline, knockout=False)
+    old_way = candidate_record(session.records, "fp32", baseline, knockout=False)
     assert {k: old_way["rung1"][k] for k in ("unembedding", "n_rotations", "p_method", "null_dtype")} == {
         "unembedding": "uncentred",
         "n_rotations": 256,
@@ -411,7 +411,7 @@ def test_gate_measures_the_candidate_as_its_baseline_was_measured(tiny_induction
     new = session.record("fp32", knockout=False)
     Record.model_validate(new)
     assert (new["rung1"]["unembedding"], new["rung1"]["n_rotations"], new["rung1"]["p_method"]) == ("centred", 32, "t")
-    assert candidate_record(session, "fp32", new, knockout=False) is new  # new against new: centred, one scan
+    assert candidate_record(session.records, "fp32", new, knockout=False) is new  # new against new: centred, one scan
     kappa_new = np.array([h["kappa"] for h in new["heads"]])
     kappa_old = np.array([h["kappa"] for h in baseline["heads"]])
     np.testing.assert_allclose([h["kappa_uncentred"] for h in new["heads"]], kappa_old, atol=2e-5)
@@ -431,17 +431,20 @@ def test_gate_build_asks_each_baseline_for_its_own_method():
     new = {**old, "rung1": {**old["rung1"], **KappaMethod().as_dict()}}
     asked = []
 
-    class Session:
+    class Parts:  # the gate's typed inputs: the record source and the baselines
         settings = SimpleNamespace(reference="fp32")
 
-        def load_baseline(self, recipe):
+        def load(self, recipe):
             return old if recipe == "fp32" else new
 
         def record(self, recipe, knockout=True, method=None):
             asked.append(method)
             return old if method == LEGACY else new
 
-    outcome = gate_build(Session(), "bf16", "copying_heads", Tolerances(), {})
+        def stand_in(self):
+            return {"model": new["model"], "probe": new["probe"]}
+
+    outcome = gate_build(Parts(), Parts(), "bf16", "copying_heads", Tolerances(), {})
     assert asked == [LEGACY, KappaMethod()]
     assert [r.status for r in outcome.results] == ["passed", "passed"]
 

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CONFTEST = '''
 from pytest_circuits import Comparison, Invariant, register, within
+from pytest_circuits.gate.tolerances import Tolerance
 
 
 @register
@@ -22,7 +23,7 @@ class FirstCopyLoss(Invariant):
     """Fresh tokens stay as unpredictable as in the baseline."""
 
     name = "first_copy_loss"
-    own_tolerances = {"first_copy_loss": 0.5}
+    tolerances = {"first_copy_loss": Tolerance(0.5, "how far the first segment's loss may move, nats")}
 
     def compare(self, before, after, tol):
         return Comparison(
@@ -67,7 +68,7 @@ def test_own_tolerances_take_the_marker_and_cli_spelling_and_keep_their_type():
 
     class Strict(Invariant):
         name = "own_tolerance_probe"
-        own_tolerances = {"own_limit": 0.5, "own_count": 3, "own_flag": True}
+        tolerances = {"own_limit": 0.5, "own_count": 3, "own_flag": True}
 
         def compare(self, before, after, tol):
             return Comparison()
@@ -92,10 +93,44 @@ def test_an_own_tolerance_may_not_shadow_a_built_in():
 
     class Shadow(Invariant):
         name = "shadow"
-        own_tolerances = {"kappa": 0.5}
+        tolerances = {"kappa": 0.5}
 
         def compare(self, before, after, tol):
             return Comparison()
 
-    with pytest.raises(CircuitsError, match="own tolerance kappa is taken"):
+    with pytest.raises(CircuitsError, match="tolerance kappa is taken"):
         register(Shadow)
+
+
+def test_the_older_own_tolerances_spelling_still_declares_with_a_warning():
+    from pytest_circuits import CircuitsDeprecationWarning, Comparison, Invariant, register
+    from pytest_circuits.gate.invariants import REGISTRY, tolerances_of
+
+    class Older(Invariant):
+        name = "older_spelling"
+        own_tolerances = {"older_limit": 0.25}
+        tolerances = ("kappa",)  # the older meaning of a tuple: built-in tolerances it reads
+
+        def compare(self, before, after, tol):
+            return Comparison()
+
+    with pytest.warns(CircuitsDeprecationWarning, match="own_tolerances"):
+        register(Older)
+    try:
+        assert Tolerances().older_limit == 0.25
+        assert tolerances_of("older_spelling") == ("older_limit", "kappa")
+    finally:
+        del REGISTRY["older_spelling"]
+
+
+def test_every_tolerance_is_declared_by_one_invariant_and_the_table_is_generated_from_them():
+    """The built-in table the plugin reads at start-up is the registry's declarations, default for
+    default (the ini keys, marker keywords and --tol names all come from it)."""
+    from pytest_circuits.gate.invariants import declared_tolerances
+    from pytest_circuits.gate.tolerance_table import BUILT_IN
+
+    declared = declared_tolerances()
+    assert {name: declared[name].default for name in BUILT_IN} == {name: row[0] for name, row in BUILT_IN.items()}
+    assert tuple(BUILT_IN) == Tolerances.names()
+    for name, row in BUILT_IN.items():
+        assert type(declared[name].default) is type(row[0]), name  # an int stays a count, a bool a flag

@@ -40,3 +40,15 @@ def test_the_package_ships_py_typed():
     origin = json.loads(dist.read_text("direct_url.json") or "{}")
     if not origin.get("dir_info", {}).get("editable"):  # an editable install lists a path hook, not the files
         assert "pytest_circuits/py.typed" in {str(f).replace("\\", "/") for f in dist.files or ()}
+
+
+def test_the_deprecated_names_still_resolve_with_a_warning():
+    """Each name taken out of ``__all__`` still works, warning with a `CircuitsDeprecationWarning`."""
+    import pytest
+
+    for name in pytest_circuits._DEPRECATED:
+        assert name not in pytest_circuits.__all__
+        with pytest.warns(pytest_circuits.CircuitsDeprecationWarning, match=name):
+            assert getattr(pytest_circuits, name) is not None
+    with pytest.warns(pytest_circuits.CircuitsDeprecationWarning):
+        assert pytest_circuits.register_invariant is pytest_circuits.register

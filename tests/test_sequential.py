@@ -163,7 +163,7 @@ def test_extend_measures_only_the_looks_an_undecided_row_needs(monkeypatch):
 
 
 def test_looks_below_one_is_refused_in_one_line():
-    with pytest.raises(ValueError, match=r"tolerance looks must be >= 1 \(1: the fixed rule\), got 0"):
+    with pytest.raises(ValueError, match=r"tolerance looks must be >= 1, got 0"):
         Tolerances().updated({"looks": 0})
     assert Tolerances().updated({"looks": "2"}).looks == 2
 

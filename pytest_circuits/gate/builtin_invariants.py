@@ -32,7 +32,7 @@ import numpy as np
 from .invariant_api import Comparison, Invariant, Row, format_interval, register, signed, within
 from .record import record_eigenvalues
 from .stats import LEVEL, excludes_zero, implausible_spread, paired_interval, spearman
-from .tolerances import Tolerances
+from .tolerances import Tolerance, Tolerances
 
 RANK_MIN_Z = 2.0  # heads in the rank correlation: those the baseline tells apart from the null
 
@@ -303,7 +303,11 @@ class CopyingHeads(Invariant):
     suite_test = "test_copying_heads_survive"
     suite_module = "test_rung1_weights"
     guards = "the copying heads"
-    tolerances = ("kappa", "rank", "min_ov_gain")
+    tolerances = {
+        "kappa": Tolerance(0.15, "|delta kappa| and |delta kappa_trace| per head"),
+        "rank": Tolerance(0.80, "minimum Spearman rank correlation of kappa across heads", minimum=-1),
+        "min_ov_gain": Tolerance(0.01, "heads with OV gain below this x the largest: kappa not compared"),
+    }
     held = "copying heads of {build} survive against the {against}"
     moved = "copying heads of {build} moved against the {against}"
 
@@ -346,7 +350,10 @@ class KappaDistribution(Invariant):
     suite_test = "test_kappa_distribution_not_shifted"
     suite_module = "test_rung1_weights"
     guards = "the kappa distribution"
-    tolerances = ("shift", "min_ov_gain")
+    tolerances = {
+        "shift": Tolerance(1.0, "|mean delta kappa_z| across heads, in null standard deviations"),
+    }
+    reads = ("min_ov_gain",)
     held = "kappa distribution of {build} not shifted against the {against}"
     moved = "kappa distribution of {build} shifted against the null, compared with the {against}"
 
@@ -391,7 +398,13 @@ class OvGain(Invariant):
     suite_test = "test_key_heads_keep_their_ov_gain"
     suite_module = "test_rung1_weights"
     guards = "the key heads' OV gain"
-    tolerances = ("ov_gain", "top_k", "min_score", "min_delta", "min_ov_gain")
+    tolerances = {
+        "ov_gain": Tolerance(0.1, "|ln(ov_gain' / ov_gain)| of key heads (0.1: about 10%)"),
+        "top_k": Tolerance(0, "at most this many key heads per routing score and for knockouts (0: every one)"),
+        "min_score": Tolerance(0.2, "a routing score below this does not make a key head"),
+        "min_delta": Tolerance(0.1, "a knockout delta below this (nats) does not make a key head"),
+    }
+    reads = ("min_ov_gain",)
     held = "key heads of {build} keep their OV gain against the {against}"
     moved = "key heads of {build} changed their OV gain against the {against}"
 
@@ -452,7 +465,19 @@ class CopyLoss(Invariant):
     suite_module = "test_rung12_repeat"
     guards = "the copy loss"
     per_head = False
-    tolerances = ("copy_loss", "copy_gain", "outside_interval", "looks")
+    tolerances = {
+        "copy_loss": Tolerance(0.25, "|delta copy loss|, nats"),
+        "copy_gain": Tolerance(0.25, "|delta copy gain|, nats"),
+        "outside_interval": Tolerance(
+            True,
+            "copy_loss and knockout_deltas weigh sampling noise: by the sequential rule (looks), or, against a baseline without looks, a change fails only when beyond its tolerance and its 95% paired interval over the probe's sequences excludes 0 (the fixed rule); off: the plain tolerance",
+        ),
+        "looks": Tolerance(
+            4,
+            "the most looks of the sequential rule (gate/sequential.py), each n fresh probe sequences, drawn while a change is undecided; a pass needs the change shown within its tolerance; 1: the fixed rule",
+            minimum=1,
+        ),
+    }
     held = "copy behaviour of {build} within tolerance of the {against}"
     moved = "copy behaviour of {build} moved against the {against}"
 
@@ -483,7 +508,10 @@ class InductionHeads(Invariant):
     suite_test = "test_induction_heads_survive"
     suite_module = "test_rung12_repeat"
     guards = "the induction and previous-token heads"
-    tolerances = ("prefix", "top_k", "min_score")
+    tolerances = {
+        "prefix": Tolerance(0.10, "|delta prefix_matching| / |delta previous_token| of key heads"),
+    }
+    reads = ("top_k", "min_score")
     held = "induction heads of {build} survive against the {against}"
     moved = "induction heads of {build} moved against the {against}"
 
@@ -513,7 +541,10 @@ class KnockoutDeltas(Invariant):
     suite_module = "test_rung2_knockout"
     guards = "the key knockout heads"
     needs = frozenset({"knockout"})
-    tolerances = ("knockout", "top_k", "min_delta", "outside_interval", "looks")
+    tolerances = {
+        "knockout": Tolerance(0.5, "|delta knockout_delta| / |knockout_delta| of key heads"),
+    }
+    reads = ("top_k", "min_delta", "outside_interval", "looks")
     held = "knockout deltas of {build}'s key heads keep their size against the {against}"
     moved = "knockout deltas of {build}'s key heads changed against the {against}"
 

@@ -17,15 +17,17 @@ A user adds one with `register` (docs/invariants.md, "Your own invariant").
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
-from ..errors import CircuitsError, did_you_mean
+from ..errors import CircuitsDeprecationWarning, CircuitsError, did_you_mean
 from ..options import flag
 from . import tolerances as tolerances_module
 from .record import has_figures
 from .store import geometry_difference
-from .tolerances import Tolerances
+from .tolerances import Number, Tolerance, Tolerances
 
 __all__ = [
     "Row",
@@ -38,6 +40,8 @@ __all__ = [
     "register",
     "get",
     "own_tolerance_defaults",
+    "declared_tolerances",
+    "tolerances_of",
     "evaluate",
     "gate_all",
     "runnable",
@@ -107,7 +111,10 @@ class Invariant:
 
     name: ClassVar[str]
     needs: ClassVar[frozenset[str]] = frozenset()  # record figures both sides must hold ("knockout")
-    tolerances: ClassVar[tuple[str, ...]] = ()  # the `Tolerances` fields it reads
+    # the tolerances it declares, name -> `Tolerance` (or a plain default: a float, int or bool); each
+    # is an ini key ``circuits_tol_<name>``, a marker keyword and a ``--tol`` name, read as ``tol.<name>``
+    tolerances: ClassVar[Mapping[str, Tolerance | Number]] = {}
+    reads: ClassVar[tuple[str, ...]] = ()  # tolerances another invariant declares that it reads too
     held: ClassVar[str] = "{name} of {build} holds against the {against}"
     moved: ClassVar[str] = "{name} of {build} broke against the {against}"
     # False: compares two builds of one model (skipped across models, `evaluate`); True: compares
@@ -118,9 +125,7 @@ class Invariant:
     # empty: ``test_<name>`` in ``test_registered`` (cross-model ones: all in test_base_model_swap)
     suite_test: ClassVar[str] = ""
     suite_module: ClassVar[str] = ""
-    # tolerances of its own, name -> default (a float, int or bool): like the built-ins each is an
-    # ini key ``circuits_tol_<name>``, a marker keyword and a ``--tol`` name, read as ``tol.<name>``
-    own_tolerances: ClassVar[dict[str, float | int | bool]] = {}
+    own_tolerances: ClassVar[Mapping[str, Number]] = {}  # deprecated spelling of `tolerances`
     guards: ClassVar[str] = ""  # what it guards, in the verdict line's words (default: its name)
 
     def compare(self, before: dict, after: dict, tol: Tolerances) -> Comparison:
@@ -128,33 +133,65 @@ class Invariant:
 
 
 REGISTRY: dict[str, Invariant] = {}
+_DECLARED: dict[str, dict[str, Tolerance]] = {}  # invariant name -> the tolerances it declares
+BUILT_IN_MODULES = (f"{__package__}.builtin_invariants", f"{__package__}.swap_invariants")
 
 
 def register(invariant):
     """Add an invariant (an instance, or a subclass to instantiate) to the gate; returns it.
 
-    Usable as a class decorator. Its ``name`` is what ``circuits_gate(name)`` runs.
+    Usable as a class decorator. Its ``name`` is what ``circuits_gate(name)`` runs; its
+    ``tolerances`` are declared with it (one name, one owner).
     """
     instance = invariant() if isinstance(invariant, type) else invariant
     if not getattr(instance, "name", ""):
         raise CircuitsError(f"invariant {type(instance).__name__} has no name; set the class field `name`")
-    for name, default in instance.own_tolerances.items():
-        taken = name in Tolerances.names() or any(
-            name in other.own_tolerances for key, other in REGISTRY.items() if key != instance.name
+    declared = _declarations(instance)
+    built_in = type(instance).__module__ in BUILT_IN_MODULES
+    for name, tolerance in declared.items():
+        taken = (name in Tolerances.names() and not built_in) or any(
+            name in _DECLARED.get(key, {}) for key in REGISTRY if key != instance.name
         )
-        if taken or not isinstance(default, (int, float)):
-            why = "is taken" if taken else f"needs a number or bool default, got {default!r}"
-            raise CircuitsError(f"invariant {instance.name}: own tolerance {name} {why}")
+        if taken or not isinstance(tolerance.default, (int, float)):
+            why = "is taken" if taken else f"needs a number or bool default, got {tolerance.default!r}"
+            raise CircuitsError(f"invariant {instance.name}: tolerance {name} {why}")
     REGISTRY[instance.name] = instance
+    _DECLARED[instance.name] = declared
     return invariant
 
 
-def own_tolerance_defaults() -> dict[str, float | int | bool]:
-    """Every registered invariant's own tolerances, name -> default."""
-    return {name: default for inv in REGISTRY.values() for name, default in inv.own_tolerances.items()}
+def _declarations(instance: Invariant) -> dict[str, Tolerance]:
+    """The tolerances ``instance`` declares. The older spellings still work: ``own_tolerances``
+    (deprecated), and ``tolerances`` as a tuple of names, which are then tolerances it reads."""
+    declared = instance.tolerances if isinstance(instance.tolerances, Mapping) else {}
+    if instance.own_tolerances:
+        warnings.warn(
+            f"invariant {instance.name}: `own_tolerances` is deprecated; declare them as `tolerances`",
+            CircuitsDeprecationWarning,
+            stacklevel=3,
+        )
+        declared = {**instance.own_tolerances, **declared}
+    return {name: Tolerance.of(value) for name, value in declared.items()}
 
 
-tolerances_module.OWN_DEFAULTS = own_tolerance_defaults
+def tolerances_of(invariant: Invariant | str) -> tuple[str, ...]:
+    """The tolerances an invariant reads: those it declares, then the others' it reads."""
+    inv = get(invariant) if isinstance(invariant, str) else invariant
+    legacy = () if isinstance(inv.tolerances, Mapping) else tuple(inv.tolerances)
+    return tuple(dict.fromkeys((*_DECLARED.get(inv.name, {}), *legacy, *inv.reads)))
+
+
+def declared_tolerances() -> dict[str, Tolerance]:
+    """Every registered invariant's declared tolerance, name -> `Tolerance`, in gate order."""
+    return {name: t for key in REGISTRY for name, t in _DECLARED.get(key, {}).items()}
+
+
+def own_tolerance_defaults() -> dict[str, Number]:
+    """The tolerances of the invariants registered besides the built-in ones, name -> default."""
+    return {name: t.default for name, t in declared_tolerances().items() if name not in Tolerances.names()}
+
+
+tolerances_module.DECLARED = declared_tolerances
 
 
 def get(name: str) -> Invariant:

@@ -25,6 +25,7 @@ from .invariant_api import (
     InvariantResult,
     Row,
     across_models,
+    declared_tolerances,
     evaluate,
     format_interval,
     format_rows,
@@ -35,11 +36,14 @@ from .invariant_api import (
     per_build_invariants,
     register,
     runnable,
+    tolerances_of,
     verdict,
     within,
 )
+from .user_invariants import load_entry_points
 
 BUILT_IN = (builtin_invariants, swap_invariants)  # the modules whose invariants are registered, in gate order
+load_entry_points()  # then the installed packages' (group pytest_circuits.invariants), the same for both front ends
 
 __all__ = [
     "MAX_ROWS",
@@ -50,6 +54,7 @@ __all__ = [
     "InvariantResult",
     "Row",
     "across_models",
+    "declared_tolerances",
     "evaluate",
     "format_interval",
     "format_rows",
@@ -67,6 +72,7 @@ __all__ = [
     "register",
     "runnable",
     "sampled_key_heads",
+    "tolerances_of",
     "verdict",
     "within",
 ]

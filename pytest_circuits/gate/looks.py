@@ -11,11 +11,10 @@ look ``k`` when a row asks for it (`extend`), so both sides pair on the same seq
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 
 from ..rungs.figures import sequences_key
+from .record_source import RecordSource
 
 SEQUENTIAL = ("copy_loss", "knockout_deltas")  # the invariants that read further looks
 KNOCKOUT_KEY = sequences_key("knockout_delta")
@@ -43,54 +42,22 @@ def look_values(record: dict, metric: str, head: str | None = None) -> list[list
     return out
 
 
-def _look(session, recipe: str, k: int, probe_seed: int, knockout_seed: int, heads, mode: str | None) -> dict:
-    """Look ``k`` of build ``recipe``: the probe's per-sequence figures on ``probe_seed`` and, with
-    ``heads``, their exact knockout deltas (``mode``) on ``knockout_seed`` (memoised per build)."""
-    s = session.settings
-
-    def measure() -> dict:
-        from ..rungs.knockout import knockout_scan
-        from ..rungs.probe import run_repeat_probe
-
-        build = session.build(recipe)
-        with session._phase(f"look {k} (n={s.probe.n}) {session.model_name}:{recipe}"):
-            probe = run_repeat_probe(build, replace(s.probe, seed=probe_seed), batch_size=s.batch_size)
-            entry: dict = {"look": k, "probe_seed": probe_seed, "knockout_seed": knockout_seed}
-            entry.update({key: v for key, v in probe.sequence_figures().items()})
-            if heads:
-                frame = knockout_scan(
-                    build,
-                    replace(s.knockout_probe, seed=knockout_seed),
-                    mode=mode or s.knockout_mode,
-                    heads=list(heads),
-                    batch_size=s.batch_size,
-                    progress=False,
-                )
-                entry[KNOCKOUT_KEY] = {
-                    str(r["head"]): [float(v) for v in r[KNOCKOUT_KEY]]
-                    for _, r in frame.iterrows()
-                    if isinstance(r.get(KNOCKOUT_KEY), list)
-                }
-        return entry
-
-    key = ("look", recipe, k, probe_seed, knockout_seed, tuple(heads or ()), mode)
-    return session.memo(key, measure)
-
-
-def with_looks(session, recipe: str, record: dict, looks: int) -> dict:
-    """``record`` (a record of ``recipe`` measured now) with its looks 2 .. ``looks`` (a baseline's:
-    measured once, with the knockouts of its key heads when it has knockouts)."""
+def with_looks(records: RecordSource, recipe: str, record: dict, tol) -> dict:
+    """``record`` (a record of ``recipe`` measured now) with its looks 2 .. ``tol.looks`` (a
+    baseline's: measured once, with the knockouts of its key heads when it has knockouts)."""
     from .invariants import key_heads
 
-    tol = session.tolerances
+    looks = tol.looks
     knocked = record.get("knockout")
     heads = key_heads(record, "knockout_delta", tol.top_k, tol.min_delta) if knocked else []
     mode = (knocked or {}).get("mode")
     probe_seed, knockout_seed = int(record["probe"]["seed"]), int((knocked or {}).get("seed", 0))
     entries = [
-        _look(session, recipe, k, look_seed(probe_seed, k), look_seed(knockout_seed, k), heads, mode)
+        records.look(recipe, k, look_seed(probe_seed, k), look_seed(knockout_seed, k), heads, mode)
         for k in range(2, looks + 1)
     ]
+    if any(entry is None for entry in entries):  # a source that measures nothing (merged shard parts)
+        return record
     return {**record, "looks": entries}
 
 
@@ -112,13 +79,12 @@ def wanted(baseline: dict, candidate: dict, tol) -> int:
     return most
 
 
-def extend(session, recipe: str, baseline: dict, candidate: dict, tol) -> dict:
+def extend(records: RecordSource, recipe: str, baseline: dict, candidate: dict, tol) -> dict:
     """``candidate`` with the further looks its undecided rows ask for, measured on the baseline's
     seeds of those looks, in look order, until every row is decided (the candidate's own dict is
-    extended in place: the session's record of the build keeps them). A merge of shard parts
-    (``--circuits-shard-parts``) loads no build: its undecided rows keep the fixed rule, said."""
-    if getattr(session.settings, "shard_parts", None) is not None:
-        return candidate
+    extended in place: the run's record of the build keeps them). A merge of shard parts
+    (``--circuits-shard-parts``) loads no build (its `RecordSource.look` measures nothing): its
+    undecided rows keep the fixed rule, said."""
     stored = {e.get("look"): e for e in baseline.get("looks") or []}
     while True:
         k = wanted(baseline, candidate, tol)
@@ -129,5 +95,7 @@ def extend(session, recipe: str, baseline: dict, candidate: dict, tol) -> dict:
             entry = stored[j]
             heads = sorted(entry.get(KNOCKOUT_KEY) or {}) if candidate.get("knockout") else []
             mode = (baseline.get("knockout") or {}).get("mode")
-            look = _look(session, recipe, j, entry["probe_seed"], entry["knockout_seed"], heads, mode)
+            look = records.look(recipe, j, entry["probe_seed"], entry["knockout_seed"], heads, mode)
+            if look is None:
+                return candidate
             candidate.setdefault("looks", []).append(look)

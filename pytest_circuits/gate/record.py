@@ -1,7 +1,7 @@
 """The scan record: every figure of one build as a JSON-able dict (baselines, CLI JSON, report).
 
-``build_record(session, recipe)`` computes it through the session (the same code path for
-the plugin and the CLI); ``assemble_record`` is the pure part, from the three rung frames.
+``assemble_record`` builds it from the three rung frames (pure); `pytest_circuits.records` measures
+them (the same code path for the plugin and the CLI).
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def _series(probe_result) -> dict:
     return out
 
 
-def _rung1_info(spectrum, settings, folded: bool, method) -> dict:
+def rung1_info(spectrum, settings, folded: bool, method) -> dict:
     """The record's ``rung1`` section: how kappa was measured (`KappaMethod`) and its null's scale."""
     attrs = {**spectrum.attrs, **(spectrum.attrs.get("summary") or {})}
     null_sd = attrs.get("median_null_sd", attrs.get("null_sd_median"))
@@ -186,21 +186,21 @@ def _rung1_info(spectrum, settings, folded: bool, method) -> dict:
     }
 
 
-def model_info(session, build) -> dict:
+def model_info(name: str, source, build) -> dict:
     """Name, spec, layout (``family``), model type, the quirks its config enables, weight fingerprint and
-    geometry of the session's model."""
+    geometry of the model ``name`` loaded from ``source`` (a `ModelSource`) as ``build``."""
     from ..model.families import active_quirks
     from ..model.loading import weight_fingerprint
 
     geo = build.geometry
     config = build.model.config
     return {
-        "name": session.model_name,
-        "spec": session.source.spec,
+        "name": name,
+        "spec": source.spec,
         "family": build.family.name,
         "model_type": str(getattr(config, "model_type", "")),
         "quirks": active_quirks(build.family, config),
-        "fingerprint": weight_fingerprint(session.source.folder),  # exactly the files loaded
+        "fingerprint": weight_fingerprint(source.folder),  # exactly the files loaded
         "geometry": {k: getattr(geo, k) for k in ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "vocab")},
     }
 
@@ -210,38 +210,3 @@ def model_kind(model: dict) -> str:
     heads are read with (``qwen3, llama layout``); an older record's layout alone."""
     kind = model.get("model_type") or str(model.get("family") or "")
     return kind + (f", {model['family']} layout" if model.get("family") and model["family"] != kind else "")
-
-
-def build_record(session, recipe: str, knockout: bool = True, method=None, knockout_frame=None) -> dict:
-    """The scan record of one build, computed (and cached) through ``session``; kappa measured by
-    ``method`` (a `KappaMethod`, default the settings'); ``knockout_frame``: these knockouts (one
-    shard's, `gate.shards`) instead of the session's scan."""
-    s = session.settings
-    method = s.kappa_method if method is None else method
-    build = session.build(recipe)
-    spectrum = session.ov_spectrum(recipe, method)
-    probe = session.repeat_probe(recipe)
-    ko_frame, ko_info = None, None
-    if knockout:
-        ko_frame = session.head_knockout(recipe) if knockout_frame is None else knockout_frame
-        ko_info = {
-            **s.knockout_probe.as_dict(),
-            "mode": ko_frame.attrs.get("mode", s.knockout_mode),
-            "screened": session.screen_top_k(),
-            "screen_method": session.screen_method(recipe) if session.screen_top_k() is not None else None,
-        }
-    return assemble_record(
-        model=model_info(session, build),
-        build=build.identity.as_dict(),
-        probe={
-            **s.probe.as_dict(),
-            "bos_id": build.tokens.bos_id,
-            "vocab_size": build.tokens.vocab_size,
-            "n_special": len(build.tokens.special_ids),
-        },
-        knockout_info=ko_info,
-        spectrum=spectrum,
-        probe_result=probe,
-        knockout=ko_frame,
-        rung1=_rung1_info(spectrum, s, folded=True, method=method),
-    )

@@ -25,38 +25,6 @@ KNOCKOUT_PREFIX = "knockout_delta"  # a head row's figures that the part owning 
 JOB_LOCAL = (("model", "spec"),)
 
 
-def part_of(session, recipe: str, index: int, total: int) -> dict:
-    """Shard ``index`` of ``total`` (1-based) of the scan of ``recipe``: the part a job writes."""
-    from ..options import flag
-    from .record import build_record
-    from .schema import PART_FORMAT
-
-    n_layers = session.preflight().n_layers
-    if total > n_layers:
-        raise ShardError(
-            f"{flag('shard')} {index}/{total}: the model has {n_layers} layers, so at most {n_layers} shards; "
-            f"use K <= {n_layers}"
-        )
-    if session.shards != total:
-        raise ShardError(f"the session splits the knockouts into {session.shards} shards, not {total}")
-    layers = session.shard_layers()
-    frame = session.knockout_shard(recipe, index - 1)
-    record = build_record(session, recipe, knockout=True, knockout_frame=frame)
-    meta = {"format": PART_FORMAT, "index": index, "of": total, "layers": layers[index - 1]}
-    return {"part": meta, "record": record}
-
-
-def write_part(session, recipe: str, index: int, total: int, path: Path) -> dict:
-    """Measure shard ``index`` of ``total`` of ``recipe`` (`part_of`) and write its part to ``path``
-    atomically: the one writer of parts (``circuits record --shard``, pytest ``--circuits-shard``)."""
-    from ..fsio import atomic_write_text, check_output
-
-    check_output(path)  # a link or a folder ends the job before the scan, not after
-    part = part_of(session, recipe, index, total)
-    atomic_write_text(path, dumps_part(part))
-    return part
-
-
 def dumps_part(part: dict) -> str:
     """A part's text: its record rounded as a baseline is (`store.round_sig`), so the merge writes the same bytes."""
     from .store import round_sig

@@ -26,7 +26,7 @@ import numpy as np
 from ..options import flag
 from .builtin_invariants import kappa_pairs, other_knockout_settings
 from .invariant_api import Comparison, Invariant, Row, register, within
-from .tolerances import Tolerances
+from .tolerances import Tolerance, Tolerances
 
 # ---------------------------------------------------------------- across base models (gate/profile.py)
 
@@ -65,7 +65,10 @@ class SwapCopy(AcrossModels):
 
     name = "swap_copy"
     guards = "the copy loss across models"
-    tolerances = ("swap_copy_loss", "swap_copy_gain")
+    tolerances = {
+        "swap_copy_loss": Tolerance(0.5, "across base models: how far copy loss may rise, nats"),
+        "swap_copy_gain": Tolerance(0.1, "across base models: how far copy_gain / first_copy_loss may fall"),
+    }
 
     def compare(self, before, after, tol):
         b, a = _profiles(before, after, tol)
@@ -94,7 +97,16 @@ class SwapInduction(AcrossModels):
 
     name = "swap_induction"
     guards = "the induction heads across models"
-    tolerances = ("swap_induction_score", "swap_induction_heads", "swap_prefix", "swap_depth")
+    tolerances = {
+        "swap_induction_score": Tolerance(0.3, "across base models: prefix_matching that makes an induction head"),
+        "swap_induction_heads": Tolerance(
+            1, "across base models: induction heads the new model needs (at most the old model's count)"
+        ),
+        "swap_prefix": Tolerance(0.15, "across base models: how far the best prefix_matching may fall"),
+        "swap_depth": Tolerance(
+            0.35, "across base models: how far the induction heads' mean depth (fraction of the stack) may move"
+        ),
+    }
 
     def compare(self, before, after, tol):
         b, a = _profiles(before, after, tol)
@@ -152,7 +164,12 @@ class SwapKappa(AcrossModels):
 
     name = "swap_kappa"
     guards = "the kappa distribution across models"
-    tolerances = ("swap_share", "swap_kappa_w1")
+    tolerances = {
+        "swap_share": Tolerance(0.25, "across base models: how far the shares of copying / suppression heads may move"),
+        "swap_kappa_w1": Tolerance(
+            5.0, "across base models: 1-Wasserstein distance of the kappa_z distributions, null sds"
+        ),
+    }
 
     def compare(self, before, after, tol):
         from .profile import kappa_w1
@@ -191,7 +208,13 @@ class SwapKnockout(AcrossModels):
     name = "swap_knockout"
     guards = "the key knockout heads across models"
     needs = frozenset({"knockout"})
-    tolerances = ("swap_knockout", "swap_concentration", "min_delta")
+    tolerances = {
+        "swap_knockout": Tolerance(0.5, "across base models: how far the largest knockout delta may fall, x its size"),
+        "swap_concentration": Tolerance(
+            0.3, "across base models: how far the top-3 share of the knockout effect may move"
+        ),
+    }
+    reads = ("min_delta",)
 
     def compare(self, before, after, tol):
         from .profile import TOP

@@ -1,7 +1,8 @@
 """Gate one build against its baselines: the reference build's (the precision-swap gate) and
 its own (drift), or, for the cross-model invariants, the baseline of the model it replaces (a
 base-model swap). `gate_against` is the one flow against one baseline: the plugin (`gate_build`)
-and ``circuits gate`` (`gate_file`) both run it."""
+and ``circuits gate`` (`gate_file`) both run it. Every function takes typed inputs: the run's
+`RecordSource` (the records), the `RunBaselines`, the tolerances; none reads a session."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from ..errors import BaselineError, BaselineMissing
 from ..options import flag
 from ..rungs import kappa_method
 from . import invariants
+from .baselines import RunBaselines
 from .record import has_figures
-from .store import compatibility, geometry_difference, geometry_record, read_baseline
+from .record_source import RecordSource
+from .store import compatibility, geometry_difference, read_baseline
 from .tolerances import Tolerances
 
 
@@ -67,30 +70,31 @@ def comparisons(recipe: str, reference: str) -> list[tuple[str, str]]:
     return [(reference, f"{reference} baseline"), (recipe, "own baseline")]
 
 
-def candidate_record(session, recipe: str, baseline: dict, knockout: bool) -> dict:
+def candidate_record(records: RecordSource, recipe: str, baseline: dict, knockout: bool) -> dict:
     """The record of build ``recipe`` measured the way ``baseline`` was: kappa on the same
     unembedding, against the same rotation null (`kappa_method.of_record`; a baseline that does
     not say is an older one: uncentred, 256 float64 draws, normal p). The gate's one rule for
     comparing like with like, used by the plugin and ``circuits gate``."""
-    return session.record(recipe, knockout=knockout, method=kappa_method.of_record(baseline))
+    return records.record(recipe, knockout=knockout, method=kappa_method.of_record(baseline))
 
 
-def gate_build(session, recipe: str, invariant: str, tol: Tolerances, fixes: dict[str, str]) -> GateOutcome:
+def gate_build(
+    records: RecordSource, baselines: RunBaselines, recipe: str, invariant: str, tol: Tolerances, fixes: dict[str, str]
+) -> GateOutcome:
     """Gate one invariant of ``recipe`` against the reference baseline and its own (drift).
 
-    ``session`` provides ``record(recipe, knockout, method)``, ``load_baseline(recipe)`` and
-    ``settings.reference``. A missing reference baseline is a problem (the gate fails); a
-    missing own baseline only skips the drift comparison. ``fixes`` maps
-    ``"reference"``/``"own"`` to the line that ends a failure message.
+    A missing reference baseline is a problem (the gate fails); a missing own baseline only skips
+    the drift comparison. ``fixes`` maps ``"reference"``/``"own"`` to the line that ends a failure
+    message.
     """
     inv = invariants.get(invariant)
     if inv.across_models:
-        return gate_swap(session, recipe, inv, tol, fixes)
+        return gate_swap(records, baselines, recipe, inv, tol, fixes)
     outcome = GateOutcome()
-    for base_recipe, label in comparisons(recipe, session.settings.reference):
+    for base_recipe, label in comparisons(recipe, baselines.settings.reference):
         own = label == "own baseline"
         try:
-            baseline = session.load_baseline(base_recipe)
+            baseline = baselines.load(base_recipe)
         except BaselineMissing as error:
             if not own:
                 outcome.problems.append(str(error))
@@ -100,7 +104,7 @@ def gate_build(session, recipe: str, invariant: str, tol: Tolerances, fixes: dic
             continue
         fix = fixes.get("own" if own else "reference")
         try:
-            _, notes, results = gate_against(session, recipe, baseline, label, tol, fix, invariant=inv)
+            _, notes, results = gate_against(records, recipe, baseline, label, tol, fix, invariant=inv)
         except BaselineError as error:  # another geometry or probe
             outcome.problems.append(str(error))
             continue
@@ -110,7 +114,7 @@ def gate_build(session, recipe: str, invariant: str, tol: Tolerances, fixes: dic
 
 
 def gate_against(
-    session,
+    records: RecordSource,
     recipe: str,
     baseline: dict,
     label: str,
@@ -121,19 +125,21 @@ def gate_against(
     across=False,
     knockout: bool | None = None,
 ) -> tuple[dict, list[str], list[invariants.InvariantResult]]:
-    """The gate's one flow against one baseline: ``(candidate, notes, results)``. The candidate is
-    measured the baseline's way (`candidate_record`), checked against it (`store.compatibility`:
-    another probe raises a `BaselineError`), then ``invariant`` is evaluated (default: every one the
-    candidate has figures for, `invariants.gate_all`), each failure ending with ``fix``."""
+    """The gate's one flow against one baseline: ``(candidate, notes, results)``. Other probe settings
+    are refused before any figure is measured (`store.compatibility` on the run's stand-in, a
+    `BaselineError`); the candidate is then measured the baseline's way (`candidate_record`) and
+    checked against it, and ``invariant`` is evaluated (default: every one the candidate has
+    figures for, `invariants.gate_all`), each failure ending with ``fix``."""
+    compatibility(baseline, records.stand_in(), label, across=True)  # the probe only: nothing measured yet
     inv = None if invariant is None else invariants.get(invariant) if isinstance(invariant, str) else invariant
     if knockout is None:  # measure knockouts when the invariant needs them, or the baseline has them
         knockout = "knockout" in inv.needs if inv is not None else has_figures(baseline, "knockout")
-    candidate = candidate_record(session, recipe, baseline, knockout=knockout)
+    candidate = candidate_record(records, recipe, baseline, knockout=knockout)
     notes = compatibility(baseline, candidate, label, across=across)
     if not across:  # the further looks an undecided sampled row needs (gate/looks.py)
         from .looks import extend
 
-        candidate = extend(session, recipe, baseline, candidate, tol)
+        candidate = extend(records, recipe, baseline, candidate, tol)
     if inv is None:
         return candidate, notes, invariants.gate_all(baseline, candidate, tol, recipe, label, fix, across=across)
     evaluated = invariants.evaluate(inv, baseline, candidate, tol, recipe, label, fix, across=True if across else None)
@@ -141,23 +147,28 @@ def gate_against(
 
 
 def gate_file(
-    session, recipe: str, baseline: dict, label: str, tol: Tolerances, fix: str, across: bool, knockout: bool = True
+    records: RecordSource,
+    recipe: str,
+    baseline: dict,
+    label: str,
+    tol: Tolerances,
+    fix: str,
+    across: bool,
+    knockout: bool = True,
 ):
-    """``circuits gate``: `gate_against` one baseline file with every invariant; on the same model
-    its key heads are knocked out exactly even when the scan is screened (another model's key heads
-    are not this model's heads). ``knockout=False`` (``--no-knockout``): no knockouts measured, so
-    the invariants that need them are not run (the verdict says which are not guarded)."""
-    if not across and knockout:
-        session.pin_key_heads(invariants.key_heads(baseline, "knockout_delta", tol.top_k, tol.min_delta))
-    return gate_against(session, recipe, baseline, label, tol, fix, across=across, knockout=None if knockout else False)
+    """``circuits gate``: `gate_against` one baseline file with every invariant. ``knockout=False``
+    (``--no-knockout``): no knockouts measured, so the invariants that need them are not run (the
+    verdict says which are not guarded). (A screened scan knocks the file's key heads out exactly
+    because the CLI gave them to the run's rung-2 plan, `RunBaselines.key_heads_of`.)"""
+    return gate_against(records, recipe, baseline, label, tol, fix, across=across, knockout=None if knockout else False)
 
 
-def swap_baseline(session) -> tuple[dict | None, str, str]:
+def swap_baseline(records: RecordSource, baselines: RunBaselines) -> tuple[dict | None, str, str]:
     """``(baseline, label, why_none)``: the baseline of the model this one replaces, the
     `--circuits-swap-baseline` file, else the reference baseline when it is of another geometry
     (the model was swapped under the same name); ``None`` and the reason when there is none.
     Unreadable files raise their `BaselineError`."""
-    s = session.settings
+    s = baselines.settings
     if s.swap_baseline is not None:
         try:
             baseline = read_baseline(s.swap_baseline)
@@ -169,21 +180,22 @@ def swap_baseline(session) -> tuple[dict | None, str, str]:
         return baseline, f"baseline {s.swap_baseline.name}", ""
     hint = f"pass {flag('swap-baseline')} FILE, the baseline of the model this one replaces"
     try:
-        reference = session.load_baseline(s.reference)
+        reference = baselines.load(s.reference)
     except BaselineMissing:
         return None, "", f"no base-model swap to gate: no {s.reference} baseline, and no {flag('swap-baseline')}"
-    candidate_geometry = geometry_record(session.preflight().__dict__)
-    if geometry_difference(reference, candidate_geometry):
+    if geometry_difference(reference, records.stand_in()):
         return reference, f"{s.reference} baseline", ""
     return None, "", f"no base-model swap to gate: the {s.reference} baseline is of this model's geometry; {hint}"
 
 
-def gate_swap(session, recipe: str, inv, tol: Tolerances, fixes: dict[str, str]) -> GateOutcome:
+def gate_swap(
+    records: RecordSource, baselines: RunBaselines, recipe: str, inv, tol: Tolerances, fixes: dict[str, str]
+) -> GateOutcome:
     """Gate a cross-model invariant of ``recipe`` against the baseline of the replaced model
     (`swap_baseline`); skipped, saying why, when there is none."""
     outcome = GateOutcome()
     try:
-        baseline, label, why_none = swap_baseline(session)
+        baseline, label, why_none = swap_baseline(records, baselines)
     except BaselineError as error:
         outcome.problems.append(str(error))
         return outcome
@@ -192,7 +204,7 @@ def gate_swap(session, recipe: str, inv, tol: Tolerances, fixes: dict[str, str])
         return outcome
     try:
         _, notes, results = gate_against(
-            session, recipe, baseline, label, tol, fixes.get("swap"), invariant=inv, across=True
+            records, recipe, baseline, label, tol, fixes.get("swap"), invariant=inv, across=True
         )
     except BaselineError as error:
         outcome.problems.append(str(error))

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from ..errors import CircuitsError
+from ..errors import CircuitsDeprecationWarning, CircuitsError
 from ..gate.tolerances import Tolerances
 from ..options import OPTIONS
-from .fixture_types import CircuitsDeprecationWarning, CircuitsGate
+from .fixture_types import CircuitsGate
 from .workers import pytest_cmdline_main  # noqa: F401  (a hook: -n N means --dist loadgroup)
 
 if TYPE_CHECKING:
@@ -333,7 +333,7 @@ PART_KEY: pytest.StashKey[dict] = pytest.StashKey()  # the part this shard job w
 
 def _write_part(session: CircuitsSession, recipe: str) -> dict:
     """``--circuits-shard I/K --circuits-shard-out FILE``: the part, by the writer ``circuits record --shard`` uses."""
-    from ..gate.shards import write_part
+    from ..records import write_part
 
     s = session.settings
     out = s.shard_out

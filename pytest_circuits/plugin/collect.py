@@ -76,9 +76,8 @@ def gate_for_test(request, session, recipe: str, invariant: str, tol):
     if session.settings.update:  # record own baseline first: the reference's owner takes its lock before anyone waits
         session.write_baseline(recipe)
     try:
-        outcome = gate_build(
-            session, recipe, invariant, tol, fix_lines(session.settings, recipe, update_command(request.config))
-        )
+        fixes = fix_lines(session.settings, recipe, update_command(request.config))
+        outcome = gate_build(session.records, session.baselines, recipe, invariant, tol, fixes)
     except CircuitsError as error:  # the build could not be gated: the report names it among what broke
         props.append(("circuits_results", [error_row(recipe, invariant, str(error))]))
         raise
@@ -105,7 +104,7 @@ def gate_for_test(request, session, recipe: str, invariant: str, tol):
         if reference is None:
             record = session.record(recipe, knockout=knockout)
         else:
-            record = candidate_record(session, recipe, reference, knockout)
+            record = candidate_record(session.records, recipe, reference, knockout)
         props.append(("circuits_record", (recipe, record)))
         if reference is not None and geometry_difference(reference, record):
             reference = None  # another base model: its heads are not this model's, no per-head differences

@@ -10,12 +10,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from ..errors import CircuitsDeprecationWarning  # noqa: F401 (its older home)
+
 if TYPE_CHECKING:
     from ..gate.verdict import GateOutcome
-
-
-class CircuitsDeprecationWarning(DeprecationWarning):
-    """A pytest-circuits name that still works but will go (docs/api.md, "Versioning")."""
 
 
 class CircuitsGate:

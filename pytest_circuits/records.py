@@ -1,0 +1,203 @@
+"""Where one run's scan records come from, chosen by kind (as pytest-benchmark chooses its storage):
+measured from the build (`MeasuredRecords`) or merged from shard parts (`ShardPartRecords`,
+``--circuits-shard-parts``: the build is not loaded). Both are a `gate.record_source.RecordSource`,
+which is all the gate reads. Also the writer of one shard's part (`write_part`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .measurement import BuildMeasurement
+from .options import flag
+
+
+def measure_record(m: BuildMeasurement, recipe: str, knockout: bool = True, method=None, knockout_frame=None) -> dict:
+    """The scan record of one build, computed (and memoised) through ``m``; kappa measured by
+    ``method`` (a `KappaMethod`, default the settings'); ``knockout_frame``: these knockouts (one
+    shard's) instead of the run's scan."""
+    from .gate.record import assemble_record, model_info, rung1_info
+
+    s = m.settings
+    method = s.kappa_method if method is None else method
+    build = m.build(recipe)
+    spectrum = m.ov_spectrum(recipe, method)
+    probe = m.repeat_probe(recipe)
+    ko_frame, ko_info = None, None
+    if knockout:
+        ko_frame = m.head_knockout(recipe) if knockout_frame is None else knockout_frame
+        ko_info = {
+            **s.knockout_probe.as_dict(),
+            "mode": ko_frame.attrs.get("mode", s.knockout_mode),
+            "screened": m.screen_top_k(),
+            "screen_method": m.screen_method(recipe) if m.screen_top_k() is not None else None,
+        }
+    return assemble_record(
+        model=model_info(m.model_name, m.source, build),
+        build=build.identity.as_dict(),
+        probe={
+            **s.probe.as_dict(),
+            "bos_id": build.tokens.bos_id,
+            "vocab_size": build.tokens.vocab_size,
+            "n_special": len(build.tokens.special_ids),
+        },
+        knockout_info=ko_info,
+        spectrum=spectrum,
+        probe_result=probe,
+        knockout=ko_frame,
+        rung1=rung1_info(spectrum, s, folded=True, method=method),
+    )
+
+
+class MeasuredRecords:
+    """The records of builds measured in this run (memoised in its `BuildMeasurement`)."""
+
+    def __init__(self, measurement: BuildMeasurement):
+        self.measurement = measurement
+
+    def record(self, recipe: str, knockout: bool = True, method=None) -> dict:
+        m = self.measurement
+        method = m.settings.kappa_method if method is None else method
+        full = m.memoised(("record", recipe, True, method))
+        if not knockout and full is not None:  # the full record serves too
+            return full
+        return m.memo(("record", recipe, knockout, method), lambda: measure_record(m, recipe, knockout, method))
+
+    def stand_in(self) -> dict:
+        from .gate.store import geometry_record
+
+        m = self.measurement
+        return geometry_record(m.preflight().__dict__, probe=m.settings.probe.as_dict())
+
+    def identity(self, recipe: str) -> dict:
+        return self.measurement.build(recipe).identity.as_dict()
+
+    def look(self, recipe: str, k: int, probe_seed: int, knockout_seed: int, heads, mode) -> dict | None:
+        m, s = self.measurement, self.measurement.settings
+
+        def measure() -> dict:
+            from dataclasses import replace
+
+            from .gate.looks import KNOCKOUT_KEY
+            from .rungs.knockout import knockout_scan
+            from .rungs.probe import run_repeat_probe
+
+            build = m.build(recipe)
+            with m._phase(f"look {k} (n={s.probe.n}) {m.model_name}:{recipe}"):
+                probe = run_repeat_probe(build, replace(s.probe, seed=probe_seed), batch_size=s.batch_size)
+                entry: dict = {"look": k, "probe_seed": probe_seed, "knockout_seed": knockout_seed}
+                entry.update(probe.sequence_figures())
+                if heads:
+                    frame = knockout_scan(
+                        build,
+                        replace(s.knockout_probe, seed=knockout_seed),
+                        mode=mode or s.knockout_mode,
+                        heads=list(heads),
+                        batch_size=s.batch_size,
+                        progress=False,
+                    )
+                    entry[KNOCKOUT_KEY] = {
+                        str(r["head"]): [float(v) for v in r[KNOCKOUT_KEY]]
+                        for _, r in frame.iterrows()
+                        if isinstance(r.get(KNOCKOUT_KEY), list)
+                    }
+            return entry
+
+        return m.memo(("look", recipe, k, probe_seed, knockout_seed, tuple(heads or ()), mode), measure)
+
+
+class ShardPartRecords(MeasuredRecords):
+    """``--circuits-shard-parts``: each build's record merged from its shard parts
+    (`gate.shards.merged_by_build`), read once; no build is loaded. Parts of a build not gated, a
+    build without parts, or parts measured otherwise than asked are one line each."""
+
+    def record(self, recipe: str, knockout: bool = True, method=None) -> dict:
+        from .errors import ShardError
+        from .rungs.kappa_method import of_record
+
+        m = self.measurement
+        merged = m.memo(("shard_parts",), self._read)
+        if recipe not in merged:
+            raise ShardError(
+                f"{flag('shard-parts')} {m.settings.shard_parts} holds no part of build {recipe}: "
+                "gate only the builds whose parts are there, or add them"
+            )
+        record = merged[recipe]
+        method = m.settings.kappa_method if method is None else method
+        if of_record(record) != method:
+            raise ShardError(
+                f"the parts of {recipe} measured kappa with {of_record(record).describe()}, the baseline asks for "
+                f"{method.describe()}: record the baseline again, or measure the build unsharded"
+            )
+        return record
+
+    def identity(self, recipe: str) -> dict:
+        return self.record(recipe)["build"]
+
+    def look(self, recipe: str, k: int, probe_seed: int, knockout_seed: int, heads, mode) -> dict | None:
+        return None  # a merge loads no build: an undecided row keeps the fixed rule
+
+    def _read(self) -> dict[str, dict]:
+        from .errors import ShardError
+        from .gate.shards import merged_by_build, part_paths
+
+        s, said = self.measurement.settings, flag("shard-parts")
+        pattern = str(s.shard_parts)
+        merged = merged_by_build(part_paths(pattern, said))
+        strays = sorted(set(merged) - set(s.builds))
+        if strays:
+            raise ShardError(
+                f"{said} {pattern} holds parts of {', '.join(strays)}, not a build gated "
+                f"({', '.join(s.builds)}): name only the parts of the builds gated"
+            )
+        name = self.measurement.model_name
+        for record in merged.values():
+            if record["model"]["name"] != name:
+                raise ShardError(
+                    f"{said} {pattern}: the parts are of model {record['model']['name']}, this run gates "
+                    f"{name}: name the parts of this model"
+                )
+            asked, theirs = s.probe.as_dict(), {k: record["probe"].get(k) for k in ("seed", "n", "L")}
+            if theirs != asked:
+                raise ShardError(
+                    f"{said} {pattern}: the parts were measured with probe {theirs}, this run asks for {asked}; "
+                    "give this run the shard jobs' probe options"
+                )
+        return merged
+
+
+def record_source(measurement: BuildMeasurement) -> MeasuredRecords:
+    """The run's records by kind: merged from shard parts when the settings name them, else measured."""
+    kind = MeasuredRecords if measurement.settings.shard_parts is None else ShardPartRecords
+    return kind(measurement)
+
+
+def part_of(m: BuildMeasurement, recipe: str, index: int, total: int) -> dict:
+    """Shard ``index`` of ``total`` (1-based) of the scan of ``recipe``: the part a job writes."""
+    from .errors import ShardError
+    from .gate.schema import PART_FORMAT
+
+    n_layers = m.preflight().n_layers
+    if total > n_layers:
+        raise ShardError(
+            f"{flag('shard')} {index}/{total}: the model has {n_layers} layers, so at most {n_layers} shards; "
+            f"use K <= {n_layers}"
+        )
+    if m.shards != total:
+        raise ShardError(f"the session splits the knockouts into {m.shards} shards, not {total}")
+    layers = m.shard_layers()
+    frame = m.knockout_shard(recipe, index - 1)
+    record = measure_record(m, recipe, knockout=True, knockout_frame=frame)
+    meta = {"format": PART_FORMAT, "index": index, "of": total, "layers": layers[index - 1]}
+    return {"part": meta, "record": record}
+
+
+def write_part(m: BuildMeasurement, recipe: str, index: int, total: int, path: Path) -> dict:
+    """Measure shard ``index`` of ``total`` of ``recipe`` (`part_of`) and write its part to ``path``
+    atomically: the one writer of parts (``circuits record --shard``, pytest ``--circuits-shard``)."""
+    from .fsio import atomic_write_text, check_output
+    from .gate.shards import dumps_part
+
+    check_output(path)  # a link or a folder ends the job before the scan, not after
+    part = part_of(m, recipe, index, total)
+    atomic_write_text(path, dumps_part(part))
+    return part
