@@ -275,8 +275,8 @@ def gate_record(session, recipe: str, baseline: dict, tol, knockout: bool = True
     (`gate.verdict.candidate_record`'s rule) and gated with `gate_all`. Knockouts run on the
     baseline's key heads only: the only ones `knockout_deltas` compares, so the verdict is the
     full scan's. ``knockout=False``: no knockouts, so `knockout_deltas` is not run (not passed)."""
+    from .gate.further_looks import extend
     from .gate.invariants import gate_all, key_heads
-    from .gate.looks import extend
     from .gate.record import has_figures
     from .records import measure_record
     from .rungs import kappa_method

@@ -43,8 +43,9 @@ from scipy.stats import binomtest
 
 from pytest_circuits import sensitivity as S
 from pytest_circuits.errors import CircuitsError
+from pytest_circuits.gate.further_looks import with_looks
 from pytest_circuits.gate.invariants import gate_all, get, key_heads, per_build_invariants
-from pytest_circuits.gate.looks import SEQUENTIAL, with_looks
+from pytest_circuits.gate.looks import SEQUENTIAL
 from pytest_circuits.gate.record import has_figures
 from pytest_circuits.gate.store import read_baseline
 from pytest_circuits.gate.tolerances import Tolerances

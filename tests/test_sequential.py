@@ -118,10 +118,8 @@ def test_sampled_rows_take_the_sequential_rule_when_the_baseline_has_looks():
     assert "fixed rule" in fixed.note and fixed.wants == 0
 
 
-def test_extend_measures_only_the_looks_an_undecided_row_needs(monkeypatch):
-    from types import SimpleNamespace
-
-    from pytest_circuits.gate import looks as L
+def test_extend_measures_only_the_looks_an_undecided_row_needs():
+    from pytest_circuits.gate import further_looks as L
 
     rng = np.random.default_rng(9)
     base = rng.normal(1.0, 0.2, size=(4, 16))
@@ -129,14 +127,20 @@ def test_extend_measures_only_the_looks_an_undecided_row_needs(monkeypatch):
     z = (z - z.mean(axis=1, keepdims=True)) / z.std(axis=1, ddof=1, keepdims=True)
     # the copy loss changes by 0.2 +- 0.3 on look 1 (undecided against 0.25), by 0.05 +- 0.3 after
     build = base + np.array([0.2, 0.05, 0.05, 0.05])[:, None] + 0.3 * z
-    measured = []
 
-    def fake_look(session, recipe, k, probe_seed, knockout_seed, heads, mode):
-        measured.append((k, probe_seed))
-        assert probe_seed == look_seed(0, k) and not heads  # the baseline's seeds of that look
-        return {"look": k, "copy_loss_sequences": list(build[k - 1])}
+    class Source:  # a `RecordSource` that measures each look it is asked for
+        def __init__(self):
+            self.asked: list[tuple[int, int]] = []
 
-    monkeypatch.setattr(L, "_look", fake_look)
+        def look(self, recipe, k, probe_seed, knockout_seed, heads, mode):
+            self.asked.append((k, probe_seed))
+            assert probe_seed == look_seed(0, k) and not heads  # the baseline's seeds of that look
+            return {"look": k, "copy_loss_sequences": list(build[k - 1])}
+
+    class MergedParts:  # a merge of shard parts: no build loaded, no look measured
+        def look(self, *args):
+            return None
+
     baseline = {
         **record(base[0]),
         "copy_gain": 0.0,
@@ -147,18 +151,16 @@ def test_extend_measures_only_the_looks_an_undecided_row_needs(monkeypatch):
         ],
     }
     candidate = {**record(build[0]), "copy_gain": 0.0, "copy_gain_sequences": [0.0] * 16}
-    session = SimpleNamespace(settings=SimpleNamespace(shard_parts=None))
-    out = L.extend(session, "fp32", baseline, candidate, Tolerances())
+    source = Source()
+    out = L.extend(source, "fp32", baseline, candidate, Tolerances())
+    measured = source.asked
     assert out is candidate and [k for k, _ in measured] == list(range(2, 2 + len(measured)))
     assert 1 < len(measured) < 4 and L.wanted(baseline, out, Tolerances()) == 0  # decided before the last look
-    again = []
-    monkeypatch.setattr(L, "_look", lambda *a: again.append(a) or fake_look(*a))
-    L.extend(session, "fp32", baseline, out, Tolerances())
-    assert again == []  # nothing measured twice
+    again = Source()
+    L.extend(again, "fp32", baseline, out, Tolerances())
+    assert again.asked == []  # nothing measured twice
     merged = {**record(build[0]), "copy_gain": 0.0, "copy_gain_sequences": [0.0] * 16}
-    L.extend(
-        SimpleNamespace(settings=SimpleNamespace(shard_parts="parts/*.json")), "fp32", baseline, merged, Tolerances()
-    )
+    L.extend(MergedParts(), "fp32", baseline, merged, Tolerances())
     assert "looks" not in merged  # a merge job loads no build
 
 

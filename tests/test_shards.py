@@ -240,7 +240,8 @@ def test_the_merge_job_gates_the_parts_knockouts_without_loading_the_build(pytes
 
 @needs_embedded
 def test_the_merge_job_records_the_merged_parts_as_the_unsharded_baseline(pytest_parts, whole, pytester):
-    """``--circuits-shard-parts DIR --circuits-update``: the baseline written is the unsharded record, bit for bit."""
+    """``--circuits-shard-parts DIR --circuits-update``: the baseline written is the unsharded record, bit for
+    bit, but for the further looks of the sequential rule, which a merge (no build loaded) cannot measure."""
     gathered, _ = pytest_parts
     pytester.makeini("[pytest]\n")
     pytester.makepyfile(test_gate=GATE_SUITE)
@@ -255,7 +256,7 @@ def test_the_merge_job_records_the_merged_parts_as_the_unsharded_baseline(pytest
     )
     result.assert_outcomes(passed=ONE_MODEL, skipped=1, deselected=1)  # skipped: no base-model swap
     written = pytester.path / "baselines" / "tiny-induction--fp32.json"
-    assert written.read_bytes() == (whole / "tiny-induction--fp32.json").read_bytes()
+    assert written.read_bytes() == without_looks(whole / "tiny-induction--fp32.json")
 
 
 def test_a_shard_job_that_wrote_no_part_fails(pytester):

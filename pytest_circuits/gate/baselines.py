@@ -81,7 +81,7 @@ class RunBaselines:
 
         def write() -> Path:
             self.store.check_writable(self.path(recipe))  # a path it cannot write ends here, not after the scan
-            from .looks import with_looks  # every look of the sequential rule, measured once (gate/looks.py)
+            from .further_looks import with_looks  # every look of the sequential rule, measured once
 
             record = with_looks(self.records, recipe, self.records.record(recipe, knockout=True), self._tolerances())
             path, written = self.store.write(self.model_name, recipe, record, force=self.settings.update_all)

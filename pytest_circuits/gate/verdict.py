@@ -136,8 +136,8 @@ def gate_against(
         knockout = "knockout" in inv.needs if inv is not None else has_figures(baseline, "knockout")
     candidate = candidate_record(records, recipe, baseline, knockout=knockout)
     notes = compatibility(baseline, candidate, label, across=across)
-    if not across:  # the further looks an undecided sampled row needs (gate/looks.py)
-        from .looks import extend
+    if not across:  # the further looks an undecided sampled row needs (gate/further_looks.py)
+        from .further_looks import extend
 
         candidate = extend(records, recipe, baseline, candidate, tol)
     if inv is None:

@@ -1,6 +1,6 @@
 """transformers' own ``QuantizedCache`` as a build's cache (``+kv-quanto-int4``, ``+kv-hqq-int4-r32``).
 
-Not a simulation: the probe runs the build in decode mode (`rungs.query_blocks`), one token at a
+Not a simulation: the probe runs the build in decode mode (`rungs.query_blocks` with blocks of 1), one token at a
 time with ``past_key_values=QuantizedCache(...)``, so every query reads the keys and values as the
 cache stores them (its quantized part and its full-precision residual of at most
 ``residual_length`` tokens, which it flushes into the quantized part when full). The first token
@@ -104,12 +104,11 @@ def refuse_decode_only(build, what: str) -> None:
 @torch.no_grad()
 def check_in_path(model, cache: DecodeCache, n_layers: int, what: str) -> None:
     """Refuse a model whose layers do not all store two decode steps in the ``QuantizedCache``."""
-    from ..rungs.query_blocks import forward_blocks
-
     device = model.get_input_embeddings().weight.device
     past = cache.new()
-    for _ in forward_blocks(model, torch.zeros(1, 2, dtype=torch.long, device=device), 1, past):
-        pass
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    for _ in range(2):  # a prefill of one token, then one decode step
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=True, **{name: past})
     stored = [layer for layer in range(n_layers) if layer < len(past.layers) and past.get_seq_length(layer) == 2]
     if len(stored) != n_layers:
         raise RecipeError(
