@@ -93,6 +93,7 @@ class CircuitsSession:
 
             for name in dict.fromkeys((*s.builds, s.reference)):  # a cache window the probe cannot exceed
                 check_window_fits(s.spec(name), 2 * s.probe.L + bos_offset(tokens), flag("probe-length"))
+            self.engine_files()
             _, geometry = family_and_geometry(config)
             check_geometry(self.settings.model, geometry)
             if s.shard_parts is None:  # a merge job runs no probe: it gates the parts' figures
@@ -100,6 +101,22 @@ class CircuitsSession:
             return geometry
 
         return self.memo(("preflight",), check)
+
+    @property
+    def llama(self) -> bool:
+        """True when llama.cpp runs the repeat probe (``--circuits-engine llama.cpp``, `model.llama_engine`)."""
+        return self.settings.engine == "llama.cpp"
+
+    def engine_files(self) -> dict:
+        """``{build: its GGUF file}`` with llama.cpp as the engine (every build gated must be one,
+        with a cache llama.cpp takes, and llama-cpp-python installed); ``{}`` with torch."""
+        if not self.llama:
+            return {}
+        from .model.llama_engine import gguf_path, require_llama_cpp
+
+        files = {name: gguf_path(self.settings.spec(name), self.settings.model) for name in self.settings.builds}
+        require_llama_cpp()
+        return files
 
     def build(self, recipe: str):
         """The loaded build ``recipe`` (`model.builds.LoadedBuild`) of the session's model: a recipe,
@@ -122,7 +139,11 @@ class CircuitsSession:
             else:
                 s = self.settings
                 build = load_build(self.source, weights.name, self.device, s.trust_remote_code, device_map=s.device_map)
-            if spec.kv is not None:
+            if self.llama:  # llama.cpp runs the probe with its own cache; torch reads the weights (kappa) only
+                from .model.llama_engine import served_by_llama
+
+                build = served_by_llama(build, spec, self.settings.model)
+            elif spec.kv is not None:
                 from .model.kv_cache import attach_kv_cache
 
                 build = attach_kv_cache(build, spec.kv)
@@ -212,6 +233,11 @@ class CircuitsSession:
         def measure():
             build = self.build(recipe)
             with self._phase(f"repeat probe (n={s.probe.n}, L={s.probe.L}) {self.model_name}:{recipe}"):
+                if self.llama:
+                    from .model.llama_engine import llama_repeat_probe, threads
+
+                    path, kv = self.engine_files()[recipe], s.spec(recipe).kv
+                    return llama_repeat_probe(path, build.tokens, build.geometry, s.probe, kv, threads())
                 return run_repeat_probe(build, s.probe, batch_size=s.batch_size)
 
         return self.memo(("repeat_probe", recipe), measure)
@@ -377,6 +403,7 @@ class CircuitsSession:
         m = self.settings.kappa_method if method is None else method
         if self.settings.shard_parts is not None:
             return self.merged_record(recipe, m)
+        knockout = knockout and not self.llama  # llama.cpp exposes no head to knock out (llama_engine.NOT_MEASURED)
         full = self._cache.get(("record", recipe, True, m))
         if not knockout and full is not None and not isinstance(full, _Failed):  # the full record serves too
             return full

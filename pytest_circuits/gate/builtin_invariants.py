@@ -400,6 +400,7 @@ class InductionHeads(Invariant):
     suite_test = "test_induction_heads_survive"
     suite_module = "test_rung12_repeat"
     guards = "the induction and previous-token heads"
+    needs = frozenset({"routing"})
     tolerances = ("prefix", "top_k", "min_score")
     held = "induction heads of {build} survive against the {against}"
     moved = "induction heads of {build} moved against the {against}"

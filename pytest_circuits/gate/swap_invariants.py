@@ -94,6 +94,7 @@ class SwapInduction(AcrossModels):
 
     name = "swap_induction"
     guards = "the induction heads across models"
+    needs = frozenset({"routing"})
     tolerances = ("swap_induction_score", "swap_induction_heads", "swap_prefix", "swap_depth")
 
     def compare(self, before, after, tol):

@@ -128,7 +128,8 @@ def requantize_gguf(src: str | Path, dst: str | Path, tensor_type: str, blocks: 
 
 def float_gguf_of(model: str, dst: str | Path) -> Path:
     """``model`` (anything ``--circuits-model`` takes) as a GGUF file: its own file when it is one,
-    else its float32 weights written by `gguf_write.write_float_gguf` (ids only, no tokenizer)."""
+    else its float32 weights written by `gguf_write.write_float_gguf` with a placeholder vocabulary
+    (`placeholder_tokens`: ids only, no text tokenizer; llama.cpp loads no file without one)."""
     source = resolve_model(model)
     if source.origin.suffix == ".gguf":
         return source.origin
@@ -142,7 +143,12 @@ def float_gguf_of(model: str, dst: str | Path) -> Path:
     net = AutoModelForCausalLM.from_pretrained(
         source.folder, dtype=torch.float32, local_files_only=True, use_safetensors=True
     )
-    return write_float_gguf(net, dst)
+    return write_float_gguf(net, dst, tokens=placeholder_tokens(net.config.vocab_size))
+
+
+def placeholder_tokens(vocab_size: int) -> list[str]:
+    """``<id0>``, ``<id1>``, ...: one distinct piece per id (the probe feeds ids, never text)."""
+    return [f"<id{i}>" for i in range(vocab_size)]
 
 
 def write_gguf(model: str, tensor_type: str, dst: str | Path) -> Path:

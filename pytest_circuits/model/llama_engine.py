@@ -1,0 +1,234 @@
+"""llama.cpp in the loop: the repeat probe run by llama.cpp itself on a GGUF build.
+
+``--circuits-engine llama.cpp`` (``circuits gate --engine llama.cpp``) measures the copy loss and
+copy gain of a GGUF build (``NAME=FILE.gguf``, or ``--circuits-model FILE.gguf``) from the logits
+llama.cpp computes (llama-cpp-python, ``logits_all``): the file's own kernels, which quantize
+activations to Q8_1 / Q8_K before a quantized matmul, and llama.cpp's own KV cache, ``f16`` by
+default or ``+kv-q8_0`` etc. as ``type_k`` / ``type_v`` (flash attention on, which llama.cpp needs
+for a quantized V cache). The tokens are the torch probe's (`repeat.repeat_tokens`), so each
+sequence's figures pair with the torch builds'.
+
+What it does not measure: llama.cpp's attention patterns (llama-cpp-python's ``Llama`` sets no eval
+callback, and with flash attention the pattern is never materialised), so the routing scores,
+the path factors and knockouts are not measured: the invariants that need them are skipped with
+`NOT_MEASURED`. Kappa is weights-only and is read from the torch dequantisation of the same file.
+
+Light at import: llama_cpp is imported only to run.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+from ..errors import RecipeError
+from ..options import ENGINES, flag
+
+TORCH, LLAMA_CPP = ENGINES
+VERSION = "0.3.36"  # the llama-cpp-python the extra pins at least
+INSTALL = (
+    'pip install "pytest-circuits[llama]" (llama-cpp-python, built from its source distribution: '
+    "a C++ compiler and cmake, about 16 min on 2 cores)"
+)
+CACHE_TYPES = {  # a +kv- format -> llama.cpp's ggml type constant (llama_cpp.GGML_TYPE_*)
+    "q8_0": "GGML_TYPE_Q8_0",
+    "q5_1": "GGML_TYPE_Q5_1",
+    "q5_0": "GGML_TYPE_Q5_0",
+    "q4_1": "GGML_TYPE_Q4_1",
+    "q4_0": "GGML_TYPE_Q4_0",
+    "iq4_nl": "GGML_TYPE_IQ4_NL",
+}
+DEFAULT_CACHE = "f16"  # llama.cpp's cache without +kv-
+NOT_MEASURED = (
+    "llama.cpp exposes no attention pattern or head output here (llama-cpp-python sets no eval callback, "
+    "and its flash attention never forms the pattern), so routing scores, path factors and knockouts "
+    "are not measured"
+)
+
+
+class EngineError(RecipeError):
+    """An engine that cannot run a build: not installed, not a GGUF build, a cache it does not take."""
+
+
+def check_engine(name: str) -> str:
+    """``name`` checked against `ENGINES` (the option parser checks it too; this is for the API)."""
+    if name not in ENGINES:
+        raise EngineError(f"unknown engine {name!r}; use one of {', '.join(ENGINES)}")
+    return name
+
+
+def require_llama_cpp():
+    """The ``llama_cpp`` module, or a one-line error naming the extra that installs it."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise EngineError(f"{flag('engine')} {LLAMA_CPP} needs llama-cpp-python: {INSTALL}") from None
+    return llama_cpp
+
+
+def llama_cpp_version() -> str:
+    try:
+        return importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def gguf_path(spec, model: str) -> Path:
+    """The GGUF file build ``spec`` runs on (its NAME=PATH, else the model when it is a .gguf file),
+    or a one-line refusal: llama.cpp runs GGUF files only, and only its own cache types."""
+    path = Path(str(spec.path if spec.external else model)).expanduser()
+    if path.suffix.lower() != ".gguf":
+        what = f"{spec.name}={spec.path}" if spec.external else f"{spec.name} (a recipe of {model})"
+        raise EngineError(
+            f"{flag('engine')} {LLAMA_CPP} runs GGUF files only, and build {what} is not one; "
+            f"give an external build NAME=FILE.gguf, or gate {spec.name} without {flag('engine')} {LLAMA_CPP}"
+        )
+    check_cache(spec)
+    return path
+
+
+def check_cache(spec) -> None:
+    """Refuse a ``+kv-`` precision llama.cpp has no cache type for (fp8, KIVI, a window), in one line."""
+    kv = getattr(spec, "kv", None)
+    if kv is not None and not takes(kv):
+        raise EngineError(
+            f"build {spec.name}: llama.cpp has no cache type {kv.name}; with {flag('engine')} {LLAMA_CPP} use "
+            f"+kv-{', +kv-'.join(CACHE_TYPES)} (or none: its f16 cache), or drop {flag('engine')} to simulate "
+            f"{kv.name} in torch"
+        )
+
+
+def takes(kv) -> bool:
+    """True when llama.cpp has a cache type for `kv_formats.KvSpec` ``kv`` (no window, no dynamic scale)."""
+    return kv.format.name in CACHE_TYPES and not kv.window and not kv.dynamic
+
+
+def cache_name(kv) -> str:
+    return DEFAULT_CACHE if kv is None else kv.name
+
+
+def engine_line(kv, threads: int = 1) -> str:
+    """The identity's ``engine`` line: what ran, with which cache, and what it cannot measure."""
+    attention = "flash attention" if kv is not None else "attention without flash"
+    return (
+        f"{LLAMA_CPP} (llama-cpp-python {llama_cpp_version()}, CPU, {threads} thread{'s' if threads > 1 else ''}): "
+        f"the file's own kernels, KV cache {cache_name(kv)} (type_k = type_v), {attention}; "
+        f"copy loss and gain from its logits; {NOT_MEASURED}"
+    )
+
+
+def served_by_llama(build, spec, model: str):
+    """``build`` (loaded by torch from the same GGUF file, for its weights) with the identity of a
+    llama.cpp run: the engine line and llama.cpp's cache (its f16 default without ``+kv-``)."""
+    from dataclasses import replace
+
+    gguf_path(spec, model)
+    kv = spec.kv
+    cache = f"{DEFAULT_CACHE}: llama.cpp's default cache" if kv is None else f"{kv.name}: {kv.format.summary}"
+    identity = replace(
+        build.identity,
+        recipe=spec.name,
+        kv_cache=f"{cache}; llama.cpp's own cache",
+        engine=engine_line(kv, threads()),
+    )
+    return replace(build, identity=identity)
+
+
+def threads() -> int:
+    """Threads llama.cpp computes with: torch's (``OMP_NUM_THREADS`` where set)."""
+    import torch
+
+    return max(1, torch.get_num_threads())
+
+
+class LlamaRunner:
+    """One llama.cpp context on a GGUF file, with logits for every position of a sequence."""
+
+    def __init__(self, path: Path, n_ctx: int, kv=None, threads: int = 1):
+        llama_cpp = require_llama_cpp()
+        if kv is not None and not takes(kv):
+            raise EngineError(f"llama.cpp has no cache type {kv.name}; it takes {', '.join(CACHE_TYPES)}")
+        kwargs: dict = {}
+        if kv is not None:
+            kind = getattr(llama_cpp, CACHE_TYPES[kv.format.name])
+            kwargs = dict(type_k=kind, type_v=kind, flash_attn=True)  # a quantized V cache needs flash attention
+        self.n_ctx = n_ctx
+        self.llm = llama_cpp.Llama(
+            model_path=str(path),
+            n_ctx=n_ctx,
+            n_batch=n_ctx,
+            n_ubatch=n_ctx,  # one sequence in one micro-batch: every query reads keys and values from the cache
+            logits_all=True,
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_gpu_layers=0,
+            verbose=False,
+            **kwargs,
+        )
+
+    @property
+    def n_vocab(self) -> int:
+        return int(self.llm.n_vocab())
+
+    def logits(self, ids):
+        """``(T, vocab)`` float32 logits of one sequence of token ids, from an empty cache."""
+        import numpy as np
+
+        tokens = [int(t) for t in ids]
+        self.llm.reset()
+        self.llm.eval(tokens)
+        return np.array(self.llm.scores[: len(tokens)], dtype=np.float32)
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def llama_repeat_probe(path: Path, tokens, geometry, settings, kv=None, threads: int = 1):
+    """The repeat probe (`probe.RepeatProbe`) of GGUF file ``path`` run by llama.cpp: copy loss,
+    first-copy loss, copy gain and the per-position loss from its logits, on the torch probe's
+    sequences; every head's routing score and path factor NaN (`NOT_MEASURED`)."""
+    import math
+
+    import numpy as np
+    import torch
+
+    from ..rungs.probe import RepeatProbe, heads_frame, position_slice
+    from ..rungs.repeat import bos_offset, next_token_losses, repeat_losses, repeat_tokens
+
+    L, n = settings.L, settings.n
+    offset = bos_offset(tokens)
+    ids = repeat_tokens(tokens, n, L, settings.seed)
+    T = ids.shape[1]
+    runner = LlamaRunner(path, n_ctx=T, kv=kv, threads=threads)
+    try:
+        if runner.n_vocab != geometry.vocab:
+            raise EngineError(
+                f"GGUF file {path}: llama.cpp reads a vocabulary of {runner.n_vocab} tokens, the model has "
+                f"{geometry.vocab}; export the file with the model's vocabulary"
+            )
+        firsts, copies, positions = [], [], torch.zeros(2 * L - 1, dtype=torch.float64)
+        for row in ids:
+            logits = torch.from_numpy(runner.logits(row.tolist())).unsqueeze(0)
+            losses = next_token_losses(logits, row.unsqueeze(0))
+            first, copy = repeat_losses(losses, L, offset)
+            firsts.append(float(first[0]))
+            copies.append(float(copy[0]))
+            positions += losses[0, position_slice(L, offset)].double()
+    finally:
+        runner.close()
+    first_copies, copy_losses = np.array(firsts), np.array(copies)
+    heads = heads_frame(np.full((geometry.n_layers, 3, geometry.n_heads), np.nan))
+    heads["path_factor"] = np.nan
+    first_copy, copy_loss = float(first_copies.mean()), float(copy_losses.mean())
+    return RepeatProbe(
+        copy_loss=copy_loss,
+        first_copy_loss=first_copy,
+        copy_gain=first_copy - copy_loss,
+        uniform_loss=math.log(geometry.vocab),
+        heads=heads,
+        settings=settings,
+        bos_id=tokens.bos_id,
+        copy_losses=copy_losses,
+        first_copy_losses=first_copies,
+        position_loss=tuple(float(x) for x in positions / n),
+    )
