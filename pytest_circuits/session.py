@@ -403,7 +403,6 @@ class CircuitsSession:
         m = self.settings.kappa_method if method is None else method
         if self.settings.shard_parts is not None:
             return self.merged_record(recipe, m)
-        knockout = knockout and not self.llama  # llama.cpp exposes no head to knock out (llama_engine.NOT_MEASURED)
         full = self._cache.get(("record", recipe, True, m))
         if not knockout and full is not None and not isinstance(full, _Failed):  # the full record serves too
             return full

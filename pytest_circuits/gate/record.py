@@ -234,6 +234,7 @@ def build_record(session, recipe: str, knockout: bool = True, method=None, knock
     spectrum = session.ov_spectrum(recipe, method)
     probe = session.repeat_probe(recipe)
     ko_frame, ko_info = None, None
+    knockout = knockout and not build.identity.engine  # llama.cpp has no head to knock out (llama_engine.NOT_MEASURED)
     if knockout:
         ko_frame = session.head_knockout(recipe) if knockout_frame is None else knockout_frame
         ko_info = {

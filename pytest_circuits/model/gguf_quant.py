@@ -24,6 +24,9 @@ from ..errors import CircuitsError, ModelLoadError
 from .loading import cache_root, resolve_model, sha256_of
 
 FLOAT_TYPES = ("F32",)  # what a tensor that is not quantized is stored as
+WRITER = (
+    2  # in cached file names; 2: rope.freq_base from rope_parameters, a placeholder vocabulary (llama.cpp loads it)
+)
 
 
 @lru_cache(maxsize=1)
@@ -161,12 +164,12 @@ def write_gguf(model: str, tensor_type: str, dst: str | Path) -> Path:
 
 
 def cached_gguf(model: str, tensor_type: str) -> Path:
-    """`write_gguf` once per (model weights, type): ``<cache>/quantized/<name>-<sha256[:16]>-<type>.gguf``."""
+    """`write_gguf` once per (model weights, type, `WRITER`): ``<cache>/quantized/<name>-<sha256[:16]>-<type>-w<WRITER>.gguf``."""
     from ..fsio import safe_name
 
     source = resolve_model(model)
     key = sha256_of(source.origin) if source.origin.is_file() else _folder_key(source.folder)
-    target = cache_root() / "quantized" / f"{safe_name(source.name)}-{key[:16]}-{tensor_type}.gguf"
+    target = cache_root() / "quantized" / f"{safe_name(source.name)}-{key[:16]}-{tensor_type}-w{WRITER}.gguf"
     if not target.is_file():  # written by os.replace: a file there is whole
         write_gguf(model, tensor_type, target)
     return target

@@ -28,7 +28,7 @@ TORCH, LLAMA_CPP = ENGINES
 VERSION = "0.3.36"  # the llama-cpp-python the extra pins at least
 INSTALL = (
     'pip install "pytest-circuits[llama]" (llama-cpp-python, built from its source distribution: '
-    "a C++ compiler and cmake, about 16 min on 2 cores)"
+    "a C++ compiler and cmake, about 10 min on 2 cores)"
 )
 CACHE_TYPES = {  # a +kv- format -> llama.cpp's ggml type constant (llama_cpp.GGML_TYPE_*)
     "q8_0": "GGML_TYPE_Q8_0",
@@ -107,11 +107,11 @@ def cache_name(kv) -> str:
     return DEFAULT_CACHE if kv is None else kv.name
 
 
-def engine_line(kv, threads: int = 1) -> str:
+def engine_line(kv) -> str:
     """The identity's ``engine`` line: what ran, with which cache, and what it cannot measure."""
     attention = "flash attention" if kv is not None else "attention without flash"
     return (
-        f"{LLAMA_CPP} (llama-cpp-python {llama_cpp_version()}, CPU, {threads} thread{'s' if threads > 1 else ''}): "
+        f"{LLAMA_CPP} (llama-cpp-python {llama_cpp_version()}, CPU): "
         f"the file's own kernels, KV cache {cache_name(kv)} (type_k = type_v), {attention}; "
         f"copy loss and gain from its logits; {NOT_MEASURED}"
     )
@@ -124,12 +124,12 @@ def served_by_llama(build, spec, model: str):
 
     gguf_path(spec, model)
     kv = spec.kv
-    cache = f"{DEFAULT_CACHE}: llama.cpp's default cache" if kv is None else f"{kv.name}: {kv.format.summary}"
+    cache = f"{DEFAULT_CACHE}: llama.cpp's default" if kv is None else f"{kv.name}: {kv.format.summary}"
     identity = replace(
         build.identity,
         recipe=spec.name,
         kv_cache=f"{cache}; llama.cpp's own cache",
-        engine=engine_line(kv, threads()),
+        engine=engine_line(kv),
     )
     return replace(build, identity=identity)
 
