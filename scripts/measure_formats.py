@@ -133,17 +133,22 @@ def probe_figures(probe) -> dict:
     return {**probe.model_figures(), **sampled_model_figures(probe)}
 
 
+LOADED: dict = {}  # external build spec -> its LoadedBuild, loaded once for every cache of `llama_table`
+
+
 def measure_pair(source, spec: str, kv, settings) -> dict:
     """llama.cpp's and torch's probe figures of external GGUF build ``spec`` with cache ``kv`` (None: f16 / full)."""
     from pytest_circuits.model.external import load_external_build
-    from pytest_circuits.model.kv_cache import attach_kv_cache
+    from pytest_circuits.model.kv_cache import attach_kv_cache, cache_of
     from pytest_circuits.model.llama_engine import llama_repeat_probe, threads
     from pytest_circuits.model.recipes import parse_build_spec
     from pytest_circuits.rungs.probe import run_repeat_probe
 
     build_spec = parse_build_spec(spec)
-    build = load_external_build(source, build_spec, "cpu")
-    build = build if kv is None else attach_kv_cache(build, kv)
+    build = LOADED.get(spec)
+    if build is None or (kv is None and cache_of(build.model) is not None):  # a cache, once put in, stays
+        build = LOADED[spec] = load_external_build(source, build_spec, "cpu")
+    build = build if kv is None else attach_kv_cache(build, kv)  # replaces the cache put in before
     ours = llama_repeat_probe(Path(str(build_spec.path)), build.tokens, build.geometry, settings, kv, threads())
     return {"llama": probe_figures(ours), "torch": probe_figures(run_repeat_probe(build, settings))}
 

@@ -100,6 +100,22 @@ def test_a_cache_llama_cpp_does_not_take_is_refused(capsys, q8_file, tmp_path, c
     assert not out.exists()
 
 
+def test_what_llama_cpp_runs_and_how_a_baseline_is_recorded_again():
+    """A GGUF file as stored runs (NAME=FILE.gguf, or a .gguf model's fp32); a recipe that casts or
+    quantizes in torch does not, and its record command names no engine (it is recorded on torch)."""
+    from pytest_circuits.gate.fixes import record_command
+    from pytest_circuits.model.llama_engine import runs
+    from pytest_circuits.model.recipes import parse_build_spec
+    from pytest_circuits.settings import build_settings
+
+    assert runs(parse_build_spec("q8=m.gguf"), "tiny-induction") and runs(parse_build_spec("q8+kv-q4_0=m.gguf"), "x")
+    assert runs(parse_build_spec("fp32"), "m.gguf") and not runs(parse_build_spec("bf16"), "m.gguf")
+    assert not runs(parse_build_spec("fp32"), "tiny-induction") and not runs(parse_build_spec("q8=folder"), "x")
+    s = build_settings({"builds": "q8=m.gguf", "engine": "llama.cpp"}, Path("baselines"))
+    assert record_command(s, "q8=m.gguf", "b").endswith("--engine llama.cpp")
+    assert "--engine" not in record_command(s, "fp32", "b")
+
+
 def test_an_unknown_engine_is_one_line_naming_the_choices(capsys):
     code, _, err = cli(capsys, "scan", "tiny-induction", "--engine", "vllm")
     assert code == 2 and "torch, llama.cpp" in one_line(err)
@@ -268,3 +284,26 @@ def test_smollm2_q8_0_through_llama_cpp_against_torch(env):
 
     ours, theirs = probes("smollm2-135m", cached_gguf("smollm2-135m", "Q8_0"), None, n=4)
     assert abs(ours.copy_loss - theirs.copy_loss) < 0.1, (ours.copy_loss, theirs.copy_loss)
+
+
+@needs_llama_cpp
+def test_the_pytest_gate_suite_through_llama_cpp_skips_what_it_cannot_see(pytester, q8_file):
+    """The shipped probes with ``circuits_engine = llama.cpp`` in the ini: the copy loss and the weights
+    gate the GGUF build, the induction and knockout tests skip naming the engine, none passes on them."""
+    from .conftest import PROBES
+
+    for test in sorted(PROBES.glob("test_*.py")):
+        pytester.makepyfile(**{test.stem: test.read_text()})
+    baselines = (Path(__file__).parents[1] / BASELINE).parent
+    pytester.makeini(
+        f"[pytest]\ncircuits_model = tiny-induction\ncircuits_builds = q8={q8_file}\ncircuits_baselines = {baselines}\n"
+        "circuits_device = cpu\ncircuits_engine = llama.cpp\n"
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rs", "-k", "q8")
+    out = result.stdout.str()
+    for name in ("test_induction_heads_survive", "test_knockout_deltas_keep_size"):
+        assert not any("PASSED" in line and name in line for line in result.outlines), out
+    skipped = [line for line in result.outlines if line.startswith("SKIPPED")]
+    assert any("routing" in line and "llama.cpp" in line for line in skipped), out
+    assert any("knockout" in line and "llama.cpp" in line for line in skipped), out
+    assert result.ret == 0, out

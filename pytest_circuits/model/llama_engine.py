@@ -74,10 +74,11 @@ def llama_cpp_version() -> str:
 
 
 def gguf_path(spec, model: str) -> Path:
-    """The GGUF file build ``spec`` runs on (its NAME=PATH, else the model when it is a .gguf file),
-    or a one-line refusal: llama.cpp runs GGUF files only, and only its own cache types."""
+    """The GGUF file build ``spec`` runs on (its NAME=PATH; the model's own .gguf file for ``fp32``, the
+    file as stored), or a one-line refusal: llama.cpp runs GGUF files as they are, and only its own
+    cache types (a recipe that casts or quantizes the weights in torch is not the file)."""
     path = Path(str(spec.path if spec.external else model)).expanduser()
-    if path.suffix.lower() != ".gguf":
+    if path.suffix.lower() != ".gguf" or not (spec.external or spec.weights.name == "fp32"):
         what = f"{spec.name}={spec.path}" if spec.external else f"{spec.name} (a recipe of {model})"
         raise EngineError(
             f"{flag('engine')} {LLAMA_CPP} runs GGUF files only, and build {what} is not one; "
@@ -85,6 +86,15 @@ def gguf_path(spec, model: str) -> Path:
         )
     check_cache(spec)
     return path
+
+
+def runs(spec, model: str) -> bool:
+    """True when llama.cpp can run build ``spec`` (`gguf_path` refuses it otherwise)."""
+    try:
+        gguf_path(spec, model)
+    except EngineError:
+        return False
+    return True
 
 
 def check_cache(spec) -> None:
