@@ -167,7 +167,7 @@ OPTIONS: tuple[Option, ...] = (
         "choice",
         "torch",
         "what runs the repeat probe: torch, or llama.cpp on GGUF builds (NAME=FILE.gguf; its own kernels and "
-        "KV cache, +kv-q8_0 etc.; copy loss and gain only, routing and knockouts skipped; "
+        "KV cache, +kv-q8_0 etc.; routing scores with its f16 cache only, knockouts skipped; "
         'pip install "pytest-circuits[llama]")',
         choices=ENGINES,
         cli=_SCAN_LIKE,

@@ -218,7 +218,20 @@ def test_f32_gguf_through_llama_cpp_matches_torch_closely(f32_probes):
     diff = np.abs(ours.copy_losses - theirs.copy_losses)
     assert diff.max() < 0.002, diff
     assert abs(ours.copy_gain - theirs.copy_gain) < 0.002
-    assert np.isnan(ours.heads["prefix_matching"]).all()  # never a routing score it did not measure
+
+
+@needs_llama_cpp
+def test_routing_scores_read_from_llama_cpps_own_patterns_match_torch(f32_probes, q8_file):
+    """The patterns llama.cpp hands its eval callback (``kq_soft_max-<layer>``) give every head's
+    prefix-matching, previous-token and duplicate-token scores: within 1e-4 of torch's on the F32 file
+    (measured: 4e-6) and 1e-3 on the Q8_0 file (measured: 7e-5; activations quantized); with a
+    quantized cache (flash attention) there is no pattern, and every score is NaN, never a number."""
+    for (ours, theirs), bound in ((f32_probes, 1e-4), (probes("tiny-induction", q8_file, None), 1e-3)):
+        for score in ("prefix_matching", "previous_token", "duplicate_token"):
+            gap = (ours.heads[score] - theirs.heads[score]).abs().max()
+            assert gap < bound, (score, gap)
+    ours, _ = probes("tiny-induction", q8_file, "q8_0")
+    assert np.isnan(ours.heads["prefix_matching"]).all() and np.isnan(ours.heads["path_factor"]).all()
 
 
 @needs_llama_cpp
@@ -272,7 +285,19 @@ def test_the_gate_through_llama_cpp_names_the_engine_and_skips_what_it_cannot_se
     assert code == 0, text + err
     assert "probe run by llama.cpp (llama-cpp-python" in text
     assert "note: the probe ran on another engine than the baseline's (baseline: torch, this build: llama.cpp)" in text
-    assert "PASS copy_loss" in text and "SKIP induction_heads" in text and "SKIP knockout_deltas" in text
+    assert "PASS copy_loss" in text and "PASS induction_heads" in text and "SKIP knockout_deltas" in text
+    code, text, err = cli(
+        capsys,
+        "gate",
+        "tiny-induction",
+        "--build",
+        f"q8+kv-q4_0={q8_file}",
+        "--engine",
+        "llama.cpp",
+        "--baseline",
+        BASELINE,
+    )
+    assert code == 0 and "SKIP induction_heads" in text and "never forms the attention pattern" in text, text + err
 
 
 @needs_llama_cpp
@@ -288,15 +313,16 @@ def test_smollm2_q8_0_through_llama_cpp_against_torch(env):
 
 @needs_llama_cpp
 def test_the_pytest_gate_suite_through_llama_cpp_skips_what_it_cannot_see(pytester, q8_file):
-    """The shipped probes with ``circuits_engine = llama.cpp`` in the ini: the copy loss and the weights
-    gate the GGUF build, the induction and knockout tests skip naming the engine, none passes on them."""
+    """The shipped probes with ``circuits_engine = llama.cpp`` in the ini, a q4_0 cache (flash attention:
+    no pattern): the copy loss and the weights gate the GGUF build, the induction and knockout tests
+    skip naming the engine, none passes on them."""
     from .conftest import PROBES
 
     for test in sorted(PROBES.glob("test_*.py")):
         pytester.makepyfile(**{test.stem: test.read_text()})
     baselines = (Path(__file__).parents[1] / BASELINE).parent
     pytester.makeini(
-        f"[pytest]\ncircuits_model = tiny-induction\ncircuits_builds = q8={q8_file}\ncircuits_baselines = {baselines}\n"
+        f"[pytest]\ncircuits_model = tiny-induction\ncircuits_builds = q8+kv-q4_0={q8_file}\ncircuits_baselines = {baselines}\n"
         "circuits_device = cpu\ncircuits_engine = llama.cpp\n"
     )
     result = pytester.runpytest("-p", "no:cacheprovider", "-rs", "-k", "q8")

@@ -8,10 +8,11 @@ default or ``+kv-q8_0`` etc. as ``type_k`` / ``type_v`` (flash attention on, whi
 for a quantized V cache). The tokens are the torch probe's (`repeat.repeat_tokens`), so each
 sequence's figures pair with the torch builds'.
 
-What it does not measure: llama.cpp's attention patterns (llama-cpp-python's ``Llama`` sets no eval
-callback, and with flash attention the pattern is never materialised), so the routing scores,
-the path factors and knockouts are not measured: the invariants that need them are skipped with
-`NOT_MEASURED`. Kappa is weights-only and is read from the torch dequantisation of the same file.
+Routing scores come from llama.cpp's own attention patterns (`llama_attention`, its eval callback)
+where it forms them: with its f16 cache, without flash attention. With a quantized cache (flash
+attention) it forms none, so `induction_heads` is skipped; path factors and knockouts are never
+measured (`NOT_MEASURED`), so `knockout_deltas` is skipped. Kappa is weights-only and is read from
+the torch dequantisation of the same file.
 
 Light at import: llama_cpp is imported only to run.
 """
@@ -39,11 +40,16 @@ CACHE_TYPES = {  # a +kv- format -> llama.cpp's ggml type constant (llama_cpp.GG
     "iq4_nl": "GGML_TYPE_IQ4_NL",
 }
 DEFAULT_CACHE = "f16"  # llama.cpp's cache without +kv-
-NOT_MEASURED = (
-    "llama.cpp exposes no attention pattern or head output here (llama-cpp-python sets no eval callback, "
-    "and its flash attention never forms the pattern), so routing scores, path factors and knockouts "
-    "are not measured"
+NOT_MEASURED = "path factors and knockouts are not measured (llama.cpp runs no per-head intervention)"
+NO_PATTERN = (
+    "routing scores are not measured either: with flash attention, which a quantized V cache needs, "
+    "llama.cpp never forms the attention pattern"
 )
+
+
+def routed(kv) -> bool:
+    """True when llama.cpp forms the attention pattern (its f16 cache, no flash attention) for the routing scores."""
+    return kv is None
 
 
 class EngineError(RecipeError):
@@ -119,11 +125,14 @@ def cache_name(kv) -> str:
 
 def engine_line(kv) -> str:
     """The identity's ``engine`` line: what ran, with which cache, and what it cannot measure."""
-    attention = "flash attention" if kv is not None else "attention without flash"
+    if routed(kv):
+        how = "attention without flash; copy loss and gain from its logits, routing scores from its attention "
+        how += f"patterns (its eval callback); {NOT_MEASURED}"
+    else:
+        how = f"flash attention; copy loss and gain from its logits; {NOT_MEASURED}; {NO_PATTERN}"
     return (
-        f"{LLAMA_CPP} (llama-cpp-python {llama_cpp_version()}, CPU): "
-        f"the file's own kernels, KV cache {cache_name(kv)} (type_k = type_v), {attention}; "
-        f"copy loss and gain from its logits; {NOT_MEASURED}"
+        f"{LLAMA_CPP} (llama-cpp-python {llama_cpp_version()}, CPU): the file's own kernels, KV cache "
+        f"{cache_name(kv)} (type_k = type_v), {how}"
     )
 
 
@@ -154,7 +163,11 @@ def threads() -> int:
 class LlamaRunner:
     """One llama.cpp context on a GGUF file, with logits for every position of a sequence."""
 
-    def __init__(self, path: Path, n_ctx: int, kv=None, threads: int = 1):
+    def __init__(self, path: Path, n_ctx: int, kv=None, threads: int = 1, reader=None):
+        from contextlib import nullcontext
+
+        from .llama_attention import with_eval_callback
+
         llama_cpp = require_llama_cpp()
         if kv is not None and not takes(kv):
             raise EngineError(f"llama.cpp has no cache type {kv.name}; it takes {', '.join(CACHE_TYPES)}")
@@ -162,19 +175,21 @@ class LlamaRunner:
         if kv is not None:
             kind = getattr(llama_cpp, CACHE_TYPES[kv.format.name])
             kwargs = dict(type_k=kind, type_v=kind, flash_attn=True)  # a quantized V cache needs flash attention
-        self.n_ctx = n_ctx
-        self.llm = llama_cpp.Llama(
-            model_path=str(path),
-            n_ctx=n_ctx,
-            n_batch=n_ctx,
-            n_ubatch=n_ctx,  # one sequence in one micro-batch: every query reads keys and values from the cache
-            logits_all=True,
-            n_threads=threads,
-            n_threads_batch=threads,
-            n_gpu_layers=0,
-            verbose=False,
-            **kwargs,
-        )
+        self.n_ctx, self.reader = n_ctx, reader
+        with with_eval_callback(llama_cpp, reader) if reader is not None else nullcontext() as callback:
+            self.callback = callback  # the context calls it: it lives as long as the runner
+            self.llm = llama_cpp.Llama(
+                model_path=str(path),
+                n_ctx=n_ctx,
+                n_batch=n_ctx,
+                n_ubatch=n_ctx,  # one sequence, one micro-batch: every query reads keys and values from the cache
+                logits_all=True,
+                n_threads=threads,
+                n_threads_batch=threads,
+                n_gpu_layers=0,
+                verbose=False,
+                **kwargs,
+            )
 
     @property
     def n_vocab(self) -> int:
@@ -187,6 +202,8 @@ class LlamaRunner:
         tokens = [int(t) for t in ids]
         self.llm.reset()
         self.llm.eval(tokens)
+        if self.reader is not None and self.reader.error:
+            raise EngineError(f"reading llama.cpp's attention pattern failed: {self.reader.error}")
         return np.array(self.llm.scores[: len(tokens)], dtype=np.float32)
 
     def close(self) -> None:
@@ -196,20 +213,24 @@ class LlamaRunner:
 def llama_repeat_probe(path: Path, tokens, geometry, settings, kv=None, threads: int = 1):
     """The repeat probe (`probe.RepeatProbe`) of GGUF file ``path`` run by llama.cpp: copy loss,
     first-copy loss, copy gain and the per-position loss from its logits, on the torch probe's
-    sequences; every head's routing score and path factor NaN (`NOT_MEASURED`)."""
+    sequences; the routing scores from its attention patterns where it forms them (its f16
+    cache, without flash attention: `llama_attention`), else NaN; path factors NaN (`NOT_MEASURED`)."""
     import math
 
     import numpy as np
     import torch
 
-    from ..rungs.probe import RepeatProbe, heads_frame, position_slice
+    from ..rungs.probe import RepeatProbe, heads_frame, position_slice, score_counts
     from ..rungs.repeat import bos_offset, next_token_losses, repeat_losses, repeat_tokens
 
     L, n = settings.L, settings.n
     offset = bos_offset(tokens)
     ids = repeat_tokens(tokens, n, L, settings.seed)
     T = ids.shape[1]
-    runner = LlamaRunner(path, n_ctx=T, kv=kv, threads=threads)
+    from .llama_attention import PatternReader
+
+    reader = PatternReader(geometry.n_layers, T, L, offset) if routed(kv) else None
+    runner = LlamaRunner(path, n_ctx=T, kv=kv, threads=threads, reader=reader)
     try:
         if runner.n_vocab != geometry.vocab:
             raise EngineError(
@@ -227,7 +248,14 @@ def llama_repeat_probe(path: Path, tokens, geometry, settings, kv=None, threads:
     finally:
         runner.close()
     first_copies, copy_losses = np.array(firsts), np.array(copies)
-    heads = heads_frame(np.full((geometry.n_layers, 3, geometry.n_heads), np.nan))
+    means = np.full((geometry.n_layers, 3, geometry.n_heads), np.nan)
+    if reader is not None:
+        if len(reader.seen) != geometry.n_layers:
+            missed = sorted(set(range(geometry.n_layers)) - reader.seen)
+            raise EngineError(f"llama.cpp formed no attention pattern in layers {missed[:8]} of {path}")
+        counts = torch.tensor(score_counts(L), dtype=torch.float64).view(1, 3, 1) * n
+        means = (torch.stack(reader.sums) / counts).numpy()
+    heads = heads_frame(means)
     heads["path_factor"] = np.nan
     first_copy, copy_loss = float(first_copies.mean()), float(copy_losses.mean())
     return RepeatProbe(
