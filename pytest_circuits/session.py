@@ -234,7 +234,8 @@ class CircuitsSession:
             build = self.build(recipe)
             with self._phase(f"repeat probe (n={s.probe.n}, L={s.probe.L}) {self.model_name}:{recipe}"):
                 if self.llama:
-                    from .model.llama_engine import llama_repeat_probe, threads
+                    from .model.llama_engine import threads
+                    from .rungs.llama_probe import llama_repeat_probe
 
                     path, kv = self.engine_files()[recipe], s.spec(recipe).kv
                     return llama_repeat_probe(path, build.tokens, build.geometry, s.probe, kv, threads())

@@ -140,8 +140,9 @@ def measure_pair(source, spec: str, kv, settings) -> dict:
     """llama.cpp's and torch's probe figures of external GGUF build ``spec`` with cache ``kv`` (None: f16 / full)."""
     from pytest_circuits.model.external import load_external_build
     from pytest_circuits.model.kv_cache import attach_kv_cache, cache_of
-    from pytest_circuits.model.llama_engine import llama_repeat_probe, threads
+    from pytest_circuits.model.llama_engine import threads
     from pytest_circuits.model.recipes import parse_build_spec
+    from pytest_circuits.rungs.llama_probe import llama_repeat_probe
     from pytest_circuits.rungs.probe import run_repeat_probe
 
     build_spec = parse_build_spec(spec)

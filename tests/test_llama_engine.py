@@ -190,9 +190,9 @@ def probes(model: str, path: Path, kv: str | None, L: int = 64, n: int = 8):
     from pytest_circuits.model.external import load_external_build
     from pytest_circuits.model.kv_cache import attach_kv_cache
     from pytest_circuits.model.kv_formats import parse_kv
-    from pytest_circuits.model.llama_engine import llama_repeat_probe
     from pytest_circuits.model.loading import resolve_model
     from pytest_circuits.model.recipes import parse_build_spec
+    from pytest_circuits.rungs.llama_probe import llama_repeat_probe
     from pytest_circuits.rungs.probe import run_repeat_probe
     from pytest_circuits.rungs.repeat_settings import RepeatSettings
 

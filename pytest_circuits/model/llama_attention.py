@@ -3,8 +3,8 @@
 Without flash attention llama.cpp computes each layer's pattern as the tensor ``kq_soft_max-<layer>``,
 ``[n_kv, n_tokens, n_head, n_stream]`` float32 (ggml's order: the first index varies fastest). The
 scheduler asks the callback about every node (``ask``: return True to see it) and then hands over
-the nodes it asked for once computed; `PatternReader` reduces each pattern to the probe's routing
-sums (`probe.routing_sums`) and drops it, as the torch probe's hooks do. With flash attention
+the nodes it asked for once computed; `PatternReader` hands each pattern on (the probe reduces it to
+its routing sums and drops it, as the torch probe's hooks do: `rungs.llama_probe`). With flash attention
 (which a quantized V cache needs) llama.cpp never forms the pattern: nothing is read, and
 `PatternReader.seen` stays empty.
 
@@ -45,13 +45,13 @@ class GgmlTensor(ctypes.Structure):
 
 
 class PatternReader:
-    """Per-layer running routing sums ``(3, heads)`` of the patterns llama.cpp computes, for
-    sequences of ``T`` positions (``L``, ``offset`` as the probe's). ``error``: the first failure
-    inside the callback (a callback cannot raise into C); ``seen``: the layers read."""
+    """The eval callback: hands each layer's pattern, ``(n_head, T, T)`` float32 (queries by the
+    sequence's own keys), to ``on_pattern(layer, pattern)`` as llama.cpp computes it, for sequences of
+    ``T`` positions. ``error``: the first failure inside the callback (a callback cannot raise into
+    C); ``seen``: the layers read."""
 
-    def __init__(self, n_layers: int, T: int, L: int, offset: int):
-        self.n_layers, self.T, self.L, self.offset = n_layers, T, L, offset
-        self.sums: list = [None] * n_layers
+    def __init__(self, n_layers: int, T: int, on_pattern):
+        self.n_layers, self.T, self.on_pattern = n_layers, T, on_pattern
         self.seen: set[int] = set()
         self.error: str | None = None
 
@@ -63,16 +63,16 @@ class PatternReader:
                 return not ask  # never ask for it; a False after computing would stop the graph
             if ask:
                 return True
-            self.add(int(name[len(PATTERN) :]), tensor)
+            layer = int(name[len(PATTERN) :])
+            self.on_pattern(layer, self.pattern(layer, tensor))
+            self.seen.add(layer)
         except Exception as error:  # noqa: BLE001  (kept and raised by the caller, after the graph)
             self.error = self.error or f"{type(error).__name__}: {error}"
         return True
 
-    def add(self, layer: int, tensor: GgmlTensor) -> None:
+    def pattern(self, layer: int, tensor: GgmlTensor):
+        """A copy of the pattern ``(n_head, T, T)``: the keys past ``T`` are the cache's empty cells."""
         import numpy as np
-        import torch
-
-        from ..rungs.probe import routing_sums
 
         n_kv, n_tokens, n_head, n_stream = (int(x) for x in tensor.ne)
         if tensor.type != GGML_TYPE_F32 or tensor.nb[0] != 4 or tensor.nb[1] != 4 * n_kv:
@@ -82,10 +82,7 @@ class PatternReader:
                 f"layer {layer}: a pattern of {n_tokens} queries x {n_stream} streams, {self.T} x 1 expected"
             )
         values = ctypes.cast(tensor.data, ctypes.POINTER(ctypes.c_float))
-        pattern = np.ctypeslib.as_array(values, shape=(n_head, n_tokens, n_kv))[:, :, : self.T].copy()
-        sums = routing_sums(torch.from_numpy(pattern).unsqueeze(0), self.L, self.offset)
-        self.sums[layer] = sums if self.sums[layer] is None else self.sums[layer] + sums
-        self.seen.add(layer)
+        return np.ctypeslib.as_array(values, shape=(n_head, n_tokens, n_kv))[:, :, : self.T].copy()
 
 
 @contextmanager

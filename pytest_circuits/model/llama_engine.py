@@ -3,7 +3,7 @@
 ``--circuits-engine llama.cpp`` (``circuits gate --engine llama.cpp``) measures the copy loss and
 copy gain of a GGUF build (``NAME=FILE.gguf``, or ``--circuits-model FILE.gguf``) from the logits
 llama.cpp computes (llama-cpp-python, ``logits_all``): the file's own kernels, which quantize
-activations to Q8_1 / Q8_K before a quantized matmul, and llama.cpp's own KV cache, ``f16`` by
+activations (Q8_0, Q8_1 or Q8_K blocks, by weight type) before a quantized matmul, and llama.cpp's own KV cache, ``f16`` by
 default or ``+kv-q8_0`` etc. as ``type_k`` / ``type_v`` (flash attention on, which llama.cpp needs
 for a quantized V cache). The tokens are the torch probe's (`repeat.repeat_tokens`), so each
 sequence's figures pair with the torch builds'.
@@ -26,7 +26,6 @@ from ..errors import RecipeError
 from ..options import ENGINES, flag
 
 TORCH, LLAMA_CPP = ENGINES
-VERSION = "0.3.36"  # the llama-cpp-python the extra pins at least
 INSTALL = (
     'pip install "pytest-circuits[llama]" (llama-cpp-python, built from its source distribution: '
     "a C++ compiler and cmake, about 10 min on 2 cores)"
@@ -54,13 +53,6 @@ def routed(kv) -> bool:
 
 class EngineError(RecipeError):
     """An engine that cannot run a build: not installed, not a GGUF build, a cache it does not take."""
-
-
-def check_engine(name: str) -> str:
-    """``name`` checked against `ENGINES` (the option parser checks it too; this is for the API)."""
-    if name not in ENGINES:
-        raise EngineError(f"unknown engine {name!r}; use one of {', '.join(ENGINES)}")
-    return name
 
 
 def require_llama_cpp():
@@ -208,65 +200,3 @@ class LlamaRunner:
 
     def close(self) -> None:
         self.llm.close()
-
-
-def llama_repeat_probe(path: Path, tokens, geometry, settings, kv=None, threads: int = 1):
-    """The repeat probe (`probe.RepeatProbe`) of GGUF file ``path`` run by llama.cpp: copy loss,
-    first-copy loss, copy gain and the per-position loss from its logits, on the torch probe's
-    sequences; the routing scores from its attention patterns where it forms them (its f16
-    cache, without flash attention: `llama_attention`), else NaN; path factors NaN (`NOT_MEASURED`)."""
-    import math
-
-    import numpy as np
-    import torch
-
-    from ..rungs.probe import RepeatProbe, heads_frame, position_slice, score_counts
-    from ..rungs.repeat import bos_offset, next_token_losses, repeat_losses, repeat_tokens
-
-    L, n = settings.L, settings.n
-    offset = bos_offset(tokens)
-    ids = repeat_tokens(tokens, n, L, settings.seed)
-    T = ids.shape[1]
-    from .llama_attention import PatternReader
-
-    reader = PatternReader(geometry.n_layers, T, L, offset) if routed(kv) else None
-    runner = LlamaRunner(path, n_ctx=T, kv=kv, threads=threads, reader=reader)
-    try:
-        if runner.n_vocab != geometry.vocab:
-            raise EngineError(
-                f"GGUF file {path}: llama.cpp reads a vocabulary of {runner.n_vocab} tokens, the model has "
-                f"{geometry.vocab}; export the file with the model's vocabulary"
-            )
-        firsts, copies, positions = [], [], torch.zeros(2 * L - 1, dtype=torch.float64)
-        for row in ids:
-            logits = torch.from_numpy(runner.logits(row.tolist())).unsqueeze(0)
-            losses = next_token_losses(logits, row.unsqueeze(0))
-            first, copy = repeat_losses(losses, L, offset)
-            firsts.append(float(first[0]))
-            copies.append(float(copy[0]))
-            positions += losses[0, position_slice(L, offset)].double()
-    finally:
-        runner.close()
-    first_copies, copy_losses = np.array(firsts), np.array(copies)
-    means = np.full((geometry.n_layers, 3, geometry.n_heads), np.nan)
-    if reader is not None:
-        if len(reader.seen) != geometry.n_layers:
-            missed = sorted(set(range(geometry.n_layers)) - reader.seen)
-            raise EngineError(f"llama.cpp formed no attention pattern in layers {missed[:8]} of {path}")
-        counts = torch.tensor(score_counts(L), dtype=torch.float64).view(1, 3, 1) * n
-        means = (torch.stack(reader.sums) / counts).numpy()
-    heads = heads_frame(means)
-    heads["path_factor"] = np.nan
-    first_copy, copy_loss = float(first_copies.mean()), float(copy_losses.mean())
-    return RepeatProbe(
-        copy_loss=copy_loss,
-        first_copy_loss=first_copy,
-        copy_gain=first_copy - copy_loss,
-        uniform_loss=math.log(geometry.vocab),
-        heads=heads,
-        settings=settings,
-        bos_id=tokens.bos_id,
-        copy_losses=copy_losses,
-        first_copy_losses=first_copies,
-        position_loss=tuple(float(x) for x in positions / n),
-    )
