@@ -30,6 +30,7 @@ def preflight(settings: CircuitsSettings, source, device: str):
     check_fits(config, tokens, s.probe.L)
     for name in dict.fromkeys((*s.builds, s.reference)):  # a cache window the probe cannot exceed
         check_window_fits(s.spec(name), 2 * s.probe.L + bos_offset(tokens), flag("probe-length"))
+    engine_files(s)
     _, geometry = family_and_geometry(config)
     check_geometry(s.model, geometry)
     if s.shard_parts is None:  # a merge job runs no probe: it gates the parts' figures
@@ -52,11 +53,28 @@ def load_spec(settings: CircuitsSettings, source, spec, device):
         from .model.builds import load_build
 
         build = load_build(source, weights.name, device, settings.trust_remote_code, device_map=settings.device_map)
-    if spec.kv is not None:
+    if settings.engine == "llama.cpp":  # llama.cpp runs the probe with its own cache; torch reads the weights only
+        from .model.llama_engine import served_by_llama
+
+        build = served_by_llama(build, spec, settings.model)
+    elif spec.kv is not None:
         from .model.kv_cache import attach_kv_cache
 
         build = attach_kv_cache(build, spec.kv)
     return build
+
+
+def engine_files(settings: CircuitsSettings) -> dict:
+    """``{build: its GGUF file}`` with llama.cpp as the engine (``--circuits-engine llama.cpp``,
+    `model.llama_engine`: every build gated must be one, with a cache llama.cpp takes, and
+    llama-cpp-python installed); ``{}`` with torch."""
+    if settings.engine != "llama.cpp":
+        return {}
+    from .model.llama_engine import gguf_path, require_llama_cpp
+
+    files = {name: gguf_path(settings.spec(name), settings.model) for name in settings.builds}
+    require_llama_cpp()
+    return files
 
 
 def measure_spectrum(model, method, fdr_q: float):

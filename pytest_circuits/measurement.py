@@ -154,6 +154,13 @@ class BuildMeasurement(LoadedBuilds):
         def measure():
             build = self.build(recipe)
             with self._phase(f"repeat probe (n={s.probe.n}, L={s.probe.L}) {self.model_name}:{recipe}"):
+                if s.engine == "llama.cpp":
+                    from .measure_steps import engine_files
+                    from .model.llama_engine import threads
+                    from .rungs.llama_probe import llama_repeat_probe
+
+                    path, kv = engine_files(s)[recipe], s.spec(recipe).kv
+                    return llama_repeat_probe(path, build.tokens, build.geometry, s.probe, kv, threads())
                 return run_repeat_probe(build, s.probe, batch_size=s.batch_size)
 
         return self.memo(("repeat_probe", recipe), measure)

@@ -24,6 +24,7 @@ DEFAULT_REFERENCE = "fp32"
 KNOCKOUT_MODES = ("zero", "mean")  # zero or mean ablation of a head's z (rungs/ablation.py)
 SCREEN_METHODS = ("atp*", "atp*gd", "atp")  # how a knockout screen ranks heads (rungs/screen.py)
 DEVICE_MAPS = ("none", "auto", "balanced", "balanced_low_0", "sequential")  # accelerate's device_map strategies
+ENGINES = ("torch", "llama.cpp")  # what runs the repeat probe (model/llama_engine.py)
 
 FRONT_END: ContextVar[str] = ContextVar("circuits_front_end", default="pytest")
 
@@ -159,6 +160,16 @@ OPTIONS: tuple[Option, ...] = (
         "spread a model too big for one GPU over the visible GPUs with accelerate's device_map "
         "(auto, balanced, balanced_low_0, sequential); none: the whole model on --circuits-device",
         choices=DEVICE_MAPS,
+        cli=_SCAN_LIKE,
+    ),
+    Option(
+        "engine",
+        "choice",
+        "torch",
+        "what runs the repeat probe: torch, or llama.cpp on GGUF builds (NAME=FILE.gguf; its own kernels and "
+        "KV cache, +kv-q8_0 etc.; routing scores with its f16 cache only, knockouts skipped; "
+        'pip install "pytest-circuits[llama]")',
+        choices=ENGINES,
         cli=_SCAN_LIKE,
     ),
     Option("report", "path", None, "write an HTML and markdown report to this folder"),

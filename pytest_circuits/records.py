@@ -23,6 +23,7 @@ def measure_record(m: BuildMeasurement, recipe: str, knockout: bool = True, meth
     spectrum = m.ov_spectrum(recipe, method)
     probe = m.repeat_probe(recipe)
     ko_frame, ko_info = None, None
+    knockout = knockout and not build.identity.engine  # llama.cpp has no head to knock out (llama_engine.NOT_MEASURED)
     if knockout:
         ko_frame = m.head_knockout(recipe) if knockout_frame is None else knockout_frame
         ko_info = {

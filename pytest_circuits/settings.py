@@ -29,6 +29,7 @@ class CircuitsSettings:
     update_all: bool = False  # record baselines, rewriting every file
     device: str = "auto"
     device_map: str = "none"  # accelerate's device_map strategy for a model over several GPUs
+    engine: str = "torch"  # what runs the repeat probe: torch, or llama.cpp on GGUF builds (model/llama_engine.py)
     report: Path | None = None
     swap_baseline: Path | None = None  # a base-model swap: the replaced model's baseline file
     trust_remote_code: bool = False
@@ -97,6 +98,7 @@ def build_settings(raw: dict, baselines: Path, front_end: str | None = None, **f
         update_all=get("update-all"),
         device=get("device"),
         device_map=get("device-map"),
+        engine=get("engine"),
         report=get("report"),
         swap_baseline=get("swap-baseline"),
         trust_remote_code=get("trust-remote-code"),
@@ -124,6 +126,7 @@ def recording_words(s: CircuitsSettings, front_end: str) -> list[str]:
         "knockout-screen-method": s.knockout_screen_method,
         "knockout-mode": s.knockout_mode,
         "trust-remote-code": s.trust_remote_code,
+        "engine": s.engine,
         "probe-seed": s.probe.seed,
         "probe-n": s.probe.n,
         "probe-length": s.probe.L,

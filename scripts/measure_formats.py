@@ -31,6 +31,13 @@ BLOCK,...`` some of them (the long-probe block runs scripts/measure_long_probe.p
 checkpoint of the model saved by that library (`LIBRARY_CHECKPOINTS`), written once into ``--records``.
 
     OMP_NUM_THREADS=1 python scripts/measure_formats.py --all --write-docs
+``--llama-cpp Q8_0,Q4_0`` measures llama.cpp in the loop instead (`llama_table`): each GGUF file of
+the model (`gguf_quant.cached_gguf`) run by llama.cpp with each cache of ``--caches`` against the
+torch dequantisation of the same file with the same cache simulated (f16, llama.cpp's default, is
+full precision in torch), on the same sequences; and against fp32 in torch, gated on copy_loss
+(the one probe invariant llama.cpp's logits can gate).
+
+    python scripts/measure_formats.py --model smollm2-135m --probe-length 64 --llama-cpp Q8_0,Q4_0
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import re
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -74,6 +82,7 @@ FORMATS_TINY = (
 )
 FORMATS_SMOLLM2 = "w4a16-rtn-g64,gptq-int4-g64,awq-int4-g64,rtn-int4,fp8-e4m3-dyn,int8-w8a8,fp8-e4m3"
 SMOLLM2 = ["--model", "smollm2-135m"]
+LLAMA_FILES = "Q8_0,Q4_0"
 PLANS: dict[str, tuple[str, list[str]]] = {  # block: (page, arguments); each fact of a table declared here
     "formats-tiny": ("docs/formats.md", ["--builds", FORMATS_TINY]),
     "formats-smollm2": (
@@ -96,6 +105,11 @@ PLANS: dict[str, tuple[str, list[str]]] = {  # block: (page, arguments); each fa
         [*SMOLLM2, "--no-knockout", "--probe-length", "64", "--builds", KV_QUANTO.format(w=32)],
     ),
     "long-probe": ("docs/kv-cache.md", []),  # scripts/measure_long_probe.py
+    # llama.cpp in the loop (the llama extra): its kernels and caches against torch on the same GGUF file
+    "llama-tiny-L32": ("docs/kv-cache.md", ["--llama-cpp", LLAMA_FILES, "--probe-length", "32"]),
+    "llama-tiny-L64": ("docs/kv-cache.md", ["--llama-cpp", LLAMA_FILES, "--probe-length", "64"]),
+    "llama-smollm2-L64": ("docs/kv-cache.md", [*SMOLLM2, "--llama-cpp", LLAMA_FILES, "--probe-length", "64"]),
+    "llama-smollm2-L128": ("docs/kv-cache.md", [*SMOLLM2, "--llama-cpp", LLAMA_FILES, "--probe-length", "128"]),
 }
 
 
@@ -211,6 +225,92 @@ def run_plans(only: str | None, write: bool, records: str | None = None) -> None
         main([*arguments, *kept, *(["--write-docs", f"{page}:{block}"] if write else [])])
 
 
+LLAMA_COLUMNS = (
+    "| weights | cache | llama.cpp copy loss [interval] | torch, same file and cache | llama.cpp - torch [95% paired] "
+    "| llama.cpp - fp32 torch [95% paired] | copy_loss gate vs fp32 | s (both) |"
+)
+
+
+def probe_figures(probe) -> dict:
+    """A probe's copy loss and gain with their per-sequence values, as a record holds them."""
+    from pytest_circuits.gate.record import sampled_model_figures
+
+    return {**probe.model_figures(), **sampled_model_figures(probe)}
+
+
+LOADED: dict = {}  # external build spec -> its LoadedBuild, loaded once for every cache of `llama_table`
+
+
+def measure_pair(source, spec: str, kv, settings) -> dict:
+    """llama.cpp's and torch's probe figures of external GGUF build ``spec`` with cache ``kv`` (None: f16 / full)."""
+    from pytest_circuits.model.external import load_external_build
+    from pytest_circuits.model.kv_cache import attach_kv_cache, cache_of
+    from pytest_circuits.model.llama_engine import threads
+    from pytest_circuits.model.recipes import parse_build_spec
+    from pytest_circuits.rungs.llama_probe import llama_repeat_probe
+    from pytest_circuits.rungs.probe import run_repeat_probe
+
+    build_spec = parse_build_spec(spec)
+    build = LOADED.get(spec)
+    if build is None or (kv is None and cache_of(build.model) is not None):  # a cache, once put in, stays
+        build = LOADED[spec] = load_external_build(source, build_spec, "cpu")
+    build = build if kv is None else attach_kv_cache(build, kv)  # replaces the cache put in before
+    ours = llama_repeat_probe(Path(str(build_spec.path)), build.tokens, build.geometry, settings, kv, threads())
+    return {"llama": probe_figures(ours), "torch": probe_figures(run_repeat_probe(build, settings))}
+
+
+def llama_table(args, records: Path) -> list[str]:
+    """Rows of llama.cpp's copy loss against torch's on the same GGUF file (module doc, ``--llama-cpp``)."""
+    from pytest_circuits.gate.invariants import evaluate
+    from pytest_circuits.model.builds import load_build
+    from pytest_circuits.model.gguf_quant import cached_gguf
+    from pytest_circuits.model.kv_formats import parse_kv
+    from pytest_circuits.model.llama_engine import DEFAULT_CACHE, llama_cpp_version, threads
+    from pytest_circuits.model.loading import resolve_model
+    from pytest_circuits.options import parse_value
+    from pytest_circuits.rungs.probe import run_repeat_probe
+    from pytest_circuits.rungs.repeat_settings import RepeatSettings
+
+    source = resolve_model(args.model)
+    settings = RepeatSettings(
+        seed=0, n=parse_value("probe-n", None), L=args.probe_length or parse_value("probe-length", None)
+    )
+
+    def cached(name: str, measure) -> dict:
+        path = records / f"llama-{name}.json"
+        if not path.is_file():
+            start = time.perf_counter()
+            figures = measure()
+            path.write_text(json.dumps({**figures, "seconds": time.perf_counter() - start}))
+        return json.loads(path.read_text())
+
+    fp32 = cached("fp32", lambda: probe_figures(run_repeat_probe(load_build(source, "fp32", "cpu"), settings)))
+    lines = [
+        f"{args.model}, L = {settings.L}, n = {settings.n}: fp32 copy loss in torch {fp32['copy_loss']:.4f}; "
+        f"llama-cpp-python {llama_cpp_version()}, {threads()} threads",
+        "",
+        LLAMA_COLUMNS,
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for kind in args.llama_cpp.split(","):
+        path = cached_gguf(args.model, kind)
+        for cache in args.caches.split(","):
+            kv = None if cache == DEFAULT_CACHE else parse_kv(cache)
+            pair = cached(f"{kind}-{cache}", partial(measure_pair, source, f"{kind.lower()}={path}", kv, settings))
+            ours, theirs = pair["llama"], pair["torch"]
+            low, high = ours["copy_loss_interval"]
+            verdict = evaluate("copy_loss", fp32, ours, Tolerances(), f"{kind} {cache}", "fp32")
+            torch_cache = "full precision" if kv is None else cache
+            say = "pass" if verdict.status == "passed" else "FAIL" if verdict.status == "failed" else verdict.status
+            lines.append(
+                f"| {kind} | {cache} | {ours['copy_loss']:.4f} [{low:.4f}, {high:.4f}] | "
+                f"{theirs['copy_loss']:.4f} ({torch_cache}) | {change(theirs, ours)} | {change(fp32, ours)} | "
+                f"{say} | {pair['seconds']:.0f} |"
+            )
+            print(lines[-1], flush=True)
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if "--all" in argv or any(a == "--only" or a.startswith("--only=") for a in argv):
@@ -236,9 +336,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--write-baselines", action="store_true", help="store a recipe's record as its missing baseline"
     )
+    parser.add_argument(
+        "--llama-cpp", default=None, metavar="TYPES", help="GGUF types (Q8_0,Q4_0): llama.cpp against torch instead"
+    )
+    parser.add_argument("--caches", default="f16,q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl", help="with --llama-cpp: caches")
     args = parser.parse_args(argv)
     records = args.records / (args.model + (f"-L{args.probe_length}" if args.probe_length else ""))
     records.mkdir(parents=True, exist_ok=True)
+    if args.llama_cpp:
+        lines = llama_table(args, records)
+        if args.write_docs:
+            write_docs(args.write_docs, lines, argv)
+        return
     raw = {
         "model": args.model,
         "builds": build_specs(args.builds, args.model, records),
@@ -308,9 +417,14 @@ def main(argv: list[str] | None = None) -> None:
             f"| {verdict} | {seconds:.0f} |"
         )
     if args.write_docs:
-        page, _, block = args.write_docs.partition(":")
-        command = "python scripts/measure_formats.py " + " ".join(shown_arguments(argv))
-        write_blocks(Path(page), {block: "\n".join([f"`{command}`", "", *lines]) + "\n"})
+        write_docs(args.write_docs, lines, argv)
+
+
+def write_docs(where: str, lines: list[str], argv: list[str]) -> None:
+    """The table into block ``PAGE:BLOCK``, under the command that regenerates it (``argv`` shown)."""
+    page, _, block = where.partition(":")
+    command = "python scripts/measure_formats.py " + " ".join(shown_arguments(argv))
+    write_blocks(Path(page), {block: "\n".join([f"`{command}`", "", *lines]) + "\n"})
 
 
 if __name__ == "__main__":

@@ -508,6 +508,7 @@ class InductionHeads(Invariant):
     suite_test = "test_induction_heads_survive"
     suite_module = "test_rung12_repeat"
     guards = "the induction and previous-token heads"
+    needs = frozenset({"routing"})
     tolerances = {
         "prefix": Tolerance(0.10, "|delta prefix_matching| / |delta previous_token| of key heads"),
     }

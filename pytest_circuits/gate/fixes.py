@@ -20,6 +20,12 @@ def record_command(settings: CircuitsSettings, build: str, folder: str | Path, n
     """``circuits record`` that (re)records the baseline of ``build`` (a recipe or NAME=PATH) in
     ``folder``, with every setting it was gated with; ``name``: the model's name in the file's name."""
     s = settings if name is None else replace(settings, name=name)
+    if s.engine != "torch":  # a build llama.cpp cannot run (the torch reference) is recorded on torch
+        from ..model.llama_engine import runs
+        from ..model.recipes import parse_build_spec
+
+        if not runs(parse_build_spec(build), s.model):
+            s = replace(s, engine="torch")
     words = ["circuits", "record", s.model, "--build", build, "--baselines", str(folder)]
     return shlex.join(words + recording_words(s, "cli"))
 

@@ -25,7 +25,7 @@ from typing import ClassVar
 from ..errors import CircuitsDeprecationWarning, CircuitsError, did_you_mean
 from ..options import flag
 from . import tolerances as tolerances_module
-from .record import has_figures
+from .record import has_figures, lacking_figures
 from .store import geometry_difference
 from .tolerances import Number, Tolerance, Tolerances
 
@@ -252,6 +252,9 @@ def evaluate(
     scope = scope_skip(inv, bool(other) if across is None else across, other, words)
     if scope:
         return InvariantResult(inv.name, build, against, "skipped", scope)
+    lacking = [need for need in sorted(inv.needs) if not has_figures(after, need)]
+    if lacking and all(has_figures(before, need) for need in lacking):  # never a pass on figures not measured
+        return InvariantResult(inv.name, build, against, "skipped", lacking_figures(after, build, ", ".join(lacking)))
     missing = [need for need in sorted(inv.needs) if not has_figures(before, need)]
     if missing:
         comparison = Comparison(
@@ -340,8 +343,7 @@ def gate_all(
     for n in in_scope(names, across):
         if n not in results:
             lacking = ", ".join(need for need in sorted(get(n).needs) if not has_figures(after, need))
-            why = f"not checked: the {build} record holds no {lacking} figures, it was measured without them"
-            results[n] = InvariantResult(n, build, against, "skipped", why)
+            results[n] = InvariantResult(n, build, against, "skipped", lacking_figures(after, build, lacking))
     return [results[n] for n in in_scope(names, across)]
 
 

@@ -21,13 +21,25 @@ EXTRA_COLUMNS = figures.stored_head_figures("measured")  # only when the rung pr
 MODEL_FIGURES = figures.model_figure_names()
 KNOCKOUT_SEQUENCES = figures.sequences_key("knockout_delta")
 SERIES_FIGURES = figures.series_figure_names()  # optional per-position series (``position_loss``)
-NEEDS = {"knockout": "knockout_delta"}  # what an invariant may need -> the head figure that shows it
+NEEDS = {
+    "knockout": "knockout_delta",
+    "routing": "prefix_matching",
+}  # what an invariant may need -> the head figure that shows it
 
 
 def has_figures(record: dict, need: str) -> bool:
-    """True when the record holds the figures of ``need`` (``"knockout"``: any measured knockout delta)."""
+    """True when the record holds the figures of ``need`` (``"knockout"``: any measured knockout delta;
+    ``"routing"``: any measured routing score, which an engine without attention patterns lacks)."""
     column = NEEDS[need]
     return any(row.get(column) is not None for row in record.get("heads") or [] if isinstance(row, dict))
+
+
+def lacking_figures(record: dict, build: str, lacking: str) -> str:
+    """Why an invariant was not checked: ``record`` holds no ``lacking`` figures (the engine that ran
+    its probe could not measure them, or it was measured without them)."""
+    engine = (record.get("build") or {}).get("engine")
+    why = f"its probe ran on {engine}" if engine else "it was measured without them"
+    return f"not checked: the {build} record holds no {lacking} figures, {why}"
 
 
 def versions() -> dict:

@@ -83,6 +83,7 @@ class BuildInfo(BaseModel):
     quantization: str | None = None  # a quantized format's scheme and modules (compressed-tensors)
     forward: str | None = None  # its forward path: the format's own kernel, or its reference
     kv_cache: str | None = None  # the KV-cache precision it is served with (model/kv_formats.py); none: full
+    engine: str | None = None  # what ran the probe when not torch (model/llama_engine.py); none: torch
 
 
 class ProbeInfo(BaseModel):

@@ -212,6 +212,12 @@ def compatibility(baseline: dict, record: dict, source: str = "baseline", across
             f"note: the KV cache differs from the baseline's (baseline: {_cache_name(kb)}, this build: "
             f"{_cache_name(kr)}); the probe and knockouts read keys and values through this build's cache"
         )
+    eb, er = engine_of(baseline), engine_of(record)
+    if eb != er:
+        notes.append(
+            f"note: the probe ran on another engine than the baseline's (baseline: {eb}, this build: {er}); "
+            f"its copy loss and gain are {er}'s logits against {eb}'s"
+        )
     fb, fr = baseline["model"].get("fingerprint"), record["model"].get("fingerprint")
     if fb and fr and fb != fr:
         notes.append(
@@ -220,6 +226,12 @@ def compatibility(baseline: dict, record: dict, source: str = "baseline", across
             "of the model folder, not any one file's); comparing the same geometry"
         )
     return notes
+
+
+def engine_of(record: dict) -> str:
+    """``llama.cpp`` or ``torch``: what ran a record's probe (its build identity's ``engine``)."""
+    engine = (record.get("build") or {}).get("engine")
+    return str(engine).partition(" ")[0] if engine else "torch"
 
 
 def _cache_name(kv_cache: str | None) -> str:

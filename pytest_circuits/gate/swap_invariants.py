@@ -97,6 +97,7 @@ class SwapInduction(AcrossModels):
 
     name = "swap_induction"
     guards = "the induction heads across models"
+    needs = frozenset({"routing"})
     tolerances = {
         "swap_induction_score": Tolerance(0.3, "across base models: prefix_matching that makes an induction head"),
         "swap_induction_heads": Tolerance(

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..errors import BaselineError, BaselineMissing
+from ..errors import BaselineError, BaselineMissing, ForeignBaseline
 from ..options import flag
 from ..rungs import kappa_method
 from . import invariants
 from .baselines import RunBaselines
 from .record import has_figures
 from .record_source import RecordSource
-from .store import compatibility, geometry_difference, read_baseline
+from .store import compatibility, engine_of, geometry_difference, read_baseline
 from .tolerances import Tolerances
 
 
@@ -63,11 +63,14 @@ class GateOutcome:
         return "\n".join(shown + list(self.problems) + absent + list(self.notes))  # what broke first, notes after
 
 
+OWN = "own baseline"  # the label of a build's comparison with its own baseline (drift)
+
+
 def comparisons(recipe: str, reference: str) -> list[tuple[str, str]]:
     """``(baseline recipe, label)`` pairs a build is gated against: the reference, then its own."""
     if recipe == reference:  # its own baseline is the reference: missing it fails the gate
         return [(reference, f"{reference} baseline")]
-    return [(reference, f"{reference} baseline"), (recipe, "own baseline")]
+    return [(reference, f"{reference} baseline"), (recipe, OWN)]
 
 
 def candidate_record(records: RecordSource, recipe: str, baseline: dict, knockout: bool) -> dict:
@@ -92,7 +95,7 @@ def gate_build(
         return gate_swap(records, baselines, recipe, inv, tol, fixes)
     outcome = GateOutcome()
     for base_recipe, label in comparisons(recipe, baselines.settings.reference):
-        own = label == "own baseline"
+        own = label == OWN
         try:
             baseline = baselines.load(base_recipe)
         except BaselineMissing as error:
@@ -136,6 +139,12 @@ def gate_against(
         knockout = "knockout" in inv.needs if inv is not None else has_figures(baseline, "knockout")
     candidate = candidate_record(records, recipe, baseline, knockout=knockout)
     notes = compatibility(baseline, candidate, label, across=across)
+    if label == OWN and engine_of(baseline) != engine_of(candidate):  # drift is measured on one engine
+        raise ForeignBaseline(
+            f"{recipe}'s own baseline was recorded on {engine_of(baseline)}, this run measures it on "
+            f"{engine_of(candidate)}; record it again with {flag('engine')} {engine_of(candidate)}, or gate "
+            f"it on {engine_of(baseline)}"
+        )
     if not across:  # the further looks an undecided sampled row needs (gate/further_looks.py)
         from .further_looks import extend
 

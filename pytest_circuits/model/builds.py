@@ -58,6 +58,7 @@ class BuildIdentity:
     quantization: str | None = None  # a quantized format's scheme and modules (`compressed.identity_fields`)
     forward: str | None = None  # which forward it runs: the format's own kernel or a reference
     kv_cache: str | None = None  # the KV-cache precision it is served with (`kv_cache.attach_kv_cache`)
+    engine: str | None = None  # what ran its probe when not torch (`llama_engine.engine_line`)
 
     def as_dict(self) -> dict:
         """The identity as stored; a recipe build's keeps the five keys older baselines hold."""

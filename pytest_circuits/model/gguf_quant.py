@@ -24,6 +24,9 @@ from ..errors import CircuitsError, ModelLoadError
 from .loading import cache_root, resolve_model, sha256_of
 
 FLOAT_TYPES = ("F32",)  # what a tensor that is not quantized is stored as
+WRITER = (
+    2  # in cached file names; 2: rope.freq_base from rope_parameters, a placeholder vocabulary (llama.cpp loads it)
+)
 
 
 @lru_cache(maxsize=1)
@@ -128,7 +131,8 @@ def requantize_gguf(src: str | Path, dst: str | Path, tensor_type: str, blocks: 
 
 def float_gguf_of(model: str, dst: str | Path) -> Path:
     """``model`` (anything ``--circuits-model`` takes) as a GGUF file: its own file when it is one,
-    else its float32 weights written by `gguf_write.write_float_gguf` (ids only, no tokenizer)."""
+    else its float32 weights written by `gguf_write.write_float_gguf` with a placeholder vocabulary
+    (`placeholder_tokens`: ids only, no text tokenizer; llama.cpp loads no file without one)."""
     source = resolve_model(model)
     if source.origin.suffix == ".gguf":
         return source.origin
@@ -142,7 +146,12 @@ def float_gguf_of(model: str, dst: str | Path) -> Path:
     net = AutoModelForCausalLM.from_pretrained(
         source.folder, dtype=torch.float32, local_files_only=True, use_safetensors=True
     )
-    return write_float_gguf(net, dst)
+    return write_float_gguf(net, dst, tokens=placeholder_tokens(net.config.vocab_size))
+
+
+def placeholder_tokens(vocab_size: int) -> list[str]:
+    """``<id0>``, ``<id1>``, ...: one distinct piece per id (the probe feeds ids, never text)."""
+    return [f"<id{i}>" for i in range(vocab_size)]
 
 
 def write_gguf(model: str, tensor_type: str, dst: str | Path) -> Path:
@@ -155,12 +164,12 @@ def write_gguf(model: str, tensor_type: str, dst: str | Path) -> Path:
 
 
 def cached_gguf(model: str, tensor_type: str) -> Path:
-    """`write_gguf` once per (model weights, type): ``<cache>/quantized/<name>-<sha256[:16]>-<type>.gguf``."""
+    """`write_gguf` once per (model weights, type, `WRITER`): ``<cache>/quantized/<name>-<sha256[:16]>-<type>-w<WRITER>.gguf``."""
     from ..fsio import safe_name
 
     source = resolve_model(model)
     key = sha256_of(source.origin) if source.origin.is_file() else _folder_key(source.folder)
-    target = cache_root() / "quantized" / f"{safe_name(source.name)}-{key[:16]}-{tensor_type}.gguf"
+    target = cache_root() / "quantized" / f"{safe_name(source.name)}-{key[:16]}-{tensor_type}-w{WRITER}.gguf"
     if not target.is_file():  # written by os.replace: a file there is whole
         write_gguf(model, tensor_type, target)
     return target

@@ -61,6 +61,16 @@ def _bloom_qkv_to_gguf(w, n_head: int):
     return per_head.transpose(1, 0, *range(2, per_head.ndim)).reshape(w.shape)
 
 
+def _config_value(config, attr: str):
+    """``config.<attr>``; transformers 5 keeps ``rope_theta`` only in ``rope_parameters``, and a file
+    without ``rope.freq_base`` is read by llama.cpp (and transformers) at theta 10000."""
+    value = getattr(config, attr, None)
+    if value is None and attr == "rope_theta":
+        parameters = getattr(config, "rope_parameters", None)
+        value = parameters.get("rope_theta") if isinstance(parameters, dict) else None
+    return value
+
+
 def write_float_gguf(model, path: str | Path, tokens: list[str] | None = None, bos_id: int | None = None) -> Path:
     """Write ``model`` (float32) as a GGUF file the way llama.cpp's converter lays it out.
 
@@ -86,7 +96,7 @@ def write_float_gguf(model, path: str | Path, tokens: list[str] | None = None, b
             f"transformers' GGUF_CONFIG_MAPPING entry for {arch!r} is a {type(key_map).__name__}, not a dict"
         )
     for key, attr in key_map.items():
-        value = getattr(config, attr, None) if isinstance(attr, str) else None
+        value = _config_value(config, attr) if isinstance(attr, str) else None
         if value is None or isinstance(value, (list, dict)):
             continue
         if isinstance(value, bool):

@@ -201,7 +201,7 @@ def reference_spec(text: str, builds: list[BuildSpec]) -> BuildSpec:
     return spec
 
 
-EXTERNAL_KEYS = ("source", "format", "sha256", "tensor_types", "quantization", "forward", "kv_cache")
+EXTERNAL_KEYS = ("source", "format", "sha256", "tensor_types", "quantization", "forward", "kv_cache", "engine")
 """What the build identity of an external build adds (gate/schema.py `BuildInfo` types them);
 ``quantization`` and ``forward`` also on a recipe build of a quantized format, ``kv_cache`` on a
 build served with a KV-cache precision; absent elsewhere."""
@@ -219,7 +219,8 @@ def describe_identity(build: dict) -> str | None:
     digest = str(build.get("sha256") or "?").removeprefix("sha256:")[:12]
     scheme = f"; {build['quantization']}" if build.get("quantization") else ""
     served = f"; KV cache {cache}" if cache else ""
+    engine = f"; probe run by {build['engine'].partition(':')[0]}" if build.get("engine") else ""
     return (
         f"external build {build.get('recipe')} = {build.get('source')} "
-        f"({build['format']}, sha256 {digest}, tensors {counts or '?'}{scheme}{served})"
+        f"({build['format']}, sha256 {digest}, tensors {counts or '?'}{scheme}{served}{engine})"
     )
