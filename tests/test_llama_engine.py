@@ -159,12 +159,15 @@ def test_a_baseline_of_another_engine_is_noted_and_never_gates_drift():
     notes = compatibility(baseline, after, "fp32 baseline")
     assert any("baseline: torch, this build: llama.cpp" in n for n in notes), notes
 
-    class Session:  # what gate_against asks of a session
+    class Records:  # the `RecordSource` gate_against reads
+        def stand_in(self):
+            return {"model": baseline["model"], "probe": baseline["probe"]}
+
         def record(self, recipe, knockout, method):
             return after
 
     with pytest.raises(ForeignBaseline, match="recorded on torch, this run measures it on llama.cpp"):
-        gate_against(Session(), "q8", baseline, OWN, Tolerances(), None)
+        gate_against(Records(), "q8", baseline, OWN, Tolerances(), None)
 
 
 def test_rope_theta_of_a_transformers_5_config_reaches_the_gguf_file(tmp_path):
