@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
@@ -26,6 +26,7 @@ from ..errors import CircuitsDeprecationWarning, CircuitsError, did_you_mean
 from ..options import flag
 from . import tolerances as tolerances_module
 from .record import has_figures, lacking_figures
+from .schema import Record, RecordLike
 from .store import geometry_difference
 from .tolerances import Number, Tolerance, Tolerances
 
@@ -128,7 +129,9 @@ class Invariant:
     own_tolerances: ClassVar[Mapping[str, Number]] = {}  # deprecated spelling of `tolerances`
     guards: ClassVar[str] = ""  # what it guards, in the verdict line's words (default: its name)
 
-    def compare(self, before: dict, after: dict, tol: Tolerances) -> Comparison:
+    def compare(self, before: Record, after: Record, tol: Tolerances) -> Comparison:
+        """The rows of ``after`` (the build's record) against ``before`` (the baseline's), both typed
+        `schema.Record`s: read their attributes (``after.copy_loss``, ``after.heads``)."""
         raise NotImplementedError
 
 
@@ -230,8 +233,8 @@ class InvariantResult:
 
 def evaluate(
     invariant: Invariant | str,
-    before: dict,
-    after: dict,
+    before: RecordLike,
+    after: RecordLike,
     tol: Tolerances,
     build: str,
     against: str,
@@ -242,13 +245,15 @@ def evaluate(
 
     ``across``: compare the records as two base models (None: when their geometries differ).
     Across models only the `Invariant.across_models` invariants run, and the others are skipped
-    saying why; between builds of one model it is the other way round.
+    saying why; between builds of one model it is the other way round. A record dict is validated
+    first (`schema.Record.of`); the invariants read the typed `Record`.
     """
     inv = get(invariant) if isinstance(invariant, str) else invariant
+    before, after = Record.of(before), Record.of(after)
     words = dict(
         name=inv.name, build=build, against=against, model=model_name(after), baseline_model=model_name(before)
     )
-    other = geometry_difference(before, after)
+    other = geometry_difference(before.data, after.data)
     scope = scope_skip(inv, bool(other) if across is None else across, other, words)
     if scope:
         return InvariantResult(inv.name, build, against, "skipped", scope)
@@ -283,8 +288,8 @@ def evaluate(
     return InvariantResult(inv.name, build, against, status, message, len(comparison.rows), moved)
 
 
-def model_name(record: dict) -> str:
-    return str((record.get("model") or {}).get("name") or "the model")
+def model_name(record: RecordLike) -> str:
+    return Record.of(record).model.name or "the model"
 
 
 def scope_skip(inv: Invariant, across: bool, other: str, words: dict) -> str:
@@ -312,9 +317,10 @@ def per_build_invariants() -> list[str]:
     return [name for name, inv in REGISTRY.items() if not inv.across_models]
 
 
-def runnable(after: dict, names=None, across: bool = False) -> list[str]:
+def runnable(after: RecordLike, names: Iterable[str] | None = None, across: bool = False) -> list[str]:
     """The invariants (all registered, or ``names``) whose figures the candidate record holds;
     the cross-model ones only ``across`` models (the others then report why they were skipped)."""
+    after = Record.of(after)
     return [n for n in in_scope(names, across) if all(has_figures(after, need) for need in get(n).needs)]
 
 
@@ -326,8 +332,8 @@ def in_scope(names=None, across: bool = False) -> list[str]:
 
 
 def gate_all(
-    before: dict,
-    after: dict,
+    before: RecordLike,
+    after: RecordLike,
     tol: Tolerances,
     build: str,
     against: str,
@@ -337,7 +343,8 @@ def gate_all(
 ) -> list[InvariantResult]:
     """`evaluate` every invariant the candidate has figures for (``across``: see `evaluate`); one it
     has none for (a scan without knockouts) is skipped saying so, so the verdict names it as not guarded."""
-    across = bool(geometry_difference(before, after)) if across is None else across
+    before, after = Record.of(before), Record.of(after)
+    across = bool(geometry_difference(before.data, after.data)) if across is None else across
     run = runnable(after, names, across)
     results = {n: evaluate(n, before, after, tol, build, against, fix, across) for n in run}
     for n in in_scope(names, across):

@@ -13,7 +13,7 @@ import pandas as pd
 
 from ..model.families import head_label
 from ..rungs import figures
-from .schema import SCHEMA_VERSION
+from .schema import SCHEMA_VERSION, Record
 from .stats import mean_interval
 
 HEAD_COLUMNS = figures.stored_head_figures("always")  # in every head row (None where not measured)
@@ -27,17 +27,19 @@ NEEDS = {
 }  # what an invariant may need -> the head figure that shows it
 
 
-def has_figures(record: dict, need: str) -> bool:
+def has_figures(record: Record | dict, need: str) -> bool:
     """True when the record holds the figures of ``need`` (``"knockout"``: any measured knockout delta;
     ``"routing"``: any measured routing score, which an engine without attention patterns lacks)."""
     column = NEEDS[need]
+    if isinstance(record, Record):
+        return any(getattr(row, column) is not None for row in record.heads)
     return any(row.get(column) is not None for row in record.get("heads") or [] if isinstance(row, dict))
 
 
-def lacking_figures(record: dict, build: str, lacking: str) -> str:
+def lacking_figures(record: Record, build: str, lacking: str) -> str:
     """Why an invariant was not checked: ``record`` holds no ``lacking`` figures (the engine that ran
     its probe could not measure them, or it was measured without them)."""
-    engine = (record.get("build") or {}).get("engine")
+    engine = record.build.engine
     why = f"its probe ran on {engine}" if engine else "it was measured without them"
     return f"not checked: the {build} record holds no {lacking} figures, {why}"
 
@@ -132,10 +134,11 @@ def eigenvalue_map(eigenvalues) -> dict:
     return out
 
 
-def record_eigenvalues(record: dict) -> dict[str, np.ndarray]:
+def record_eigenvalues(record: Record | dict) -> dict[str, np.ndarray]:
     """The inverse of `eigenvalue_map`: a record's ``{"L0H0": [[re, im], ...]}`` as complex arrays."""
     out = {}
-    for label, pairs in (record.get("eigenvalues") or {}).items():
+    stored = record.eigenvalues if isinstance(record, Record) else record.get("eigenvalues") or {}
+    for label, pairs in stored.items():
         values = np.asarray(pairs, dtype=float).reshape(-1, 2)
         out[str(label)] = values[:, 0] + 1j * values[:, 1]
     return out
