@@ -179,3 +179,11 @@ def test_an_invariant_reads_typed_records_and_the_older_mapping_view_still_works
     deprecations = [w for w in caught if issubclass(w.category, CircuitsDeprecationWarning)]
     assert len(deprecations) == 1
     assert "read its attributes" in str(deprecations[0].message)
+
+
+def test_a_record_dict_that_is_no_scan_record_is_one_line_at_the_gate():
+    from pytest_circuits.errors import CircuitsError
+    from pytest_circuits.gate.invariants import gate_all
+
+    with pytest.raises(CircuitsError, match=r"^the scan record given is not valid: copy_loss: Field required; [^\n]*$"):
+        gate_all({"schema_version": 1}, {"schema_version": 1}, Tolerances(), "fp32", "fp32 baseline")

@@ -116,7 +116,7 @@ def sampled_within(
         broken = beyond
     elif tol.outside_interval:
         broken = beyond and excludes_zero(interval)
-        ratio = implausible_spread(xs, ys) if beyond and not broken else None
+        ratio = implausible_spread(xs, ys) if beyond and not broken and xs is not None and ys is not None else None
         if ratio is not None:
             broken = True  # only the baseline's implausible spread held the interval over 0
             said.append(NO_EVIDENCE.format(ratio=ratio, n=len(xs or ())))

@@ -20,7 +20,7 @@ import math
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ..errors import CircuitsDeprecationWarning, CircuitsError, did_you_mean
 from ..options import flag
@@ -77,7 +77,7 @@ class Row:
     sequences: int | None = None  # the paired sequences that decided a sampled row (all looks)
     wants: int = 0  # the look an undecided sampled row needs next (gate.looks.extend measures it); 0: decided
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "head": self.subject,
             "metric": self.metric,
@@ -140,7 +140,7 @@ _DECLARED: dict[str, dict[str, Tolerance]] = {}  # invariant name -> the toleran
 BUILT_IN_MODULES = (f"{__package__}.builtin_invariants", f"{__package__}.swap_invariants")
 
 
-def register(invariant):
+def register(invariant: Any) -> Any:
     """Add an invariant (an instance, or a subclass to instantiate) to the gate; returns it.
 
     Usable as a class decorator. Its ``name`` is what ``circuits_gate(name)`` runs; its
@@ -217,7 +217,7 @@ class InvariantResult:
     status: str  # one of STATUSES
     message: str
     compared: int = 0  # figures compared
-    moved: list[dict] = field(default_factory=list)  # broken rows (and context), as dicts
+    moved: list[dict[str, Any]] = field(default_factory=list)  # broken rows (and context), as dicts
 
     @property
     def passed(self) -> bool:
@@ -227,7 +227,7 @@ class InvariantResult:
     def skipped(self) -> bool:
         return self.status == "skipped"
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "passed": self.passed}
 
 
@@ -292,7 +292,7 @@ def model_name(record: RecordLike) -> str:
     return Record.of(record).model.name or "the model"
 
 
-def scope_skip(inv: Invariant, across: bool, other: str, words: dict) -> str:
+def scope_skip(inv: Invariant, across: bool, other: str, words: dict[str, Any]) -> str:
     """Why ``inv`` is not compared in this pairing ("" when it is): a build invariant across two
     base models, or a cross-model invariant between builds of one model."""
     geometry = f"geometry {other}" if other else "the same geometry, compared as two models"
@@ -324,7 +324,7 @@ def runnable(after: RecordLike, names: Iterable[str] | None = None, across: bool
     return [n for n in in_scope(names, across) if all(has_figures(after, need) for need in get(n).needs)]
 
 
-def in_scope(names=None, across: bool = False) -> list[str]:
+def in_scope(names: Iterable[str] | None = None, across: bool = False) -> list[str]:
     """The invariants (all registered, or ``names``) a comparison runs, whatever figures they need:
     the cross-model ones only ``across`` models."""
     chosen = list(REGISTRY) if names is None else list(names)
@@ -338,7 +338,7 @@ def gate_all(
     build: str,
     against: str,
     fix: str | None = None,
-    names=None,
+    names: Iterable[str] | None = None,
     across: bool | None = None,
 ) -> list[InvariantResult]:
     """`evaluate` every invariant the candidate has figures for (``across``: see `evaluate`); one it
@@ -354,13 +354,13 @@ def gate_all(
     return [results[n] for n in in_scope(names, across)]
 
 
-def guarded(results) -> str:
+def guarded(results: Iterable[Any]) -> str:
     """What a gate that skipped something checked, for its verdict line: ``"guarded: the copy loss,
     the copying heads; NOT guarded: the induction and previous-token heads (skipped)"``; "" when
     nothing was skipped. ``results``: objects or dicts with ``invariant`` and ``status``; an
     invariant held against one baseline is guarded."""
 
-    def field(r, key):
+    def field(r: Any, key: str) -> Any:
         return r[key] if isinstance(r, dict) else getattr(r, key)
 
     pairs = [(field(r, "invariant"), field(r, "status")) for r in results]

@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from ..errors import CircuitsDeprecationWarning
+from ..errors import CircuitsDeprecationWarning, CircuitsError
 from ..options import KNOCKOUT_MODES
 from ..rungs import figures, kappa_method
 
@@ -40,7 +40,7 @@ _TYPES: dict[str, Any] = {"float": float, "int": int, "bool": bool, "str": str}
 _INTERVAL = Annotated[list[float], Field(min_length=2, max_length=2)]  # [low, high]
 
 
-def _field(figure: figures.Figure):
+def _field(figure: figures.Figure) -> tuple[Any, Any]:
     """``(annotation, default)`` of one stored head or model figure."""
     kind: Any = _INTERVAL if figure.kind == "interval" else _TYPES[figure.kind.removesuffix("s")]
     if figure.kind != "interval" and (figure.low is not None or figure.high is not None):
@@ -219,11 +219,17 @@ class Record(_Figures):
 
     @classmethod
     def of(cls, record: RecordLike) -> Record:
-        """``record`` itself when it is a `Record`, else the validated `Record` of a record dict
-        (a pydantic `ValidationError` when it is not one; `store.validate` words it)."""
+        """``record`` itself when it is a `Record`, else the validated `Record` of a record dict; one
+        line (`CircuitsError`) naming the first problem when it is not one."""
         if isinstance(record, Record):
             return record
-        typed = cls.model_validate(record)
+        try:
+            typed = cls.model_validate(record)
+        except ValidationError as error:
+            raise CircuitsError(
+                f"the scan record given is not valid: {problem(error)}; pass a record pytest-circuits measured "
+                "or read (gate.store.read_baseline)"
+            ) from None
         typed._data = record if isinstance(record, dict) else dict(record)
         return typed
 
@@ -250,7 +256,7 @@ class Record(_Figures):
         return self.data.keys()
 
     @model_validator(mode="after")
-    def _heads_match_geometry(self):
+    def _heads_match_geometry(self) -> Record:
         geo = self.model.geometry
         seen: set[str] = set()
         for i, row in enumerate(self.heads):
@@ -343,7 +349,7 @@ class PartInfo(BaseModel):
     layers: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _index_in_split(self):
+    def _index_in_split(self) -> PartInfo:
         if self.format != PART_FORMAT:
             raise ValueError(f"format {self.format} is not {PART_FORMAT}, the part format this pytest-circuits reads")
         if self.index > self.of:
@@ -356,7 +362,14 @@ class PartInfo(BaseModel):
 SAMPLED_MATCH = 1e-5  # per-sequence values, rounded like every figure, average to it within this x (1 + max |value|)
 
 
-def _check_sampled(name: str, value, sequences, interval, n: int | None, probe: str) -> None:
+def _check_sampled(
+    name: str,
+    value: float | None,
+    sequences: list[float] | None,
+    interval: list[float] | None,
+    n: int | None,
+    probe: str,
+) -> None:
     if interval is not None and not interval[0] <= interval[1]:
         raise ValueError(f"{figures.interval_key(name)} {interval} has low above high")
     if sequences is None:
