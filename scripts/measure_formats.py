@@ -83,6 +83,7 @@ FORMATS_TINY = (
 FORMATS_SMOLLM2 = "w4a16-rtn-g64,gptq-int4-g64,awq-int4-g64,rtn-int4,fp8-e4m3-dyn,int8-w8a8,fp8-e4m3"
 SMOLLM2 = ["--model", "smollm2-135m"]
 LLAMA_FILES = "Q8_0,Q4_0"
+RECORDS = Path("/tmp/pytest-circuits-formats")
 PLANS: dict[str, tuple[str, list[str]]] = {  # block: (page, arguments); each fact of a table declared here
     "formats-tiny": ("docs/formats.md", ["--builds", FORMATS_TINY]),
     "formats-smollm2": (
@@ -313,15 +314,6 @@ def llama_table(args, records: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if "--all" in argv or any(a == "--only" or a.startswith("--only=") for a in argv):
-        plans = argparse.ArgumentParser(description="every measured table of docs/formats.md and docs/kv-cache.md")
-        plans.add_argument("--all", action="store_true")
-        plans.add_argument("--only", default=None, help="comma list of blocks: " + ", ".join(PLANS))
-        plans.add_argument("--write-docs", action="store_true", help="rewrite each block")
-        plans.add_argument("--records", default=None, help="record folder (default: each run's own)")
-        chosen = plans.parse_args(argv)
-        run_plans(chosen.only, chosen.write_docs, chosen.records)
-        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-induction")
     parser.add_argument("--builds", default="fp32,fp8-e4m3,fp8-e4m3-dyn,int8-w8a8,rtn-int4")
@@ -331,8 +323,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--knockout-screen-method", default=None, help="atp, atp* or atp*gd (SmolLM2's: atp)")
     parser.add_argument("--no-knockout", action="store_true", help="skip rung 2 (knockout deltas)")
     parser.add_argument("--probe-length", type=int, default=None, help="segment length L (default: the option's)")
-    parser.add_argument("--write-docs", default=None, metavar="PAGE:BLOCK", help="also write the table into that block")
-    parser.add_argument("--records", type=Path, default=Path("/tmp/pytest-circuits-formats"), help="record cache")
+    parser.add_argument("--all", action="store_true", help="every measured table of the pages: each plan of PLANS")
+    parser.add_argument("--only", default=None, help="some of the plans, a comma list of blocks: " + ", ".join(PLANS))
+    parser.add_argument(
+        "--write-docs",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="PAGE:BLOCK",
+        help="also write the table into that block (with --all or --only: each plan's table into its own block)",
+    )
+    parser.add_argument("--records", type=Path, default=None, help=f"record cache (default {RECORDS})")
     parser.add_argument(
         "--write-baselines", action="store_true", help="store a recipe's record as its missing baseline"
     )
@@ -341,7 +342,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--caches", default="f16,q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl", help="with --llama-cpp: caches")
     args = parser.parse_args(argv)
-    records = args.records / (args.model + (f"-L{args.probe_length}" if args.probe_length else ""))
+    if args.all or args.only:
+        run_plans(args.only, args.write_docs is not None, None if args.records is None else str(args.records))
+        return
+    if args.write_docs == "":
+        parser.error("--write-docs needs PAGE:BLOCK, or --all / --only to write each plan's own block")
+    records = (args.records or RECORDS) / (args.model + (f"-L{args.probe_length}" if args.probe_length else ""))
     records.mkdir(parents=True, exist_ok=True)
     if args.llama_cpp:
         lines = llama_table(args, records)
