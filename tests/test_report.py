@@ -704,16 +704,27 @@ def test_a_build_that_could_not_be_gated_leads_the_report(tmp_path):
     from pytest_circuits.plugin.collect import gate_for_test
     from pytest_circuits.settings import CircuitsSettings
 
-    class Unloadable:
+    class Unloadable:  # a session whose build cannot load: its records source fails, its baselines read
         settings = CircuitsSettings(model="tiny-induction", report=None)
 
-        def load_baseline(self, recipe):
+        @property
+        def records(self):
+            return self
 
+        @property
+        def baselines(self):
+            return self
+
+        def load(self, recipe):
             from pytest_circuits.gate.store import read_baseline
 
             from .conftest import SHIPPED_BASELINES as shipped
 
             return read_baseline(shipped / f"tiny-induction--{recipe}.json")
+
+        def stand_in(self):
+            fp32 = self.load("fp32")
+            return {"model": fp32["model"], "probe": fp32["probe"]}
 
         def record(self, recipe, knockout=True, method=None):
             raise CircuitsError(f"{recipe}: the per-head weight read does not reproduce layer 0")
