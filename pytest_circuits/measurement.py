@@ -200,12 +200,26 @@ class BuildMeasurement(LoadedBuilds):
         def choose():
             from .rungs.plan import automatic_screen_method
 
-            method, why = automatic_screen_method(self.build(recipe), self.settings.knockout_probe)
+            method, why = automatic_screen_method(
+                self.build(recipe), self.settings.knockout_probe, self.screen_variant()
+            )
             if why:
                 (self.progress_write or stderr_line)(why)
             return method
 
         return self.memo(("screen_method", recipe), choose)
+
+    def screen_variant(self):
+        """The screen's knobs (`rungs.screen.ScreenVariant`) from the settings."""
+        from .rungs.screen import ScreenVariant
+
+        s = self.settings
+        return ScreenVariant(
+            sequences=s.knockout_screen_sequences,
+            qk_top=s.knockout_screen_qk_top,
+            grad_drop_layers=s.knockout_screen_grad_drop_layers,
+            ablation=s.knockout_screen_ablation,
+        )
 
     def _knockout_scan(self, recipe: str, heads, layers):
         from .rungs.knockout import knockout_scan
@@ -216,7 +230,12 @@ class BuildMeasurement(LoadedBuilds):
         if chosen.by_size and heads is None:  # said before it starts, with its counted cost
             assert chosen.top_k is not None
             line = plan_line(
-                self.build(recipe), s.knockout_probe, chosen.top_k, len(chosen.must_include), self.screen_method(recipe)
+                self.build(recipe),
+                s.knockout_probe,
+                chosen.top_k,
+                len(chosen.must_include),
+                self.screen_method(recipe),
+                self.screen_variant(),
             )
             (self.progress_write or stderr_line)(f"{line}; the full exact scan only with {flag('knockout-full')}")
         return knockout_scan(
@@ -230,6 +249,7 @@ class BuildMeasurement(LoadedBuilds):
             batch_size=s.batch_size,
             write=self.progress_write,
             layers=layers,
+            screen_variant=self.screen_variant(),
         )
 
     @cached_property
