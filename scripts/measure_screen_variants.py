@@ -56,11 +56,11 @@ VARIANTS: list[tuple[str, str, dict]] = [
     ("atp (today at 8B on a CPU)", "atp", {}),
     ("atp*, QK fix on AtP's top 24", "atp*", {"qk_top": 24}),
     ("atp*, QK fix on AtP's top 48", "atp*", {"qk_top": 48}),
-    ("atp*, 4 of 8 sequences", "atp*", {"sequences": 4}),
-    ("atp*, 2 of 8 sequences", "atp*", {"sequences": 2}),
-    ("atp, 2 of 8 sequences", "atp", {"sequences": 2}),
+    ("atp*, half the sequences", "atp*", {"sequences": 1 / 2}),
+    ("atp*, a quarter of the sequences", "atp*", {"sequences": 1 / 4}),
+    ("atp, a quarter of the sequences", "atp", {"sequences": 1 / 4}),
     ("atp, mean of zero and mean ablation", "atp", {"ablation": "both"}),
-    ("atp*, QK fix on top 24, 4 of 8 sequences", "atp*", {"qk_top": 24, "sequences": 4}),
+    ("atp*, QK fix on top 24, half the sequences", "atp*", {"qk_top": 24, "sequences": 1 / 2}),
     ("atp*gd, GradDrop on 4 blocks", "atp*gd", {"grad_drop_layers": 4}),
     ("atp*, mean of zero and mean ablation", "atp*", {"ablation": "both"}),
 ]
@@ -121,43 +121,100 @@ def top(values: np.ndarray, k: int) -> set[tuple[int, int]]:
     return set(order[:k])
 
 
+def variant_of(knobs: dict, n: int):
+    """The `ScreenVariant` of ``knobs``, a fractional ``sequences`` taken of ``n``."""
+    from pytest_circuits.rungs.screen import ScreenVariant
+
+    fraction = knobs.get("sequences")
+    if isinstance(fraction, float):
+        knobs = {**knobs, "sequences": max(1, round(fraction * n))}
+    return ScreenVariant(**knobs)
+
+
+def derived_scores(atp_z, atp_m, star, chunk: int) -> dict[str, np.ndarray]:
+    """Every variant but GradDrop's ranking score from per-chunk screens (``chunk`` sequences each):
+    the estimates add over sequences (each chunk's loss is its own mean: a common factor), the QK
+    fix on top C is AtP* on AtP's top C and AtP elsewhere (`screen._one_screen`)."""
+
+    def first(parts, k):
+        return sum(parts[: max(1, k // chunk)])
+
+    def qk_top(n_seq, c):
+        a, b = first(atp_z, n_seq), first(star, n_seq)
+        out = a.copy()
+        for p in list(sorted(np.ndindex(a.shape), key=lambda p: (-abs(a[p]), p)))[:c]:
+            out[p] = b[p]
+        return np.abs(out)
+
+    n = chunk * len(atp_z)
+    return {
+        VARIANTS[0][0]: np.abs(first(star, n)),
+        VARIANTS[1][0]: np.abs(first(atp_z, n)),
+        VARIANTS[2][0]: qk_top(n, 24),
+        VARIANTS[3][0]: qk_top(n, 48),
+        VARIANTS[4][0]: np.abs(first(star, n // 2)),
+        VARIANTS[5][0]: np.abs(first(star, n // 4)),
+        VARIANTS[6][0]: np.abs(first(atp_z, n // 4)),
+        VARIANTS[7][0]: (np.abs(first(atp_z, n)) + np.abs(first(atp_m, n))) / 2,
+        VARIANTS[8][0]: qk_top(n // 2, 24),
+    }
+
+
 def measure(model: str, folder: Path, only: list[str] | None, results: Path | None) -> list[dict]:
+    """One AtP* screen and two plain AtP screens (zero, mean) per chunk of 2 sequences; every
+    variant's ranking derived from them (`derived_scores`), GradDrop's and atp*'s mean of both
+    ablations run as themselves on models of at most 100 heads. Cost: counted forward-equivalents
+    (`plan.screen_flops` of the variant over one forward), and the CPU seconds of what ran."""
+    from pytest_circuits.rungs.plan import screen_flops
+    from pytest_circuits.rungs.reference import knockout_flops
     from pytest_circuits.rungs.replay import attention_implementation, held_out_ids, intact_pass
-    from pytest_circuits.rungs.screen import ScreenVariant, _loss, screen_estimate
+    from pytest_circuits.rungs.screen import atp_star, plain_atp, screen_estimate
 
     build, settings, deltas, mode = load(model, folder)
+    assert mode == "zero", "the derived variants assume zero ablation"
     ids = held_out_ids(build, settings)
-    batch = 8
+    chunk, geo = max(1, settings.n // 4), build.geometry
+    forward = knockout_flops(build, settings, heads=[])["forward"]
+    atp_z, atp_m, star, spent = [], [], [], {"atp": 0.0, "atp*": 0.0}
     with attention_implementation(build.model):
-        intact = intact_pass(build, ids, settings.L, batch, record=False)
-        start = cpu_seconds()
-        with torch.no_grad():
-            for chunk in ids.split(batch):
-                _loss(build, chunk, settings.L)
-        forward = cpu_seconds() - start
+        means = intact_pass(build, ids, settings.L, 8, record=False).means
+        for part in ids.split(chunk):
+            start = cpu_seconds()
+            atp_z.append(plain_atp(build, part, settings.L, "zero", means, chunk))
+            spent["atp"] += cpu_seconds() - start
+            atp_m.append(plain_atp(build, part, settings.L, "mean", means, chunk))
+            start = cpu_seconds()
+            star.append(atp_star(build, part, settings.L, "zero", means, chunk)[0])
+            spent["atp*"] += cpu_seconds() - start
+            print(f"{model}: chunk done, {spent}", file=sys.stderr, flush=True)
+    scores = derived_scores(atp_z, atp_m, star, chunk)
+    cpu = {VARIANTS[0][0]: spent["atp*"], VARIANTS[1][0]: spent["atp"]}
+    if geo.n_layers * geo.n_heads <= 100:
+        for name, method, knobs in VARIANTS[9:]:
+            start = cpu_seconds()
+            with attention_implementation(build.model):
+                scores[name] = screen_estimate(
+                    build, ids, settings.L, mode, means, method, chunk, variant=variant_of(knobs, settings.n)
+                )[1]
+            cpu[name] = cpu_seconds() - start
     exact5 = top(deltas, 5)
     rows = []
     for name, method, knobs in VARIANTS:
-        if only and name not in only:
+        if name not in scores or (only and name not in only):
             continue
-        start = cpu_seconds()
-        with attention_implementation(build.model):
-            _, score = screen_estimate(
-                build, ids, settings.L, mode, intact.means, method, batch, variant=ScreenVariant(**knobs)
-            )
-        spent = cpu_seconds() - start
+        score = scores[name]
         row = dict(
             model=model,
             variant=name,
             settings=f"n {settings.n}, L {settings.L}, {mode}",
             recall12=len(exact5 & top(score, 12)) / 5,
             recall5=len(exact5 & top(score, 5)) / 5,
-            cpu=spent,
-            forwards=spent / forward,
+            cpu=cpu.get(name),
+            forwards=screen_flops(build, settings, method, variant_of(knobs, settings.n)) / forward,
         )
         print(json.dumps(row), flush=True)
         rows.append(row)
-        if results is not None:  # each row as it comes: a stopped run keeps what it measured
+        if results is not None:
             with results.open("a") as out:
                 out.write(json.dumps(row) + "\n")
     return rows
@@ -174,12 +231,44 @@ def counted(shape: str, method: str, knobs: dict, n: int = 8, L: int = 64) -> fl
     from pytest_circuits.model.family_resolution import geometry_of
     from pytest_circuits.rungs.plan import screen_flops
     from pytest_circuits.rungs.repeat_settings import RepeatSettings
-    from pytest_circuits.rungs.screen import ScreenVariant
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(shape_config(shape))
     build = SimpleNamespace(model=model, geometry=geometry_of(model), tokens=SimpleNamespace(bos_id=1))
-    return screen_flops(build, RepeatSettings(seed=1, n=n, L=L), method, ScreenVariant(**knobs))
+    return screen_flops(build, RepeatSettings(seed=1, n=n, L=L), method, variant_of(knobs, n))
+
+
+def at_shape(shape: str, folder: Path, names: list[str]) -> None:
+    """CPU seconds of each named variant's screen at ``shape`` (bf16 random weights, built once under
+    ``folder``; n 8, L 64, zero ablation), beside its counted TFLOP and the rate they imply."""
+    from measure_sizes import build_checkpoint
+
+    from pytest_circuits.model.builds import load_build
+    from pytest_circuits.model.loading import resolve_model
+    from pytest_circuits.rungs.plan import screen_flops
+    from pytest_circuits.rungs.repeat_settings import RepeatSettings
+    from pytest_circuits.rungs.replay import attention_implementation, held_out_ids, intact_pass
+    from pytest_circuits.rungs.screen import screen_estimate
+
+    where = folder / shape
+    if not (where / "model.safetensors.index.json").exists():
+        build_checkpoint(shape, where)
+    build = load_build(resolve_model(str(where)), "bf16", "cpu")
+    settings = RepeatSettings(seed=1, n=8, L=64)
+    ids = held_out_ids(build, settings)
+    with attention_implementation(build.model):
+        means = intact_pass(build, ids, settings.L, 8, record=False).means
+    for name, method, knobs in VARIANTS:
+        if name not in names:
+            continue
+        variant = variant_of(knobs, settings.n)
+        start, wall = cpu_seconds(), time.perf_counter()
+        with attention_implementation(build.model):
+            screen_estimate(build, ids, settings.L, "zero", means, method, 8, variant=variant)
+        cpu, wall = cpu_seconds() - start, time.perf_counter() - wall
+        flops = screen_flops(build, settings, method, variant)
+        row = dict(shape=shape, variant=name, cpu=cpu, wall=wall, tflop=flops / 1e12, rate=flops / cpu / 1e9)
+        print(json.dumps(row), flush=True)
 
 
 def count_table(shapes: list[str]) -> str:
@@ -194,16 +283,15 @@ def table(rows: list[dict]) -> str:
     latest = {(r["model"], r["variant"]): r for r in rows}
     models = list(dict.fromkeys(r["model"] for r in rows))
     lines = [
-        "| screen | " + " | ".join(f"{m}: top 5 in 12 / in 5, CPU s (forwards)" for m in models) + " |",
+        "| screen | " + " | ".join(f"{m}: top 5 in 12 / in 5, forwards counted" for m in models) + " |",
         "|---|" + "---|" * len(models),
     ]
     for name, _, _ in VARIANTS:
         cells = []
         for m in models:
             r = latest.get((m, name))
-            cells.append(
-                "" if r is None else f"{r['recall12']:.1f} / {r['recall5']:.1f}, {r['cpu']:.1f} ({r['forwards']:.0f})"
-            )
+            cpu = "" if r is None or r["cpu"] is None else f", {r['cpu']:.1f} CPU-s"
+            cells.append("" if r is None else f"{r['recall12']:.1f} / {r['recall5']:.1f}, {r['forwards']:.0f}{cpu}")
         if any(cells):
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     settings = {m: next(r["settings"] for r in rows if r["model"] == m) for m in models}
@@ -223,10 +311,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=None)
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("--table-only", action="store_true", help="no measuring: the table from --results")
+    parser.add_argument("--at-shape", default="", help="time --variants at this shape of measure_sizes.py")
     parser.add_argument("--count", default="", help="only count each variant's FLOPs at these shapes (1B, 8B)")
     OPTIONS = parser.parse_args(argv)
     torch.set_num_threads(1)
     sys.path.insert(0, str(ROOT / "scripts"))
+    if OPTIONS.at_shape:
+        at_shape(OPTIONS.at_shape, OPTIONS.folder, [v for v in OPTIONS.variants.split(";") if v])
+        return 0
     if OPTIONS.count:
         print(count_table(OPTIONS.count.split(",")))
         return 0
