@@ -49,7 +49,7 @@ def screen_flops(build, settings: RepeatSettings, method: str, variant=None) -> 
         attn = attention_module(build.model, geo.n_layers - 1)
         params = sum(p.numel() for p in attn.parameters() if p.dim() >= 2)
         per_token = 2 * params + 4 * geo.n_heads * geo.d_head * (T + 1) / 2
-        if variant.qk_top is None:
+        if variant.qk_top is None or variant.qk_top >= geo.n_layers * geo.n_heads:
             copies = geo.n_heads * geo.n_layers * (geo.n_layers - 1) / 2
         else:  # at most: the heads AtP picks are not known before it runs
             flops += 3 * forward

@@ -74,7 +74,8 @@ class ScreenVariant:
 
     ``sequences``: estimate on the first N held-out sequences only (None: all of them); ``qk_top``:
     the QK fix only on plain AtP's top C heads by ``|estimate|``, the rest keep their AtP estimate
-    (None: every head; costs one more forward and backward); ``grad_drop_layers``: GradDrop
+    (None, or C of at least the model's heads: every head; else it costs one more forward and
+    backward); ``grad_drop_layers``: GradDrop
     (``atp*gd``) over this many blocks spread evenly over ``1 .. n_layers-1`` (None: every block);
     ``ablation``: ``"scan"`` estimates the scan's own ablation, ``"both"`` averages the zero- and
     mean-ablation estimates and their scores (two screens)."""
@@ -463,7 +464,8 @@ def _one_screen(build, ids, L, mode, means, method, batch_size, bar, variant) ->
         est = plain_atp(build, ids, L, mode, means, batch_size, bar)
         return est, np.abs(est)
     qk_heads = None
-    if variant.qk_top is not None:
+    geo = build.geometry
+    if variant.qk_top is not None and variant.qk_top < geo.n_layers * geo.n_heads:  # else: every head
         first = np.abs(plain_atp(build, ids, L, mode, means, batch_size))
         order = sorted(np.ndindex(first.shape), key=lambda p: (-first[p], p))
         qk_heads = [(int(l), int(h)) for l, h in order[: variant.qk_top]]
