@@ -6,6 +6,7 @@ Light at import (the plugin may create one in any run): each method imports the 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from functools import cached_property
 from pathlib import Path
@@ -223,13 +224,15 @@ class BuildMeasurement(LoadedBuilds):
 
     def _knockout_scan(self, recipe: str, heads, layers):
         from .rungs.knockout import knockout_scan
-        from .rungs.plan import plan_line
+        from .rungs.plan import plan_estimate, took_line
 
         s = self.settings
+        say = self.progress_write or stderr_line
         chosen = rung2_plan.plan(s, self.preflight, lambda: list(self.key_heads()))
+        planned = None
         if chosen.by_size and heads is None:  # said before it starts, with its counted cost
             assert chosen.top_k is not None
-            line = plan_line(
+            line, planned = plan_estimate(
                 self.build(recipe),
                 s.knockout_probe,
                 chosen.top_k,
@@ -237,8 +240,9 @@ class BuildMeasurement(LoadedBuilds):
                 self.screen_method(recipe),
                 self.screen_variant(),
             )
-            (self.progress_write or stderr_line)(f"{line}; the full exact scan only with {flag('knockout-full')}")
-        return knockout_scan(
+            say(f"{line}; the full exact scan only with {flag('knockout-full')}")
+        started = time.perf_counter()
+        frame = knockout_scan(
             self.build(recipe),
             s.knockout_probe,
             mode=s.knockout_mode,
@@ -251,6 +255,9 @@ class BuildMeasurement(LoadedBuilds):
             layers=layers,
             screen_variant=self.screen_variant(),
         )
+        if planned is not None:  # and after it, its wall time beside the estimate
+            say(took_line(self.build(recipe), planned, time.perf_counter() - started))
+        return frame
 
     @cached_property
     def shards(self) -> int:

@@ -9,7 +9,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ShardError
-from .options import BY_NAME, DEFAULT_BUILDS, DEFAULT_MODEL, DEFAULT_REFERENCE, flag, parse_shard, parse_value
+from .options import (
+    BY_NAME,
+    DEFAULT_BUILDS,
+    DEFAULT_MODEL,
+    DEFAULT_REFERENCE,
+    DEFAULT_SCREEN_QK_TOP,
+    flag,
+    parse_shard,
+    parse_value,
+)
 from .rungs.kappa_method import KappaMethod
 from .rungs.repeat_settings import RepeatSettings
 
@@ -40,7 +49,7 @@ class CircuitsSettings:
     knockout_full: bool = False  # every head exactly, whatever the model's size (session.screen_top_k)
     knockout_screen_method: str = "auto"  # how the screen ranks heads (rungs/screen.py; auto: session.screen_method)
     knockout_screen_sequences: int | None = None  # the screen's own knobs (rungs/screen.ScreenVariant)
-    knockout_screen_qk_top: int | None = None
+    knockout_screen_qk_top: int | None = DEFAULT_SCREEN_QK_TOP
     knockout_screen_grad_drop_layers: int | None = None
     knockout_screen_ablation: str = "scan"
     # How new records measure kappa (centred W_U, 32-draw t null); the gate measures a build the

@@ -586,6 +586,23 @@ def test_embedded_atp_star_ranks_both_circuit_heads_first(embedded_build, mode):
     assert screened.loc["L0H1", "knockout_estimate"] > 0.5 * screened.loc["L1H0", "knockout_estimate"] > 0
 
 
+@needs_embedded
+@pytest.mark.parametrize("qk_top", [None, 2])
+def test_embedded_default_screen_ranks_both_circuit_heads_first(embedded_build, qk_top):
+    """The default screen (`DEFAULT_SCREEN_QK_TOP`: at least the embedded model's 8 heads, so its full
+    QK fix) and the QK fix on AtP's top 2 only both rank the exact top 2 heads (the circuit) in their top 2."""
+    from pytest_circuits.options import DEFAULT_SCREEN_QK_TOP
+    from pytest_circuits.rungs.screen import ScreenVariant
+
+    held_out = RepeatSettings(seed=1, n=16, L=32)
+    full = knockout_scan(embedded_build, held_out, progress=False).set_index("head")["knockout_delta"]
+    exact_top = set(full.sort_values(ascending=False).index[:2])
+    variant = ScreenVariant(qk_top=DEFAULT_SCREEN_QK_TOP if qk_top is None else qk_top)
+    screened = knockout_scan(embedded_build, held_out, screen_top_k=2, progress=False, screen_variant=variant)
+    score = screened.set_index("head")["knockout_screen_score"]
+    assert set(score.sort_values(ascending=False).index[:2]) == exact_top, score.to_string()
+
+
 # --- the real model ---
 
 
@@ -652,6 +669,9 @@ def test_default_plan_screens_past_300_heads_and_says_so_first(tmp_path):
     assert "the full exact scan only with --circuits-knockout-full" in plan[0] and "GFLOP/s" in plan[0]
     scan_lines = [line for line in lines if not line.startswith("loading ")]  # a slow load may beat first
     assert scan_lines.index(plan[0]) == 0  # before any progress of the scan
+    took = [line for line in lines if " took " in line]  # and after it, the time beside the estimate
+    assert len(took) == 1 and scan_lines.index(took[0]) == len(scan_lines) - 1
+    assert "of wall time; the plan estimated" in took[0] and took[0].endswith("x)")
     assert frame.attrs["screened"] and len(frame.attrs["exact_heads"]) == 12
     assert frame["knockout_delta"].notna().sum() == 12
     build, probe = session.build("fp32"), session.settings.knockout_probe
@@ -699,8 +719,10 @@ def test_screen_variant_reaches_the_scan_and_its_count(tmp_path, monkeypatch):
     """The ``--knockout-screen-*`` settings reach the screen, and the counted cost that picks the
     automatic method counts the variant: fewer sequences and the QK fix on fewer heads count less."""
     import pytest_circuits.rungs.plan as plan
+    from pytest_circuits.options import DEFAULT_SCREEN_QK_TOP
     from pytest_circuits.rungs import screen
     from pytest_circuits.rungs.screen import ScreenVariant
+    from pytest_circuits.settings import recording_words
 
     folder = save_tiny_model("llama", tmp_path / "m", num_hidden_layers=4)
     session = _session_of(folder, knockout_screen=2, knockout_screen_sequences=1, knockout_screen_qk_top=1)
@@ -723,3 +745,6 @@ def test_screen_variant_reaches_the_scan_and_its_count(tmp_path, monkeypatch):
     monkeypatch.setattr(screen, "screen_estimate", spy)
     session.head_knockout("fp32")
     assert seen == [(probe.n, ScreenVariant(sequences=1, qk_top=1))]
+    default = _session_of(folder, knockout_screen=2)
+    assert default.screen_variant() == ScreenVariant(qk_top=DEFAULT_SCREEN_QK_TOP)
+    assert not any("qk-top" in word for word in recording_words(default.settings, "cli"))

@@ -113,14 +113,30 @@ def _duration(seconds: float) -> str:
 
 def plan_line(build, settings: RepeatSettings, top_k: int, n_key: int, method: str, variant=None) -> str:
     """``circuits: rung 2 of L:bf16 (1024 heads, more than 300): the atp screen ... about 16 min ...``."""
+    return plan_estimate(build, settings, top_k, n_key, method, variant)[0]
+
+
+def took_line(build, planned_s: float, took_s: float) -> str:
+    """The line said after a plan chosen by size ran: its wall time beside the plan's estimate."""
+    return (
+        f"circuits: {build.label}: rung 2 took {_duration(took_s)} of wall time; the plan estimated "
+        f"{_duration(planned_s)} ({took_s / max(planned_s, 1e-9):.2f}x)"
+    )
+
+
+def plan_estimate(
+    build, settings: RepeatSettings, top_k: int, n_key: int, method: str, variant=None
+) -> tuple[str, float]:
+    """``(plan_line's line, its estimate in seconds)``: counted FLOPs at the rate of a matmul measured now."""
     geo = build.geometry
     heads = geo.n_layers * geo.n_heads
     rate = measured_rate(build)
     planned = screen_flops(build, settings, method, variant) + exact_flops(build, settings, min(heads, top_k + n_key))
     full = exact_flops(build, settings)
-    return (
+    line = (
         f"circuits: rung 2 of {build.label} ({heads} heads): the {method} screen over every head, then the top "
         f"{top_k} and {n_key} key head(s) of the baselines exactly: counted {planned / 1e12:.3g} TFLOP, about "
         f"{_duration(planned / rate)} at {rate / 1e9:.0f} GFLOP/s (a matmul measured here); the full exact scan "
         f"would be {full / 1e12:.3g} TFLOP, about {_duration(full / rate)}"
     )
+    return line, planned / rate
