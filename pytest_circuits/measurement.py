@@ -6,6 +6,7 @@ Light at import (the plugin may create one in any run): each method imports the 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from functools import cached_property
 from pathlib import Path
@@ -200,26 +201,48 @@ class BuildMeasurement(LoadedBuilds):
         def choose():
             from .rungs.plan import automatic_screen_method
 
-            method, why = automatic_screen_method(self.build(recipe), self.settings.knockout_probe)
+            method, why = automatic_screen_method(
+                self.build(recipe), self.settings.knockout_probe, self.screen_variant()
+            )
             if why:
                 (self.progress_write or stderr_line)(why)
             return method
 
         return self.memo(("screen_method", recipe), choose)
 
-    def _knockout_scan(self, recipe: str, heads, layers):
-        from .rungs.knockout import knockout_scan
-        from .rungs.plan import plan_line
+    def screen_variant(self):
+        """The screen's knobs (`rungs.screen.ScreenVariant`) from the settings."""
+        from .rungs.screen import ScreenVariant
 
         s = self.settings
+        return ScreenVariant(
+            sequences=s.knockout_screen_sequences,
+            qk_top=s.knockout_screen_qk_top,
+            grad_drop_layers=s.knockout_screen_grad_drop_layers,
+            ablation=s.knockout_screen_ablation,
+        )
+
+    def _knockout_scan(self, recipe: str, heads, layers):
+        from .rungs.knockout import knockout_scan
+        from .rungs.plan import plan_estimate, took_line
+
+        s = self.settings
+        say = self.progress_write or stderr_line
         chosen = rung2_plan.plan(s, self.preflight, lambda: list(self.key_heads()))
+        planned = None
         if chosen.by_size and heads is None:  # said before it starts, with its counted cost
             assert chosen.top_k is not None
-            line = plan_line(
-                self.build(recipe), s.knockout_probe, chosen.top_k, len(chosen.must_include), self.screen_method(recipe)
+            line, planned = plan_estimate(
+                self.build(recipe),
+                s.knockout_probe,
+                chosen.top_k,
+                len(chosen.must_include),
+                self.screen_method(recipe),
+                self.screen_variant(),
             )
-            (self.progress_write or stderr_line)(f"{line}; the full exact scan only with {flag('knockout-full')}")
-        return knockout_scan(
+            say(f"{line}; the full exact scan only with {flag('knockout-full')}")
+        started = time.perf_counter()
+        frame = knockout_scan(
             self.build(recipe),
             s.knockout_probe,
             mode=s.knockout_mode,
@@ -230,7 +253,11 @@ class BuildMeasurement(LoadedBuilds):
             batch_size=s.batch_size,
             write=self.progress_write,
             layers=layers,
+            screen_variant=self.screen_variant(),
         )
+        if planned is not None:  # and after it, its wall time beside the estimate
+            say(took_line(self.build(recipe), planned, time.perf_counter() - started))
+        return frame
 
     @cached_property
     def shards(self) -> int:

@@ -23,6 +23,11 @@ DEFAULT_BUILDS = ("fp32", "bnb-int8", "bnb-nf4")
 DEFAULT_REFERENCE = "fp32"
 KNOCKOUT_MODES = ("zero", "mean")  # zero or mean ablation of a head's z (rungs/ablation.py)
 SCREEN_METHODS = ("atp*", "atp*gd", "atp")  # how a knockout screen ranks heads (rungs/screen.py)
+SCREEN_ABLATIONS = ("scan", "both")  # the screen's ablation: the scan's own, or the mean of zero and mean
+# atp*'s QK fix on plain AtP's top 24 heads only: the exact top 5's recall in the top 12 of full atp*
+# on SmolLM2, a Gemma-3-270M shape and the embedded model, at a third of its cost on SmolLM2
+# (docs/speed.md, "Screen variants"); a value of at least the model's heads is the full QK fix
+DEFAULT_SCREEN_QK_TOP = 24
 DEVICE_MAPS = ("none", "auto", "balanced", "balanced_low_0", "sequential")  # accelerate's device_map strategies
 ENGINES = ("torch", "llama.cpp")  # what runs the repeat probe (model/llama_engine.py)
 
@@ -218,6 +223,40 @@ OPTIONS: tuple[Option, ...] = (
         "atp*gd (and GradDrop), atp (plain attribution patching, cheapest); auto: atp* unless its counted "
         "cost passes the device's screen budget (a CPU: 1e14 FLOP, about 25 min), then atp (docs/scale.md)",
         choices=("auto", *SCREEN_METHODS),
+        cli=_SCAN_LIKE,
+    ),
+    Option(
+        "knockout-screen-sequences",
+        "int",
+        None,
+        "the screen estimates on only the first N held-out sequences (default: all; the exact knockouts use all)",
+        minimum=1,
+        cli=_SCAN_LIKE,
+    ),
+    Option(
+        "knockout-screen-qk-top",
+        "int",
+        DEFAULT_SCREEN_QK_TOP,
+        "atp*'s QK fix only on plain AtP's top C heads, the rest ranked by AtP; C of at least the "
+        "model's heads: every head (docs/speed.md, Screen variants)",
+        minimum=0,
+        cli=_SCAN_LIKE,
+    ),
+    Option(
+        "knockout-screen-grad-drop-layers",
+        "int",
+        None,
+        "atp*gd drops the gradient through only N blocks spread evenly (default: every block)",
+        minimum=1,
+        cli=_SCAN_LIKE,
+    ),
+    Option(
+        "knockout-screen-ablation",
+        "choice",
+        "scan",
+        "what the screen estimates: the scan's own ablation (scan), or the mean of the zero- and "
+        "mean-ablation estimates (both: two screens)",
+        choices=SCREEN_ABLATIONS,
         cli=_SCAN_LIKE,
     ),
     Option(

@@ -9,7 +9,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import ShardError
-from .options import BY_NAME, DEFAULT_BUILDS, DEFAULT_MODEL, DEFAULT_REFERENCE, flag, parse_shard, parse_value
+from .options import (
+    BY_NAME,
+    DEFAULT_BUILDS,
+    DEFAULT_MODEL,
+    DEFAULT_REFERENCE,
+    DEFAULT_SCREEN_QK_TOP,
+    flag,
+    parse_shard,
+    parse_value,
+)
 from .rungs.kappa_method import KappaMethod
 from .rungs.repeat_settings import RepeatSettings
 
@@ -39,6 +48,10 @@ class CircuitsSettings:
     knockout_screen: int | None = None  # exact knockouts only on the top k of an attribution screen
     knockout_full: bool = False  # every head exactly, whatever the model's size (session.screen_top_k)
     knockout_screen_method: str = "auto"  # how the screen ranks heads (rungs/screen.py; auto: session.screen_method)
+    knockout_screen_sequences: int | None = None  # the screen's own knobs (rungs/screen.ScreenVariant)
+    knockout_screen_qk_top: int | None = DEFAULT_SCREEN_QK_TOP
+    knockout_screen_grad_drop_layers: int | None = None
+    knockout_screen_ablation: str = "scan"
     # How new records measure kappa (centred W_U, 32-draw t null); the gate measures a build the
     # way its baseline was measured (rungs/kappa_method.py, gate/verdict.candidate_record).
     kappa_method: KappaMethod = field(default_factory=KappaMethod)
@@ -107,6 +120,10 @@ def build_settings(raw: dict, baselines: Path, front_end: str | None = None, **f
         knockout_screen=get("knockout-screen"),
         knockout_full=get("knockout-full"),
         knockout_screen_method=get("knockout-screen-method"),
+        knockout_screen_sequences=get("knockout-screen-sequences"),
+        knockout_screen_qk_top=get("knockout-screen-qk-top"),
+        knockout_screen_grad_drop_layers=get("knockout-screen-grad-drop-layers"),
+        knockout_screen_ablation=get("knockout-screen-ablation"),
         knockout_shards=knockout_shards if shard is None else shard[1],
         shard=shard,
         shard_out=get("shard-out"),
@@ -124,6 +141,10 @@ def recording_words(s: CircuitsSettings, front_end: str) -> list[str]:
         "knockout-screen": s.knockout_screen,
         "knockout-full": s.knockout_full,
         "knockout-screen-method": s.knockout_screen_method,
+        "knockout-screen-sequences": s.knockout_screen_sequences,
+        "knockout-screen-qk-top": s.knockout_screen_qk_top,
+        "knockout-screen-grad-drop-layers": s.knockout_screen_grad_drop_layers,
+        "knockout-screen-ablation": s.knockout_screen_ablation,
         "knockout-mode": s.knockout_mode,
         "trust-remote-code": s.trust_remote_code,
         "engine": s.engine,

@@ -300,9 +300,9 @@ def test_qk_fix_linear_term_is_the_derivative_of_its_exact_term(tmp_path, monkey
     geo, eps, checked = build.geometry, 3e-3, []
     original = screen._qk_fix
 
-    def checking(build, qk_term, dzs, residual, calls, norms, attn, rows):
+    def checking(build, qk_term, dzs, residual, calls, norms, attn, rows, qk_heads=None):
         before = qk_term.clone()
-        original(build, qk_term, dzs, residual, calls, norms, attn, rows)
+        original(build, qk_term, dzs, residual, calls, norms, attn, rows, qk_heads)
         for layer in range(geo.n_layers - 1):
             dr = screen._output_change(build, layer, dzs[layer].detach())
             exact, plus, minus = (
@@ -319,6 +319,87 @@ def test_qk_fix_linear_term_is_the_derivative_of_its_exact_term(tmp_path, monkey
     monkeypatch.setattr(screen, "_qk_fix", checking)
     df = knockout_scan(build, HELD_OUT, screen_top_k=0, batch_size=7, progress=False)
     assert df.attrs["screen_method"] == "atp*" and checked == [0, 1, 2]
+
+
+def _screen(build, variant=None, method="atp*", mode="zero"):
+    df = knockout_scan(
+        build,
+        HELD_OUT,
+        mode=mode,
+        screen_top_k=0,
+        screen_method=method,
+        batch_size=3,
+        progress=False,
+        screen_variant=variant,
+    )
+    return df["knockout_estimate"].to_numpy(), df["knockout_screen_score"].to_numpy()
+
+
+@pytest.mark.parametrize("method", ["atp*", "atp*gd", "atp"])
+def test_screen_variant_at_todays_values_is_todays_screen_exactly(fp32_builds, method):
+    """Every knob of `ScreenVariant` set to what today's screen does (all sequences, the QK fix on
+    every head, GradDrop on every block, the scan's own ablation) gives today's numbers bit for bit."""
+    from pytest_circuits.rungs.screen import ScreenVariant
+
+    build = fp32_builds["llama"]
+    geo = build.geometry
+    today = _screen(build, None, method)
+    same = ScreenVariant(
+        sequences=HELD_OUT.n, qk_top=geo.n_layers * geo.n_heads, grad_drop_layers=geo.n_layers - 1, ablation="scan"
+    )
+    for got, want in zip(_screen(build, same, method), today):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_screen_variant_knobs_do_what_they_say(fp32_builds):
+    """``qk_top=0`` leaves every head its plain AtP estimate; ``qk_top=C`` changes exactly C heads'
+    estimates from AtP's (AtP's top C by |estimate|); ``ablation="both"`` is the mean of the zero-
+    and mean-ablation screens; ``sequences`` changes the estimate (fewer sequences)."""
+    from pytest_circuits.rungs.screen import ScreenVariant
+
+    build = fp32_builds["llama"]
+    atp = _screen(build, None, "atp")[0]
+    star = _screen(build, None, "atp*")[0]
+    np.testing.assert_allclose(_screen(build, ScreenVariant(qk_top=0))[0], atp, rtol=1e-5, atol=1e-8)
+    partial = _screen(build, ScreenVariant(qk_top=3))[0]
+    fixed = ~np.isclose(partial, atp, rtol=1e-5, atol=1e-8)
+    top3 = np.argsort(-np.abs(atp), kind="stable")[:3]
+    assert set(np.flatnonzero(fixed)) <= set(top3) and fixed.sum() >= 1
+    np.testing.assert_allclose(partial[fixed], star[fixed], rtol=1e-5, atol=1e-8)
+    both = _screen(build, ScreenVariant(ablation="both"), "atp")
+    zero, mean = _screen(build, None, "atp", "zero"), _screen(build, None, "atp", "mean")
+    np.testing.assert_allclose(both[0], (zero[0] + mean[0]) / 2, rtol=1e-6)
+    np.testing.assert_allclose(both[1], (zero[1] + mean[1]) / 2, rtol=1e-6)
+    fewer = _screen(build, ScreenVariant(sequences=2), "atp")[0]
+    assert not np.allclose(fewer, atp)
+
+
+def test_grad_drop_blocks_sample_spreads_evenly():
+    from pytest_circuits.rungs.screen import grad_drop_blocks
+
+    assert grad_drop_blocks(30, None) == list(range(1, 30))
+    assert grad_drop_blocks(30, 4) == [1, 10, 20, 29]  # blocks 1..29 at steps of 28/3, rounded
+    assert grad_drop_blocks(3, 9) == [1, 2]
+    assert grad_drop_blocks(30, 1) == [1]
+
+
+@pytest.mark.parametrize(
+    "knobs, named",
+    [
+        (dict(sequences=0), "--circuits-knockout-screen-sequences 0 must be at least 1"),
+        (dict(qk_top=-1), "--circuits-knockout-screen-qk-top -1 must be at least 0"),
+        (dict(grad_drop_layers=0), "--circuits-knockout-screen-grad-drop-layers 0 must be at least 1"),
+        (dict(ablation="half"), "--circuits-knockout-screen-ablation 'half' is unknown; use one of: scan, both"),
+    ],
+)
+def test_screen_variant_refuses_bad_knobs_in_one_line(fp32_builds, knobs, named):
+    from pytest_circuits.rungs.screen import ScreenVariant
+
+    with pytest.raises(CircuitsError) as info:
+        knockout_scan(
+            fp32_builds["gpt2"], HELD_OUT, screen_top_k=1, progress=False, screen_variant=ScreenVariant(**knobs)
+        )
+    assert str(info.value) == named
 
 
 def test_screening_falls_back_to_exact_when_backward_fails(fp32_builds, monkeypatch):
@@ -505,6 +586,23 @@ def test_embedded_atp_star_ranks_both_circuit_heads_first(embedded_build, mode):
     assert screened.loc["L0H1", "knockout_estimate"] > 0.5 * screened.loc["L1H0", "knockout_estimate"] > 0
 
 
+@needs_embedded
+@pytest.mark.parametrize("qk_top", [None, 2])
+def test_embedded_default_screen_ranks_both_circuit_heads_first(embedded_build, qk_top):
+    """The default screen (`DEFAULT_SCREEN_QK_TOP`: at least the embedded model's 8 heads, so its full
+    QK fix) and the QK fix on AtP's top 2 only both rank the exact top 2 heads (the circuit) in their top 2."""
+    from pytest_circuits.options import DEFAULT_SCREEN_QK_TOP
+    from pytest_circuits.rungs.screen import ScreenVariant
+
+    held_out = RepeatSettings(seed=1, n=16, L=32)
+    full = knockout_scan(embedded_build, held_out, progress=False).set_index("head")["knockout_delta"]
+    exact_top = set(full.sort_values(ascending=False).index[:2])
+    variant = ScreenVariant(qk_top=DEFAULT_SCREEN_QK_TOP if qk_top is None else qk_top)
+    screened = knockout_scan(embedded_build, held_out, screen_top_k=2, progress=False, screen_variant=variant)
+    score = screened.set_index("head")["knockout_screen_score"]
+    assert set(score.sort_values(ascending=False).index[:2]) == exact_top, score.to_string()
+
+
 # --- the real model ---
 
 
@@ -571,6 +669,9 @@ def test_default_plan_screens_past_300_heads_and_says_so_first(tmp_path):
     assert "the full exact scan only with --circuits-knockout-full" in plan[0] and "GFLOP/s" in plan[0]
     scan_lines = [line for line in lines if not line.startswith("loading ")]  # a slow load may beat first
     assert scan_lines.index(plan[0]) == 0  # before any progress of the scan
+    took = [line for line in lines if " took " in line]  # and after it, the time beside the estimate
+    assert len(took) == 1 and scan_lines.index(took[0]) == len(scan_lines) - 1
+    assert "of wall time; the plan estimated" in took[0] and took[0].endswith("x)")
     assert frame.attrs["screened"] and len(frame.attrs["exact_heads"]) == 12
     assert frame["knockout_delta"].notna().sum() == 12
     build, probe = session.build("fp32"), session.settings.knockout_probe
@@ -612,3 +713,38 @@ def test_automatic_screen_method_is_chosen_by_counted_cost_and_said(tmp_path, mo
     assert record["knockout"]["screen_method"] == "atp"
     explicit = _session_of(folder, knockout_screen=2, knockout_screen_method="atp*")
     assert explicit.head_knockout("fp32").attrs["screen_method"] == "atp*"
+
+
+def test_screen_variant_reaches_the_scan_and_its_count(tmp_path, monkeypatch):
+    """The ``--knockout-screen-*`` settings reach the screen, and the counted cost that picks the
+    automatic method counts the variant: fewer sequences and the QK fix on fewer heads count less."""
+    import pytest_circuits.rungs.plan as plan
+    from pytest_circuits.options import DEFAULT_SCREEN_QK_TOP
+    from pytest_circuits.rungs import screen
+    from pytest_circuits.rungs.screen import ScreenVariant
+    from pytest_circuits.settings import recording_words
+
+    folder = save_tiny_model("llama", tmp_path / "m", num_hidden_layers=4)
+    session = _session_of(folder, knockout_screen=2, knockout_screen_sequences=1, knockout_screen_qk_top=1)
+    build, probe = session.build("fp32"), session.settings.knockout_probe
+    today = plan.screen_flops(build, probe, "atp*")
+    assert plan.screen_flops(build, probe, "atp*", ScreenVariant()) == today
+    assert plan.screen_flops(build, probe, "atp*", ScreenVariant(sequences=1)) == pytest.approx(today / probe.n)
+    atp = plan.screen_flops(build, probe, "atp")  # qk_top adds one plain AtP pass; its QK fix counts less
+    assert plan.screen_flops(build, probe, "atp*", ScreenVariant(qk_top=1)) - 2 * atp < today - atp
+    assert plan.screen_flops(build, probe, "atp", ScreenVariant(ablation="both")) == pytest.approx(
+        2 * plan.screen_flops(build, probe, "atp")
+    )
+    seen = []
+    original = screen.screen_estimate
+
+    def spy(build, ids, L, mode, means, method, batch_size, bar=None, variant=screen.TODAY):
+        seen.append((ids.shape[0], variant))
+        return original(build, ids, L, mode, means, method, batch_size, bar, variant)
+
+    monkeypatch.setattr(screen, "screen_estimate", spy)
+    session.head_knockout("fp32")
+    assert seen == [(probe.n, ScreenVariant(sequences=1, qk_top=1))]
+    default = _session_of(folder, knockout_screen=2)
+    assert default.screen_variant() == ScreenVariant(qk_top=DEFAULT_SCREEN_QK_TOP)
+    assert not any("qk-top" in word for word in recording_words(default.settings, "cli"))

@@ -118,6 +118,7 @@ def knockout_scan(
     cached: bool = True,
     layers=None,
     record_bytes: int | None = None,
+    screen_variant=None,
 ) -> pd.DataFrame:
     """Knockout delta of every head (or of ``heads``) on the held-out repeat sequences of ``settings``.
 
@@ -139,6 +140,7 @@ def knockout_scan(
     joins the shards into the unsharded scan.
     ``record_bytes``: the most the recorded block inputs may hold (default `RECORD_SHARE` of the
     memory available; `record_stride`); fewer kept inputs only add recomputed blocks, same figures.
+    ``screen_variant``: a `screen.ScreenVariant` (cheaper screens; default today's).
     ``df.attrs``: ``copy_loss`` (intact), ``mode``, ``settings`` (dict), ``screened``,
     ``screen_top_k``, ``screen_method``, ``exact_heads``, ``cached`` (whether the replay ran),
     ``layers`` (the shard's layers, None for the whole model).
@@ -161,14 +163,18 @@ def knockout_scan(
         intact = intact_pass(build, ids, settings.L, batch_size, record=cached, record_bytes=record_bytes)
     estimate = score = None
     if screen:
-        from .screen import screen_estimate, screen_rows
+        from .screen import TODAY, screen_estimate, screen_rows
 
-        chunks = -(-ids.shape[0] // screen_rows(build, max(batch_size, 1), settings.L))  # its own rows per chunk
+        variant = TODAY if screen_variant is None else screen_variant
+        variant.check()
+        screened_n = ids.shape[0] if variant.sequences is None else min(variant.sequences, ids.shape[0])
+        passes = 2 if variant.ablation == "both" else 1
+        chunks = passes * -(-screened_n // screen_rows(build, max(batch_size, 1), settings.L))  # its own rows per chunk
         label = f"screen ({screen_method}) {build.label}"
         try:
             with Progress(chunks, label, unit="chunk", enabled=progress, write=write) as bar:
                 estimate, score = screen_estimate(
-                    build, ids, settings.L, mode, intact.means, screen_method, batch_size, bar
+                    build, ids, settings.L, mode, intact.means, screen_method, batch_size, bar, variant
                 )
         except (RuntimeError, NotImplementedError, TypeError) as error:
             warnings.warn(

@@ -10,6 +10,10 @@ Counts (multiply-add = 2), with ``forward`` = `reference.knockout_flops`'s one f
   attention on ``n_heads`` stacked copies of every token (``n T n_heads x n_layers (n_layers - 1) / 2``
   attention passes of ``2 x`` its matrix parameters ``+ 4 n_heads d_head (T+1)/2`` a token);
 * ``atp*gd`` adds ``n_layers - 1`` backward passes (``2 forward`` each).
+
+A `screen.ScreenVariant` scales these: ``sequences`` the screen's ``n``; ``qk_top`` C runs the QK
+fix on at most ``C (n_layers - 1)`` (head, later layer) pairs, one copy each, after one more
+``atp`` (``3 forward``); ``grad_drop_layers`` counts only the sampled blocks; ``ablation="both"`` doubles it.
 """
 
 from __future__ import annotations
@@ -30,35 +34,44 @@ RATE_ROWS = 512  # rows of the matmul that measures the device's rate
 SCREEN_BUDGET_FLOP = {"cpu": 1e14}
 
 
-def screen_flops(build, settings: RepeatSettings, method: str) -> float:
-    """Counted FLOPs of the screen ``method`` over every head (module docstring)."""
+def screen_flops(build, settings: RepeatSettings, method: str, variant=None) -> float:
+    """Counted FLOPs of the screen ``method`` over every head (module docstring); ``variant``: a
+    `screen.ScreenVariant` (None: today's screen)."""
+    from .screen import TODAY, grad_drop_blocks
+
+    variant = TODAY if variant is None else variant
     geo = build.geometry
-    forward = knockout_flops(build, settings, heads=[])["forward"]
+    n = settings.n if variant.sequences is None else min(variant.sequences, settings.n)
+    forward = knockout_flops(build, settings, heads=[])["forward"] * n / settings.n
     flops = 3 * forward
     if method.startswith("atp*"):
         T = 2 * settings.L + bos_offset(build.tokens)
         attn = attention_module(build.model, geo.n_layers - 1)
         params = sum(p.numel() for p in attn.parameters() if p.dim() >= 2)
         per_token = 2 * params + 4 * geo.n_heads * geo.d_head * (T + 1) / 2
-        pairs = geo.n_layers * (geo.n_layers - 1) / 2
-        flops += settings.n * T * geo.n_heads * pairs * per_token
+        if variant.qk_top is None or variant.qk_top >= geo.n_layers * geo.n_heads:
+            copies = geo.n_heads * geo.n_layers * (geo.n_layers - 1) / 2
+        else:  # at most: the heads AtP picks are not known before it runs
+            flops += 3 * forward
+            copies = min(variant.qk_top, geo.n_layers * geo.n_heads) * (geo.n_layers - 1)
+        flops += n * T * copies * per_token
     if method == "atp*gd":
-        flops += 2 * forward * (geo.n_layers - 1)
-    return flops
+        flops += 2 * forward * len(grad_drop_blocks(geo.n_layers, variant.grad_drop_layers))
+    return flops * (2 if variant.ablation == "both" else 1)
 
 
-def automatic_screen_method(build, settings: RepeatSettings) -> tuple[str, str]:
-    """``(method, why)``: ``atp*`` when its counted FLOPs (`screen_flops`) fit the build's device's
-    `SCREEN_BUDGET_FLOP`, else ``atp`` and the line saying why. Counted, not timed, so every job of
-    a sharded scan on the same kind of device picks the same method."""
+def automatic_screen_method(build, settings: RepeatSettings, variant=None) -> tuple[str, str]:
+    """``(method, why)``: ``atp*`` when its counted FLOPs (`screen_flops`, with ``variant``) fit the
+    build's device's `SCREEN_BUDGET_FLOP`, else ``atp`` and the line saying why. Counted, not timed,
+    so every job of a sharded scan on the same kind of device picks the same method."""
     budget = SCREEN_BUDGET_FLOP.get(build.device.type)
-    counted = screen_flops(build, settings, "atp*")
+    counted = screen_flops(build, settings, "atp*", variant)
     if budget is None or counted <= budget:
         return "atp*", ""
     return "atp", (
         f"circuits: the atp* screen of {build.label} counts {counted / 1e12:.3g} TFLOP, over the "
         f"{build.device.type} budget of {budget / 1e12:.3g} TFLOP: screening with atp (one forward and "
-        f"one backward, {screen_flops(build, settings, 'atp') / 1e12:.3g} TFLOP); "
+        f"one backward, {screen_flops(build, settings, 'atp', variant) / 1e12:.3g} TFLOP); "
         "--knockout-screen-method atp* to screen with it anyway"
     )
 
@@ -98,16 +111,32 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def plan_line(build, settings: RepeatSettings, top_k: int, n_key: int, method: str) -> str:
+def plan_line(build, settings: RepeatSettings, top_k: int, n_key: int, method: str, variant=None) -> str:
     """``circuits: rung 2 of L:bf16 (1024 heads, more than 300): the atp screen ... about 16 min ...``."""
+    return plan_estimate(build, settings, top_k, n_key, method, variant)[0]
+
+
+def took_line(build, planned_s: float, took_s: float) -> str:
+    """The line said after a plan chosen by size ran: its wall time beside the plan's estimate."""
+    return (
+        f"circuits: {build.label}: rung 2 took {_duration(took_s)} of wall time; the plan estimated "
+        f"{_duration(planned_s)} ({took_s / max(planned_s, 1e-9):.2f}x)"
+    )
+
+
+def plan_estimate(
+    build, settings: RepeatSettings, top_k: int, n_key: int, method: str, variant=None
+) -> tuple[str, float]:
+    """``(plan_line's line, its estimate in seconds)``: counted FLOPs at the rate of a matmul measured now."""
     geo = build.geometry
     heads = geo.n_layers * geo.n_heads
     rate = measured_rate(build)
-    planned = screen_flops(build, settings, method) + exact_flops(build, settings, min(heads, top_k + n_key))
+    planned = screen_flops(build, settings, method, variant) + exact_flops(build, settings, min(heads, top_k + n_key))
     full = exact_flops(build, settings)
-    return (
+    line = (
         f"circuits: rung 2 of {build.label} ({heads} heads): the {method} screen over every head, then the top "
         f"{top_k} and {n_key} key head(s) of the baselines exactly: counted {planned / 1e12:.3g} TFLOP, about "
         f"{_duration(planned / rate)} at {rate / 1e9:.0f} GFLOP/s (a matmul measured here); the full exact scan "
         f"would be {full / 1e12:.3g} TFLOP, about {_duration(full / rate)}"
     )
+    return line, planned / rate

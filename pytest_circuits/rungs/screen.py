@@ -68,6 +68,44 @@ class _State:
 _STATE = _State()
 
 
+@dataclass(frozen=True)
+class ScreenVariant:
+    """Cheaper screens (issue 41; docs/speed.md, "Screen variants"); every knob's default is today's screen.
+
+    ``sequences``: estimate on the first N held-out sequences only (None: all of them); ``qk_top``:
+    the QK fix only on plain AtP's top C heads by ``|estimate|``, the rest keep their AtP estimate
+    (None, or C of at least the model's heads: every head; else it costs one more forward and
+    backward); ``grad_drop_layers``: GradDrop
+    (``atp*gd``) over this many blocks spread evenly over ``1 .. n_layers-1`` (None: every block);
+    ``ablation``: ``"scan"`` estimates the scan's own ablation, ``"both"`` averages the zero- and
+    mean-ablation estimates and their scores (two screens)."""
+
+    sequences: int | None = None
+    qk_top: int | None = None
+    grad_drop_layers: int | None = None
+    ablation: str = "scan"
+
+    def check(self) -> None:
+        from ..errors import CircuitsError
+        from ..options import SCREEN_ABLATIONS, flag
+
+        for name, value, least in (("sequences", self.sequences, 1), ("qk-top", self.qk_top, 0)):
+            if value is not None and value < least:
+                raise CircuitsError(f"{flag('knockout-screen-' + name)} {value} must be at least {least}")
+        if self.grad_drop_layers is not None and self.grad_drop_layers < 1:
+            raise CircuitsError(
+                f"{flag('knockout-screen-grad-drop-layers')} {self.grad_drop_layers} must be at least 1"
+            )
+        if self.ablation not in SCREEN_ABLATIONS:
+            raise CircuitsError(
+                f"{flag('knockout-screen-ablation')} {self.ablation!r} is unknown; use one of: "
+                f"{', '.join(SCREEN_ABLATIONS)}"
+            )
+
+
+TODAY = ScreenVariant()
+
+
 def _causal_scores(module, query, key, attention_mask, scaling):
     n_rep = query.shape[1] // key.shape[1]
     key = key.repeat_interleave(n_rep, dim=1) if n_rep > 1 else key
@@ -189,19 +227,37 @@ def _output_change(build, layer: int, dz: torch.Tensor) -> torch.Tensor:
     return proj(placed) - proj(torch.zeros_like(placed[:1]))
 
 
+def grad_drop_blocks(n_layers: int, sample: int | None) -> list[int]:
+    """The blocks GradDrop drops: every one of ``1 .. n_layers-1``, or ``sample`` of them spread evenly."""
+    blocks = list(range(1, n_layers))
+    if sample is None or sample >= len(blocks):
+        return blocks
+    return sorted({blocks[round(i * (len(blocks) - 1) / max(sample - 1, 1))] for i in range(sample)})
+
+
 def atp_star(
-    build, ids, L, mode, means, batch_size, grad_drop: bool = False, bar=None
+    build,
+    ids,
+    L,
+    mode,
+    means,
+    batch_size,
+    grad_drop: bool = False,
+    bar=None,
+    qk_heads=None,
+    drop_sample: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(estimate, rank_score)``, each ``(n_layers, n_heads)``: the AtP* estimate (AtP + QK fix)
     and the score heads are ranked by (GradDrop's ``mean_j |.|``, or ``|estimate|``). ``bar``: a
-    `progress.Progress` told of each chunk of ``batch_size`` sequences."""
+    `progress.Progress` told of each chunk of ``batch_size`` sequences. ``qk_heads``: the
+    ``(layer, head)`` pairs the QK fix runs on (None: every head); ``drop_sample``: `grad_drop_blocks`."""
     _register()
     model, geo, n = build.model, build.geometry, ids.shape[0]
     blocks = layer_modules(model)
     attn = [attention_module(model, m) for m in range(geo.n_layers)]
     norms = [get_module(blocks[m], build.family.attn_norm) for m in range(geo.n_layers)]
     means = means if mode == "mean" else None
-    drops = list(range(1, geo.n_layers)) if grad_drop else []
+    drops = grad_drop_blocks(geo.n_layers, drop_sample) if grad_drop else []
     atp_term = torch.zeros(len(drops) + 1, geo.n_layers, geo.n_heads, dtype=torch.float64)
     qk_term = torch.zeros(geo.n_layers, geo.n_heads, dtype=torch.float64)
     state = _STATE
@@ -258,7 +314,7 @@ def atp_star(
             finally:
                 state.mode = "off"
             with torch.no_grad():
-                _qk_fix(build, qk_term, dzs, residual, calls, norms, attn, rows)
+                _qk_fix(build, qk_term, dzs, residual, calls, norms, attn, rows, qk_heads)
             state.patterns, state.leaves, state.grads = {}, {}, {}
             if bar is not None:
                 bar.update(1)
@@ -284,23 +340,35 @@ def _add_atp_term(out: torch.Tensor, zleaves, dzs, grads) -> None:
             out[layer] += (dz.double() * g.reshape(dz.shape).double()).sum(dim=(0, 1, 3)).cpu()
 
 
-def _qk_fix(build, qk_term, dzs, residual, calls, norms, attn, rows) -> None:
+def _qk_fix(build, qk_term, dzs, residual, calls, norms, attn, rows, qk_heads=None) -> None:
     """Add ``sum_{m > l} (A'_m - A_m - dA_m^lin) . dCL/dA_m`` for every head of every layer ``l``.
 
     The linearised term is a directional derivative, so it needs no pass per head: with
     ``S_m(r) = A_m(attn_norm_m(r)) . dCL/dA_m`` and ``g_m = dS_m/dr`` at ``r_m`` (one backward per
     layer), ``sum_{m > l} dA_m^lin . dCL/dA_m = (sum_{m > l} g_m) . dr_h``, the sum kept as a
     suffix sum while ``l`` runs down. Only the exact patterns ``A'_m`` take a pass per source layer.
+    ``qk_heads``: only these ``(layer, head)`` pairs (None: every head), stacked per source layer.
     """
     geo = build.geometry
+    chosen = {layer: list(range(geo.n_heads)) for layer in range(geo.n_layers)}
+    if qk_heads is not None:
+        chosen = {}
+        for layer, head in sorted(qk_heads):
+            chosen.setdefault(layer, []).append(head)
+    lowest = min(chosen, default=geo.n_layers)
     toward: torch.Tensor | None = None  # sum_{m > l} g_m
-    for layer in reversed(range(geo.n_layers - 1)):
+    for layer in reversed(range(lowest, geo.n_layers - 1)):
         g = pattern_gradient(residual[layer + 1], calls[layer + 1], norms[layer + 1], attn[layer + 1], rows)
         toward = g if toward is None else toward + g
+        heads = chosen.get(layer)
+        if not heads:
+            continue
         dr = _output_change(build, layer, dzs[layer].detach())
-        exact = exact_pattern_change(build, layer, dr, residual, calls, norms, attn, rows)
-        linear = (dr.reshape(geo.n_heads, rows, *dr.shape[1:]).double() * toward.double()[None]).sum(dim=(1, 2, 3))
-        qk_term[layer] += exact - linear.cpu()
+        if len(heads) < geo.n_heads:
+            dr = dr.reshape(geo.n_heads, rows, *dr.shape[1:])[heads].reshape(len(heads) * rows, *dr.shape[1:])
+        exact = exact_pattern_change(build, layer, dr, residual, calls, norms, attn, rows, len(heads))
+        linear = (dr.reshape(len(heads), rows, *dr.shape[1:]).double() * toward.double()[None]).sum(dim=(1, 2, 3))
+        qk_term[layer, heads] += exact - linear.cpu()
 
 
 def pattern_gradient(residual, call, norm, attention, rows: int) -> torch.Tensor:
@@ -318,16 +386,20 @@ def pattern_gradient(residual, call, norm, attention, rows: int) -> torch.Tensor
     return grad
 
 
-def exact_pattern_change(build, layer: int, dr, residual, calls, norms, attn, rows: int) -> torch.Tensor:
-    """``(n_heads,)``: ``sum_{m > layer} (A'_m - A_m) . dCL/dA_m`` per head of ``layer``, ``A'_m`` the
-    pattern of ``attn_norm_m(r_m + dr_h)`` (``dr``: `_output_change`, heads stacked on the batch)."""
+def exact_pattern_change(
+    build, layer: int, dr, residual, calls, norms, attn, rows: int, copies: int | None = None
+) -> torch.Tensor:
+    """``(copies,)``: ``sum_{m > layer} (A'_m - A_m) . dCL/dA_m`` per head of ``layer``, ``A'_m`` the
+    pattern of ``attn_norm_m(r_m + dr_h)`` (``dr``: `_output_change`, ``copies`` heads (default
+    every head of the layer) stacked on the batch)."""
     geo, state = build.geometry, _STATE
-    state.copies, state.qk = geo.n_heads, torch.zeros(geo.n_heads, dtype=torch.float64)
+    k = geo.n_heads if copies is None else copies
+    state.copies, state.qk = k, torch.zeros(k, dtype=torch.float64)
     try:
         with torch.no_grad():
             for m in range(layer + 1, geo.n_layers):
                 state.mode = "qkfix"
-                _call(attn[m], calls[m], norms[m](residual[m].repeat(geo.n_heads, 1, 1) + dr), rows, geo.n_heads)
+                _call(attn[m], calls[m], norms[m](residual[m].repeat(k, 1, 1) + dr), rows, k)
         return state.qk
     finally:
         state.mode, state.copies = "off", 1
@@ -371,15 +443,41 @@ def screen_rows(build, batch_size: int, L: int) -> int:
 
 
 def screen_estimate(
-    build, ids, L, mode, means, method: str, batch_size: int, bar=None
+    build, ids, L, mode, means, method: str, batch_size: int, bar=None, variant: ScreenVariant = TODAY
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(estimate, rank_score)`` of every head by ``method``: "atp*", "atp*gd" (with GradDrop) or "atp";
-    ``bar`` (a `progress.Progress`) counts the chunks of ``batch_size`` sequences."""
+    ``bar`` (a `progress.Progress`) counts the chunks of ``batch_size`` sequences; ``variant``: `ScreenVariant`."""
     from ..model.quantized_cache import refuse_decode_only
 
     refuse_decode_only(build, "the attribution screen")
+    variant.check()
     batch_size = screen_rows(build, batch_size, L)
+    ids = ids if variant.sequences is None else ids[: variant.sequences]
+    if variant.ablation == "both":
+        parts = [_one_screen(build, ids, L, m, means, method, batch_size, bar, variant) for m in ("zero", "mean")]
+        return (parts[0][0] + parts[1][0]) / 2, (parts[0][1] + parts[1][1]) / 2
+    return _one_screen(build, ids, L, mode, means, method, batch_size, bar, variant)
+
+
+def _one_screen(build, ids, L, mode, means, method, batch_size, bar, variant) -> tuple[np.ndarray, np.ndarray]:
     if method == "atp":
         est = plain_atp(build, ids, L, mode, means, batch_size, bar)
         return est, np.abs(est)
-    return atp_star(build, ids, L, mode, means, batch_size, grad_drop=method == "atp*gd", bar=bar)
+    qk_heads = None
+    geo = build.geometry
+    if variant.qk_top is not None and variant.qk_top < geo.n_layers * geo.n_heads:  # else: every head
+        first = np.abs(plain_atp(build, ids, L, mode, means, batch_size))
+        order = sorted(np.ndindex(first.shape), key=lambda p: (-first[p], p))
+        qk_heads = [(int(l), int(h)) for l, h in order[: variant.qk_top]]
+    return atp_star(
+        build,
+        ids,
+        L,
+        mode,
+        means,
+        batch_size,
+        grad_drop=method == "atp*gd",
+        bar=bar,
+        qk_heads=qk_heads,
+        drop_sample=variant.grad_drop_layers,
+    )
