@@ -76,3 +76,29 @@ def beyond_progress(err: str) -> list[str]:
     """The lines of a CLI's stderr other than progress lines (a long phase on a busy machine writes
     ``loading m:fp32: 5s elapsed`` and ``...: done in 6s``)."""
     return [line for line in err.splitlines() if " elapsed" not in line and ": done in " not in line]
+
+
+# --- tiny-induction as GGUF files, converted once per module ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A private cache for the GGUF conversions of the module that asks (test_external_builds, test_llama_engine)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTEST_CIRCUITS_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield tmp_path_factory.mktemp("files")
+
+
+@pytest.fixture(scope="module")
+def float_gguf(env) -> Path:
+    """tiny-induction as a float32 GGUF file (what the quantized files are made from)."""
+    from pytest_circuits.model.gguf_quant import float_gguf_of
+
+    return float_gguf_of("tiny-induction", env / "tiny-F32.gguf")
+
+
+@pytest.fixture(scope="module")
+def q8_file(env, float_gguf) -> Path:
+    from pytest_circuits.model.gguf_quant import requantize_gguf
+
+    return requantize_gguf(float_gguf, env / "tiny-Q8_0.gguf", "Q8_0")

@@ -38,29 +38,6 @@ def file_types(path: Path) -> dict[str, int]:
     return dict(Counter(t.tensor_type.name for t in GGUFReader(str(path)).tensors))
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    """A private cache for the GGUF conversions of this module."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTEST_CIRCUITS_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield tmp_path_factory.mktemp("files")
-
-
-@pytest.fixture(scope="module")
-def float_gguf(env) -> Path:
-    """tiny-induction as a float32 GGUF file (what the quantized files are made from)."""
-    from pytest_circuits.model.gguf_quant import float_gguf_of
-
-    return float_gguf_of("tiny-induction", env / "tiny-F32.gguf")
-
-
-@pytest.fixture(scope="module")
-def q8_file(env, float_gguf) -> Path:
-    from pytest_circuits.model.gguf_quant import requantize_gguf
-
-    return requantize_gguf(float_gguf, env / "tiny-Q8_0.gguf", "Q8_0")
-
-
 def settings(builds: str, reference: str = "fp32", baselines: Path | None = None, **fixed):
     raw = {"builds": builds, "reference": reference, "baselines": baselines}
     return build_settings(raw, Path("baselines"), **fixed)

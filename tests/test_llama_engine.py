@@ -36,28 +36,6 @@ def one_line(text: str) -> str:
     return text
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    """A private cache for this module's GGUF conversions."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTEST_CIRCUITS_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield tmp_path_factory.mktemp("files")
-
-
-@pytest.fixture(scope="module")
-def f32_file(env) -> Path:
-    from pytest_circuits.model.gguf_quant import float_gguf_of
-
-    return float_gguf_of("tiny-induction", env / "tiny-F32.gguf")
-
-
-@pytest.fixture(scope="module")
-def q8_file(env, f32_file) -> Path:
-    from pytest_circuits.model.gguf_quant import requantize_gguf
-
-    return requantize_gguf(f32_file, env / "tiny-Q8_0.gguf", "Q8_0")
-
-
 def cli(capsys, *args: str) -> tuple[int, str, str]:
     from pytest_circuits.cli import main
 
@@ -208,8 +186,8 @@ def probes(model: str, path: Path, kv: str | None, L: int = 64, n: int = 8):
 
 
 @pytest.fixture(scope="module")
-def f32_probes(f32_file):
-    return probes("tiny-induction", f32_file, None)
+def f32_probes(float_gguf):
+    return probes("tiny-induction", float_gguf, None)
 
 
 @needs_llama_cpp
@@ -254,11 +232,11 @@ def test_q8_0_gguf_through_llama_cpp_is_close_to_torch_but_not_equal(q8_file, f3
 
 @needs_llama_cpp
 @pytest.mark.parametrize("kv", ["q8_0", "q4_0"])
-def test_llama_cpps_own_cache_is_close_to_the_torch_simulation(f32_file, kv):
+def test_llama_cpps_own_cache_is_close_to_the_torch_simulation(float_gguf, kv):
     """The cache types through llama.cpp (type_k = type_v, flash attention) against the torch simulation of
     the same blocks on the same file: within 0.01 nats on the mean copy loss (measured: q8_0 0.0003,
     q4_0 0.0001; the blocks are ggml's own rounding in both, the rest is f16 flash-attention arithmetic)."""
-    ours, theirs = probes("tiny-induction", f32_file, kv)
+    ours, theirs = probes("tiny-induction", float_gguf, kv)
     assert abs(ours.copy_loss - theirs.copy_loss) < 0.01, (ours.copy_loss, theirs.copy_loss)
 
 

@@ -166,9 +166,9 @@ if TYPE_CHECKING:  # what mypy reads of the two models built from the figure tab
         ov_gain: float | None
         kappa_uncentred: float | None
         kappa_trace_uncentred: float | None
-        prefix_matching: float
-        previous_token: float
-        duplicate_token: float
+        prefix_matching: float | None
+        previous_token: float | None
+        duplicate_token: float | None
         path_factor: float | None
         knockout_delta: float | None
         knockout_estimate: float | None

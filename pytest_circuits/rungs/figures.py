@@ -55,8 +55,9 @@ def _kappa(name: str, kind: str = "float", **how: Any) -> Figure:
 
 
 def _routing(name: str, **how: Any) -> Figure:
-    """A rung-1/2 routing score of the repeat probe: a mean attention weight, in [0, 1]."""
-    return Figure(name, "probe", "float", "1/2", low=0.0, high=1.0, **how)
+    """A rung-1/2 routing score of the repeat probe: a mean attention weight, in [0, 1]; None where the
+    engine that ran the probe formed no attention pattern (llama.cpp with a quantized cache)."""
+    return Figure(name, "probe", "float", "1/2", low=0.0, high=1.0, nullable=True, **how)
 
 
 def sequences_key(figure: str) -> str:
