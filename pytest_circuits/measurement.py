@@ -156,11 +156,11 @@ class BuildMeasurement(LoadedBuilds):
             build = self.build(recipe)
             with self._phase(f"repeat probe (n={s.probe.n}, L={s.probe.L}) {self.model_name}:{recipe}"):
                 if s.engine == "llama.cpp":
-                    from .measure_steps import engine_files
-                    from .model.llama_engine import threads
+                    from .model.llama_engine import gguf_path, threads
                     from .rungs.llama_probe import llama_repeat_probe
 
-                    path, kv = engine_files(s)[recipe], s.spec(recipe).kv
+                    spec = s.spec(recipe)  # preflight (`measure_steps.engine_files`) checked every build's file
+                    path, kv = gguf_path(spec, s.model), spec.kv
                     return llama_repeat_probe(path, build.tokens, build.geometry, s.probe, kv, threads())
                 return run_repeat_probe(build, s.probe, batch_size=s.batch_size)
 
