@@ -228,13 +228,16 @@ def test_usage_error_exit_2():
 def test_head_table_shows_each_heads_ov_gain_against_the_largest():
     from pytest_circuits.cli import head_table
 
+    from .scan_records import complete
+
     heads = [
-        {"head": name, "kappa": 0.5, "ov_gain": gain} for name, gain in (("L0H0", 8.0), ("L0H1", 2.0), ("L1H0", 0.04))
+        {"head": f"L{layer}H{head}", "layer": layer, "head_index": head, "kappa": 0.5, "ov_gain": gain}
+        for layer, head, gain in ((0, 0, 8.0), (0, 1, 2.0), (1, 0, 0.04), (1, 1, 1.0))
     ]
-    lines = head_table({"heads": heads}).splitlines()
-    assert lines[0].split()[:4] == ["head", "kappa", "ov", "gain"]
-    assert [line.split()[2] for line in lines[1:]] == ["1.000", "0.250", "0.005"]
-    no_gain = head_table({"heads": [{"head": "L0H0", "kappa": 0.5}]})
+    lines = head_table(complete({"heads": heads}, n_layers=2, n_heads=2)).splitlines()
+    assert lines[0].split()[-3:] == ["ov", "gain", "flag"]
+    assert [line.split()[-1] for line in lines[1:]] == ["1.000", "0.250", "0.005", "0.125"]
+    no_gain = head_table(complete({"heads": [{"head": "L0H0", "kappa": 0.5}]}))
     assert "ov gain" not in no_gain  # records without gains or eigenvalues: no column
 
 
