@@ -219,6 +219,21 @@ def test_corrupt_baseline_exit_2(model, tmp_path, capsys):
     assert "schema version 7" in capsys.readouterr().err
 
 
+def test_incomplete_baseline_is_refused_in_one_line_naming_the_file_and_the_fix(model, recorded, tmp_path, capsys):
+    """A baseline missing a figure the typed record requires is refused where it is read, before any
+    invariant: one line naming the file, the field and the fix (typed records, issue #39 item 4)."""
+    import json
+
+    record = json.loads((recorded / "m--fp32.json").read_text())
+    del record["copy_loss"]
+    bad = tmp_path / "m--fp32.json"
+    bad.write_text(json.dumps(record))
+    assert main(["gate", str(model), "--build", "fp32", "--baseline", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert str(bad) in err and "copy_loss" in err and "record" in err.split(";")[-1]
+
+
 def test_usage_error_exit_2():
     with pytest.raises(SystemExit) as done:
         main(["record", "m"])  # --build is required

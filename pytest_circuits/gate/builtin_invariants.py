@@ -32,7 +32,7 @@ import numpy as np
 
 from .invariant_api import Comparison, Invariant, Row, format_interval, register, signed, within
 from .record import record_eigenvalues
-from .schema import Head, Record, RecordLike
+from .schema import Head, HeadWrites, Record, RecordLike
 from .stats import LEVEL, excludes_zero, implausible_spread, paired_interval, spearman
 from .tolerances import Tolerance, Tolerances
 
@@ -227,33 +227,42 @@ def sequences_said(rows: list[Row]) -> str:
     return f"decided on {span} sequences ({'fixed' if fixed else 'sequential'} rule)"
 
 
-def ov_gains(record: RecordLike) -> dict[str, float]:
+def _writer(record: RecordLike | HeadWrites) -> Record | HeadWrites:
+    """A partial record of head writes as it is, else the validated `Record` (`Record.of`)."""
+    return record if isinstance(record, HeadWrites) else Record.of(record)
+
+
+def ov_gains(record: RecordLike | HeadWrites) -> dict[str, float]:
     """Each head's OV gain ``sum_i |lambda_i|``: the ``ov_gain`` column, or from the stored
-    eigenvalues for records written before that column existed; empty when neither is there."""
+    eigenvalues for records written before that column existed; empty when neither is there
+    (a frame's `HeadWrites` hold no eigenvalues)."""
     from ..rungs.kappa import ov_gain
 
-    heads = heads_by_label(record)
+    typed = _writer(record)
+    heads = {row.head: row for row in typed.heads}
     gains = {name: float(row.ov_gain) for name, row in heads.items() if row.ov_gain is not None}
     if heads and len(gains) == len(heads):
         return gains
-    return {name: float(ov_gain(lam)) for name, lam in record_eigenvalues(Record.of(record)).items() if lam.size}
+    if isinstance(typed, HeadWrites):
+        return {}
+    return {name: float(ov_gain(lam)) for name, lam in record_eigenvalues(typed).items() if lam.size}
 
 
-def head_writes(record: Record) -> tuple[dict[str, float], str]:
+def head_writes(record: Record | HeadWrites) -> tuple[dict[str, float], str]:
     """``(sizes, what)``: each head's OV gain times its layer's ``path_factor`` (what it writes
     on the probe: the per-position norm factors the fold leaves out put back) when every head has
     one, else its OV gain alone (`ov_gains`; records written before ``path_factor``), and the words."""
     gains = ov_gains(record)
-    heads = heads_by_label(record)
-    factors = {name: float(row.path_factor) for name, row in heads.items() if row.path_factor is not None}
+    factors = {row.head: float(row.path_factor) for row in record.heads if row.path_factor is not None}
     if gains and all(name in factors for name in gains):
         return {name: gain * factors[name] for name, gain in gains.items()}, "OV gain on the probe"
     return gains, "OV gain"
 
 
-def negligible_heads(record: RecordLike, min_ov_gain: float) -> set[str]:
-    """Heads whose residual write (`head_writes`) is below ``min_ov_gain`` x the record's largest."""
-    gains, _ = head_writes(Record.of(record))
+def negligible_heads(record: RecordLike | HeadWrites, min_ov_gain: float) -> set[str]:
+    """Heads whose residual write (`head_writes`) is below ``min_ov_gain`` x the record's largest
+    (a scan record, or a result frame's `HeadWrites`)."""
+    gains, _ = head_writes(_writer(record))
     if not gains or min_ov_gain <= 0:
         return set()
     largest = max(gains.values())

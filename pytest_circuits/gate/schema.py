@@ -322,6 +322,37 @@ class Record(_Figures):
 Head = HeadRow  # one head row of a record
 RecordLike = Record | Mapping[str, Any]  # a typed record, or a record dict `Record.of` validates
 
+
+class HeadWrite(BaseModel):
+    """What a result frame's row says a head writes (`assertions`): its label, and its OV gain and
+    ``path_factor`` when the frame has them (None: not measured); the part of a `HeadRow` the
+    negligible-head cut reads (`gate.invariants.head_writes`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    head: str
+    ov_gain: float | None = None
+    path_factor: float | None = None
+
+
+class HeadWrites(BaseModel):
+    """A partial record: only the heads' writes, as a result frame carries them. Never a scan record
+    (no figure, model or build): the assertions' way into the negligible-head cut, validated as such."""
+
+    model_config = ConfigDict(extra="forbid")
+    heads: list[HeadWrite]
+
+    @classmethod
+    def of(cls, rows: list[dict[str, Any]]) -> HeadWrites:
+        """The validated writes of ``rows`` (a frame's records); one line (`CircuitsError`) naming the
+        first problem when they are not."""
+        try:
+            return cls.model_validate({"heads": rows})
+        except ValidationError as error:
+            raise CircuitsError(
+                f"the result frame's head writes are not valid: {problem(error)}; pass a frame from ov_spectrum"
+            ) from None
+
+
 _WARNED: list[str] = []  # the mapping view warns once a process
 
 
