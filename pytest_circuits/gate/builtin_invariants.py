@@ -248,12 +248,13 @@ def ov_gains(record: RecordLike | HeadWrites) -> dict[str, float]:
     return {name: float(ov_gain(lam)) for name, lam in record_eigenvalues(typed).items() if lam.size}
 
 
-def head_writes(record: Record | HeadWrites) -> tuple[dict[str, float], str]:
+def head_writes(record: RecordLike | HeadWrites) -> tuple[dict[str, float], str]:
     """``(sizes, what)``: each head's OV gain times its layer's ``path_factor`` (what it writes
     on the probe: the per-position norm factors the fold leaves out put back) when every head has
     one, else its OV gain alone (`ov_gains`; records written before ``path_factor``), and the words."""
-    gains = ov_gains(record)
-    factors = {row.head: float(row.path_factor) for row in record.heads if row.path_factor is not None}
+    typed = _writer(record)
+    gains = ov_gains(typed)
+    factors = {row.head: float(row.path_factor) for row in typed.heads if row.path_factor is not None}
     if gains and all(name in factors for name in gains):
         return {name: gain * factors[name] for name, gain in gains.items()}, "OV gain on the probe"
     return gains, "OV gain"
@@ -262,7 +263,7 @@ def head_writes(record: Record | HeadWrites) -> tuple[dict[str, float], str]:
 def negligible_heads(record: RecordLike | HeadWrites, min_ov_gain: float) -> set[str]:
     """Heads whose residual write (`head_writes`) is below ``min_ov_gain`` x the record's largest
     (a scan record, or a result frame's `HeadWrites`)."""
-    gains, _ = head_writes(_writer(record))
+    gains, _ = head_writes(record)
     if not gains or min_ov_gain <= 0:
         return set()
     largest = max(gains.values())
