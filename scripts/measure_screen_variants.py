@@ -165,8 +165,7 @@ def measure(model: str, folder: Path, only: list[str] | None, results: Path | No
     variant's ranking derived from them (`derived_scores`), GradDrop's and atp*'s mean of both
     ablations run as themselves on models of at most 100 heads. Cost: counted forward-equivalents
     (`plan.screen_flops` of the variant over one forward), and the CPU seconds of what ran."""
-    from pytest_circuits.rungs.plan import screen_flops
-    from pytest_circuits.rungs.reference import knockout_flops
+    from pytest_circuits.rungs.plan import knockout_flops, screen_flops
     from pytest_circuits.rungs.replay import attention_implementation, held_out_ids, intact_pass
     from pytest_circuits.rungs.screen import atp_star, plain_atp, screen_estimate
 

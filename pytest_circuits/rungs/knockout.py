@@ -11,8 +11,8 @@ the differences), and the ``n`` values are kept for its interval. Mean ablation 
 
 Fast and exact: the intact model runs once and every block's call is recorded; a knockout in layer
 ``l`` replays blocks ``l..end`` only, ``k`` knockouts stacked on the batch axis (`replay.py`, which
-also bounds the record). Shards of one scan: `knockout_shards.py`; the plain loop and the FLOP
-count it is checked and timed against: `reference.py`.
+also bounds the record). Shards of one scan: `knockout_shards.py`; the plain loop it is checked and
+timed against: `plain_loops.py`; its FLOP count: `plan.knockout_flops`.
 
 Screening (big models): attribution patching ranks every head from one forward and one
 backward, ``estimate_h = sum over sequences, positions of (z_h^ablated - z_h) . dL/dz_h``
@@ -36,8 +36,8 @@ from ..options import KNOCKOUT_MODES, SCREEN_METHODS, flag
 from ..progress import Progress, phase
 from .ablation import ablated, check_mode, parse_heads
 from .figures import sequences_key
+from .plain_loops import plain_knockout_losses
 from .query_blocks import query_block
-from .reference import naive_losses
 from .repeat import KNOCKOUT_CPU_TOKENS, check_probe_memory
 from .repeat_settings import RepeatSettings
 from .replay import (
@@ -209,7 +209,7 @@ def knockout_scan(
                 per_pass = _auto_per_pass(build, knockouts_per_pass, batch_size, n, ids.shape[1])
                 losses = _cached_deltas(build, intact, exact, mode, settings.L, per_pass, bar)
             else:
-                losses = naive_losses(build, ids, settings.L, exact, mode, intact.means, batch_size, bar)
+                losses = plain_knockout_losses(build, ids, settings.L, exact, mode, intact.means, batch_size, bar)
     rows = []
     for layer in range(geo.n_layers):
         for head in range(geo.n_heads):

@@ -128,7 +128,7 @@ def _without_hidden(args, kwargs) -> tuple[tuple, dict]:
     return args, {**kwargs, "hidden_states": None}
 
 
-def plain_copy_losses(model, batch: torch.Tensor, L: int, offset: int, device) -> torch.Tensor:
+def forward_copy_losses(model, batch: torch.Tensor, L: int, offset: int, device) -> torch.Tensor:
     """Per-sequence copy loss from one full forward that unembeds only the last ``L`` positions."""
     ids = batch.to(device)
     try:  # the kept positions reach the unembedding as a row-major copy (model/unembedding.py: no W_U per sequence)
@@ -167,7 +167,7 @@ def intact_pass(
 
             recording = [(b, "pre_kwargs", keep) for b in blocks]
         with hooked(*recording), z_observed(model, geo.n_layers, z_means.observe):
-            per_seq = plain_copy_losses(model, batch, L, bos_offset(build.tokens), build.device)
+            per_seq = forward_copy_losses(model, batch, L, bos_offset(build.tokens), build.device)
         chunk.copy_losses = per_seq.float().cpu()
         per_sequence.append(per_seq.double().cpu())
         chunks.append(chunk)
