@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import data, figures
+from . import data, plots
 
 EIGEN_CAPTION = (
     "Eigenvalues λ of every head's reduced OV matrix M = W_O W_U W_E W_V, one dot each, coloured "
@@ -107,7 +107,7 @@ def _own_figures(section: Section) -> list[Figure]:
                 f"{label}: OV eigenvalues of every head (normalised per head)",
                 EIGEN_CAPTION,
                 f"{slug}-eigenvalues.png",
-                figures.eigenvalue_figure,
+                plots.eigenvalue_figure,
                 record,
                 f"{label}: OV eigenvalues, normalised per head by max |λ|",
             )
@@ -120,7 +120,7 @@ def _own_figures(section: Section) -> list[Figure]:
                 f"{label}: κ per head against its null band",
                 KAPPA_CAPTION,
                 f"{slug}-kappa.png",
-                figures.kappa_figure,
+                plots.kappa_figure,
                 record,
                 f"{label}: OV copying score κ per head",
                 section.reference,
@@ -131,7 +131,7 @@ def _own_figures(section: Section) -> list[Figure]:
             f"{label}: per-head maps",
             HEATMAP_CAPTION,
             f"{slug}-heads.png",
-            figures.heatmap_figure,
+            plots.heatmap_figure,
             _panels(record),
             f"{label}: per-head figures",
         )
@@ -171,7 +171,7 @@ def _comparison_figures(section: Section) -> list[Figure]:
         f"{label}: differences against the reference ({against})",
         DIFF_CAPTION,
         f"{slug}-differences.png",
-        figures.heatmap_figure,
+        plots.heatmap_figure,
         panels,
         f"{label} minus reference ({against})",
     )
@@ -183,7 +183,7 @@ def _comparison_figures(section: Section) -> list[Figure]:
     drawn = [differences]
     flagged = kappa_flagged(section)
     if flagged and record.get("eigenvalues") and reference.get("eigenvalues"):
-        fig = figures.moved_eigenvalue_figure(
+        fig = plots.moved_eigenvalue_figure(
             record, reference, flagged, f"{label}: heads the gate flagged on κ, against {against}"
         )
         if fig is not None:
@@ -192,7 +192,7 @@ def _comparison_figures(section: Section) -> list[Figure]:
                     f"{label}: eigenvalues of the heads the gate flagged on κ",
                     MOVED_CAPTION,
                     f"{slug}-moved-heads.png",
-                    figures.png_bytes(fig),
+                    plots.png_bytes(fig),
                 )
             )
     return drawn
@@ -255,7 +255,7 @@ def overview_figures(sections: list[Section], attention: dict[str, dict | None])
                 "Loss at each position of the probe's two copies",
                 LOSS_CAPTION,
                 "position-loss.png",
-                figures.position_loss_figure,
+                plots.position_loss_figure,
                 with_curve,
                 "Next-token loss per probe position",
             )
@@ -270,7 +270,7 @@ def overview_figures(sections: list[Section], attention: dict[str, dict | None])
                 f"Attention of {drawable[0][1]['head']} on probe sequence 0",
                 ATTENTION_CAPTION,
                 "attention.png",
-                figures.attention_figure,
+                plots.attention_figure,
                 [(label, m, records[label]) for label, m in drawable],
                 f"Attention pattern of {drawable[0][1]['head']} (strongest induction head), probe sequence 0",
             )
@@ -299,4 +299,4 @@ def _panels(record: dict) -> list[dict]:
 
 
 def _draw(title: str, caption: str, file: str, draw, *args) -> Figure:
-    return Figure(title, caption, file, figures.png_bytes(draw(*args)))
+    return Figure(title, caption, file, plots.png_bytes(draw(*args)))

@@ -10,7 +10,7 @@ from typing import Any
 from ..errors import CircuitsError
 from ..fsio import atomic_write_bytes, atomic_write_text, ensure_dir, fs_error
 from ..gate.store import baseline_file, read_baseline
-from . import data, figures, html, markdown
+from . import data, html, markdown, plots
 from .arguments import report_parser
 from .sections import build_section, failing_first, overview_figures
 from .summary import REPORT_PAGE, SUMMARY_PAGE, summary_lines
@@ -31,7 +31,7 @@ def write_report(
     builds with a broken invariant come first. ``attention``: recipe -> one head's attention map
     (`live.head_attention`, or ``{"note": why not}``); without it the page says why there is none.
     """
-    figures.require_matplotlib()
+    plots.require_matplotlib()
     out = ensure_dir(out_dir)
     grouped = data.results_by_build(results)
     references = references or {}

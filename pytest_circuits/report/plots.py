@@ -1,4 +1,4 @@
-"""The report's figures, drawn on ``matplotlib.figure.Figure`` with the Agg canvas.
+"""The report's plots, drawn on ``matplotlib.figure.Figure`` with the Agg canvas (what each figure is: `rungs/figures.py`).
 
 pyplot is never imported, so the user's global backend is left alone and no display is
 needed. matplotlib is optional: `require_matplotlib` turns its absence into one line.
