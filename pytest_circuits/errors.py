@@ -72,3 +72,12 @@ class ShardError(CircuitsError):
 
 class CircuitsDeprecationWarning(DeprecationWarning):
     """A pytest-circuits name that still works but will go (docs/api.md, "Versioning")."""
+
+
+def deprecated_keyword(where: str, old: str, new: str) -> None:
+    """Warn that the keyword ``old`` of ``where`` goes in 0.3, ``new`` replacing it (called by ``where`` itself)."""
+    import warnings
+
+    warnings.warn(
+        f"{where}({old}=...) is deprecated and goes in 0.3; use {new}=", CircuitsDeprecationWarning, stacklevel=3
+    )

@@ -176,7 +176,7 @@ def measure(model: str, folder: Path, only: list[str] | None, results: Path | No
     forward = knockout_flops(build, settings, heads=[])["forward"]
     atp_z, atp_m, star, spent = [], [], [], {"atp": 0.0, "atp*": 0.0}
     with attention_implementation(build.model):
-        means = intact_pass(build, ids, settings.L, 8, record=False).means
+        means = intact_pass(build, ids, settings.L, 8, trace=False).means
         for part in ids.split(chunk):
             start = cpu_seconds()
             atp_z.append(plain_atp(build, part, settings.L, "zero", means, chunk))
@@ -256,7 +256,7 @@ def at_shape(shape: str, folder: Path, names: list[str]) -> None:
     settings = RepeatSettings(seed=1, n=8, L=64)
     ids = held_out_ids(build, settings)
     with attention_implementation(build.model):
-        means = intact_pass(build, ids, settings.L, 8, record=False).means
+        means = intact_pass(build, ids, settings.L, 8, trace=False).means
     for name, method, knobs in VARIANTS:
         if name not in names:
             continue

@@ -40,7 +40,7 @@ def main() -> None:
 
     ids = held_out_ids(build, settings)
     with attention_implementation(build.model):
-        intact = intact_pass(build, ids, settings.L, 8, record=False)
+        intact = intact_pass(build, ids, settings.L, 8, trace=False)
 
     def screen():
         with attention_implementation(build.model):

@@ -267,11 +267,11 @@ def test_probe_and_cached_knockout(tiny_build, model_type):
     probe = run_repeat_probe(build, SETTINGS)
     assert math.isfinite(probe.copy_loss) and math.isfinite(probe.first_copy_loss)
     assert len(probe.heads) == build.geometry.n_layers * build.geometry.n_heads
-    cached = knockout_scan(build, SETTINGS, progress=False, cached=True)
-    naive = knockout_scan(build, SETTINGS, progress=False, cached=False)
-    assert cached.attrs["copy_loss"] == pytest.approx(naive.attrs["copy_loss"], abs=1e-6)
-    np.testing.assert_allclose(cached.knockout_delta, naive.knockout_delta, rtol=0, atol=1e-5)
-    assert naive.knockout_delta.abs().max() > 1e-3  # the knockouts really changed something
+    replayed = knockout_scan(build, SETTINGS, progress=False, replay=True)
+    plain = knockout_scan(build, SETTINGS, progress=False, replay=False)
+    assert replayed.attrs["copy_loss"] == pytest.approx(plain.attrs["copy_loss"], abs=1e-6)
+    np.testing.assert_allclose(replayed.knockout_delta, plain.knockout_delta, rtol=0, atol=1e-5)
+    assert plain.knockout_delta.abs().max() > 1e-3  # the knockouts really changed something
 
 
 # ---------------------------------------------------------------- refusals

@@ -132,7 +132,7 @@ def test_cached_and_batched_scan_equals_naive_loop(fp32_builds, family, mode):
         assert set(got.index) == set(naive)
         worst = max(abs(got[h] - naive[h]) for h in naive)
         assert worst <= 1e-5, f"knockouts_per_pass={per_pass}: max |cached - naive| = {worst:.2g}"
-    plain = knockout_scan(build, HELD_OUT, mode=mode, batch_size=3, cached=False, progress=False)
+    plain = knockout_scan(build, HELD_OUT, mode=mode, batch_size=3, replay=False, progress=False)
     assert max(abs(plain.set_index("head")["knockout_delta"][h] - naive[h]) for h in naive) <= 1e-6
 
 
@@ -144,12 +144,12 @@ def test_bounded_record_recomputes_to_the_same_deltas(fp32_builds, family):
     full = knockout_scan(build, HELD_OUT, batch_size=3, progress=False)
     n_tokens = HELD_OUT.n * (2 * HELD_OUT.L + bos_offset(build.tokens))
     one_block = n_tokens * build.geometry.d_model * 4
-    assert replay.record_stride(build, n_tokens, record_bytes=10**12) == 1
-    assert replay.record_stride(build, n_tokens, record_bytes=one_block) == build.geometry.n_layers
+    assert replay.trace_stride(build, n_tokens, trace_bytes=10**12) == 1
+    assert replay.trace_stride(build, n_tokens, trace_bytes=one_block) == build.geometry.n_layers
     for budget in (one_block, 2 * one_block):
-        bounded = knockout_scan(build, HELD_OUT, batch_size=3, progress=False, record_bytes=budget)
+        bounded = knockout_scan(build, HELD_OUT, batch_size=3, progress=False, trace_bytes=budget)
         assert bounded["knockout_delta"].tolist() == full["knockout_delta"].tolist(), budget
-        assert bounded.attrs["cached"] and bounded.attrs["copy_loss"] == full.attrs["copy_loss"]
+        assert bounded.attrs["replayed"] and bounded.attrs["copy_loss"] == full.attrs["copy_loss"]
 
 
 def test_dataframe_contract(fp32_builds):
@@ -215,7 +215,7 @@ def test_inexact_replay_falls_back_to_the_plain_loop(fp32_builds):
     finally:
         handle.remove()
     assert len(info) == 1 and "\n" not in str(info[0].message)
-    assert df.attrs["cached"] is False
+    assert df.attrs["replayed"] is False
     got = df.set_index("head")["knockout_delta"]
     assert max(abs(got[h] - shifted[h]) for h in shifted) <= 1e-6
     assert max(abs(shifted[h] - before[h]) for h in shifted) > 1e-3  # the hook mattered

@@ -65,7 +65,7 @@ def plain_knockout_deltas(
     pairs = parse_heads(heads, build.geometry)
     ids = held_out_ids(build, settings)
     with attention_implementation(build.model):
-        intact = intact_pass(build, ids, settings.L, batch_size, record=False)
+        intact = intact_pass(build, ids, settings.L, batch_size, trace=False)
         losses = plain_knockout_losses(build, ids, settings.L, pairs, mode, intact.means, batch_size)
     return intact.copy_loss, {head_label(*p): mean_delta(sequence_deltas(v, intact)) for p, v in losses.items()}
 
