@@ -304,7 +304,7 @@ def test_report_reads_the_intervals(embedded_records):
     own = reference["copy_loss_interval"]
     assert data.model_interval(reference, None, "copy_loss") == f"[{own[0]:.3f}, {own[1]:.3f}]"
     old = read_baseline(LEGACY_BASELINE)
-    assert "reference recorded without per-sequence figures" in data.model_interval(negated, old, "copy_loss")
+    assert "baseline recorded without per-sequence figures" in data.model_interval(negated, old, "copy_loss")
     assert data.model_interval(negated, reference, "uniform_loss") == ""
 
 

@@ -332,7 +332,7 @@ def test_report_command_draws_again_from_baseline_files(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"circuits report: {out / REPORT_PAGE}" in printed
     text = (out / REPORT_PAGE).read_text()
-    assert "differences against the reference (fp32)" in text
+    assert "differences against the baseline (fp32)" in text
     assert "<td>L1H2</td><td>kappa</td>" in text  # the flipped head leads the per-head changes
     # gated, not "scanned, not gated": the same verdicts as the one gate flow
     expected = gate_all(reference, candidate, Tolerances(), "bnb-nf4", "baseline fp32.json")
@@ -417,7 +417,7 @@ def test_failing_builds_come_first_and_the_reference_against_itself_folds(tmp_pa
     folded = re.findall(r'<details class="fold"><summary>([^<]+)</summary>(.*?)</details>', text, flags=re.S)
     assert len(folded) == 1
     note, hidden = folded[0]
-    assert "fp32" in note and "all zero" in note and "fp32: differences against the reference (fp32)" in hidden
+    assert "fp32" in note and "all zero" in note and "fp32: differences against the baseline (fp32)" in hidden
     assert 'class="fold"' in fp32 and "Largest per-head changes" not in fp32
     # the sabotaged build's maps stay open, its changes listed
     nf4 = text[text.index('<h2 id="bnb-nf4">') : text.index('<h2 id="fp32">')]
