@@ -167,7 +167,7 @@ def measure(model: str, folder: Path, only: list[str] | None, results: Path | No
     (`plan.screen_flops` of the variant over one forward), and the CPU seconds of what ran."""
     from pytest_circuits.rungs.plan import knockout_flops, screen_flops
     from pytest_circuits.rungs.replay import attention_implementation, held_out_ids, intact_pass
-    from pytest_circuits.rungs.screen import atp_star, plain_atp, screen_estimate
+    from pytest_circuits.rungs.screen import atp, atp_star, screen_estimate
 
     build, settings, deltas, mode = load(model, folder)
     assert mode == "zero", "the derived variants assume zero ablation"
@@ -179,9 +179,9 @@ def measure(model: str, folder: Path, only: list[str] | None, results: Path | No
         means = intact_pass(build, ids, settings.L, 8, trace=False).means
         for part in ids.split(chunk):
             start = cpu_seconds()
-            atp_z.append(plain_atp(build, part, settings.L, "zero", means, chunk))
+            atp_z.append(atp(build, part, settings.L, "zero", means, chunk))
             spent["atp"] += cpu_seconds() - start
-            atp_m.append(plain_atp(build, part, settings.L, "mean", means, chunk))
+            atp_m.append(atp(build, part, settings.L, "mean", means, chunk))
             start = cpu_seconds()
             star.append(atp_star(build, part, settings.L, "zero", means, chunk)[0])
             spent["atp*"] += cpu_seconds() - start

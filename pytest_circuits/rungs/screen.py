@@ -189,8 +189,8 @@ def _dz(z: torch.Tensor, means: torch.Tensor | None, layer: int, n_heads: int, d
     return means[layer].to(z.dtype) - z
 
 
-def plain_atp(build, ids, L, mode, means, batch_size, bar=None) -> np.ndarray:
-    """``(n_layers, n_heads)``: ``sum dz_h . dCL/dz_h`` from one forward and one backward per chunk."""
+def atp(build, ids, L, mode, means, batch_size, bar=None) -> np.ndarray:
+    """The ``atp`` screen (no QK fix), ``(n_layers, n_heads)``: ``sum dz_h . dCL/dz_h`` from one forward and one backward per chunk."""
     geo, n = build.geometry, ids.shape[0]
     est = torch.zeros(geo.n_layers, geo.n_heads, dtype=torch.float64)
     for batch in ids.split(batch_size):
@@ -461,12 +461,12 @@ def screen_estimate(
 
 def _one_screen(build, ids, L, mode, means, method, batch_size, bar, variant) -> tuple[np.ndarray, np.ndarray]:
     if method == "atp":
-        est = plain_atp(build, ids, L, mode, means, batch_size, bar)
+        est = atp(build, ids, L, mode, means, batch_size, bar)
         return est, np.abs(est)
     qk_heads = None
     geo = build.geometry
     if variant.qk_top is not None and variant.qk_top < geo.n_layers * geo.n_heads:  # else: every head
-        first = np.abs(plain_atp(build, ids, L, mode, means, batch_size))
+        first = np.abs(atp(build, ids, L, mode, means, batch_size))
         order = sorted(np.ndindex(first.shape), key=lambda p: (-first[p], p))
         qk_heads = [(int(l), int(h)) for l, h in order[: variant.qk_top]]
     return atp_star(
