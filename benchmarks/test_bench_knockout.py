@@ -1,4 +1,4 @@
-"""Rung 2 on SmolLM2-135M: the exact cached scan against the honest plain loop, its FLOPs and
+"""Rung 2 on SmolLM2-135M: the exact replayed scan against the honest plain loop, its FLOPs and
 achieved rate, and the screens' recall against the exact scan. Everything in one run, one thread.
 
 * plain loop (`plain_knockout_deltas`): per head a pre-hook on the output projection and one

@@ -262,7 +262,7 @@ def test_copying_head_scores_plus_one_and_flips(model_type):
 
 
 @pytest.mark.parametrize("model_type", PROBE_TYPES)
-def test_probe_and_cached_knockout(tiny_build, model_type):
+def test_probe_and_replayed_knockout(tiny_build, model_type):
     build = tiny_build(model_type)
     probe = run_repeat_probe(build, SETTINGS)
     assert math.isfinite(probe.copy_loss) and math.isfinite(probe.first_copy_loss)

@@ -1,4 +1,4 @@
-"""Rung 2 head knockouts: hooks, the cached and batched scan, screening, and the gate's evidence."""
+"""Rung 2 head knockouts: hooks, the replayed and batched scan, screening, and the gate's evidence."""
 
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ def test_mean_is_over_sequences_and_positions(fp32_builds, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("mode", ["zero", "mean"])
-def test_cached_and_batched_scan_equals_naive_loop(fp32_builds, family, mode):
+def test_replayed_and_batched_scan_equals_the_plain_loop(fp32_builds, family, mode):
     build = fp32_builds[family]
     copy_loss, naive = plain_knockout_deltas(build, HELD_OUT, mode=mode, batch_size=3)
     for per_pass in (1, 3, None):
@@ -131,7 +131,7 @@ def test_cached_and_batched_scan_equals_naive_loop(fp32_builds, family, mode):
         got = df.set_index("head")["knockout_delta"]
         assert set(got.index) == set(naive)
         worst = max(abs(got[h] - naive[h]) for h in naive)
-        assert worst <= 1e-5, f"knockouts_per_pass={per_pass}: max |cached - naive| = {worst:.2g}"
+        assert worst <= 1e-5, f"knockouts_per_pass={per_pass}: max |replayed - plain| = {worst:.2g}"
     plain = knockout_scan(build, HELD_OUT, mode=mode, batch_size=3, replay=False, progress=False)
     assert max(abs(plain.set_index("head")["knockout_delta"][h] - naive[h]) for h in naive) <= 1e-6
 

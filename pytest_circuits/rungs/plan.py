@@ -47,7 +47,7 @@ def knockout_flops(build: LoadedBuild, settings: RepeatSettings, heads=None) -> 
     ``forward``: one forward unembedding the last ``L`` positions, ``n (T sum_j B_j(T) + L 2 d V)``
     with ``B_j = 2 x (block j's matrix parameters) + 4 n_heads d_head (T+1)/2`` per token (causal
     attention reads ``(T+1)/2`` keys on average). ``plain``: the plain loop (its intact forward,
-    then one forward per head). ``scan``: the exact cached scan (intact forward, then per head of
+    then one forward per head). ``scan``: the exact replayed scan (intact forward, then per head of
     layer ``l`` blocks ``l..end`` on ``T`` tokens, the last block's MLP on the ``L-1`` copy
     positions only, the unembedding on those). Norms, softmax and elementwise ops are not counted.
     """
