@@ -678,7 +678,7 @@ def test_loss_curves_are_the_builds_then_each_reference_baseline_once(tmp_path):
         record["position_loss"] = list(np.linspace(6.2, 0.1 + i, 2 * 64 - 1))
     stored = {**reference, "position_loss": list(np.full(2 * 64 - 1, 3.0))}
     built = [
-        sections.Section(data.recipe_of(r), data.slug(data.recipe_of(r)), r, ref, [])
+        sections.Section(data.build_name_of(r), data.slug(data.build_name_of(r)), r, ref, [])
         for r, ref in ((candidate, stored), (older, stored), (reference, None))
     ]
     curves = sections.loss_curves(built)

@@ -190,7 +190,9 @@ def test_deprecated_knockout_keywords(monkeypatch, old, new, value):
         seen.update(replay=trace, trace_bytes=trace_bytes)
         raise RuntimeError("stop")
 
-    build = type("B", (), {"tokens": type("T", (), {"bos_id": None})(), "geometry": None, "model": None, "label": "b"})()
+    build = type(
+        "B", (), {"tokens": type("T", (), {"bos_id": None})(), "geometry": None, "model": None, "label": "b"}
+    )()
     monkeypatch.setattr(knockout, "refuse_decode_only", lambda *a: None)
     monkeypatch.setattr(knockout, "query_block", lambda *a: 10**9)
     monkeypatch.setattr(knockout, "parse_heads", lambda *a: [])

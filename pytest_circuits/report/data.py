@@ -34,8 +34,8 @@ def number(value: Any) -> float:
         return math.nan
 
 
-def recipe_of(record: dict) -> str:
-    """The build recipe a record was scanned from (``"build"`` if unnamed)."""
+def build_name_of(record: dict) -> str:
+    """The name of the build a record was scanned from (its ``build.recipe`` key; ``"build"`` if unnamed)."""
     return str((record.get("build") or {}).get("recipe") or "build")
 
 

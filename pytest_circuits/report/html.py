@@ -140,7 +140,7 @@ def _section(s: Section) -> str:
         parts += ["<h3>Heads the gate found moved</h3>", _moved_table(moved)]
     if s.changes:
         parts += [
-            f"<h3>Largest per-head changes against {escape(data.recipe_of(s.baseline or {}))}</h3>",
+            f"<h3>Largest per-head changes against {escape(data.build_name_of(s.baseline or {}))}</h3>",
             "<p>Ranked by the change divided by the metric's spread across heads in the baseline.</p>",
             _changes_table(s.changes),
         ]
@@ -159,7 +159,7 @@ def _identity(s: Section) -> str:
     if probe:
         rows.append(("probe", f"seed {probe.get('seed')}, n {probe.get('n')}, L {probe.get('L')}"))
     if s.baseline is not None:
-        rows.append(("baseline", data.recipe_of(s.baseline)))
+        rows.append(("baseline", data.build_name_of(s.baseline)))
     copying, suppression = data.flagged_heads(s.record, "copying"), data.flagged_heads(s.record, "suppression")
     body = "".join(f"<tr><th>{escape(k)}</th><td>{escape(str(v if v is not None else '—'))}</td></tr>" for k, v in rows)
     for name, heads in (("copying heads", copying), ("suppression heads", suppression)):

@@ -109,7 +109,7 @@ def _builds_table(sections: list[Section]) -> list[str]:
         suppression = data.flagged_heads(s.record, "suppression")
         lines.append(
             f"| {s.label} | {build.get('dtype') or '—'} | {build.get('backend') or '—'} | "
-            f"{data.recipe_of(s.baseline) if s.baseline is not None else '—'} | {data.fmt(figures['copy_loss'])} | "
+            f"{data.build_name_of(s.baseline) if s.baseline is not None else '—'} | {data.fmt(figures['copy_loss'])} | "
             f"{change} | {data.fmt(figures['copy_gain'])} | {_few(copying)} | {_few(suppression)} |"
         )
     return lines + [""]

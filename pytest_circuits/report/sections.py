@@ -92,7 +92,7 @@ def failing_first(sections: list[Section]) -> list[Section]:
 
 def build_section(record: dict, baseline: dict | None, results: list[dict], slug: str) -> Section:
     """Draw one build's figures and gather its verdicts; what moved comes before the build's own maps."""
-    section = Section(data.recipe_of(record), slug, record, baseline, results)
+    section = Section(data.build_name_of(record), slug, record, baseline, results)
     comparison = _comparison_figures(section) if baseline is not None else []
     section.figures = comparison + _own_figures(section)
     return section
@@ -145,7 +145,7 @@ def _comparison_figures(section: Section) -> list[Figure]:
     """Difference maps against the baseline, then the eigenvalues of the heads that moved most."""
     record, baseline, label, slug = section.record, section.baseline, section.label, section.slug
     assert baseline is not None  # callers draw comparisons only against a baseline
-    against = data.recipe_of(baseline)
+    against = data.build_name_of(baseline)
     if data.grid_shape(record) != data.grid_shape(baseline):
         section.notes.append(
             f"The baseline ({against}) has a different head grid {data.grid_shape(baseline)} from this "
@@ -230,7 +230,7 @@ def loss_curves(sections: list[Section]) -> list[tuple[str, dict]]:
     shown = {s.label for s in sections}
     for s in sections:
         ref = s.baseline
-        name = f"{data.recipe_of(ref)} baseline" if ref else ""
+        name = f"{data.build_name_of(ref)} baseline" if ref else ""
         if ref and ref.get("position_loss") and name not in shown:
             shown.add(name)
             curves.append((name, ref))

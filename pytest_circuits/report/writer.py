@@ -37,7 +37,7 @@ def write_report(
     baselines = baselines or {}
     sections, used = [], set()
     for record in records:
-        recipe = data.recipe_of(record)
+        recipe = data.build_name_of(record)
         slug = data.slug(recipe)
         while slug in used:
             slug += "-2"
@@ -73,7 +73,7 @@ def report_from_files(
     baselines: dict[str, dict | None] | None = None
     if against_path:
         baseline = read_baseline(against_path)
-        baselines = {data.recipe_of(record): baseline}
+        baselines = {data.build_name_of(record): baseline}
         if results is None:
             results = gate_files(baseline, record, Path(against_path).name)
     return write_report(out_dir, [record], baselines, results)
@@ -85,7 +85,7 @@ def gate_files(baseline: dict, record: dict, against_name: str) -> list:
     from ..gate.invariants import gate_all
     from ..gate.tolerances import Tolerances
 
-    return gate_all(baseline, record, Tolerances(), data.recipe_of(record), f"baseline {against_name}")
+    return gate_all(baseline, record, Tolerances(), data.build_name_of(record), f"baseline {against_name}")
 
 
 def report_command(argv: Sequence[str] | None = None) -> int:
@@ -121,6 +121,6 @@ def report_command(argv: Sequence[str] | None = None) -> int:
         from ..gate.invariants import verdict
 
         print(
-            f"with default tolerances, {data.recipe_of(record)} against {Path(args.against).name}: {verdict(results)[1]}"
+            f"with default tolerances, {data.build_name_of(record)} against {Path(args.against).name}: {verdict(results)[1]}"
         )
     return 0
