@@ -33,7 +33,7 @@ from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.model.weights import extract_weights
 from pytest_circuits.rungs.kappa import ov_spectrum
-from pytest_circuits.rungs.reference import ov_spectrum_reference
+from pytest_circuits.rungs.plain_loops import plain_ov_spectrum
 from pytest_circuits.testing import requires_smollm2
 
 pytestmark = [pytest.mark.slow]
@@ -80,7 +80,7 @@ def test_bench_kappa_scan_vs_naive(benchmark, smollm2):
     every = os.environ.get("PYTEST_CIRCUITS_BENCH_NAIVE", "") == "all"
     heads = [(l, h) for l in range(geo.n_layers) for h in range(geo.n_heads)] if every else NAIVE_HEADS
     start, cpu_start = time.perf_counter(), time.process_time()
-    naive = ov_spectrum_reference(weights, seed=0, heads=heads)
+    naive = plain_ov_spectrum(weights, seed=0, heads=heads)
     naive_s, naive_cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
     naive_all_s = naive_s / len(heads) * n_heads
     naive_all_cpu_s = naive_cpu_s / len(heads) * n_heads

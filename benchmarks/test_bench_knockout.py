@@ -1,7 +1,7 @@
-"""Rung 2 on SmolLM2-135M: the exact cached scan against the honest plain loop, its FLOPs and
+"""Rung 2 on SmolLM2-135M: the exact replayed scan against the honest plain loop, its FLOPs and
 achieved rate, and the screens' recall against the exact scan. Everything in one run, one thread.
 
-* plain loop (`naive_knockout_deltas`): per head a pre-hook on the output projection and one
+* plain loop (`plain_knockout_deltas`): per head a pre-hook on the output projection and one
   full forward of all ``n`` sequences in one batch, SDPA attention, unembedding only the last
   ``L`` positions: the fastest plain loop a few lines give.
 * exact scan (`knockout_scan`): the cached, stacked replay. Same heads, deltas equal to 1e-5.
@@ -24,10 +24,11 @@ import torch
 from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.rungs.knockout import knockout_scan
-from pytest_circuits.rungs.reference import knockout_flops, naive_knockout_deltas
+from pytest_circuits.rungs.plain_loops import plain_knockout_deltas
+from pytest_circuits.rungs.plan import knockout_flops
 from pytest_circuits.rungs.repeat import bos_offset
 from pytest_circuits.rungs.repeat_settings import RepeatSettings
-from pytest_circuits.rungs.replay import attention_implementation, held_out_ids, plain_copy_losses
+from pytest_circuits.rungs.replay import attention_implementation, forward_copy_losses, held_out_ids
 from pytest_circuits.testing import requires_smollm2
 
 pytestmark = [pytest.mark.real, pytest.mark.slow, requires_smollm2()]
@@ -57,7 +58,7 @@ def forward_seconds(build, rounds: int = 3) -> float:
     with torch.no_grad(), attention_implementation(build.model):
         for _ in range(rounds):
             start = time.perf_counter()
-            plain_copy_losses(build.model, ids, HELD_OUT.L, bos_offset(build.tokens), build.device)
+            forward_copy_losses(build.model, ids, HELD_OUT.L, bos_offset(build.tokens), build.device)
             best = min(best, time.perf_counter() - start)
     return best
 
@@ -68,7 +69,7 @@ def plain_loop(build) -> dict[str, float]:
     scan's ratio does not depend on the order the benchmarks run in."""
     if "plain" not in DELTAS:
         start = time.perf_counter()
-        _, DELTAS["plain"] = naive_knockout_deltas(build, HELD_OUT, heads=HEADS)
+        _, DELTAS["plain"] = plain_knockout_deltas(build, HELD_OUT, heads=HEADS)
         TIMES["plain"] = time.perf_counter() - start
     return DELTAS["plain"]
 
@@ -81,7 +82,7 @@ def _run(benchmark, name, fn):
 
 @pytest.mark.benchmark(group="knockout-smollm2")
 def test_plain_loop(benchmark, smollm2):
-    _, deltas = _run(benchmark, "plain", lambda: naive_knockout_deltas(smollm2, HELD_OUT, heads=HEADS))
+    _, deltas = _run(benchmark, "plain", lambda: plain_knockout_deltas(smollm2, HELD_OUT, heads=HEADS))
     DELTAS["plain"] = deltas
 
 

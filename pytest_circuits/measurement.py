@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from . import rung2_plan
+from .errors import renamed_keywords
 from .options import flag
 from .progress import stderr_line
 from .settings import CircuitsSettings
@@ -55,11 +56,14 @@ class LoadedBuilds:
         value = self._cache.get(key)
         return None if isinstance(value, _Failed) else value
 
-    def forget_figures(self, recipe: str | None = None) -> None:
-        """Drop the figures measured of ``recipe`` (None: of every build), keeping the loaded build:
+    @renamed_keywords(recipe="build_name")
+    def forget_figures(self, build_name: str | None = None) -> None:
+        """Drop the figures measured of ``build_name`` (None: of every build), keeping the loaded build:
         its weights were edited in place, or the probe settings changed (`pytest_circuits.sensitivity`).
         Every memo entry but `NOT_FIGURES` is a figure, so one added later is never kept stale."""
-        self._cache = {k: v for k, v in self._cache.items() if k[0] in self.NOT_FIGURES or recipe not in (None, k[1])}
+        self._cache = {
+            k: v for k, v in self._cache.items() if k[0] in self.NOT_FIGURES or build_name not in (None, k[1])
+        }
 
     @cached_property
     def source(self):
@@ -86,27 +90,29 @@ class LoadedBuilds:
 
         return self.memo(("preflight",), lambda: preflight(self.settings, self.source, str(self.device)))
 
-    def build(self, recipe: str):
-        """The loaded build ``recipe`` (`model.builds.LoadedBuild`): a recipe, or the NAME of an
+    @renamed_keywords(recipe="build_name")
+    def build(self, build_name: str):
+        """The loaded build ``build_name`` (`model.builds.LoadedBuild`): a recipe, or the NAME of an
         external build (``NAME=PATH``), with its KV cache when the build names one."""
         from .measure_steps import load_spec
 
-        spec = self.settings.spec(recipe)
+        spec = self.settings.spec(build_name)
         self.preflight()
 
         def load():
-            with self._phase(f"loading {self.model_name}:{recipe}"):
+            with self._phase(f"loading {self.model_name}:{build_name}"):
                 build = load_spec(self.settings, self.source, spec, self.device)
-            self.loads.append({"recipe": recipe, "worker": self.worker, "for": self._loading_for})
+            self.loads.append({"recipe": build_name, "worker": self.worker, "for": self._loading_for})
             return build
 
-        return self.memo(("build", recipe), load)
+        return self.memo(("build", build_name), load)
 
-    def weights(self, recipe: str, fold: bool = True):
+    @renamed_keywords(recipe="build_name")
+    def weights(self, build_name: str, fold: bool = True):
         """Per-head weights of a build (float32, dequantized, folded by default)."""
         from .model.weights import extract_weights
 
-        return self.memo(("weights", recipe, fold), lambda: extract_weights(self.build(recipe).model, fold))
+        return self.memo(("weights", build_name, fold), lambda: extract_weights(self.build(build_name).model, fold))
 
     def _phase(self, label: str):
         """A heartbeat line every few seconds while a long step runs (`progress.phase`)."""
@@ -126,7 +132,8 @@ class BuildMeasurement(LoadedBuilds):
     """Memoises, per build: its rung 1, probe and knockout figures (the knockouts under the run's
     `rung2_plan`)."""
 
-    def ov_spectrum(self, recipe: str, method=None):
+    @renamed_keywords(recipe="build_name")
+    def ov_spectrum(self, build_name: str, method=None):
         """Rung 1: kappa of every head against the rotation null (DataFrame), measured by ``method``
         (a `rungs.kappa_method.KappaMethod`; default: the settings')."""
         from .measure_steps import measure_spectrum
@@ -136,37 +143,39 @@ class BuildMeasurement(LoadedBuilds):
             from .rungs.kappa import reflagged
 
             return self.memo(
-                ("ov_spectrum", recipe, m), lambda: reflagged(self.ov_spectrum(recipe, m.null), m.min_effect)
+                ("ov_spectrum", build_name, m), lambda: reflagged(self.ov_spectrum(build_name, m.null), m.min_effect)
             )
 
         def measure():
-            model = self.build(recipe).model
-            with self._phase(f"rung 1 (kappa, {m.n_rotations} rotations) {self.model_name}:{recipe}"):
+            model = self.build(build_name).model
+            with self._phase(f"rung 1 (kappa, {m.n_rotations} rotations) {self.model_name}:{build_name}"):
                 return measure_spectrum(model, m, self.settings.fdr_q)
 
-        return self.memo(("ov_spectrum", recipe, m), measure)
+        return self.memo(("ov_spectrum", build_name, m), measure)
 
-    def repeat_probe(self, recipe: str):
+    @renamed_keywords(recipe="build_name")
+    def repeat_probe(self, build_name: str):
         """Rung 1/2: copy losses and per-head routing scores on the seeded repeat probe."""
         from .rungs.probe import run_repeat_probe
 
         s = self.settings
 
         def measure():
-            build = self.build(recipe)
-            with self._phase(f"repeat probe (n={s.probe.n}, L={s.probe.L}) {self.model_name}:{recipe}"):
+            build = self.build(build_name)
+            with self._phase(f"repeat probe (n={s.probe.n}, L={s.probe.L}) {self.model_name}:{build_name}"):
                 if s.engine == "llama.cpp":
                     from .model.llama_engine import gguf_path, threads
                     from .rungs.llama_probe import llama_repeat_probe
 
-                    spec = s.spec(recipe)  # preflight (`measure_steps.engine_files`) checked every build's file
+                    spec = s.spec(build_name)  # preflight (`measure_steps.engine_files`) checked every build's file
                     path, kv = gguf_path(spec, s.model), spec.kv
                     return llama_repeat_probe(path, build.tokens, build.geometry, s.probe, kv, threads())
                 return run_repeat_probe(build, s.probe, batch_size=s.batch_size)
 
-        return self.memo(("repeat_probe", recipe), measure)
+        return self.memo(("repeat_probe", build_name), measure)
 
-    def head_knockout(self, recipe: str, heads=None):
+    @renamed_keywords(recipe="build_name")
+    def head_knockout(self, build_name: str, heads=None):
         """Rung 2: knockout delta of every head (or of ``heads``) on held-out repeat sequences (DataFrame).
         Screened, the key heads (`key_heads`) are always knocked out exactly; with shards (`shards`),
         the scan of every head is the merge of its layer shards."""
@@ -176,23 +185,24 @@ class BuildMeasurement(LoadedBuilds):
 
             i, k = self.settings.shard
             raise ShardError(
-                f"this job measures only knockout shard {i}/{k} ({flag('shard')}): the whole scan of {recipe} "
+                f"this job measures only knockout shard {i}/{k} ({flag('shard')}): the whole scan of {build_name} "
                 f"is the merge of every part ({flag('shard-parts')})"
             )
         if chosen is None and self.shards > 1:
             from .rungs.knockout_shards import merge_knockout_shards
 
             return self.memo(
-                ("head_knockout", recipe, None),
-                lambda: merge_knockout_shards([self.knockout_shard(recipe, i) for i in range(self.shards)]),
+                ("head_knockout", build_name, None),
+                lambda: merge_knockout_shards([self.knockout_shard(build_name, i) for i in range(self.shards)]),
             )
-        return self.memo(("head_knockout", recipe, chosen), lambda: self._knockout_scan(recipe, chosen, None))
+        return self.memo(("head_knockout", build_name, chosen), lambda: self._knockout_scan(build_name, chosen, None))
 
     def screen_top_k(self) -> int | None:
         """The rung-2 plan's K (`rung2_plan.screen_top_k`): None scans every head exactly."""
         return rung2_plan.screen_top_k(self.settings, self.preflight)
 
-    def screen_method(self, recipe: str) -> str:
+    @renamed_keywords(recipe="build_name")
+    def screen_method(self, build_name: str) -> str:
         """How the screen ranks heads: ``--knockout-screen-method``, or by default (``auto``) atp*
         unless its counted cost passes the device's budget, then atp, said in one line."""
         if self.settings.knockout_screen_method != "auto":
@@ -202,13 +212,13 @@ class BuildMeasurement(LoadedBuilds):
             from .rungs.plan import automatic_screen_method
 
             method, why = automatic_screen_method(
-                self.build(recipe), self.settings.knockout_probe, self.screen_variant()
+                self.build(build_name), self.settings.knockout_probe, self.screen_variant()
             )
             if why:
                 (self.progress_write or stderr_line)(why)
             return method
 
-        return self.memo(("screen_method", recipe), choose)
+        return self.memo(("screen_method", build_name), choose)
 
     def screen_variant(self):
         """The screen's knobs (`rungs.screen.ScreenVariant`) from the settings."""
@@ -222,7 +232,7 @@ class BuildMeasurement(LoadedBuilds):
             ablation=s.knockout_screen_ablation,
         )
 
-    def _knockout_scan(self, recipe: str, heads, layers):
+    def _knockout_scan(self, build_name: str, heads, layers):
         from .rungs.knockout import knockout_scan
         from .rungs.plan import plan_estimate, took_line
 
@@ -233,22 +243,22 @@ class BuildMeasurement(LoadedBuilds):
         if chosen.by_size and heads is None:  # said before it starts, with its counted cost
             assert chosen.top_k is not None
             line, planned = plan_estimate(
-                self.build(recipe),
+                self.build(build_name),
                 s.knockout_probe,
                 chosen.top_k,
                 len(chosen.must_include),
-                self.screen_method(recipe),
+                self.screen_method(build_name),
                 self.screen_variant(),
             )
             say(f"{line}; the full exact scan only with {flag('knockout-full')}")
         started = time.perf_counter()
         frame = knockout_scan(
-            self.build(recipe),
+            self.build(build_name),
             s.knockout_probe,
             mode=s.knockout_mode,
             heads=None if heads is None else list(heads),
             screen_top_k=chosen.top_k,
-            screen_method=self.screen_method(recipe),
+            screen_method=self.screen_method(build_name),
             must_include=chosen.must_include,
             batch_size=s.batch_size,
             write=self.progress_write,
@@ -256,7 +266,7 @@ class BuildMeasurement(LoadedBuilds):
             screen_variant=self.screen_variant(),
         )
         if planned is not None:  # and after it, its wall time beside the estimate
-            say(took_line(self.build(recipe), planned, time.perf_counter() - started))
+            say(took_line(self.build(build_name), planned, time.perf_counter() - started))
         return frame
 
     @cached_property
@@ -270,8 +280,9 @@ class BuildMeasurement(LoadedBuilds):
 
         return layer_shards(self.preflight().n_layers, self.shards)
 
-    def knockout_shard(self, recipe: str, index: int):
-        """Shard ``index`` of the knockout scan of ``recipe`` (its intact pass and its layers' knockouts).
+    @renamed_keywords(recipe="build_name")
+    def knockout_shard(self, build_name: str, index: int):
+        """Shard ``index`` of the knockout scan of ``build_name`` (its intact pass and its layers' knockouts).
         Under pytest-xdist measured once per run: under a file lock in the shared run folder, the first
         process that needs it measures it and writes it there as JSON (exact floats), the others read it."""
         from .gate.store import baseline_path
@@ -282,18 +293,18 @@ class BuildMeasurement(LoadedBuilds):
         def measure():
             before, self._loading_for = self._loading_for, f"knockout shard {index + 1}/{self.shards}"
             try:
-                return self._knockout_scan(recipe, None, layers)
+                return self._knockout_scan(build_name, None, layers)
             finally:
                 self._loading_for = before
 
         def once():
             if self.run_folder is None:
                 return measure()
-            stem = baseline_path(".", self.model_name, recipe).stem
+            stem = baseline_path(".", self.model_name, build_name).stem
             name = f"{stem}.knockout-{index + 1}-of-{self.shards}.json"
             return self.run_folder.once(name, measure, dump=frame_json, load=json_frame)
 
-        return self.memo(("knockout_shard", recipe, index), once)
+        return self.memo(("knockout_shard", build_name, index), once)
 
 
 class _Failed:

@@ -11,7 +11,9 @@ from .measurement import BuildMeasurement
 from .options import flag
 
 
-def measure_record(m: BuildMeasurement, recipe: str, knockout: bool = True, method=None, knockout_frame=None) -> dict:
+def measure_record(
+    m: BuildMeasurement, build_name: str, knockout: bool = True, method=None, knockout_frame=None
+) -> dict:
     """The scan record of one build, computed (and memoised) through ``m``; kappa measured by
     ``method`` (a `KappaMethod`, default the settings'); ``knockout_frame``: these knockouts (one
     shard's) instead of the run's scan."""
@@ -19,18 +21,18 @@ def measure_record(m: BuildMeasurement, recipe: str, knockout: bool = True, meth
 
     s = m.settings
     method = s.kappa_method if method is None else method
-    build = m.build(recipe)
-    spectrum = m.ov_spectrum(recipe, method)
-    probe = m.repeat_probe(recipe)
+    build = m.build(build_name)
+    spectrum = m.ov_spectrum(build_name, method)
+    probe = m.repeat_probe(build_name)
     ko_frame, ko_info = None, None
     knockout = knockout and not build.identity.engine  # llama.cpp has no head to knock out (llama_engine.NOT_MEASURED)
     if knockout:
-        ko_frame = m.head_knockout(recipe) if knockout_frame is None else knockout_frame
+        ko_frame = m.head_knockout(build_name) if knockout_frame is None else knockout_frame
         ko_info = {
             **s.knockout_probe.as_dict(),
             "mode": ko_frame.attrs.get("mode", s.knockout_mode),
             "screened": m.screen_top_k(),
-            "screen_method": m.screen_method(recipe) if m.screen_top_k() is not None else None,
+            "screen_method": m.screen_method(build_name) if m.screen_top_k() is not None else None,
         }
     return assemble_record(
         model=model_info(m.model_name, m.source, build),
@@ -172,8 +174,8 @@ def record_source(measurement: BuildMeasurement) -> MeasuredRecords:
     return kind(measurement)
 
 
-def part_of(m: BuildMeasurement, recipe: str, index: int, total: int) -> dict:
-    """Shard ``index`` of ``total`` (1-based) of the scan of ``recipe``: the part a job writes."""
+def part_of(m: BuildMeasurement, build_name: str, index: int, total: int) -> dict:
+    """Shard ``index`` of ``total`` (1-based) of the scan of ``build_name``: the part a job writes."""
     from .errors import ShardError
     from .gate.schema import PART_FORMAT
 
@@ -186,19 +188,19 @@ def part_of(m: BuildMeasurement, recipe: str, index: int, total: int) -> dict:
     if m.shards != total:
         raise ShardError(f"the session splits the knockouts into {m.shards} shards, not {total}")
     layers = m.shard_layers()
-    frame = m.knockout_shard(recipe, index - 1)
-    record = measure_record(m, recipe, knockout=True, knockout_frame=frame)
+    frame = m.knockout_shard(build_name, index - 1)
+    record = measure_record(m, build_name, knockout=True, knockout_frame=frame)
     meta = {"format": PART_FORMAT, "index": index, "of": total, "layers": layers[index - 1]}
     return {"part": meta, "record": record}
 
 
-def write_part(m: BuildMeasurement, recipe: str, index: int, total: int, path: Path) -> dict:
-    """Measure shard ``index`` of ``total`` of ``recipe`` (`part_of`) and write its part to ``path``
+def write_part(m: BuildMeasurement, build_name: str, index: int, total: int, path: Path) -> dict:
+    """Measure shard ``index`` of ``total`` of ``build_name`` (`part_of`) and write its part to ``path``
     atomically: the one writer of parts (``circuits record --shard``, pytest ``--circuits-shard``)."""
     from .fsio import atomic_write_text, check_output
     from .gate.shards import dumps_part
 
     check_output(path)  # a link or a folder ends the job before the scan, not after
-    part = part_of(m, recipe, index, total)
+    part = part_of(m, build_name, index, total)
     atomic_write_text(path, dumps_part(part))
     return part

@@ -224,7 +224,7 @@ class Restorer:
             raise RuntimeError(f"restoring the weights failed for {len(bad)} parameters, e.g. {bad[0]}")
 
 
-def check_damageable(model, damages, recipe: str) -> None:
+def check_damageable(model, damages, build_name: str) -> None:
     """Each kind of damage applied once and undone, before any gate runs: a build whose weights
     cannot take it (a quantized build) is one line now, not a traceback after the intact gate."""
     restorer = Restorer(model)
@@ -233,7 +233,7 @@ def check_damageable(model, damages, recipe: str) -> None:
             damage.apply(model)
         except TypeError as error:  # model.dense.float_weight: a quantized module
             raise CircuitsError(
-                f"--build {recipe}: sensitivity damages float weights, and this build's cannot be edited "
+                f"--build {build_name}: sensitivity damages float weights, and this build's cannot be edited "
                 f"({error}); run it on a float build: fp32, bf16, fp16 or rtn-*"
             ) from None
         finally:
@@ -270,8 +270,8 @@ class Outcome:
         return "; ".join(words) or "pass"
 
 
-def gate_record(session, recipe: str, baseline: dict, tol, knockout: bool = True) -> tuple[list, dict]:
-    """``(results, record)``: ``recipe`` as the session holds it now, measured the baseline's way
+def gate_record(session, build_name: str, baseline: dict, tol, knockout: bool = True) -> tuple[list, dict]:
+    """``(results, record)``: ``build_name`` as the session holds it now, measured the baseline's way
     (`gate.verdict.candidate_record`'s rule) and gated with `gate_all`. Knockouts run on the
     baseline's key heads only: the only ones `knockout_deltas` compares, so the verdict is the
     full scan's. ``knockout=False``: no knockouts, so `knockout_deltas` is not run (not passed)."""
@@ -281,34 +281,34 @@ def gate_record(session, recipe: str, baseline: dict, tol, knockout: bool = True
     from .records import measure_record
     from .rungs import kappa_method
 
-    session.forget_figures(recipe)
+    session.forget_figures(build_name)
     knockout = knockout and has_figures(baseline, "knockout")
     frame = None
     if knockout:
         keys = key_heads(baseline, "knockout_delta", tol.top_k, tol.min_delta)
-        frame = session.head_knockout(recipe, heads=keys or None)
+        frame = session.head_knockout(build_name, heads=keys or None)
     record = measure_record(
-        session, recipe, knockout=knockout, method=kappa_method.of_record(baseline), knockout_frame=frame
+        session, build_name, knockout=knockout, method=kappa_method.of_record(baseline), knockout_frame=frame
     )
-    record = extend(session.records, recipe, baseline, record, tol)  # the further looks an undecided row needs
-    return gate_all(baseline, record, tol, recipe, "baseline"), record
+    record = extend(session.records, build_name, baseline, record, tol)  # the further looks an undecided row needs
+    return gate_all(baseline, record, tol, build_name, "baseline"), record
 
 
 def gate_outcome(
-    session, recipe, baseline, tol, damage=None, label="", text_loss=None, knockout: bool = True
+    session, build_name, baseline, tol, damage=None, label="", text_loss=None, knockout: bool = True
 ) -> Outcome:
-    """`gate_record` of the build as it stands, summarised; ``text_loss(session, recipe)``: held-out loss."""
+    """`gate_record` of the build as it stands, summarised; ``text_loss(session, build_name)``: held-out loss."""
     start = time.perf_counter()
-    results, record = gate_record(session, recipe, baseline, tol, knockout)
+    results, record = gate_record(session, build_name, baseline, tol, knockout)
     return Outcome(
         damage,
-        label or (damage.describe() if damage else recipe),
+        label or (damage.describe() if damage else build_name),
         [r.invariant for r in results if r.status == "failed" and r.compared],
         [r.invariant for r in results if r.status == "passed"],
         float(record["copy_loss"]),
         float(record["first_copy_loss"]),
         time.perf_counter() - start,
-        None if text_loss is None else text_loss(session, recipe),
+        None if text_loss is None else text_loss(session, build_name),
         results,
         record,
         [r.invariant for r in results if r.status == "failed" and not r.compared],
@@ -316,24 +316,26 @@ def gate_outcome(
 
 
 def sweep(
-    session, baseline: dict, damages, tol, recipe: str = "fp32", text_loss=None, write=None, knockout: bool = True
+    session, baseline: dict, damages, tol, build_name: str = "fp32", text_loss=None, write=None, knockout: bool = True
 ) -> list[Outcome]:
     """Gate the intact build, then each damage of it, undoing each exactly before the next."""
-    model = session.build(recipe).model
+    model = session.build(build_name).model
     restorer = Restorer(model)
-    outcomes = [gate_outcome(session, recipe, baseline, tol, label="intact", text_loss=text_loss, knockout=knockout)]
+    outcomes = [
+        gate_outcome(session, build_name, baseline, tol, label="intact", text_loss=text_loss, knockout=knockout)
+    ]
     for damage in damages:
         try:
             damage.apply(model)
             outcomes.append(
-                gate_outcome(session, recipe, baseline, tol, damage, text_loss=text_loss, knockout=knockout)
+                gate_outcome(session, build_name, baseline, tol, damage, text_loss=text_loss, knockout=knockout)
             )
         finally:
             restorer.restore()
         if write is not None:
             o = outcomes[-1]
             write(f"{o.label}: {o.verdict()} ({o.seconds:.1f} s)")
-    session.forget_figures(recipe)
+    session.forget_figures(build_name)
     return outcomes
 
 
@@ -409,7 +411,7 @@ def damaged_heads(baseline: dict, tol, count: int) -> list[str]:
     return list(dict.fromkeys(heads + induction)) if heads or induction else []
 
 
-def run_command(session, baseline: dict, tol, count: int, recipe: str, write=print) -> bool:
+def run_command(session, baseline: dict, tol, count: int, build_name: str, write=print) -> bool:
     """The reduced sweep of ``circuits sensitivity``: OV and QK scales of the top key heads;
     prints each verdict and the mildest damage each invariant catches. False when the intact
     build does not pass against the baseline (nothing it then catches means anything)."""
@@ -426,12 +428,12 @@ def run_command(session, baseline: dict, tol, count: int, recipe: str, write=pri
     if not heads:
         raise CircuitsError("the baseline has no key head (knockout delta or prefix matching): nothing to damage")
     damages = head_damages(heads, rotations=(), noise=())
-    check_damageable(session.build(recipe).model, damages, recipe)
-    write(f"damaging {', '.join(heads)} of {recipe}: {len(damages)} damages, each gated against the baseline")
-    outcomes = sweep(session, baseline, damages, tol, recipe, write=write)
+    check_damageable(session.build(build_name).model, damages, build_name)
+    write(f"damaging {', '.join(heads)} of {build_name}: {len(damages)} damages, each gated against the baseline")
+    outcomes = sweep(session, baseline, damages, tol, build_name, write=write)
     intact = outcomes[0]
     if intact.failed or intact.empty or not intact.passed:
-        write(f"the intact {recipe} build fails against the baseline ({intact.verdict()}): fix that first")
+        write(f"the intact {build_name} build fails against the baseline ({intact.verdict()}): fix that first")
         return False
     invariants = [i for i in per_build_invariants() if any(i in o.passed + o.failed for o in outcomes)]
     write("mildest damage caught with these tolerances (no: none of the damages run):")

@@ -17,6 +17,7 @@ from functools import cached_property
 from pathlib import Path
 
 from . import rung2_plan
+from .errors import renamed_keywords
 from .measurement import BuildMeasurement
 from .settings import CircuitsSettings
 
@@ -69,35 +70,38 @@ class CircuitsSession(BuildMeasurement):
         """The heads a screened scan always knocks out exactly (`RunBaselines.key_heads`)."""
         return sorted(set(self.baselines.key_heads(self.tolerances)) | self._pinned)
 
-    def record(self, recipe: str, knockout: bool = True, method=None) -> dict:
+    @renamed_keywords(recipe="build_name")
+    def record(self, build_name: str, knockout: bool = True, method=None) -> dict:
         """The scan record of one build (`records`), knockouts optional, kappa measured by ``method``
         (default: the settings' `KappaMethod`)."""
-        return self.records.record(recipe, knockout, method)
+        return self.records.record(build_name, knockout, method)
 
-    def merged_record(self, recipe: str, method=None) -> dict:
-        """``--circuits-shard-parts``: the record of ``recipe`` merged from its shard parts."""
+    @renamed_keywords(recipe="build_name")
+    def merged_record(self, build_name: str, method=None) -> dict:
+        """``--circuits-shard-parts``: the record of ``build_name`` merged from its shard parts."""
         from .records import ShardPartRecords
 
-        return ShardPartRecords(self).record(recipe, method=method)
+        return ShardPartRecords(self).record(build_name, method=method)
 
-    def identity_lines(self, recipe: str) -> list[str]:
+    @renamed_keywords(recipe="build_name")
+    def identity_lines(self, build_name: str) -> list[str]:
         """``"external build q8 = dist/model-Q8_0.gguf (gguf, sha256 ..., tensors Q8_0 x12, F32 x5)"``
-        for ``recipe`` and the reference, where they are external builds (gate messages, summary)."""
+        for ``build_name`` and the reference, where they are external builds (gate messages, summary)."""
         from .errors import CircuitsError
         from .model.recipes import describe_identity
 
         lines = []
-        for name in dict.fromkeys((recipe, self.settings.reference)):
+        for name in dict.fromkeys((build_name, self.settings.reference)):
             spec = self.settings.spec(name)
             if not (spec.external or spec.kv):
                 continue
             try:
-                identity = self.load_baseline(name)["build"] if name != recipe else self.records.identity(name)
+                identity = self.load_baseline(name)["build"] if name != build_name else self.records.identity(name)
             except CircuitsError:
                 continue  # the gate reports a missing or unreadable reference itself
             line = describe_identity(identity)
             if line:
-                lines.append(f"{'reference ' if name != recipe else ''}{line}")
+                lines.append(f"{'reference ' if name != build_name else ''}{line}")
         return lines
 
     # ------------------------------------------------------------ the baselines' book-keeping, by their older names
@@ -110,20 +114,25 @@ class CircuitsSession(BuildMeasurement):
     def events(self) -> list[dict]:
         return self.baselines.events
 
-    def baseline_path(self, recipe: str) -> Path:
-        return self.baselines.path(recipe)
+    @renamed_keywords(recipe="build_name")
+    def baseline_path(self, build_name: str) -> Path:
+        return self.baselines.path(build_name)
 
-    def record_command(self, recipe: str) -> str:
-        return self.baselines.record_command(recipe)
+    @renamed_keywords(recipe="build_name")
+    def record_command(self, build_name: str) -> str:
+        return self.baselines.record_command(build_name)
 
-    def write_baseline(self, recipe: str) -> Path:
-        return self.baselines.write(recipe)
+    @renamed_keywords(recipe="build_name")
+    def write_baseline(self, build_name: str) -> Path:
+        return self.baselines.write(build_name)
 
-    def load_baseline(self, recipe: str) -> dict:
-        return self.baselines.load(recipe)
+    @renamed_keywords(recipe="build_name")
+    def load_baseline(self, build_name: str) -> dict:
+        return self.baselines.load(build_name)
 
-    def missing_message(self, recipe: str, path: Path) -> str:
-        return self.baselines.missing_message(recipe, path)
+    @renamed_keywords(recipe="build_name")
+    def missing_message(self, build_name: str, path: Path) -> str:
+        return self.baselines.missing_message(build_name, path)
 
     def pin_key_heads(self, heads) -> None:
         """Knock ``heads`` out exactly in every later screened scan (older API; `key_heads_of` instead)."""

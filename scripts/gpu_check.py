@@ -88,7 +88,7 @@ def run(args, torch) -> int:
     from pytest_circuits.model.named import SHIPPED_BASELINES
     from pytest_circuits.model.recipes import RECIPES, parse_builds
     from pytest_circuits.rungs.knockout import knockout_scan
-    from pytest_circuits.rungs.reference import naive_knockout_deltas
+    from pytest_circuits.rungs.plain_loops import plain_knockout_deltas
     from pytest_circuits.rungs.repeat_settings import RepeatSettings
     from pytest_circuits.session import CircuitsSession
     from pytest_circuits.settings import CircuitsSettings
@@ -135,7 +135,7 @@ def run(args, torch) -> int:
     scan_s, scan_mb = time.perf_counter() - start, _peak_mb(torch, device)
     _peak_reset(torch, device)
     start = time.perf_counter()
-    _, plain = naive_knockout_deltas(build, held_out)
+    _, plain = plain_knockout_deltas(build, held_out)
     plain_s, plain_mb = time.perf_counter() - start, _peak_mb(torch, device)
     gap = max(abs(float(d) - plain[h]) for h, d in zip(scan["head"], scan["knockout_delta"]))
     equal = gap <= 1e-4

@@ -33,14 +33,14 @@ from pytest_circuits.settings import CircuitsSettings, RepeatSettings
 INVARIANTS = ("copy_loss", "knockout_deltas")
 
 
-def sampled_record(session: CircuitsSession, recipe: str, heads: list[str] | None) -> dict:
+def sampled_record(session: CircuitsSession, build_name: str, heads: list[str] | None) -> dict:
     """The figures copy_loss and knockout_deltas read: model figures with their per-sequence
     values, and the knockout deltas of ``heads`` with theirs (no kappa: not needed here)."""
-    probe = session.repeat_probe(recipe)
+    probe = session.repeat_probe(build_name)
     record: dict = {**probe.model_figures(), **sampled_model_figures(probe), "probe": session.settings.probe.as_dict()}
     record["heads"] = [{"head": h} for h in probe.heads["head"]]
     if heads:
-        frame = session.head_knockout(recipe, heads=heads)
+        frame = session.head_knockout(build_name, heads=heads)
         record["knockout"] = {**session.settings.knockout_probe.as_dict(), "mode": session.settings.knockout_mode}
         sequences = figures.sequences_key("knockout_delta")
         by_head = {row["head"]: row for _, row in frame.iterrows()}
@@ -69,8 +69,8 @@ def change(before: dict, after: dict, name: str) -> str:
     return f"{d:+.3f} [{interval[0]:+.3f}, {interval[1]:+.3f}]" if interval else f"{d:+.3f}"
 
 
-def verdict(before: dict, after: dict, name: str, tol: Tolerances, recipe: str) -> str:
-    result = evaluate(name, before, after, tol, recipe, "fp32 scan")
+def verdict(before: dict, after: dict, name: str, tol: Tolerances, build_name: str) -> str:
+    result = evaluate(name, before, after, tol, build_name, "fp32 scan")
     if result.status != "failed":
         return result.status
     return "FAIL " + "; ".join(f"{m['head']} {m['metric']}" for m in result.moved if m["broken"])

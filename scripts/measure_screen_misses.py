@@ -26,7 +26,7 @@ def main(heads: list[str]) -> None:
     from pytest_circuits.rungs.knockout import knockout_scan
     from pytest_circuits.rungs.repeat import bos_offset
     from pytest_circuits.rungs.repeat_settings import RepeatSettings
-    from pytest_circuits.rungs.replay import attention_implementation, held_out_ids, plain_copy_losses
+    from pytest_circuits.rungs.replay import attention_implementation, forward_copy_losses, held_out_ids
 
     torch.set_num_threads(1)
     build = load_build(resolve_model("smollm2-135m"), "fp32", "cpu")
@@ -46,7 +46,7 @@ def main(heads: list[str]) -> None:
         try:
             with torch.no_grad(), attention_implementation(build.model):
                 return float(
-                    plain_copy_losses(build.model, ids, settings.L, bos_offset(build.tokens), build.device).mean()
+                    forward_copy_losses(build.model, ids, settings.L, bos_offset(build.tokens), build.device).mean()
                 )
         finally:
             if handle is not None:

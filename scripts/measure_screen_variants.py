@@ -165,10 +165,9 @@ def measure(model: str, folder: Path, only: list[str] | None, results: Path | No
     variant's ranking derived from them (`derived_scores`), GradDrop's and atp*'s mean of both
     ablations run as themselves on models of at most 100 heads. Cost: counted forward-equivalents
     (`plan.screen_flops` of the variant over one forward), and the CPU seconds of what ran."""
-    from pytest_circuits.rungs.plan import screen_flops
-    from pytest_circuits.rungs.reference import knockout_flops
+    from pytest_circuits.rungs.plan import knockout_flops, screen_flops
     from pytest_circuits.rungs.replay import attention_implementation, held_out_ids, intact_pass
-    from pytest_circuits.rungs.screen import atp_star, plain_atp, screen_estimate
+    from pytest_circuits.rungs.screen import atp, atp_star, screen_estimate
 
     build, settings, deltas, mode = load(model, folder)
     assert mode == "zero", "the derived variants assume zero ablation"
@@ -177,12 +176,12 @@ def measure(model: str, folder: Path, only: list[str] | None, results: Path | No
     forward = knockout_flops(build, settings, heads=[])["forward"]
     atp_z, atp_m, star, spent = [], [], [], {"atp": 0.0, "atp*": 0.0}
     with attention_implementation(build.model):
-        means = intact_pass(build, ids, settings.L, 8, record=False).means
+        means = intact_pass(build, ids, settings.L, 8, trace=False).means
         for part in ids.split(chunk):
             start = cpu_seconds()
-            atp_z.append(plain_atp(build, part, settings.L, "zero", means, chunk))
+            atp_z.append(atp(build, part, settings.L, "zero", means, chunk))
             spent["atp"] += cpu_seconds() - start
-            atp_m.append(plain_atp(build, part, settings.L, "mean", means, chunk))
+            atp_m.append(atp(build, part, settings.L, "mean", means, chunk))
             start = cpu_seconds()
             star.append(atp_star(build, part, settings.L, "zero", means, chunk)[0])
             spent["atp*"] += cpu_seconds() - start
@@ -257,7 +256,7 @@ def at_shape(shape: str, folder: Path, names: list[str]) -> None:
     settings = RepeatSettings(seed=1, n=8, L=64)
     ids = held_out_ids(build, settings)
     with attention_implementation(build.model):
-        means = intact_pass(build, ids, settings.L, 8, record=False).means
+        means = intact_pass(build, ids, settings.L, 8, trace=False).means
     for name, method, knobs in VARIANTS:
         if name not in names:
             continue

@@ -126,10 +126,10 @@ def tolerance_used(baseline: dict, record: dict, tol) -> dict[str, float]:
     return used
 
 
-def rule_figures(baseline: dict, record: dict, tol, recipe: str) -> dict:
+def rule_figures(baseline: dict, record: dict, tol, build_name: str) -> dict:
     """``{"fixed": {invariant: status under the fixed rule}, "sequences": {invariant: the most
     sequences that decided one of its rows under ``tol``'s sequential rule}}`` of a gated record."""
-    fixed = {r.invariant: r.status for r in gate_all(baseline, record, FIXED, recipe, "baseline")}
+    fixed = {r.invariant: r.status for r in gate_all(baseline, record, FIXED, build_name, "baseline")}
     sequences = {}
     for name in SEQUENTIAL:
         inv = get(name)
@@ -153,11 +153,11 @@ def false_alarms(session, tol, seeds, recipes, write, knockout: bool = True, kee
         torch.set_num_threads(1)
         baseline = with_looks(session.records, "fp32", session.record("fp32", knockout=knockout), tol)
 
-        def gated(name, recipe="fp32", threads=1, seed=seed, baseline=baseline):
+        def gated(name, build_name="fp32", threads=1, seed=seed, baseline=baseline):
             torch.set_num_threads(threads)
-            results, record = S.gate_record(session, recipe, baseline, tol, knockout)
+            results, record = S.gate_record(session, build_name, baseline, tol, knockout)
             torch.set_num_threads(1)
-            rules = rule_figures(baseline, record, tol, recipe)
+            rules = rule_figures(baseline, record, tol, build_name)
             trial = {
                 "seed": seed,
                 "build": name,
@@ -358,8 +358,8 @@ def measure(args, model: str, write) -> dict[str, str]:
     keys = key_heads(baseline, "knockout_delta", tol.top_k, tol.min_delta)
     heads = S.damaged_heads(baseline, tol, args.heads if args.heads else len(keys))
 
-    def text_loss(sess, recipe):
-        return held_out_loss(sess, recipe)
+    def text_loss(sess, build_name):
+        return held_out_loss(sess, build_name)
 
     damages = S.head_damages(heads, floats(args.ov), floats(args.qk), floats(args.rotations), floats(args.noise))
     damages += [S.Damage("noise_all", s) for s in floats(args.whole)]

@@ -210,7 +210,7 @@ def rung1_flops(geometry) -> float:
 
 def probe_flops(build, settings) -> float:
     """One forward of the probe, every position unembedded (`knockout_flops`'s count, plus the rest)."""
-    from pytest_circuits.rungs.reference import knockout_flops
+    from pytest_circuits.rungs.plan import knockout_flops
 
     counted = knockout_flops(build, settings, heads=[])["forward"]
     T, L, n = 2 * settings.L, settings.L, settings.n
@@ -221,7 +221,7 @@ def probe_flops(build, settings) -> float:
 def stage(args) -> dict:
     """Run one rung after loading the build; report times, peak RSS and counted FLOPs as JSON."""
     from pytest_circuits.rungs.knockout import knockout_scan
-    from pytest_circuits.rungs.reference import knockout_flops
+    from pytest_circuits.rungs.plan import knockout_flops
     from pytest_circuits.session import CircuitsSession
     from pytest_circuits.settings import CircuitsSettings, RepeatSettings
 

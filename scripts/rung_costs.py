@@ -24,7 +24,7 @@ def timed(what, rows, compute):
 
 def main() -> None:
     from pytest_circuits.rungs.knockout import knockout_scan
-    from pytest_circuits.rungs.reference import knockout_flops
+    from pytest_circuits.rungs.plan import knockout_flops
     from pytest_circuits.rungs.screen import screen_estimate
     from pytest_circuits.session import CircuitsSession
     from pytest_circuits.settings import CircuitsSettings
@@ -40,7 +40,7 @@ def main() -> None:
 
     ids = held_out_ids(build, settings)
     with attention_implementation(build.model):
-        intact = intact_pass(build, ids, settings.L, 8, record=False)
+        intact = intact_pass(build, ids, settings.L, 8, trace=False)
 
     def screen():
         with attention_implementation(build.model):

@@ -37,8 +37,8 @@ from pytest_circuits.model.selfcheck import DecompositionError, check_decomposit
 from pytest_circuits.model.weights import extract_weights
 from pytest_circuits.rungs.kappa import kappa_scores, reduced_ov_layer
 from pytest_circuits.rungs.knockout import knockout_scan
+from pytest_circuits.rungs.plain_loops import plain_kappa, plain_reduced_ov
 from pytest_circuits.rungs.probe import run_repeat_probe
-from pytest_circuits.rungs.reference import kappa_reference, reduced_ov_reference
 from pytest_circuits.rungs.repeat_settings import RepeatSettings
 from pytest_circuits.testing import (
     TINY_VARIANTS,
@@ -254,7 +254,7 @@ def test_copying_head_scores_plus_one_and_flips(model_type):
     for sign in (1, -1):
         weights = extract_weights(model)
         _, kappa, trace = kappa_scores(reduced_ov_layer(weights, layer))
-        ref_kappa, ref_trace = kappa_reference(reduced_ov_reference(weights, layer, head))
+        ref_kappa, ref_trace = plain_kappa(plain_reduced_ov(weights, layer, head))
         assert sign * kappa[head].item() > 0.99 and sign * trace[head].item() > 0.99
         assert kappa[head].item() == pytest.approx(ref_kappa, abs=1e-6)
         assert trace[head].item() == pytest.approx(ref_trace, abs=1e-6)
@@ -262,16 +262,16 @@ def test_copying_head_scores_plus_one_and_flips(model_type):
 
 
 @pytest.mark.parametrize("model_type", PROBE_TYPES)
-def test_probe_and_cached_knockout(tiny_build, model_type):
+def test_probe_and_replayed_knockout(tiny_build, model_type):
     build = tiny_build(model_type)
     probe = run_repeat_probe(build, SETTINGS)
     assert math.isfinite(probe.copy_loss) and math.isfinite(probe.first_copy_loss)
     assert len(probe.heads) == build.geometry.n_layers * build.geometry.n_heads
-    cached = knockout_scan(build, SETTINGS, progress=False, cached=True)
-    naive = knockout_scan(build, SETTINGS, progress=False, cached=False)
-    assert cached.attrs["copy_loss"] == pytest.approx(naive.attrs["copy_loss"], abs=1e-6)
-    np.testing.assert_allclose(cached.knockout_delta, naive.knockout_delta, rtol=0, atol=1e-5)
-    assert naive.knockout_delta.abs().max() > 1e-3  # the knockouts really changed something
+    replayed = knockout_scan(build, SETTINGS, progress=False, replay=True)
+    plain = knockout_scan(build, SETTINGS, progress=False, replay=False)
+    assert replayed.attrs["copy_loss"] == pytest.approx(plain.attrs["copy_loss"], abs=1e-6)
+    np.testing.assert_allclose(replayed.knockout_delta, plain.knockout_delta, rtol=0, atol=1e-5)
+    assert plain.knockout_delta.abs().max() > 1e-3  # the knockouts really changed something
 
 
 # ---------------------------------------------------------------- refusals

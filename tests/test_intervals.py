@@ -20,8 +20,8 @@ from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.rungs.figures import SAMPLED_MODEL_FIGURES, interval_key, sequences_key
 from pytest_circuits.rungs.knockout import knockout_scan
+from pytest_circuits.rungs.plain_loops import plain_knockout_deltas
 from pytest_circuits.rungs.probe import run_repeat_probe
-from pytest_circuits.rungs.reference import naive_knockout_deltas
 from pytest_circuits.rungs.repeat import bos_offset, repeat_tokens
 from pytest_circuits.rungs.repeat_settings import RepeatSettings
 from pytest_circuits.testing import negate_head_ov
@@ -104,7 +104,7 @@ def test_probe_keeps_per_sequence_losses_that_average_to_its_figures(tiny):
 def test_knockout_deltas_per_sequence_average_to_the_delta(tiny):
     settings = RepeatSettings(1, 5, 10)
     frame = knockout_scan(tiny, settings, heads=["L0H1", "L1H2"], batch_size=2, progress=False)
-    _, naive = naive_knockout_deltas(tiny, settings, heads=["L0H1", "L1H2"], batch_size=5)
+    _, naive = plain_knockout_deltas(tiny, settings, heads=["L0H1", "L1H2"], batch_size=5)
     ids = repeat_tokens(tiny.tokens, settings.n, settings.L, settings.seed)
     offset = bos_offset(tiny.tokens)
     _, intact = own_sequence_losses(tiny.model, ids, settings.L, offset)
@@ -307,7 +307,7 @@ def test_report_reads_the_intervals(embedded_records):
     own = reference["copy_loss_interval"]
     assert data.model_interval(reference, None, "copy_loss") == f"[{own[0]:.3f}, {own[1]:.3f}]"
     old = read_baseline(LEGACY_BASELINE)
-    assert "reference recorded without per-sequence figures" in data.model_interval(negated, old, "copy_loss")
+    assert "baseline recorded without per-sequence figures" in data.model_interval(negated, old, "copy_loss")
     assert data.model_interval(negated, reference, "uniform_loss") == ""
 
 

@@ -38,7 +38,7 @@ from pytest_circuits.rungs.kappa import (
     unembed_embed_pair,
     without_attrs,
 )
-from pytest_circuits.rungs.reference import kappa_reference, ov_spectrum_reference, reduced_ov_reference
+from pytest_circuits.rungs.plain_loops import plain_kappa, plain_ov_spectrum, plain_reduced_ov
 from pytest_circuits.testing import make_tiny_model, requires_embedded_model, requires_smollm2
 
 from .conftest import LEGACY_BASELINE
@@ -130,28 +130,28 @@ def test_batched_equals_per_head_reference(family):
     (the float32 products, the default, are pinned against it below)."""
     w = extract_weights(make_tiny_model(family, seed=1))
     fast = ov_spectrum(w, n_rotations=64, seed=2, product_dtype=torch.float64)
-    slow = ov_spectrum_reference(w, n_rotations=64, seed=2)
+    slow = plain_ov_spectrum(w, n_rotations=64, seed=2)
     np.testing.assert_allclose(fast[NUMERIC].to_numpy(), slow[NUMERIC].to_numpy(), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(fast["kappa_q"], slow["kappa_q"], atol=1e-6)
     assert fast[["copying", "suppression"]].equals(slow[["copying", "suppression"]])
     M = reduced_ov(w, dtype=torch.float64)
     for layer, head in [(0, 0), (1, 3)]:
-        np.testing.assert_allclose(M[layer, head].numpy(), reduced_ov_reference(w, layer, head), rtol=1e-9, atol=1e-12)
-        k, t = kappa_reference(M[layer, head].numpy())
+        np.testing.assert_allclose(M[layer, head].numpy(), plain_reduced_ov(w, layer, head), rtol=1e-9, atol=1e-12)
+        k, t = plain_kappa(M[layer, head].numpy())
         assert fast.set_index("head").loc[f"L{layer}H{head}", "kappa"] == pytest.approx(k, abs=1e-6)
         assert fast.set_index("head").loc[f"L{layer}H{head}", "kappa_trace"] == pytest.approx(t, abs=1e-6)
-        gain = np.abs(np.linalg.eigvals(reduced_ov_reference(w, layer, head))).sum()  # sum_i |lambda_i|
+        gain = np.abs(np.linalg.eigvals(plain_reduced_ov(w, layer, head))).sum()  # sum_i |lambda_i|
         assert fast.set_index("head").loc[f"L{layer}H{head}", "ov_gain"] == pytest.approx(gain, rel=1e-9)
 
 
 def test_scores_on_known_spectra():
-    assert kappa_reference(np.eye(4)) == (1.0, 1.0)
-    assert kappa_reference(-2 * np.eye(4)) == (-1.0, -1.0)
+    assert plain_kappa(np.eye(4)) == (1.0, 1.0)
+    assert plain_kappa(-2 * np.eye(4)) == (-1.0, -1.0)
     rotation = np.array([[0.0, -1.0], [1.0, 0.0]])  # eigenvalues +-i: no copying, no suppression
-    assert kappa_reference(rotation) == pytest.approx((0.0, 0.0), abs=1e-12)
+    assert plain_kappa(rotation) == pytest.approx((0.0, 0.0), abs=1e-12)
     rank_one = np.zeros((4, 4))
     rank_one[0, 0] = 3.0  # three zero eigenvalues count f = 0: kappa = 1/4, trace-weighted 1
-    assert kappa_reference(rank_one) == pytest.approx((0.25, 1.0))
+    assert plain_kappa(rank_one) == pytest.approx((0.25, 1.0))
     _, k, t = kappa_scores(torch.zeros(2, 3, 3))
     assert k.tolist() == [0.0, 0.0] and t.tolist() == [0.0, 0.0]
 
@@ -186,7 +186,7 @@ def test_grouped_query_heads_read_their_group_W_V():
     assert after.loc[changed, "head"].tolist() == ["L1H2", "L1H3"]
     for head in range(4):  # each query head's M_h uses its group's W_V
         M = reduced_ov(w2, dtype=torch.float64)[1, head].numpy()
-        np.testing.assert_allclose(M, reduced_ov_reference(w2, 1, head), rtol=1e-9)
+        np.testing.assert_allclose(M, plain_reduced_ov(w2, 1, head), rtol=1e-9)
 
 
 def test_same_seed_same_result_other_seed_other_null():
@@ -335,12 +335,12 @@ def test_float32_products_match_the_float64_reference(family):
     """Rung 1's default float32 products (``W_U W_E`` per vocabulary block, every ``M_h``; the uncentred
     ``M_h`` as the centred one's rank-one shift) against the plain float64 per-head loop."""
     w = extract_weights(make_tiny_model(family, seed=1))
-    fast, slow = ov_spectrum(w, n_rotations=64, seed=2), ov_spectrum_reference(w, n_rotations=64, seed=2)
+    fast, slow = ov_spectrum(w, n_rotations=64, seed=2), plain_ov_spectrum(w, n_rotations=64, seed=2)
     _assert_float32_matches(fast, slow)
     M = reduced_ov(w)  # float32 products, float64 result
     assert M.dtype == torch.float64
     for layer, head in [(0, 0), (1, 3)]:
-        expected = reduced_ov_reference(w, layer, head)
+        expected = plain_reduced_ov(w, layer, head)
         np.testing.assert_allclose(M[layer, head].numpy(), expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
 
@@ -350,7 +350,7 @@ def test_embedded_model_float32_rung1_matches_the_float64_reference():
     model = load_build(resolve_model("tiny-induction"), "fp32").model
     w = extract_weights(model)
     fast = ov_spectrum_of_model(model)  # the session's way: streamed, float32 products
-    slow = ov_spectrum_reference(w)
+    slow = plain_ov_spectrum(w)
     assert _assert_float32_matches(fast, slow) > 0  # float32 did run: the figures are not float64's bit for bit
 
 
@@ -608,10 +608,10 @@ def test_smollm2_batched_equals_reference_on_some_heads():
     w = extract_weights(load_build(resolve_model("smollm2-135m"), "fp32").model)
     assert (w.geometry.n_layers, w.geometry.n_heads, w.geometry.d_head) == (30, 9, 64)
     heads = [(0, 0), (15, 4), (29, 8)]
-    slow = ov_spectrum_reference(w, n_rotations=16, heads=heads)
+    slow = plain_ov_spectrum(w, n_rotations=16, heads=heads)
     M = reduced_ov(w, dtype=torch.float64)
     for i, (layer, head) in enumerate(heads):
-        k, t = kappa_reference(M[layer, head].numpy())
+        k, t = plain_kappa(M[layer, head].numpy())
         assert k == pytest.approx(slow.loc[i, "kappa"], abs=1e-6)
         assert t == pytest.approx(slow.loc[i, "kappa_trace"], abs=1e-6)
         _, kb, tb = kappa_scores(M[layer, head])

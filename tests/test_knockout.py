@@ -1,4 +1,4 @@
-"""Rung 2 head knockouts: hooks, the cached and batched scan, screening, and the gate's evidence."""
+"""Rung 2 head knockouts: hooks, the replayed and batched scan, screening, and the gate's evidence."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.rungs import knockout, replay
 from pytest_circuits.rungs.ablation import ablated, parse_heads
 from pytest_circuits.rungs.knockout import head_means, knockout_scan
-from pytest_circuits.rungs.reference import naive_knockout_deltas
+from pytest_circuits.rungs.plain_loops import plain_knockout_deltas
 from pytest_circuits.rungs.repeat import bos_offset, repeat_tokens
 from pytest_circuits.rungs.repeat_settings import RepeatSettings
 from pytest_circuits.testing import requires_embedded_model, requires_smollm2, save_tiny_model
@@ -87,7 +87,7 @@ def test_hook_knockout_equals_weight_surgery(fp32_builds, family, mode):
     intact = own_copy_loss(build.model, ids, HELD_OUT.L, offset)
     heads = [(0, 1), (1, 3)]
     implementation = build.model.config._attn_implementation
-    copy_loss, deltas = naive_knockout_deltas(build, HELD_OUT, mode=mode, heads=heads, batch_size=3)
+    copy_loss, deltas = plain_knockout_deltas(build, HELD_OUT, mode=mode, heads=heads, batch_size=3)
     # the loop ran on SDPA; own_copy_loss and the probe run on the model's own (eager) attention
     assert build.model.config._attn_implementation == implementation == "eager"
     assert copy_loss == pytest.approx(intact, abs=1e-5)
@@ -122,17 +122,17 @@ def test_mean_is_over_sequences_and_positions(fp32_builds, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("mode", ["zero", "mean"])
-def test_cached_and_batched_scan_equals_naive_loop(fp32_builds, family, mode):
+def test_replayed_and_batched_scan_equals_the_plain_loop(fp32_builds, family, mode):
     build = fp32_builds[family]
-    copy_loss, naive = naive_knockout_deltas(build, HELD_OUT, mode=mode, batch_size=3)
+    copy_loss, naive = plain_knockout_deltas(build, HELD_OUT, mode=mode, batch_size=3)
     for per_pass in (1, 3, None):
         df = knockout_scan(build, HELD_OUT, mode=mode, batch_size=3, knockouts_per_pass=per_pass, progress=False)
         assert df.attrs["copy_loss"] == pytest.approx(copy_loss, abs=1e-6)
         got = df.set_index("head")["knockout_delta"]
         assert set(got.index) == set(naive)
         worst = max(abs(got[h] - naive[h]) for h in naive)
-        assert worst <= 1e-5, f"knockouts_per_pass={per_pass}: max |cached - naive| = {worst:.2g}"
-    plain = knockout_scan(build, HELD_OUT, mode=mode, batch_size=3, cached=False, progress=False)
+        assert worst <= 1e-5, f"knockouts_per_pass={per_pass}: max |replayed - plain| = {worst:.2g}"
+    plain = knockout_scan(build, HELD_OUT, mode=mode, batch_size=3, replay=False, progress=False)
     assert max(abs(plain.set_index("head")["knockout_delta"][h] - naive[h]) for h in naive) <= 1e-6
 
 
@@ -144,12 +144,12 @@ def test_bounded_record_recomputes_to_the_same_deltas(fp32_builds, family):
     full = knockout_scan(build, HELD_OUT, batch_size=3, progress=False)
     n_tokens = HELD_OUT.n * (2 * HELD_OUT.L + bos_offset(build.tokens))
     one_block = n_tokens * build.geometry.d_model * 4
-    assert replay.record_stride(build, n_tokens, record_bytes=10**12) == 1
-    assert replay.record_stride(build, n_tokens, record_bytes=one_block) == build.geometry.n_layers
+    assert replay.trace_stride(build, n_tokens, trace_bytes=10**12) == 1
+    assert replay.trace_stride(build, n_tokens, trace_bytes=one_block) == build.geometry.n_layers
     for budget in (one_block, 2 * one_block):
-        bounded = knockout_scan(build, HELD_OUT, batch_size=3, progress=False, record_bytes=budget)
+        bounded = knockout_scan(build, HELD_OUT, batch_size=3, progress=False, trace_bytes=budget)
         assert bounded["knockout_delta"].tolist() == full["knockout_delta"].tolist(), budget
-        assert bounded.attrs["cached"] and bounded.attrs["copy_loss"] == full.attrs["copy_loss"]
+        assert bounded.attrs["replayed"] and bounded.attrs["copy_loss"] == full.attrs["copy_loss"]
 
 
 def test_dataframe_contract(fp32_builds):
@@ -171,7 +171,7 @@ def test_bnb_builds_knock_out_heads(tiny_folders, fp32_builds, recipe, mode):
     """Hooks work on quantized projections; the scan equals the plain loop; deltas track float32."""
     build = load_build(resolve_model(str(tiny_folders["llama"])), recipe, "cpu")
     assert type(out_proj_module(build.model, 0)).__name__ in ("Linear8bitLt", "Linear4bit")
-    _, naive = naive_knockout_deltas(build, HELD_OUT, mode=mode, batch_size=3)
+    _, naive = plain_knockout_deltas(build, HELD_OUT, mode=mode, batch_size=3)
     df = knockout_scan(build, HELD_OUT, mode=mode, batch_size=3, progress=False)
     got = df.set_index("head")["knockout_delta"]
     assert max(abs(got[h] - naive[h]) for h in naive) <= 1e-5
@@ -186,13 +186,13 @@ def test_scan_runs_on_sdpa_and_restores_eager(fp32_builds, family, monkeypatch):
     """Knockout forwards need no attention weights: they run on SDPA, and the model is eager again after."""
     build = fp32_builds[family]
     seen = []
-    real = replay.plain_copy_losses
+    real = replay.forward_copy_losses
 
     def spy(model, *args):
         seen.append(model.config._attn_implementation)
         return real(model, *args)
 
-    monkeypatch.setattr(replay, "plain_copy_losses", spy)
+    monkeypatch.setattr(replay, "forward_copy_losses", spy)
     knockout_scan(build, HELD_OUT, heads=["L1H0"], batch_size=3, progress=False)
     assert seen and set(seen) == {"sdpa"}
     assert build.model.config._attn_implementation == "eager"
@@ -202,12 +202,12 @@ def test_inexact_replay_falls_back_to_the_plain_loop(fp32_builds):
     """A model whose forward does more than its blocks and tail (here a hook on the decoder stack's
     output, as final-logit soft-capping would) cannot be replayed: one warning, then the plain loop."""
     build = fp32_builds["llama"]
-    _, before = naive_knockout_deltas(build, HELD_OUT, heads=["L0H1", "L1H2"], batch_size=3)
+    _, before = plain_knockout_deltas(build, HELD_OUT, heads=["L0H1", "L1H2"], batch_size=3)
     handle = build.model.model.register_forward_hook(
         lambda module, args, out: out.__class__(last_hidden_state=out.last_hidden_state * 1.5)
     )
     try:
-        _, shifted = naive_knockout_deltas(build, HELD_OUT, heads=["L0H1", "L1H2"], batch_size=3)
+        _, shifted = plain_knockout_deltas(build, HELD_OUT, heads=["L0H1", "L1H2"], batch_size=3)
         with pytest.warns(
             UserWarning, match="does not reproduce the model's copy loss .* running the plain loop"
         ) as info:
@@ -215,7 +215,7 @@ def test_inexact_replay_falls_back_to_the_plain_loop(fp32_builds):
     finally:
         handle.remove()
     assert len(info) == 1 and "\n" not in str(info[0].message)
-    assert df.attrs["cached"] is False
+    assert df.attrs["replayed"] is False
     got = df.set_index("head")["knockout_delta"]
     assert max(abs(got[h] - shifted[h]) for h in shifted) <= 1e-6
     assert max(abs(shifted[h] - before[h]) for h in shifted) > 1e-3  # the hook mattered

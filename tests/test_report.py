@@ -268,10 +268,10 @@ def test_grids_and_differences_match_a_direct_computation():
 
 
 def test_figures_plot_the_records_numbers():
-    from pytest_circuits.report import figures, sections
+    from pytest_circuits.report import plots, sections
 
     reference, candidate, _ = sabotaged(seed=2)
-    fig = figures.eigenvalue_figure(candidate, "t")
+    fig = plots.eigenvalue_figure(candidate, "t")
     (points,) = [c for c in fig.axes[0].collections if len(c.get_offsets()) > 1]
     plotted = sorted(map(tuple, np.round(points.get_offsets(), 9)))
     expected = []
@@ -282,12 +282,12 @@ def test_figures_plot_the_records_numbers():
     assert plotted == sorted(expected)
     assert np.abs(points.get_offsets()).max() <= 1 + 1e-12
 
-    heat = figures.heatmap_figure(sections._panels(candidate), "t")
+    heat = plots.heatmap_figure(sections._panels(candidate), "t")
     for ax, (column, _, _) in zip([a for a in heat.axes if a.images], data.HEATMAP_METRICS):
         shown = ax.images[0].get_array()
         for h in candidate["heads"]:
             assert shown[h["layer"], h["head_index"]] == pytest.approx(h[column])
-    assert figures.png_bytes(heat)[:8] == PNG_MAGIC
+    assert plots.png_bytes(heat)[:8] == PNG_MAGIC
 
 
 def test_reference_with_another_head_grid_is_noted_not_drawn(tmp_path):
@@ -332,7 +332,7 @@ def test_report_command_draws_again_from_baseline_files(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"circuits report: {out / REPORT_PAGE}" in printed
     text = (out / REPORT_PAGE).read_text()
-    assert "differences against the reference (fp32)" in text
+    assert "differences against the baseline (fp32)" in text
     assert "<td>L1H2</td><td>kappa</td>" in text  # the flipped head leads the per-head changes
     # gated, not "scanned, not gated": the same verdicts as the one gate flow
     expected = gate_all(reference, candidate, Tolerances(), "bnb-nf4", "baseline fp32.json")
@@ -417,7 +417,7 @@ def test_failing_builds_come_first_and_the_reference_against_itself_folds(tmp_pa
     folded = re.findall(r'<details class="fold"><summary>([^<]+)</summary>(.*?)</details>', text, flags=re.S)
     assert len(folded) == 1
     note, hidden = folded[0]
-    assert "fp32" in note and "all zero" in note and "fp32: differences against the reference (fp32)" in hidden
+    assert "fp32" in note and "all zero" in note and "fp32: differences against the baseline (fp32)" in hidden
     assert 'class="fold"' in fp32 and "Largest per-head changes" not in fp32
     # the sabotaged build's maps stay open, its changes listed
     nf4 = text[text.index('<h2 id="bnb-nf4">') : text.index('<h2 id="fp32">')]
@@ -426,7 +426,7 @@ def test_failing_builds_come_first_and_the_reference_against_itself_folds(tmp_pa
 
 
 def test_eigenvalue_close_ups_show_the_flagged_figure_of_heads_flagged_on_kappa():
-    from pytest_circuits.report import figures, sections
+    from pytest_circuits.report import plots, sections
 
     reference, candidate, _ = sabotaged()
     trace_before, trace_after = reference["heads"][6]["kappa_trace"], candidate["heads"][6]["kappa_trace"]
@@ -439,7 +439,7 @@ def test_eigenvalue_close_ups_show_the_flagged_figure_of_heads_flagged_on_kappa(
     section = sections.Section("bnb-nf4", "bnb-nf4", candidate, reference, results)
     flagged = sections.kappa_flagged(section)
     assert [(m["head"], m["metric"]) for m in flagged] == [("L1H2", "kappa_trace")]
-    fig = figures.moved_eigenvalue_figure(candidate, reference, flagged, "t")
+    fig = plots.moved_eigenvalue_figure(candidate, reference, flagged, "t")
     titles = [ax.get_title() for ax in fig.axes]
     assert titles == [f"L1H2  κ_trace {data.fmt(trace_before, 2)} → {data.fmt(trace_after, 2)}"]
     # a head flagged on two κ figures: the one that moved furthest, the other under it
@@ -449,10 +449,10 @@ def test_eigenvalue_close_ups_show_the_flagged_figure_of_heads_flagged_on_kappa(
     ]
     (both,) = sections.kappa_flagged(section)
     assert both["metric"] == "kappa_trace" and [m["metric"] for m in both["also"]] == ["kappa"]
-    fig = figures.moved_eigenvalue_figure(candidate, reference, [both], "t")
+    fig = plots.moved_eigenvalue_figure(candidate, reference, [both], "t")
     assert fig.axes[0].get_title().endswith("\nκ 0.90 → 0.85")
     other = {"head": "L0H0", "metric": "kappa", "before": 0.5, "after": -0.5, "tolerance": 0.15, "also": []}
-    fig = figures.moved_eigenvalue_figure(candidate, reference, [both, other], "t")
+    fig = plots.moved_eigenvalue_figure(candidate, reference, [both, other], "t")
     assert [ax.get_title().split()[0] for ax in fig.axes] == ["L1H2", "L0H0"]
     # the boxes of the difference maps follow the figure each names
     assert sections._outline(section, "kappa") == {(1, 2)}
@@ -466,7 +466,7 @@ def test_eigenvalue_close_ups_show_the_flagged_figure_of_heads_flagged_on_kappa(
 def test_unmeasured_knockouts_are_hatched_with_a_legend_never_zero(tmp_path):
     from matplotlib.collections import PatchCollection
 
-    from pytest_circuits.report import figures, sections
+    from pytest_circuits.report import plots, sections
 
     screened = fake_record("fp32", seed=1)
     kept = {"L1H2", "L0H1"}  # a screened scan measured these exactly; the rest have no knockout
@@ -474,7 +474,7 @@ def test_unmeasured_knockouts_are_hatched_with_a_legend_never_zero(tmp_path):
         if h["head"] not in kept:
             h["knockout_delta"] = None
     screened["knockout"]["screened"] = 2
-    fig = figures.heatmap_figure(sections._panels(screened), "t")
+    fig = plots.heatmap_figure(sections._panels(screened), "t")
     knockout_ax = [a for a in fig.axes if a.images][-1]
     assert knockout_ax.get_title() == "knockout Δloss (nats)"
     shown = knockout_ax.images[0].get_array()
@@ -486,7 +486,7 @@ def test_unmeasured_knockouts_are_hatched_with_a_legend_never_zero(tmp_path):
     (legend,) = fig.legends
     assert [t.get_text() for t in legend.get_texts()] == ["not measured (screened out: no exact knockout)"]
     # fully measured maps carry no legend and no hatching
-    full = figures.heatmap_figure(sections._panels(fake_record("fp32")), "t")
+    full = plots.heatmap_figure(sections._panels(fake_record("fp32")), "t")
     assert full.legends == [] and not any(isinstance(c, PatchCollection) for a in full.axes for c in a.collections)
     page = write_report(tmp_path, [screened]).read_text()
     assert "Hatched grey cells were not measured" in page
@@ -577,7 +577,7 @@ def test_position_loss_is_the_models_own_per_position_loss(embedded_fp32):
     from transformers import AutoModelForCausalLM
 
     from pytest_circuits.gate.store import validate
-    from pytest_circuits.report import figures
+    from pytest_circuits.report import plots
     from pytest_circuits.rungs.repeat import repeat_tokens
 
     session, record = embedded_fp32
@@ -598,7 +598,7 @@ def test_position_loss_is_the_models_own_per_position_loss(embedded_fp32):
     assert np.mean(expected[: L - 1]) == pytest.approx(record["first_copy_loss"], rel=1e-4)
     # the signature of copying: first copy near ln V, second copy far below it
     assert abs(np.mean(expected[: L - 1]) - record["uniform_loss"]) < 1.0 and np.mean(expected[L:]) < 1.0
-    fig = figures.position_loss_figure([("fp32", record)], "t")
+    fig = plots.position_loss_figure([("fp32", record)], "t")
     (curve,) = [line for line in fig.axes[0].lines if line.get_label() == "fp32"]
     np.testing.assert_allclose(curve.get_xdata(), t)
     np.testing.assert_allclose(curve.get_ydata(), expected, rtol=1e-4, atol=1e-5)
@@ -616,7 +616,7 @@ def test_attention_map_is_the_heads_own_pattern_with_the_induction_stripe(embedd
     from transformers import AutoModelForCausalLM
 
     from pytest_circuits.plugin.collect import attention_for_report
-    from pytest_circuits.report import figures
+    from pytest_circuits.report import plots
     from pytest_circuits.rungs.repeat import repeat_tokens
 
     session, record = embedded_fp32
@@ -638,7 +638,7 @@ def test_attention_map_is_the_heads_own_pattern_with_the_induction_stripe(embedd
     L, o = 24, attention["offset"]
     stripe = [pattern[o + t, o + t - L + 1] for t in range(L, 2 * L)]
     assert np.mean(stripe) > 0.5
-    fig = figures.attention_figure([("fp32", attention, record)], "t")
+    fig = plots.attention_figure([("fp32", attention, record)], "t")
     np.testing.assert_allclose(fig.axes[0].images[0].get_array(), pattern)
     assert head in fig.axes[0].get_title()
     # it reaches the page through the plugin's path; without it the page says why
@@ -670,7 +670,7 @@ def test_the_plugins_report_has_both_pictures(tmp_path):
 
 
 def test_loss_curves_are_the_builds_then_each_reference_baseline_once(tmp_path):
-    from pytest_circuits.report import figures, sections
+    from pytest_circuits.report import plots, sections
 
     reference, candidate, _ = sabotaged()
     older = fake_record("bf16", seed=2)  # recorded before position_loss was stored
@@ -678,12 +678,12 @@ def test_loss_curves_are_the_builds_then_each_reference_baseline_once(tmp_path):
         record["position_loss"] = list(np.linspace(6.2, 0.1 + i, 2 * 64 - 1))
     stored = {**reference, "position_loss": list(np.full(2 * 64 - 1, 3.0))}
     built = [
-        sections.Section(data.recipe_of(r), data.slug(data.recipe_of(r)), r, ref, [])
+        sections.Section(data.build_name_of(r), data.slug(data.build_name_of(r)), r, ref, [])
         for r, ref in ((candidate, stored), (older, stored), (reference, None))
     ]
     curves = sections.loss_curves(built)
     assert [label for label, _ in curves] == ["bnb-nf4", "fp32", "fp32 baseline"]
-    fig = figures.position_loss_figure(curves, "t")
+    fig = plots.position_loss_figure(curves, "t")
     lines = {line.get_label(): line for line in fig.axes[0].lines}
     np.testing.assert_allclose(lines["fp32 baseline"].get_ydata(), stored["position_loss"])
     np.testing.assert_allclose(lines["bnb-nf4"].get_ydata(), candidate["position_loss"])
@@ -785,7 +785,7 @@ def test_a_pass_with_skips_says_what_was_guarded_and_what_not():
 def test_the_loss_curve_legend_names_the_uniform_loss_once():
     """A live build (ln V = 10.819778...) beside its stored baseline (10.8198): one "uniform ln V" entry."""
     pytest.importorskip("matplotlib")
-    from pytest_circuits.report import figures
+    from pytest_circuits.report import plots
 
     curve = {"position_loss": [3.0, 2.0, 1.0], "probe": {"L": 2}}
     curves = [
@@ -793,7 +793,7 @@ def test_the_loss_curve_legend_names_the_uniform_loss_once():
         ("bnb-int8", {**curve, "uniform_loss": math.log(49999)}),
         ("fp32 baseline", {**curve, "uniform_loss": 10.8198}),
     ]
-    fig = figures.position_loss_figure(curves, "loss")
+    fig = plots.position_loss_figure(curves, "loss")
     labels = [text.get_text() for text in fig.axes[0].get_legend().get_texts()]
     assert [label for label in labels if label.startswith("uniform")] == ["uniform ln V = 10.82"]
 

@@ -49,7 +49,7 @@ def test_intact_pass_and_self_check_unembed_row_major_inputs(bf16_build, monkeyp
     seen = unembedding_inputs(bf16_build, monkeypatch)
     settings = RepeatSettings(seed=1, n=5, L=12)
     ids = replay.held_out_ids(bf16_build, settings)
-    intact = replay.intact_pass(bf16_build, ids, settings.L, 3, record=True)  # logits_to_keep=L: a slice
+    intact = replay.intact_pass(bf16_build, ids, settings.L, 3, trace=True)  # logits_to_keep=L: a slice
     measure_decomposition(bf16_build)  # logits_to_keep=1 of one sequence
     assert [shape for shape, _ in seen[:3]] == [(3, settings.L, 64), (2, settings.L, 64), (1, 1, 64)]
     assert all(stride == row_major_strides(shape) for shape, stride in seen), seen

@@ -331,7 +331,7 @@ def circuits_knockout_shard(request: pytest.FixtureRequest, circuits_session: Ci
 PART_KEY: pytest.StashKey[dict] = pytest.StashKey()  # the part this shard job wrote (until its test reports it)
 
 
-def _write_part(session: CircuitsSession, recipe: str) -> dict:
+def _write_part(session: CircuitsSession, build_name: str) -> dict:
     """``--circuits-shard I/K --circuits-shard-out FILE``: the part, by the writer ``circuits record --shard`` uses."""
     from ..records import write_part
 
@@ -341,10 +341,10 @@ def _write_part(session: CircuitsSession, recipe: str) -> dict:
     index, total = s.shard
 
     def write() -> dict:
-        meta = write_part(session, recipe, index, total, out)["part"]
-        return {"recipe": recipe, "path": str(out), "index": index, "of": total, "layers": meta["layers"]}
+        meta = write_part(session, build_name, index, total, out)["part"]
+        return {"recipe": build_name, "path": str(out), "index": index, "of": total, "layers": meta["layers"]}
 
-    return session.memo(("shard_part", recipe), write)
+    return session.memo(("shard_part", build_name), write)
 
 
 @pytest.hookimpl(tryfirst=True)

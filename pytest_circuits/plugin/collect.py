@@ -61,7 +61,7 @@ class Collected:
                 self.parts.append(value)
 
 
-def gate_for_test(request, session, recipe: str, invariant: str, tol):
+def gate_for_test(request, session, build_name: str, invariant: str, tol):
     """`gate_build` for one pytest item; results travel as user properties (pytest-xdist safe)."""
     from ..gate.fixes import fix_lines, update_command
     from ..gate.invariants import get
@@ -71,24 +71,24 @@ def gate_for_test(request, session, recipe: str, invariant: str, tol):
     # a shard job measured one knockout shard: its rung-2 invariants are skipped saying so, never passed
     if session.settings.shard is not None and "knockout" in get(invariant).needs:
         why = shard_job_skip(session.settings)
-        props.append(("circuits_results", [error_row(recipe, invariant, why, status="skipped")]))
+        props.append(("circuits_results", [error_row(build_name, invariant, why, status="skipped")]))
         pytest.skip(why)
     if session.settings.update:  # record own baseline first: the reference's owner takes its lock before anyone waits
-        session.write_baseline(recipe)
+        session.write_baseline(build_name)
     try:
-        fixes = fix_lines(session.settings, recipe, update_command(request.config))
-        outcome = gate_build(session.records, session.baselines, recipe, invariant, tol, fixes)
+        fixes = fix_lines(session.settings, build_name, update_command(request.config))
+        outcome = gate_build(session.records, session.baselines, build_name, invariant, tol, fixes)
     except CircuitsError as error:  # the build could not be gated: the report names it among what broke
-        props.append(("circuits_results", [error_row(recipe, invariant, str(error))]))
+        props.append(("circuits_results", [error_row(build_name, invariant, str(error))]))
         raise
-    outcome.notes[:0] = session.identity_lines(recipe)  # an external build: which file was gated
+    outcome.notes[:0] = session.identity_lines(build_name)  # an external build: which file was gated
     parts = session.settings.shard_parts
     if parts is not None:
         outcome.notes.insert(0, f"gated the record merged from the shard parts {parts} (the build was not loaded)")
-    rows = [r.as_dict() for r in outcome.results] + [error_row(recipe, invariant, p) for p in outcome.problems]
+    rows = [r.as_dict() for r in outcome.results] + [error_row(build_name, invariant, p) for p in outcome.problems]
     props.append(("circuits_results", rows))
     props.append(("circuits_events", list(session.events)))
-    props.append(("circuits_notes", [f"{recipe}: {n}" for n in outcome.notes]))
+    props.append(("circuits_notes", [f"{build_name}: {n}" for n in outcome.notes]))
     props.append(("circuits_problems", list(outcome.problems)))
     if session.settings.report is not None:
         from ..gate.invariants import get
@@ -102,43 +102,43 @@ def gate_for_test(request, session, recipe: str, invariant: str, tol):
             reference = None
         # the report draws the build beside the reference: measured its way when there is one
         if reference is None:
-            record = session.record(recipe, knockout=knockout)
+            record = session.record(build_name, knockout=knockout)
         else:
-            record = candidate_record(session.records, recipe, reference, knockout)
-        props.append(("circuits_record", (recipe, record)))
+            record = candidate_record(session.records, build_name, reference, knockout)
+        props.append(("circuits_record", (build_name, record)))
         if reference is not None and geometry_difference(reference, record):
             reference = None  # another base model: its heads are not this model's, no per-head differences
-        props.append(("circuits_reference", (recipe, reference)))
-        props.append(("circuits_attention", (recipe, attention_for_report(session, recipe, reference))))
+        props.append(("circuits_reference", (build_name, reference)))
+        props.append(("circuits_attention", (build_name, attention_for_report(session, build_name, reference))))
     return outcome
 
 
-def attention_for_report(session, recipe: str, reference: dict | None) -> dict | None:
+def attention_for_report(session, build_name: str, reference: dict | None) -> dict | None:
     """The report's attention map: the reference's strongest induction head (the same head in every
     build), on probe sequence 0 of this build; a dict with ``note`` instead when it cannot be drawn."""
     from ..report.live import head_attention, strongest_induction_head
 
     if session.settings.shard_parts is not None:
         return {"note": "no attention map: the build was gated from its shard parts, not loaded"}
-    record = session.record(recipe, knockout=False)
+    record = session.record(build_name, knockout=False)
     label = strongest_induction_head(reference or {}) or strongest_induction_head(record)
     if label is None:
         return {"note": "no head has a prefix-matching score: no attention map"}
     try:
         return session.memo(
-            ("report_attention", recipe, label),
-            lambda: head_attention(session.build(recipe), session.settings.probe, label),
+            ("report_attention", build_name, label),
+            lambda: head_attention(session.build(build_name), session.settings.probe, label),
         )
     except Exception as error:  # the gate's verdict stands without the picture
         return {"note": f"the attention map of {label} could not be computed: {type(error).__name__}: {error}"}
 
 
-def error_row(recipe: str, invariant: str, problem: str, status: str = "error") -> dict:
+def error_row(build_name: str, invariant: str, problem: str, status: str = "error") -> dict:
     """A result row (plain data) for an invariant that could not be gated: ``status`` "error" (or
     "skipped": a shard job's rung 2)."""
     return {
         "invariant": invariant,
-        "build": recipe,
+        "build": build_name,
         "against": "",
         "status": status,
         "passed": False,

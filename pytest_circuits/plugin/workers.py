@@ -38,15 +38,15 @@ LOADS_KEY = "circuits_loads"  # workeroutput: the builds this worker loaded
 GROUPED_DISTS = ("loadgroup",)
 
 
-def group_name(recipe: str) -> str:
-    """The xdist group of a build's tests: ``circuits-<recipe>``."""
-    return f"{GROUP_PREFIX}{recipe}"
+def group_name(build_name: str) -> str:
+    """The xdist group of a build's tests: ``circuits-<build name>``."""
+    return f"{GROUP_PREFIX}{build_name}"
 
 
-def group_mark(recipe: str, shard: int = 0) -> pytest.MarkDecorator:
+def group_mark(build_name: str, shard: int = 0) -> pytest.MarkDecorator:
     """A build's group; knockout shard ``i > 0`` of it gets its own (another worker may take it),
     shard 0 stays with the build (its worker has the build loaded)."""
-    return pytest.mark.xdist_group(group_name(recipe) + (f"-shard{shard}" if shard else ""))
+    return pytest.mark.xdist_group(group_name(build_name) + (f"-shard{shard}" if shard else ""))
 
 
 def worker_id(config: pytest.Config | None = None) -> str | None:

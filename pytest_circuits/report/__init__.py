@@ -3,7 +3,7 @@
 Importing this package imports nothing heavy (``circuits report --help`` answers at once); each
 name below loads its module on first use, and drawing imports matplotlib.
 
-- ``write_report(out_dir, records, references=None, results=None) -> Path`` (the HTML page)
+- ``write_report(out_dir, records, baselines=None, results=None) -> Path`` (the HTML page)
 - ``summary_lines(results, records=None, report_dir=None) -> list[str]`` (terminal summary)
 - ``report_from_files(out_dir, baseline_path, against_path=None, results=None) -> Path``
 - ``report_command(argv) -> int``: ``circuits report BASELINE [--against BASELINE] [--out DIR]``

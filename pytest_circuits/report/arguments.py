@@ -15,7 +15,7 @@ def report_parser() -> argparse.ArgumentParser:
     parser.add_argument("baseline", help="baseline JSON file of the build to show")
     parser.add_argument(
         "--against",
-        help="baseline JSON file of the reference, or a shipped one's name: gate against it (default tolerances) and draw differences",
+        help="baseline JSON file to draw the build against, or a shipped one's name: gate against it (default tolerances) and draw differences",
     )
     parser.add_argument("--out", "-o", default=DEFAULT_OUT, help=f"report folder (default: {DEFAULT_OUT})")
     return parser

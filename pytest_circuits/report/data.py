@@ -34,8 +34,8 @@ def number(value: Any) -> float:
         return math.nan
 
 
-def recipe_of(record: dict) -> str:
-    """The build recipe a record was scanned from (``"build"`` if unnamed)."""
+def build_name_of(record: dict) -> str:
+    """The name of the build a record was scanned from (its ``build.recipe`` key; ``"build"`` if unnamed)."""
     return str((record.get("build") or {}).get("recipe") or "build")
 
 
@@ -76,20 +76,20 @@ def has_metric(record: dict, column: str) -> bool:
     return bool(np.isfinite(metric_grid(record, column)).any())
 
 
-def difference_grid(record: dict, reference: dict, column: str) -> np.ndarray | None:
-    """``record - reference`` per head, or None when the two models' head grids differ."""
-    if grid_shape(record) != grid_shape(reference):
+def difference_grid(record: dict, baseline: dict, column: str) -> np.ndarray | None:
+    """``record - baseline`` per head, or None when the two models' head grids differ."""
+    if grid_shape(record) != grid_shape(baseline):
         return None
-    return metric_grid(record, column) - metric_grid(reference, column)
+    return metric_grid(record, column) - metric_grid(baseline, column)
 
 
-def changed_cells(record: dict, reference: dict, column: str) -> np.ndarray:
+def changed_cells(record: dict, baseline: dict, column: str) -> np.ndarray:
     """Boolean layer x head mask: measured in both and moved by more than a baseline re-record
     does (``|after - before| > UNCHANGED_ABS + UNCHANGED_REL |before|``: 6-digit rounding is no change)."""
-    diff = difference_grid(record, reference, column)
+    diff = difference_grid(record, baseline, column)
     if diff is None:
         return np.zeros(grid_shape(record), dtype=bool)
-    before = metric_grid(reference, column)
+    before = metric_grid(baseline, column)
     with np.errstate(invalid="ignore"):
         return np.isfinite(diff) & (np.abs(diff) > UNCHANGED_ABS + UNCHANGED_REL * np.abs(before))
 
@@ -180,7 +180,7 @@ def moved(entry: dict) -> bool:
 def top_moved(results: Iterable[dict], k: int = 5) -> list[dict]:
     """The ``k`` moved entries of ``results`` that went furthest (see `moved_size`), heads
     (``L1H0``) before model-level rows (``model copy_gain``), each change once (a build gated
-    against the reference and its own baseline lists the same row twice)."""
+    against the reference build's baseline and its own lists the same row twice)."""
     entries: dict[tuple, dict] = {}
     for m in (m for r in results for m in r.get("moved") or []):
         entries.setdefault((m.get("head"), m.get("metric"), m.get("before"), m.get("after")), m)
@@ -191,22 +191,22 @@ def top_moved(results: Iterable[dict], k: int = 5) -> list[dict]:
     return sorted(entries.values(), key=rank, reverse=True)[:k]
 
 
-def largest_changes(record: dict, reference: dict, k: int = 10) -> list[dict]:
-    """The ``k`` largest per-head changes against the reference, over the heatmap metrics.
+def largest_changes(record: dict, baseline: dict, k: int = 10) -> list[dict]:
+    """The ``k`` largest per-head changes against the baseline, over the heatmap metrics.
 
-    Ranked by |after - before| divided by the metric's spread in the reference
+    Ranked by |after - before| divided by the metric's spread in the baseline
     (its standard deviation across heads), so metrics on different scales compare;
     heads that did not change (`changed_cells`) are left out.
     Descriptive only: the verdicts come from the gate's InvariantResults.
     """
     changes: list[dict[str, Any]] = []
     for column, _, _ in HEATMAP_METRICS:
-        diff = difference_grid(record, reference, column)
+        diff = difference_grid(record, baseline, column)
         if diff is None or not np.isfinite(diff).any():
             continue
-        before, after = metric_grid(reference, column), metric_grid(record, column)
+        before, after = metric_grid(baseline, column), metric_grid(record, column)
         spread = float(np.nanstd(before)) or 1.0
-        for layer, index in zip(*np.nonzero(changed_cells(record, reference, column))):
+        for layer, index in zip(*np.nonzero(changed_cells(record, baseline, column))):
             changes.append(
                 {
                     "head": head_label(layer, index),
@@ -225,8 +225,8 @@ def model_figures(record: dict) -> dict[str, float]:
     return {name: number(record.get(name)) for name in MODEL_FIGURES}
 
 
-def model_interval(record: dict, reference: dict | None, name: str) -> str:
-    """The 95% interval of a sampled model figure as text: of its change against ``reference``
+def model_interval(record: dict, baseline: dict | None, name: str) -> str:
+    """The 95% interval of a sampled model figure as text: of its change against ``baseline``
     (paired over the probe's sequences) when there is one, else of the figure itself; why not
     when a record lacks per-sequence figures; "" for a figure that is not sampled."""
     from ..gate.invariants import format_interval
@@ -236,12 +236,12 @@ def model_interval(record: dict, reference: dict | None, name: str) -> str:
         return ""
     key = figures.sequences_key(name)
     mine = record.get(key)
-    if reference is None:
+    if baseline is None:
         interval = record.get(figures.interval_key(name))
         return f"[{fmt(interval[0])}, {fmt(interval[1])}]" if interval else "not available"
-    theirs = reference.get(key)
+    theirs = baseline.get(key)
     if mine is None or theirs is None:
-        side = "reference" if theirs is None else "build"
+        side = "baseline" if theirs is None else "build"
         return f"not available ({side} recorded without per-sequence figures; re-record)"
     return format_interval(paired_interval(theirs, mine)) or "not available"
 

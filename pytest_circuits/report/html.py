@@ -122,7 +122,7 @@ def _banner(sections: list[Section], extra_results: list[dict]) -> str:
         return f'<div class="banner pass"><h2>{said}</h2>{note}</div>'
     return (
         '<div class="banner none"><h2>No gate verdicts</h2>This report shows scan results only'
-        "; differences against a reference are descriptive, not verdicts.</div>"
+        "; differences against a baseline are descriptive, not verdicts.</div>"
     )
 
 
@@ -140,8 +140,8 @@ def _section(s: Section) -> str:
         parts += ["<h3>Heads the gate found moved</h3>", _moved_table(moved)]
     if s.changes:
         parts += [
-            f"<h3>Largest per-head changes against {escape(data.recipe_of(s.reference or {}))}</h3>",
-            "<p>Ranked by the change divided by the metric's spread across heads in the reference.</p>",
+            f"<h3>Largest per-head changes against {escape(data.build_name_of(s.baseline or {}))}</h3>",
+            "<p>Ranked by the change divided by the metric's spread across heads in the baseline.</p>",
             _changes_table(s.changes),
         ]
     parts += [f'<p class="note">{escape(n)}</p>' for n in s.notes]
@@ -158,8 +158,8 @@ def _identity(s: Section) -> str:
     probe = s.record.get("probe") or {}
     if probe:
         rows.append(("probe", f"seed {probe.get('seed')}, n {probe.get('n')}, L {probe.get('L')}"))
-    if s.reference is not None:
-        rows.append(("reference", data.recipe_of(s.reference)))
+    if s.baseline is not None:
+        rows.append(("baseline", data.build_name_of(s.baseline)))
     copying, suppression = data.flagged_heads(s.record, "copying"), data.flagged_heads(s.record, "suppression")
     body = "".join(f"<tr><th>{escape(k)}</th><td>{escape(str(v if v is not None else '—'))}</td></tr>" for k, v in rows)
     for name, heads in (("copying heads", copying), ("suppression heads", suppression)):
@@ -177,11 +177,9 @@ def _head_list(heads: list[str]) -> str:
 
 def _model_figures(s: Section) -> str:
     mine = data.model_figures(s.record)
-    ref = data.model_figures(s.reference) if s.reference is not None else None
+    ref = data.model_figures(s.baseline) if s.baseline is not None else None
     head = "<tr><th>model figure (nats)</th><th>this build</th>"
-    head += (
-        "<th>reference</th><th>change</th><th>95% paired interval</th></tr>" if ref else "<th>95% interval</th></tr>"
-    )
+    head += "<th>baseline</th><th>change</th><th>95% paired interval</th></tr>" if ref else "<th>95% interval</th></tr>"
     rows = []
     for name, value in mine.items():
         cells = f"<td>{name.replace('_', ' ')}</td><td class=num>{data.fmt(value)}</td>"
@@ -189,7 +187,7 @@ def _model_figures(s: Section) -> str:
             cells += (
                 f"<td class=num>{data.fmt(ref[name])}</td><td class=num>{data.fmt(value - ref[name], sign=True)}</td>"
             )
-        cells += f"<td>{escape(data.model_interval(s.record, s.reference, name))}</td>"
+        cells += f"<td>{escape(data.model_interval(s.record, s.baseline, name))}</td>"
         rows.append(f"<tr>{cells}</tr>")
     return f"<table>{head}{''.join(rows)}</table>"
 
@@ -241,7 +239,7 @@ def _changes_table(changes: list[dict]) -> str:
         for c in changes
     )
     return (
-        "<table><tr><th>head</th><th>metric</th><th>reference</th><th>this build</th><th>change</th></tr>"
+        "<table><tr><th>head</th><th>metric</th><th>baseline</th><th>this build</th><th>change</th></tr>"
         + rows
         + "</table>"
     )
@@ -253,6 +251,6 @@ def _figure(f: Figure) -> str:
         f'<figure><img src="{uri}" alt="{escape(f.title)}">'
         f"<figcaption><b>{escape(f.title)}.</b> {escape(f.caption)}</figcaption></figure>"
     )
-    if f.folded:  # e.g. the reference against itself: all-zero maps, one line until opened
+    if f.folded:  # e.g. the baseline against itself: all-zero maps, one line until opened
         return f'<details class="fold"><summary>{escape(f.folded)} (show the maps)</summary>{shown}</details>'
     return shown

@@ -94,7 +94,7 @@ def _verdict_table(results: list[dict]) -> list[str]:
 
 def _builds_table(sections: list[Section]) -> list[str]:
     lines = [
-        "| build | dtype | backend | reference | copy loss | Δ copy loss | copy gain | copying heads | "
+        "| build | dtype | backend | baseline | copy loss | Δ copy loss | copy gain | copying heads | "
         "suppression heads |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -102,14 +102,14 @@ def _builds_table(sections: list[Section]) -> list[str]:
         build = s.record.get("build") or {}
         figures = data.model_figures(s.record)
         change = "—"
-        if s.reference is not None:
-            change = data.fmt(figures["copy_loss"] - data.model_figures(s.reference)["copy_loss"], sign=True)
-            change += f" {data.model_interval(s.record, s.reference, 'copy_loss')}"
+        if s.baseline is not None:
+            change = data.fmt(figures["copy_loss"] - data.model_figures(s.baseline)["copy_loss"], sign=True)
+            change += f" {data.model_interval(s.record, s.baseline, 'copy_loss')}"
         copying = data.flagged_heads(s.record, "copying")
         suppression = data.flagged_heads(s.record, "suppression")
         lines.append(
             f"| {s.label} | {build.get('dtype') or '—'} | {build.get('backend') or '—'} | "
-            f"{data.recipe_of(s.reference) if s.reference is not None else '—'} | {data.fmt(figures['copy_loss'])} | "
+            f"{data.build_name_of(s.baseline) if s.baseline is not None else '—'} | {data.fmt(figures['copy_loss'])} | "
             f"{change} | {data.fmt(figures['copy_gain'])} | {_few(copying)} | {_few(suppression)} |"
         )
     return lines + [""]

@@ -1,10 +1,10 @@
-"""One report section per build: its record, reference, verdicts and figures (as PNG bytes)."""
+"""One report section per build: its record, baseline, verdicts and figures (as PNG bytes)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import data, figures
+from . import data, plots
 
 EIGEN_CAPTION = (
     "Eigenvalues λ of every head's reduced OV matrix M = W_O W_U W_E W_V, one dot each, coloured "
@@ -27,12 +27,12 @@ HEATMAP_CAPTION = (
     "exactly); they are never drawn as zero."
 )
 DIFF_CAPTION = (
-    "The same maps as differences: this build minus the reference baseline (red: higher here, "
+    "The same maps as differences: this build minus the baseline it is drawn against (red: higher here, "
     "blue: lower; each scale spans at least ±0.05, so smaller drift stays pale). Boxed cells are "
     "heads the gate named as moved."
 )
 MOVED_CAPTION = (
-    "The heads the gate flagged on κ: reference eigenvalues (grey rings) and this build's (dots), "
+    "The heads the gate flagged on κ: baseline eigenvalues (grey rings) and this build's (dots), "
     "each set normalised by its own largest |λ|; each title gives the figure the gate flagged "
     "(κ, κ_trace or their z) before → after."
 )
@@ -73,12 +73,12 @@ class Section:
     label: str
     slug: str
     record: dict
-    reference: dict | None
+    baseline: dict | None
     results: list[dict]
     figures: list[Figure] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     changes: list[dict] = field(default_factory=list)
-    identical: bool = False  # every per-head figure equals the reference's (all-zero differences)
+    identical: bool = False  # every per-head figure equals the baseline's (all-zero differences)
 
     @property
     def failed(self) -> list[dict]:
@@ -90,10 +90,10 @@ def failing_first(sections: list[Section]) -> list[Section]:
     return [s for s in sections if s.failed] + [s for s in sections if not s.failed]
 
 
-def build_section(record: dict, reference: dict | None, results: list[dict], slug: str) -> Section:
+def build_section(record: dict, baseline: dict | None, results: list[dict], slug: str) -> Section:
     """Draw one build's figures and gather its verdicts; what moved comes before the build's own maps."""
-    section = Section(data.recipe_of(record), slug, record, reference, results)
-    comparison = _comparison_figures(section) if reference is not None else []
+    section = Section(data.build_name_of(record), slug, record, baseline, results)
+    comparison = _comparison_figures(section) if baseline is not None else []
     section.figures = comparison + _own_figures(section)
     return section
 
@@ -107,7 +107,7 @@ def _own_figures(section: Section) -> list[Figure]:
                 f"{label}: OV eigenvalues of every head (normalised per head)",
                 EIGEN_CAPTION,
                 f"{slug}-eigenvalues.png",
-                figures.eigenvalue_figure,
+                plots.eigenvalue_figure,
                 record,
                 f"{label}: OV eigenvalues, normalised per head by max |λ|",
             )
@@ -120,10 +120,10 @@ def _own_figures(section: Section) -> list[Figure]:
                 f"{label}: κ per head against its null band",
                 KAPPA_CAPTION,
                 f"{slug}-kappa.png",
-                figures.kappa_figure,
+                plots.kappa_figure,
                 record,
                 f"{label}: OV copying score κ per head",
-                section.reference,
+                section.baseline,
             )
         )
     drawn.append(
@@ -131,7 +131,7 @@ def _own_figures(section: Section) -> list[Figure]:
             f"{label}: per-head maps",
             HEATMAP_CAPTION,
             f"{slug}-heads.png",
-            figures.heatmap_figure,
+            plots.heatmap_figure,
             _panels(record),
             f"{label}: per-head figures",
         )
@@ -142,19 +142,19 @@ def _own_figures(section: Section) -> list[Figure]:
 
 
 def _comparison_figures(section: Section) -> list[Figure]:
-    """Difference maps against the reference, then the eigenvalues of the heads that moved most."""
-    record, reference, label, slug = section.record, section.reference, section.label, section.slug
-    assert reference is not None  # callers draw comparisons only against a reference
-    against = data.recipe_of(reference)
-    if data.grid_shape(record) != data.grid_shape(reference):
+    """Difference maps against the baseline, then the eigenvalues of the heads that moved most."""
+    record, baseline, label, slug = section.record, section.baseline, section.label, section.slug
+    assert baseline is not None  # callers draw comparisons only against a baseline
+    against = data.build_name_of(baseline)
+    if data.grid_shape(record) != data.grid_shape(baseline):
         section.notes.append(
-            f"The reference ({against}) has a different head grid {data.grid_shape(reference)} from this "
+            f"The baseline ({against}) has a different head grid {data.grid_shape(baseline)} from this "
             f"build {data.grid_shape(record)}: no per-head differences are drawn."
         )
         return []
-    section.changes = data.largest_changes(record, reference)
-    grids = {column: data.difference_grid(record, reference, column) for column, _, _ in data.HEATMAP_METRICS}
-    section.identical = not any(data.changed_cells(record, reference, c).any() for c, _, _ in data.HEATMAP_METRICS)
+    section.changes = data.largest_changes(record, baseline)
+    grids = {column: data.difference_grid(record, baseline, column) for column, _, _ in data.HEATMAP_METRICS}
+    section.identical = not any(data.changed_cells(record, baseline, c).any() for c, _, _ in data.HEATMAP_METRICS)
     panels = [
         {
             "grid": grids[column],
@@ -168,23 +168,23 @@ def _comparison_figures(section: Section) -> list[Figure]:
         for column, title, _ in data.HEATMAP_METRICS
     ]
     differences = _draw(
-        f"{label}: differences against the reference ({against})",
+        f"{label}: differences against the baseline ({against})",
         DIFF_CAPTION,
         f"{slug}-differences.png",
-        figures.heatmap_figure,
+        plots.heatmap_figure,
         panels,
-        f"{label} minus reference ({against})",
+        f"{label} minus baseline ({against})",
     )
     if section.identical:
         differences.folded = (
-            f"Every per-head figure of {label} equals the reference's ({against}) to the baselines' "
+            f"Every per-head figure of {label} equals the baseline's ({against}) to the baselines' "
             "precision: the difference maps are all zero."
         )
     drawn = [differences]
     flagged = kappa_flagged(section)
-    if flagged and record.get("eigenvalues") and reference.get("eigenvalues"):
-        fig = figures.moved_eigenvalue_figure(
-            record, reference, flagged, f"{label}: heads the gate flagged on κ, against {against}"
+    if flagged and record.get("eigenvalues") and baseline.get("eigenvalues"):
+        fig = plots.moved_eigenvalue_figure(
+            record, baseline, flagged, f"{label}: heads the gate flagged on κ, against {against}"
         )
         if fig is not None:
             drawn.append(
@@ -192,7 +192,7 @@ def _comparison_figures(section: Section) -> list[Figure]:
                     f"{label}: eigenvalues of the heads the gate flagged on κ",
                     MOVED_CAPTION,
                     f"{slug}-moved-heads.png",
-                    figures.png_bytes(fig),
+                    plots.png_bytes(fig),
                 )
             )
     return drawn
@@ -224,13 +224,13 @@ def kappa_flagged(section: Section) -> list[dict]:
 
 
 def loss_curves(sections: list[Section]) -> list[tuple[str, dict]]:
-    """``(label, record)`` of every build with a ``position_loss``, then each reference baseline's
+    """``(label, record)`` of every build with a ``position_loss``, then each drawn-against baseline's
     stored curve once (labelled ``"<recipe> baseline"``)."""
     curves = [(s.label, s.record) for s in sections if s.record.get("position_loss")]
     shown = {s.label for s in sections}
     for s in sections:
-        ref = s.reference
-        name = f"{data.recipe_of(ref)} baseline" if ref else ""
+        ref = s.baseline
+        name = f"{data.build_name_of(ref)} baseline" if ref else ""
         if ref and ref.get("position_loss") and name not in shown:
             shown.add(name)
             curves.append((name, ref))
@@ -255,7 +255,7 @@ def overview_figures(sections: list[Section], attention: dict[str, dict | None])
                 "Loss at each position of the probe's two copies",
                 LOSS_CAPTION,
                 "position-loss.png",
-                figures.position_loss_figure,
+                plots.position_loss_figure,
                 with_curve,
                 "Next-token loss per probe position",
             )
@@ -270,7 +270,7 @@ def overview_figures(sections: list[Section], attention: dict[str, dict | None])
                 f"Attention of {drawable[0][1]['head']} on probe sequence 0",
                 ATTENTION_CAPTION,
                 "attention.png",
-                figures.attention_figure,
+                plots.attention_figure,
                 [(label, m, records[label]) for label, m in drawable],
                 f"Attention pattern of {drawable[0][1]['head']} (strongest induction head), probe sequence 0",
             )
@@ -299,4 +299,4 @@ def _panels(record: dict) -> list[dict]:
 
 
 def _draw(title: str, caption: str, file: str, draw, *args) -> Figure:
-    return Figure(title, caption, file, figures.png_bytes(draw(*args)))
+    return Figure(title, caption, file, plots.png_bytes(draw(*args)))

@@ -52,7 +52,7 @@ def summary_lines(
         if moved:
             lines.append("  moved most: " + "; ".join(_moved(m) for m in moved))
     for record in records or []:
-        build = data.recipe_of(record)
+        build = data.build_name_of(record)
         if build not in grouped:
             loss = data.fmt(record.get("copy_loss"))
             lines.append(f"circuits {build}: scanned, not gated (copy loss {loss} nats)")

@@ -10,7 +10,7 @@ from typing import Any
 from ..errors import CircuitsError
 from ..fsio import atomic_write_bytes, atomic_write_text, ensure_dir, fs_error
 from ..gate.store import baseline_file, read_baseline
-from . import data, figures, html, markdown
+from . import data, html, markdown, plots
 from .arguments import report_parser
 from .sections import build_section, failing_first, overview_figures
 from .summary import REPORT_PAGE, SUMMARY_PAGE, summary_lines
@@ -19,30 +19,30 @@ from .summary import REPORT_PAGE, SUMMARY_PAGE, summary_lines
 def write_report(
     out_dir: str | Path,
     records: Iterable[dict],
-    references: dict[str, dict | None] | None = None,
+    baselines: dict[str, dict | None] | None = None,
     results: Iterable[Any] | None = None,
     attention: dict[str, dict | None] | None = None,
 ) -> Path:
     """Write ``report.html``, ``summary.md`` and one PNG per figure into ``out_dir``; return the page's path.
 
-    ``records``: one scan record per build. ``references``: recipe -> the scan record the build
+    ``records``: one scan record per build. ``baselines``: recipe -> the scan record the build
     was gated against (its per-head maps are drawn as differences). ``results``: the gate's
     InvariantResults (objects or dicts); failed ones are named at the top of the page, and the
     builds with a broken invariant come first. ``attention``: recipe -> one head's attention map
     (`live.head_attention`, or ``{"note": why not}``); without it the page says why there is none.
     """
-    figures.require_matplotlib()
+    plots.require_matplotlib()
     out = ensure_dir(out_dir)
     grouped = data.results_by_build(results)
-    references = references or {}
+    baselines = baselines or {}
     sections, used = [], set()
     for record in records:
-        recipe = data.recipe_of(record)
+        recipe = data.build_name_of(record)
         slug = data.slug(recipe)
         while slug in used:
             slug += "-2"
         used.add(slug)
-        sections.append(build_section(record, references.get(recipe), grouped.get(recipe, []), slug))
+        sections.append(build_section(record, baselines.get(recipe), grouped.get(recipe, []), slug))
     sections = failing_first(sections)
     seen = {s.label for s in sections}
     extra = [r for build, rs in grouped.items() if build not in seen for r in rs]
@@ -65,27 +65,27 @@ def report_from_files(
 ) -> Path:
     """Draw the report again from baseline files alone, without the model.
 
-    ``baseline_path`` is the build shown; ``against_path`` (optional) the reference it is drawn
+    ``baseline_path`` is the build shown; ``against_path`` (optional) the baseline it is drawn
     against and gated against (`gate_files`, unless ``results`` are given). There is no model
     to run, so the page has no attention map and says so.
     """
     record = read_baseline(baseline_path)
-    references: dict[str, dict | None] | None = None
+    baselines: dict[str, dict | None] | None = None
     if against_path:
-        reference = read_baseline(against_path)
-        references = {data.recipe_of(record): reference}
+        baseline = read_baseline(against_path)
+        baselines = {data.build_name_of(record): baseline}
         if results is None:
-            results = gate_files(reference, record, Path(against_path).name)
-    return write_report(out_dir, [record], references, results)
+            results = gate_files(baseline, record, Path(against_path).name)
+    return write_report(out_dir, [record], baselines, results)
 
 
-def gate_files(reference: dict, record: dict, against_name: str) -> list:
-    """The gate of ``record`` against ``reference`` with the default tolerances: the one gate flow
+def gate_files(baseline: dict, record: dict, against_name: str) -> list:
+    """The gate of ``record`` against ``baseline`` with the default tolerances: the one gate flow
     (`gate.invariants.gate_all`), labelled as ``circuits diff`` labels it (``baseline NAME``)."""
     from ..gate.invariants import gate_all
     from ..gate.tolerances import Tolerances
 
-    return gate_all(reference, record, Tolerances(), data.recipe_of(record), f"baseline {against_name}")
+    return gate_all(baseline, record, Tolerances(), data.build_name_of(record), f"baseline {against_name}")
 
 
 def report_command(argv: Sequence[str] | None = None) -> int:
@@ -104,10 +104,10 @@ def report_command(argv: Sequence[str] | None = None) -> int:
         if args.against:
             from ..gate.store import compatibility
 
-            reference = read_baseline(args.against)
-            for note in compatibility(reference, record, f"baseline {Path(args.against).name}"):
+            baseline = read_baseline(args.against)
+            for note in compatibility(baseline, record, f"baseline {Path(args.against).name}"):
                 print(note)
-            results = gate_files(reference, record, Path(args.against).name)
+            results = gate_files(baseline, record, Path(args.against).name)
         page = report_from_files(args.out, args.baseline, args.against, results)
     except OSError as error:  # a write outside fsio (matplotlib's font cache, ...): still one line
         print(f"circuits report: {fs_error(error, error.filename or args.out, 'write')}", file=sys.stderr)
@@ -121,6 +121,6 @@ def report_command(argv: Sequence[str] | None = None) -> int:
         from ..gate.invariants import verdict
 
         print(
-            f"with default tolerances, {data.recipe_of(record)} against {Path(args.against).name}: {verdict(results)[1]}"
+            f"with default tolerances, {data.build_name_of(record)} against {Path(args.against).name}: {verdict(results)[1]}"
         )
     return 0

@@ -5,14 +5,14 @@ held-out repeat sequences (``settings`` carries a seed other than the probe's). 
 is the mean next-token cross-entropy over positions ``L+1 .. 2L-1`` (shifted by one with
 BOS) and over the ``n`` sequences. Knockout = zero or mean ablation of the head's ``z``
 (`ablation.py`). Per sequence ``i``, ``delta_i(h) = copy_loss_i(h knocked out) -
-copy_loss_i(intact)``; the recorded delta is their mean (a difference of means is the mean of
+copy_loss_i(intact)``; the stored delta is their mean (a difference of means is the mean of
 the differences), and the ``n`` values are kept for its interval. Mean ablation uses ``mu_h`` = the mean of ``z_h`` over every position
 (BOS included) of every one of the ``n`` held-out sequences, from the intact forward.
 
-Fast and exact: the intact model runs once and every block's call is recorded; a knockout in layer
+Fast and exact: the intact model runs once and every block's call is traced; a knockout in layer
 ``l`` replays blocks ``l..end`` only, ``k`` knockouts stacked on the batch axis (`replay.py`, which
-also bounds the record). Shards of one scan: `knockout_shards.py`; the plain loop and the FLOP
-count it is checked and timed against: `reference.py`.
+also bounds the trace). Shards of one scan: `knockout_shards.py`; the plain loop it is checked and
+timed against: `plain_loops.py`; its FLOP count: `plan.knockout_flops`.
 
 Screening (big models): attribution patching ranks every head from one forward and one
 backward, ``estimate_h = sum over sequences, positions of (z_h^ablated - z_h) . dL/dz_h``
@@ -28,7 +28,7 @@ import warnings
 import pandas as pd
 import torch
 
-from ..errors import CircuitsError
+from ..errors import CircuitsError, deprecated_keyword
 from ..model.builds import LoadedBuild
 from ..model.families import flattens_batch_with_heads, head_label
 from ..model.quantized_cache import refuse_decode_only
@@ -36,8 +36,8 @@ from ..options import KNOCKOUT_MODES, SCREEN_METHODS, flag
 from ..progress import Progress, phase
 from .ablation import ablated, check_mode, parse_heads
 from .figures import sequences_key
+from .plain_loops import plain_knockout_losses
 from .query_blocks import query_block
-from .reference import naive_losses
 from .repeat import KNOCKOUT_CPU_TOKENS, check_probe_memory
 from .repeat_settings import RepeatSettings
 from .replay import (
@@ -63,8 +63,8 @@ def _groups(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def _cached_deltas(build, intact: Intact, pairs, mode, L, knockouts_per_pass, bar) -> dict:
-    """Exact per-sequence copy loss ``(n,)`` float64 of every knockout in ``pairs``, replayed from the record, ``k`` at a time."""
+def _replayed_deltas(build, intact: Intact, pairs, mode, L, knockouts_per_pass, bar) -> dict:
+    """Exact per-sequence copy loss ``(n,)`` float64 of every knockout in ``pairs``, replayed from the trace, ``k`` at a time."""
     geo = build.geometry
     by_layer: dict[int, list[int]] = {}
     for layer, head in pairs:
@@ -115,10 +115,12 @@ def knockout_scan(
     progress: bool = True,
     write=None,
     knockouts_per_pass: int | None = None,
-    cached: bool = True,
+    replay: bool = True,
     layers=None,
-    record_bytes: int | None = None,
+    trace_bytes: int | None = None,
     screen_variant=None,
+    cached: bool | None = None,
+    record_bytes: int | None = None,
 ) -> pd.DataFrame:
     """Knockout delta of every head (or of ``heads``) on the held-out repeat sequences of ``settings``.
 
@@ -131,20 +133,27 @@ def knockout_scan(
     QK fix), ``"atp*gd"`` (and GradDrop) or ``"atp"`` (plain attribution patching).
     ``knockouts_per_pass``: knockouts stacked in one replay (default `_auto_per_pass`: up to
     ``ROWS_PER_PASS`` rows on an accelerator, ``CPU_TOKENS_PER_PASS`` tokens on a CPU; 1 for
-    bnb-int8, see `batch_invariant`). ``cached=False`` runs the
+    bnb-int8, see `batch_invariant`). ``replay=False`` runs the
     plain loop (one full forward per head); so does a model whose replay is not exact (one warning).
     ``progress``: report heads done, layer and ETA (`progress.Progress`); ``write``: where its
     plain lines go (e.g. the pytest terminal reporter), default a bar on a terminal, else stderr.
     ``layers``: one shard (`layer_shards`): exact knockouts only of the chosen heads in these
     layers (the intact pass and the screen still see the whole model); `merge_knockout_shards`
     joins the shards into the unsharded scan.
-    ``record_bytes``: the most the recorded block inputs may hold (default `RECORD_SHARE` of the
-    memory available; `record_stride`); fewer kept inputs only add recomputed blocks, same figures.
-    ``screen_variant``: a `screen.ScreenVariant` (cheaper screens; default today's).
+    ``trace_bytes``: the most the traced block inputs may hold (default `TRACE_SHARE` of the
+    memory available; `trace_stride`); fewer kept inputs only add recomputed blocks, same figures.
+    ``screen_variant``: a `screen.ScreenVariant` (cheaper screens; default today's). ``cached`` and
+    ``record_bytes``: the deprecated names of ``replay`` and ``trace_bytes`` (each warns; they go in 0.3).
     ``df.attrs``: ``copy_loss`` (intact), ``mode``, ``settings`` (dict), ``screened``,
-    ``screen_top_k``, ``screen_method``, ``exact_heads``, ``cached`` (whether the replay ran),
+    ``screen_top_k``, ``screen_method``, ``exact_heads``, ``replayed`` (whether the replay ran; also under its deprecated key ``cached``),
     ``layers`` (the shard's layers, None for the whole model).
     """
+    if cached is not None:
+        deprecated_keyword("knockout_scan", "cached", "replay")
+        replay = cached
+    if record_bytes is not None:
+        deprecated_keyword("knockout_scan", "record_bytes", "trace_bytes")
+        trace_bytes = record_bytes
     refuse_decode_only(build, "the knockout scan")
     T = 2 * settings.L + (build.tokens.bos_id is not None)
     if query_block(build.geometry, min(batch_size, settings.n), T) < T:  # a long probe: preflight left this out
@@ -160,7 +169,7 @@ def knockout_scan(
     if screen_top_k is not None and screen_top_k < 0:
         raise CircuitsError(f"screen_top_k={screen_top_k} must be 0 or more ({flag('knockout-screen')})")
     with attention_implementation(build.model), phase(f"knockout intact pass {build.label}", write, enabled=progress):
-        intact = intact_pass(build, ids, settings.L, batch_size, record=cached, record_bytes=record_bytes)
+        intact = intact_pass(build, ids, settings.L, batch_size, trace=replay, trace_bytes=trace_bytes)
     estimate = score = None
     if screen:
         from .screen import TODAY, screen_estimate, screen_rows
@@ -195,21 +204,21 @@ def knockout_scan(
             raise CircuitsError(f"knockout shard layers {shard} must lie in 0..{geo.n_layers - 1}")
         exact = [pair for pair in exact if pair[0] in shard]
     n = ids.shape[0]
-    if cached:
+    if replay:
         why = replay_gap(build, intact, settings.L)
         if why is not None:
             warnings.warn(
                 f"{build.label}: {why}; running the plain loop (one full forward per head) instead", stacklevel=2
             )
-            cached = False
-    total_cost = sum(replay_cost(geo.n_layers, l) for l, _ in exact) if cached else len(exact)
+            replay = False
+    total_cost = sum(replay_cost(geo.n_layers, l) for l, _ in exact) if replay else len(exact)
     with Progress(len(exact), f"knockout {build.label}", total_cost=total_cost, enabled=progress, write=write) as bar:
         with attention_implementation(build.model):
-            if cached:
+            if replay:
                 per_pass = _auto_per_pass(build, knockouts_per_pass, batch_size, n, ids.shape[1])
-                losses = _cached_deltas(build, intact, exact, mode, settings.L, per_pass, bar)
+                losses = _replayed_deltas(build, intact, exact, mode, settings.L, per_pass, bar)
             else:
-                losses = naive_losses(build, ids, settings.L, exact, mode, intact.means, batch_size, bar)
+                losses = plain_knockout_losses(build, ids, settings.L, exact, mode, intact.means, batch_size, bar)
     rows = []
     for layer in range(geo.n_layers):
         for head in range(geo.n_heads):
@@ -231,7 +240,8 @@ def knockout_scan(
         screen_top_k=screen_top_k if screen else None,
         screen_method=screen_method if screen else None,
         exact_heads=[head_label(*p) for p in exact],
-        cached=cached,
+        replayed=replay,
+        cached=replay,  # the deprecated key of replayed (goes in 0.3)
         layers=shard,
     )
     return df
@@ -241,4 +251,4 @@ def head_means(build: LoadedBuild, settings: RepeatSettings, batch_size: int = 8
     """``(n_layers, n_heads, d_head)``: the mean-ablation ``mu_h``, over every position of every held-out sequence."""
     refuse_decode_only(build, "the mean-ablation pass")
     ids = held_out_ids(build, settings)
-    return intact_pass(build, ids, settings.L, batch_size, record=False).means
+    return intact_pass(build, ids, settings.L, batch_size, trace=False).means

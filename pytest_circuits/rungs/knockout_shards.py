@@ -70,7 +70,8 @@ def merge_knockout_shards(frames: list[pd.DataFrame]) -> pd.DataFrame:
     merged.attrs = {
         **first.attrs,
         "exact_heads": exact,
-        "cached": all(frame.attrs.get("cached") for frame in frames),
+        "replayed": all(frame.attrs.get("replayed") for frame in frames),
+        "cached": all(frame.attrs.get("replayed") for frame in frames),  # the deprecated key (goes in 0.3)
         "layers": None,
     }
     return merged

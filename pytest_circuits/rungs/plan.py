@@ -1,7 +1,7 @@
 """The counted cost of a rung-2 plan (screen + exact knockouts, or every head exactly), and its time
 at the rate a matmul reaches on the build's device: the line printed before a plan chosen by size starts.
 
-Counts (multiply-add = 2), with ``forward`` = `reference.knockout_flops`'s one forward:
+Counts (multiply-add = 2), with ``forward`` = `knockout_flops`'s one forward:
 
 * exact knockouts of ``k`` heads: ``forward + k x`` the mean replay of one head
   (``(scan(all) - forward) / heads``: the heads the screen will pick are not known before it runs);
@@ -19,11 +19,14 @@ fix on at most ``C (n_layers - 1)`` (head, later layer) pairs, one copy each, af
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
-from ..model.families import attention_module
-from .reference import knockout_flops
+from ..model.builds import LoadedBuild
+from ..model.dense import weight_of
+from ..model.families import attention_module, layer_modules
+from .ablation import parse_heads
 from .repeat import bos_offset
 from .repeat_settings import RepeatSettings
 
@@ -32,6 +35,36 @@ RATE_ROWS = 512  # rows of the matmul that measures the device's rate
 # 1e14 FLOP is about 25 min at 65 GFLOP/s (Llama-3.2-1B keeps atp*; at 8B atp* counts 1.4 PFLOP,
 # six hours); a GPU has no limit (atp* at 70B counts about 6e16 FLOP: minutes).
 SCREEN_BUDGET_FLOP = {"cpu": 1e14}
+
+
+def _matrix_params(module) -> int:
+    return sum(p.numel() for p in module.parameters() if p.dim() >= 2)
+
+
+def knockout_flops(build: LoadedBuild, settings: RepeatSettings, heads=None) -> dict[str, float]:
+    """Floating-point operations (multiply-add = 2) counted from the shapes, for ``n`` sequences of ``T`` tokens.
+
+    ``forward``: one forward unembedding the last ``L`` positions, ``n (T sum_j B_j(T) + L 2 d V)``
+    with ``B_j = 2 x (block j's matrix parameters) + 4 n_heads d_head (T+1)/2`` per token (causal
+    attention reads ``(T+1)/2`` keys on average). ``plain``: the plain loop (its intact forward,
+    then one forward per head). ``scan``: the exact replayed scan (intact forward, then per head of
+    layer ``l`` blocks ``l..end`` on ``T`` tokens, the last block's MLP on the ``L-1`` copy
+    positions only, the unembedding on those). Norms, softmax and elementwise ops are not counted.
+    """
+    geo, model = build.geometry, build.model
+    n, L = settings.n, settings.L
+    T = 2 * L + bos_offset(build.tokens)
+    blocks = layer_modules(model)
+    attention = 4 * geo.n_heads * geo.d_head * (T + 1) / 2
+    per_token = [2 * _matrix_params(b) + attention for b in blocks]
+    head: Any = model  # transformers' PreTrainedModel; torch types its attributes Tensor | Module
+    unembed = 2 * weight_of(head.get_output_embeddings()).numel()
+    last_mlp = getattr(blocks[-1], "mlp", None)
+    mlp_cut = 2 * _matrix_params(last_mlp) * (T - (L - 1)) if last_mlp is not None else 0.0
+    forward = n * (T * sum(per_token) + L * unembed)
+    pairs = parse_heads(heads, geo)
+    scan = forward + sum(n * (T * sum(per_token[l:]) - mlp_cut + (L - 1) * unembed) for l, _ in pairs)
+    return {"forward": forward, "plain": forward * (1 + len(pairs)), "scan": scan}
 
 
 def screen_flops(build, settings: RepeatSettings, method: str, variant=None) -> float:

@@ -1,197 +1,34 @@
-"""The plain references the fast scans are checked and timed against (tests, benchmarks, scripts): slow on purpose.
+"""Deprecated: the plain loops moved to `plain_loops.py` (``plain_*`` names), the FLOP count to `plan.py`.
 
-* Knockout: the plain loop, one full forward per knocked-out head (`naive_knockout_deltas`), and
-  the FLOP count of it and of the cached scan (`knockout_flops`).
-* Kappa: per head, ``M_h`` from scratch and its eigenvalues by a plain loop (`ov_spectrum_reference`).
+Each old name still imports, with a `CircuitsDeprecationWarning` naming its replacement; goes in 0.3.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+import warnings
 
-import numpy as np
-import pandas as pd
-import torch
+from ..errors import CircuitsDeprecationWarning
 
-from ..model.builds import LoadedBuild
-from ..model.dense import weight_of
-from ..model.families import head_label, layer_modules
-from ..model.weights import ModelWeights
-from .ablation import ablated, check_mode, parse_heads
-from .kappa import (
-    DEFAULT,
-    EIG_REL_TOL,
-    N_ROTATIONS,
-    check_settings,
-    check_unembedding,
-    layer_rotations,
-    spectrum_frame,
-)
-from .repeat import bos_offset
-from .repeat_settings import RepeatSettings
-from .replay import (
-    attention_implementation,
-    batches,
-    held_out_ids,
-    intact_pass,
-    mean_delta,
-    plain_copy_losses,
-    sequence_deltas,
-)
+MOVED = {  # old name: (module, new name)
+    "naive_knockout_deltas": ("plain_loops", "plain_knockout_deltas"),
+    "naive_losses": ("plain_loops", "plain_knockout_losses"),
+    "unembedding_reference": ("plain_loops", "plain_unembedding"),
+    "reduced_ov_reference": ("plain_loops", "plain_reduced_ov"),
+    "kappa_reference": ("plain_loops", "plain_kappa"),
+    "ov_spectrum_reference": ("plain_loops", "plain_ov_spectrum"),
+    "knockout_flops": ("plan", "knockout_flops"),
+}
 
 
-@torch.no_grad()
-def naive_losses(build, ids, L, pairs, mode, means, batch_size, bar=None) -> dict:
-    """The honest plain loop: per head, a pre-hook on its output projection and one full forward
-    of every sequence (all in one batch unless ``batch_size`` is smaller), unembedding only the last ``L`` positions."""
-    losses, offset = {}, bos_offset(build.tokens)
-    for layer, head in pairs:
-        layer_means = means[layer] if mode == "mean" else None
-        with ablated(build.model, layer, build.geometry.d_head, [(slice(None), head)], layer_means):
-            parts = [
-                plain_copy_losses(build.model, batch, L, offset, build.device).double().cpu()
-                for batch in batches(ids, batch_size)
-            ]
-        losses[(layer, head)] = torch.cat(parts)
-        if bar is not None:
-            bar.update(1, 1, head_label(layer, head))
-    return losses
-
-
-def naive_knockout_deltas(
-    build: LoadedBuild, settings: RepeatSettings, *, mode: str = "zero", heads=None, batch_size: int = 8
-) -> tuple[float, dict[str, float]]:
-    """The plain reference: intact copy loss and ``{label: delta}``, one full forward per head."""
-    check_mode(mode)
-    pairs = parse_heads(heads, build.geometry)
-    ids = held_out_ids(build, settings)
-    with attention_implementation(build.model):
-        intact = intact_pass(build, ids, settings.L, batch_size, record=False)
-        losses = naive_losses(build, ids, settings.L, pairs, mode, intact.means, batch_size)
-    return intact.copy_loss, {head_label(*p): mean_delta(sequence_deltas(v, intact)) for p, v in losses.items()}
-
-
-def _matrix_params(module) -> int:
-    return sum(p.numel() for p in module.parameters() if p.dim() >= 2)
-
-
-def knockout_flops(build: LoadedBuild, settings: RepeatSettings, heads=None) -> dict[str, float]:
-    """Floating-point operations (multiply-add = 2) counted from the shapes, for ``n`` sequences of ``T`` tokens.
-
-    ``forward``: one forward unembedding the last ``L`` positions, ``n (T sum_j B_j(T) + L 2 d V)``
-    with ``B_j = 2 x (block j's matrix parameters) + 4 n_heads d_head (T+1)/2`` per token (causal
-    attention reads ``(T+1)/2`` keys on average). ``plain``: the plain loop (its intact forward,
-    then one forward per head). ``scan``: the exact cached scan (intact forward, then per head of
-    layer ``l`` blocks ``l..end`` on ``T`` tokens, the last block's MLP on the ``L-1`` copy
-    positions only, the unembedding on those). Norms, softmax and elementwise ops are not counted.
-    """
-    geo, model = build.geometry, build.model
-    n, L = settings.n, settings.L
-    T = 2 * L + bos_offset(build.tokens)
-    blocks = layer_modules(model)
-    attention = 4 * geo.n_heads * geo.d_head * (T + 1) / 2
-    per_token = [2 * _matrix_params(b) + attention for b in blocks]
-    head: Any = model  # transformers' PreTrainedModel; torch types its attributes Tensor | Module
-    unembed = 2 * weight_of(head.get_output_embeddings()).numel()
-    last_mlp = getattr(blocks[-1], "mlp", None)
-    mlp_cut = 2 * _matrix_params(last_mlp) * (T - (L - 1)) if last_mlp is not None else 0.0
-    forward = n * (T * sum(per_token) + L * unembed)
-    pairs = parse_heads(heads, geo)
-    scan = forward + sum(n * (T * sum(per_token[l:]) - mlp_cut + (L - 1) * unembed) for l, _ in pairs)
-    return {"forward": forward, "plain": forward * (1 + len(pairs)), "scan": scan}
-
-
-def unembedding_reference(weights: ModelWeights, unembedding: str = DEFAULT.unembedding) -> np.ndarray:
-    """``W_U`` (float64 numpy) by the definition: centred as ``W_U (I - 11^T / vocab)``, formed explicitly."""
-    check_unembedding(unembedding)
-    W_U = weights.W_U.double().numpy()
-    if unembedding == "uncentred":
-        return W_U
-    return W_U - (W_U @ np.ones((W_U.shape[1], 1))) @ np.ones((1, W_U.shape[1])) / W_U.shape[1]
-
-
-def reduced_ov_reference(
-    weights: ModelWeights,
-    layer: int,
-    head: int,
-    W_E: np.ndarray | None = None,
-    W_U: np.ndarray | None = None,
-    unembedding: str = DEFAULT.unembedding,
-) -> np.ndarray:
-    """``M_h = (W_O W_U)(W_E W_V)`` of one head, float64, without sharing ``W_U W_E`` (slow).
-
-    ``W_E``/``W_U`` may be passed already in float64, so a loop converts them once; ``W_U``
-    defaults to `unembedding_reference` of ``unembedding``.
-    """
-    W_O = weights.layers[layer].W_O[head].double().numpy()
-    W_V = weights.W_V_of(layer, head).double().numpy()
-    W_E = weights.W_E.double().numpy() if W_E is None else W_E
-    W_U = unembedding_reference(weights, unembedding) if W_U is None else W_U
-    return (W_O @ W_U) @ (W_E @ W_V)
-
-
-def kappa_reference(M, rel_tol: float = EIG_REL_TOL) -> tuple[float, float]:
-    """``(kappa, kappa_trace)`` of one matrix by a plain loop over ``numpy.linalg.eigvals``."""
-    lam = np.linalg.eigvals(np.asarray(M, dtype=np.float64))
-    largest = max(abs(x) for x in lam)
-    total_f, total_re, total_abs = 0.0, 0.0, 0.0
-    for x in lam:
-        if abs(x) > rel_tol * largest:
-            total_f += x.real / abs(x)
-        total_re += x.real
-        total_abs += abs(x)
-    return total_f / len(lam), (total_re / total_abs if total_abs > 0 else 0.0)
-
-
-def ov_spectrum_reference(
-    weights: ModelWeights,
-    *,
-    n_rotations: int = N_ROTATIONS,
-    q: float = 0.05,
-    seed: int = 0,
-    p_method: str = "t",
-    heads: list[tuple[int, int]] | None = None,
-    unembedding: str = DEFAULT.unembedding,
-) -> pd.DataFrame:
-    """The naive scan: per head, ``M_h`` from scratch, ``kappa_reference``, then one rotation at a time.
-
-    Same rotations as ``ov_spectrum`` (``layer_rotations``), so the same numbers to float64
-    round-off. ``heads`` restricts it to some ``(layer, head)`` pairs (for timing); the frame
-    then holds only those rows, with BH over them only.
-    """
-    check_settings(n_rotations, q, seed, p_method)
-    geo = weights.geometry
-    n_layers, n_heads, d = len(weights.layers), geo.n_heads, geo.d_head
-    chosen = heads if heads is not None else [(l, h) for l in range(n_layers) for h in range(n_heads)]
-    lam = np.zeros((len(chosen), d), dtype=np.complex128)
-    kappa, trace = np.zeros(len(chosen)), np.zeros(len(chosen))
-    null_k, null_t = np.zeros((len(chosen), n_rotations)), np.zeros((len(chosen), n_rotations))
-    W_E = weights.W_E.double().numpy()
-    W_U, W_U_raw = unembedding_reference(weights, unembedding), unembedding_reference(weights, "uncentred")
-    kappa_u, trace_u = np.zeros(len(chosen)), np.zeros(len(chosen))
-    for i, (layer, head) in enumerate(chosen):
-        M = reduced_ov_reference(weights, layer, head, W_E, W_U)
-        lam[i] = np.linalg.eigvals(M)
-        kappa[i], trace[i] = kappa_reference(M)
-        kappa_u[i], trace_u[i] = kappa_reference(reduced_ov_reference(weights, layer, head, W_E, W_U_raw))
-        rotations = layer_rotations(n_rotations, d, seed, layer).numpy()  # drawn again per head
-        for r in range(n_rotations):
-            null_k[i, r], null_t[i, r] = kappa_reference(M @ rotations[r])
-    frame = spectrum_frame(
-        weights,
-        lam[None],
-        kappa[None],
-        trace[None],
-        null_k[None],
-        null_t[None],
-        q=q,
-        seed=seed,
-        p_method=p_method,
-        unembedding=unembedding,
-        uncentred=(kappa_u[None], trace_u[None]),
+def __getattr__(name: str):
+    if name not in MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, new = MOVED[name]
+    warnings.warn(
+        f"pytest_circuits.rungs.reference.{name} is deprecated and goes in 0.3; "
+        f"use pytest_circuits.rungs.{module}.{new}",
+        CircuitsDeprecationWarning,
+        stacklevel=2,
     )
-    frame["layer"] = [l for l, _ in chosen]
-    frame["head_index"] = [h for _, h in chosen]
-    frame["head"] = [head_label(l, h) for l, h in chosen]
-    frame["kv_group"] = [geo.kv_group(h) for _, h in chosen]
-    return frame
+    return getattr(importlib.import_module(f"..{module}", __name__), new)

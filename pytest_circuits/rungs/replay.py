@@ -1,14 +1,14 @@
-"""The recorded-call replay engine of the knockout scan (knockout.py): record the intact model once, replay from any block.
+"""The replay engine of the knockout scan (knockout.py): trace the intact model's block calls once, replay from any block.
 
-Fast and exact: the intact model runs once, with forward pre-hooks recording each decoder
+Fast and exact: the intact model runs once, with forward pre-hooks tracing each decoder
 block's call (the residual stream entering it and the kwargs it gets: attention mask,
 position embeddings, ...). A knockout in layer ``l`` replays only blocks ``l..end`` from
-that record, then the final norm and the unembedding on the copy positions only; ``k``
+that trace, then the final norm and the unembedding on the copy positions only; ``k``
 knockouts share one replay as ``k`` copies stacked on the batch axis, copy ``j`` with its
 own head knocked out. Nothing here is per family beyond the family table.
 
-Bounded record: every block's input is ``n T d_model`` values in the build's dtype, ``n_layers``
-of them. When that exceeds `RECORD_SHARE` of the memory available (or ``record_bytes``), only
+Bounded trace: every block's input is ``n T d_model`` values in the build's dtype, ``n_layers``
+of them. When that exceeds `TRACE_SHARE` of the memory available (or ``trace_bytes``), only
 every ``s``-th block's input is kept (``s`` the smallest stride that fits; the other blocks keep
 their kwargs alone), and a replay from layer ``l`` first recomputes blocks ``c..l-1`` from the
 nearest kept input ``c <= l`` (one copy, no knockout: the intact pass's own inputs again, bit for
@@ -35,12 +35,12 @@ from .repeat import available_memory, bos_offset, check_fits, copy_slices, repea
 from .repeat_settings import RepeatSettings
 
 FAST_ATTENTION = "sdpa"  # knockouts need no attention weights: the fused exact kernel
-RECORD_SHARE = 0.25  # the recorded block inputs may take this share of the memory available at the intact pass
+TRACE_SHARE = 0.25  # the traced block inputs may take this share of the memory available at the intact pass
 
 
 @dataclass
 class Chunk:
-    """One batch of held-out sequences and every block's recorded call on it (its input kept
+    """One batch of held-out sequences and every block's traced call on it (its input kept
     only at the blocks of ``kept``: the others' hidden state is None, recomputed on replay)."""
 
     ids: torch.Tensor
@@ -99,7 +99,7 @@ def batches(ids: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
 def tree_map(fn, obj):
     """``obj`` with ``fn`` applied to every tensor in it (through tuples, lists and dicts; other leaves as they are).
 
-    The one walk over a recorded call: detached on record, stacked ``k`` times and moved to a block's device on replay.
+    The one walk over a traced call: detached when traced, stacked ``k`` times and moved to a block's device on replay.
     """
     if torch.is_tensor(obj):
         return fn(obj)
@@ -110,25 +110,25 @@ def tree_map(fn, obj):
     return obj
 
 
-def record_stride(build: LoadedBuild, n_tokens: int, record_bytes: int | None = None) -> int:
+def trace_stride(build: LoadedBuild, n_tokens: int, trace_bytes: int | None = None) -> int:
     """Keep every ``s``-th block's input: the smallest ``s`` whose kept inputs (``n_tokens d_model``
-    values of the build's dtype each) fit in ``record_bytes`` (default `RECORD_SHARE` of the
+    values of the build's dtype each) fit in ``trace_bytes`` (default `TRACE_SHARE` of the
     memory available on the build's device); at most ``n_layers``."""
     geo = build.geometry
     per_block = n_tokens * geo.d_model * getattr(build.model, "dtype", torch.float32).itemsize
-    budget = int(RECORD_SHARE * available_memory(build.device)) if record_bytes is None else int(record_bytes)
+    budget = int(TRACE_SHARE * available_memory(build.device)) if trace_bytes is None else int(trace_bytes)
     kept = max(1, min(geo.n_layers, budget // max(per_block, 1)))
     return max(1, math.ceil(geo.n_layers / kept))
 
 
 def _without_hidden(args, kwargs) -> tuple[tuple, dict]:
-    """A recorded call with its hidden state dropped (recomputed on replay)."""
+    """A traced call with its hidden state dropped (recomputed on replay)."""
     if args:
         return (None, *args[1:]), kwargs
     return args, {**kwargs, "hidden_states": None}
 
 
-def plain_copy_losses(model, batch: torch.Tensor, L: int, offset: int, device) -> torch.Tensor:
+def forward_copy_losses(model, batch: torch.Tensor, L: int, offset: int, device) -> torch.Tensor:
     """Per-sequence copy loss from one full forward that unembeds only the last ``L`` positions."""
     ids = batch.to(device)
     try:  # the kept positions reach the unembedding as a row-major copy (model/unembedding.py: no W_U per sequence)
@@ -147,27 +147,27 @@ def plain_copy_losses(model, batch: torch.Tensor, L: int, offset: int, device) -
 
 @torch.no_grad()
 def intact_pass(
-    build: LoadedBuild, ids: torch.Tensor, L: int, batch_size: int, record: bool, record_bytes: int | None = None
+    build: LoadedBuild, ids: torch.Tensor, L: int, batch_size: int, trace: bool, trace_bytes: int | None = None
 ):
-    """Run the intact model once: per-sequence copy loss, every block's call (``record``; inputs
-    kept at every `record_stride`-th block), z means."""
+    """Run the intact model once: per-sequence copy loss, every block's call (``trace``; inputs
+    kept at every `trace_stride`-th block), z means."""
     model, geo, n = build.model, build.geometry, ids.shape[0]
     blocks = layer_modules(model)
     z_means = ZMeans(geo)
     chunks, per_sequence = [], []
-    stride = record_stride(build, ids.numel(), record_bytes) if record else 1
+    stride = trace_stride(build, ids.numel(), trace_bytes) if trace else 1
     for batch in batches(ids, batch_size):
         chunk = Chunk(batch, stride=stride)
-        recording: list[Hook] = []
-        if record:
+        tracing: list[Hook] = []
+        if trace:
 
             def keep(module, args, kwargs, _calls=chunk.calls, _stride=stride):
                 call = tree_map(lambda tensor: tensor.detach(), (args, kwargs))
                 _calls.append(call if len(_calls) % _stride == 0 else _without_hidden(*call))
 
-            recording = [(b, "pre_kwargs", keep) for b in blocks]
-        with hooked(*recording), z_observed(model, geo.n_layers, z_means.observe):
-            per_seq = plain_copy_losses(model, batch, L, bos_offset(build.tokens), build.device)
+            tracing = [(b, "pre_kwargs", keep) for b in blocks]
+        with hooked(*tracing), z_observed(model, geo.n_layers, z_means.observe):
+            per_seq = forward_copy_losses(model, batch, L, bos_offset(build.tokens), build.device)
         chunk.copy_losses = per_seq.float().cpu()
         per_sequence.append(per_seq.double().cpu())
         chunks.append(chunk)
@@ -189,7 +189,7 @@ def tile(obj, rows: int, k: int, memo: dict):
     return tree_map(stacked, obj)
 
 
-def recorded_hidden(args, kwargs) -> torch.Tensor:
+def traced_hidden(args, kwargs) -> torch.Tensor:
     return args[0] if args else kwargs["hidden_states"]
 
 
@@ -201,7 +201,7 @@ def replay_chunk(build, chunk: Chunk, layer: int, k: int, L: int) -> torch.Tenso
     rows = chunk.ids.shape[0]
     memo: dict = {}
     start = layer - layer % chunk.stride  # the nearest block at or before ``layer`` whose input was kept
-    hidden = recorded_hidden(*chunk.calls[start])
+    hidden = traced_hidden(*chunk.calls[start])
     for index in range(start, layer):  # the intact blocks in between, recomputed once (not stacked)
         args, kwargs = _call_args(*chunk.calls[index], rows, 1, {}, hidden)
         if devices is not None:
@@ -212,7 +212,7 @@ def replay_chunk(build, chunk: Chunk, layer: int, k: int, L: int) -> torch.Tenso
     last = len(blocks) - 1
     for index in range(layer, len(blocks)):
         args, kwargs = _call_args(*chunk.calls[index], rows, k, memo, hidden)
-        if devices is not None:  # a model spread over devices: the recorded call moves with its block
+        if devices is not None:  # a model spread over devices: the traced call moves with its block
             args, kwargs = moved(args, devices[index]), moved(kwargs, devices[index])
         # bnb-int8 picks outlier columns over all rows: cutting rows would change the other rows' result
         cut = index == last and batch_invariant(build) and build.model not in _NOT_POSITIONWISE
@@ -292,7 +292,7 @@ def _rows_only(mlp, positions: slice):
 
 
 def _call_args(args, kwargs, rows, k, memo, hidden):
-    """The recorded call of a block with ``hidden`` as its input and batch tensors stacked ``k`` times."""
+    """The traced call of a block with ``hidden`` as its input and batch tensors stacked ``k`` times."""
     if args:
         return (hidden, *tile(tuple(args[1:]), rows, k, memo)), tile(kwargs, rows, k, memo)
     return (), {**tile(kwargs, rows, k, memo), "hidden_states": hidden}
@@ -311,16 +311,16 @@ def _tail_copy_losses(build, hidden, ids, L) -> torch.Tensor:
 
 
 def replay_gap(build: LoadedBuild, intact: Intact, L: int) -> str | None:
-    """Why replaying the recorded last block and the tail does not reproduce the intact copy losses, or None."""
+    """Why replaying the traced last block and the tail does not reproduce the intact copy losses, or None."""
     chunk = intact.chunks[0]
-    assert chunk.copy_losses is not None  # the intact pass records them
+    assert chunk.copy_losses is not None  # the intact pass keeps them
     with attention_implementation(build.model):
         replayed = replay_chunk(build, chunk, build.geometry.n_layers - 1, 1, L)[0].float().cpu()
     tol = 1e-4 if next(build.model.parameters()).dtype == torch.float32 else 2e-2
     gap = float((replayed - chunk.copy_losses).abs().max())
     if gap <= tol:
         return None
-    return f"replaying the recorded decoder blocks does not reproduce the model's copy loss (gap {gap:.2g} > {tol:g})"
+    return f"replaying the traced decoder blocks does not reproduce the model's copy loss (gap {gap:.2g} > {tol:g})"
 
 
 def replay_cost(n_layers: int, layer: int) -> int:

@@ -46,16 +46,16 @@ from ..model.hooks import Hook, hooked
 from ..model.kv_cache import cached
 from .ablation import z_differentiable
 from .repeat import bos_offset, copy_slices
-from .replay import recorded_hidden, tile
+from .replay import tile, traced_hidden
 
 ATTN_NAME = "circuits_atp"
 
 
 @dataclass
 class _State:
-    """What the custom attention function does: record (pattern + zero leaf), qkfix (exact term), linear."""
+    """What the custom attention function does: capture (pattern + zero leaf), qkfix (exact term), linear."""
 
-    mode: str = "off"  # "record" | "qkfix" | "linear" | "off"
+    mode: str = "off"  # "capture" | "qkfix" | "linear" | "off"
     layer_of: dict = field(default_factory=dict)  # id(attention module) -> layer
     patterns: dict = field(default_factory=dict)  # layer -> A (detached)
     leaves: dict = field(default_factory=dict)  # layer -> zero leaf added to A
@@ -139,7 +139,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         else:  # sum A . dCL/dA per copy, differentiated along the knockout's direction by the caller
             state.linear = (pattern * grad).reshape(state.copies, -1).sum(dim=1)
         raise _PatternRead  # the rest of the module (its output projection) is not needed
-    if state.mode == "record":
+    if state.mode == "capture":
         leaf = torch.zeros_like(pattern, requires_grad=True)
         state.patterns[layer], state.leaves[layer] = pattern.detach(), leaf
         pattern = pattern + leaf
@@ -189,8 +189,8 @@ def _dz(z: torch.Tensor, means: torch.Tensor | None, layer: int, n_heads: int, d
     return means[layer].to(z.dtype) - z
 
 
-def plain_atp(build, ids, L, mode, means, batch_size, bar=None) -> np.ndarray:
-    """``(n_layers, n_heads)``: ``sum dz_h . dCL/dz_h`` from one forward and one backward per chunk."""
+def atp(build, ids, L, mode, means, batch_size, bar=None) -> np.ndarray:
+    """The ``atp`` screen (no QK fix), ``(n_layers, n_heads)``: ``sum dz_h . dCL/dz_h`` from one forward and one backward per chunk."""
     geo, n = build.geometry, ids.shape[0]
     est = torch.zeros(geo.n_layers, geo.n_heads, dtype=torch.float64)
     for batch in ids.split(batch_size):
@@ -273,13 +273,13 @@ def atp_star(
             gates = torch.ones(geo.n_layers, dtype=torch.float64)
 
             def keep_block(module, args, kwargs, *, m: int, residual=residual):
-                residual[m] = recorded_hidden(args, kwargs).detach()
+                residual[m] = traced_hidden(args, kwargs).detach()
 
             def keep_attn(module, args, kwargs, *, m: int, calls=calls):
                 calls[m] = (args, {k: v.detach() if torch.is_tensor(v) else v for k, v in kwargs.items()})
 
             def drop_block(module, args, kwargs, out, *, m: int, gates=gates):
-                inp = recorded_hidden(args, kwargs)
+                inp = traced_hidden(args, kwargs)
                 hidden = out[0] if isinstance(out, (tuple, list)) else out
                 gated = inp + _Drop.apply(hidden - inp, gates, m)
                 return (gated, *out[1:]) if isinstance(out, (tuple, list)) else gated
@@ -293,7 +293,7 @@ def atp_star(
                 if grad_drop:
                     hooks.append((block, "forward_kwargs", partial(drop_block, m=m)))
             try:
-                state.mode = "record"
+                state.mode = "capture"
                 with hooked(*hooks), torch.enable_grad(), z_differentiable(model, geo.n_layers) as zleaves:
                     loss = _loss(build, batch, L).sum() / n
                     zs = [leaf for _, _, leaf in zleaves]
@@ -406,7 +406,7 @@ def exact_pattern_change(
 
 
 def _call(module, call, hidden, rows: int, k: int) -> None:
-    """Run an attention module as recorded, with ``hidden`` as its input and batch tensors stacked
+    """Run an attention module as traced, with ``hidden`` as its input and batch tensors stacked
     ``k`` times, up to its attention function (in "qkfix" or "linear" mode), which reads the pattern."""
     args, kwargs = call
     memo: dict = {}
@@ -461,12 +461,12 @@ def screen_estimate(
 
 def _one_screen(build, ids, L, mode, means, method, batch_size, bar, variant) -> tuple[np.ndarray, np.ndarray]:
     if method == "atp":
-        est = plain_atp(build, ids, L, mode, means, batch_size, bar)
+        est = atp(build, ids, L, mode, means, batch_size, bar)
         return est, np.abs(est)
     qk_heads = None
     geo = build.geometry
     if variant.qk_top is not None and variant.qk_top < geo.n_layers * geo.n_heads:  # else: every head
-        first = np.abs(plain_atp(build, ids, L, mode, means, batch_size))
+        first = np.abs(atp(build, ids, L, mode, means, batch_size))
         order = sorted(np.ndindex(first.shape), key=lambda p: (-first[p], p))
         qk_heads = [(int(l), int(h)) for l, h in order[: variant.qk_top]]
     return atp_star(

@@ -1,4 +1,4 @@
-"""The report's figures, drawn on ``matplotlib.figure.Figure`` with the Agg canvas.
+"""The report's plots, drawn on ``matplotlib.figure.Figure`` with the Agg canvas (what each figure is: `rungs/figures.py`).
 
 pyplot is never imported, so the user's global backend is left alone and no display is
 needed. matplotlib is optional: `require_matplotlib` turns its absence into one line.
@@ -102,11 +102,11 @@ def eigenvalue_figure(record: dict, title: str):
 METRIC_SYMBOLS = {"kappa": "κ", "kappa_trace": "κ_trace", "kappa_z": "κ z", "kappa_trace_z": "κ_trace z"}
 
 
-def moved_eigenvalue_figure(record: dict, reference: dict, flagged: list[dict], title: str):
-    """Small multiples: the reference's eigenvalues (grey rings) and the build's (dots) for the
+def moved_eigenvalue_figure(record: dict, baseline: dict, flagged: list[dict], title: str):
+    """Small multiples: the baseline's eigenvalues (grey rings) and the build's (dots) for the
     heads the gate flagged; each title gives the flagged figure (``metric``, and the first of
     ``also``) before -> after."""
-    eig, ref = data.normalised_eigenvalues(record), data.normalised_eigenvalues(reference)
+    eig, ref = data.normalised_eigenvalues(record), data.normalised_eigenvalues(baseline)
     flagged = [m for m in flagged if m.get("head") in eig or m.get("head") in ref]
     if not flagged:
         return None
@@ -132,7 +132,7 @@ def moved_eigenvalue_figure(record: dict, reference: dict, flagged: list[dict], 
                 facecolors="none",
                 edgecolors=REFERENCE,
                 linewidths=0.8,
-                label="reference",
+                label="baseline",
             )
         if head in eig:
             ax.scatter(eig[head].real, eig[head].imag, s=8, color="#3b4cc0", label="this build")
@@ -154,7 +154,7 @@ def moved_eigenvalue_figure(record: dict, reference: dict, flagged: list[dict], 
     return fig
 
 
-def kappa_figure(record: dict, title: str, reference: dict | None = None):
+def kappa_figure(record: dict, title: str, baseline: dict | None = None):
     """Kappa of every head against its rotation-null band (mean ± 2 sd); copying/suppression marked."""
     heads = data.heads_of(record)
     n = len(heads)
@@ -175,16 +175,16 @@ def kappa_figure(record: dict, title: str, reference: dict | None = None):
         ax.add_collection(
             PolyCollection(boxes, facecolors="#d9d9d9", edgecolors="none", label="null band (mean ± 2 sd)")
         )
-    if reference is not None and data.grid_shape(reference) == data.grid_shape(record):
-        ref_kappa = {h["head"]: data.number(h.get("kappa")) for h in data.heads_of(reference)}
+    if baseline is not None and data.grid_shape(baseline) == data.grid_shape(record):
+        baseline_kappa = {h["head"]: data.number(h.get("kappa")) for h in data.heads_of(baseline)}
         ax.scatter(
             x,
-            [ref_kappa.get(h["head"], np.nan) for h in heads],
+            [baseline_kappa.get(h["head"], np.nan) for h in heads],
             s=22,
             facecolors="none",
             edgecolors=REFERENCE,
             linewidths=0.9,
-            label="reference κ",
+            label="baseline κ",
             zorder=3,
         )
     copying = np.array([h.get("copying") is True for h in heads], dtype=bool)
@@ -335,7 +335,7 @@ def _box(layer: int, head: int):
 def position_loss_figure(curves: list[tuple[str, dict]], title: str):
     """``position_loss`` (mean CE_t, t = 1 .. 2L-1) of each ``(label, record)`` on one axis, with
     the uniform loss ln V (dashed) and the start of the second copy (t = L, dotted); labels
-    ending in " baseline" are stored reference curves, drawn grey."""
+    ending in " baseline" are stored baseline curves, drawn grey."""
     fig = new_figure(9.0, 3.8)
     ax = fig.add_subplot()
     lengths = set()
@@ -343,7 +343,7 @@ def position_loss_figure(curves: list[tuple[str, dict]], title: str):
         loss = np.array([data.number(x) for x in record.get("position_loss") or []])
         t = np.arange(1, loss.size + 1)
         lengths.add(int((record.get("probe") or {}).get("L") or (loss.size + 1) // 2))
-        if label.endswith(" baseline"):  # a reference's stored curve: grey, under the builds
+        if label.endswith(" baseline"):  # a baseline's stored curve: grey, under the builds
             ax.plot(t, loss, ":", color=REFERENCE, lw=1.6, label=label, zorder=1)
         else:
             style = "-" if i < len(BUILD_COLOURS) else "--"
