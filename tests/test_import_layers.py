@@ -216,9 +216,9 @@ PENDING = (
     "gate/shards.py",
     "gate/store.py",
     "report/data.py",
-    "report/figures.py",
     "report/html.py",
     "report/markdown.py",
+    "report/plots.py",
     "report/sections.py",
     "report/summary.py",
 )
