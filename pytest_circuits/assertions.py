@@ -14,6 +14,7 @@ import pandas as pd
 
 from .errors import CircuitsError
 from .gate.invariants import MAX_ROWS, Row, format_rows, negligible_heads
+from .gate.schema import HeadWrites
 from .gate.stats import spearman
 from .gate.tolerances import Tolerances
 from .rungs.figures import parse_label
@@ -58,12 +59,12 @@ def _paired(reference: pd.DataFrame, candidate: pd.DataFrame, columns) -> pd.Dat
     return ref.merge(cand, on="head", suffixes=("_ref", "_cand"))
 
 
-def _as_record(frame: pd.DataFrame) -> dict:
-    """The frame's heads as a record's ``heads`` rows (``head``, and ``ov_gain`` and ``path_factor``
-    where the frame has them; NaN reads as not measured), for the gate's per-head rules."""
+def _head_writes(frame: pd.DataFrame) -> HeadWrites:
+    """The frame's heads as the partial record the gate's negligible-head cut reads (``head``, and
+    ``ov_gain`` and ``path_factor`` where the frame has them; NaN reads as not measured)."""
     columns = [c for c in ("head", "ov_gain", "path_factor") if c in frame.columns]
     rows = pd.DataFrame({c: frame[c].to_numpy() for c in columns}).astype(object)
-    return {"heads": rows.where(rows.notna(), None).to_dict("records")}
+    return HeadWrites.of(rows.where(rows.notna(), None).to_dict("records"))
 
 
 def _head_order(pairs: pd.DataFrame) -> np.ndarray:
@@ -122,7 +123,7 @@ def assert_copying_heads_preserved(
     """
     kinds = ["copying", "suppression"] if include_suppression else ["copying"]
     pairs = _paired(reference_df, candidate_df, [column, *kinds])
-    negligible = negligible_heads(_as_record(reference_df), min_ov_gain)
+    negligible = negligible_heads(_head_writes(reference_df), min_ov_gain)
     pairs = pairs[~pairs["head"].isin(negligible)]
     pairs = pairs.iloc[_head_order(pairs)]
     k_ref, k_cand = pairs[f"{column}_ref"], pairs[f"{column}_cand"]

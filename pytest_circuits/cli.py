@@ -501,7 +501,7 @@ def cmd_diff(args) -> int:
         if x is not None and y is not None:
             xs, ys = a.get(sequences_key(figure.name)), b.get(sequences_key(figure.name))
             same_tokens = xs is not None and ys is not None and not across  # two vocabularies: no pairs
-            paired = format_interval(paired_interval(xs, ys)) if same_tokens else ""
+            paired = format_interval(paired_interval(xs, ys)) if same_tokens and xs and ys else ""
             print(f"  {figure.name:<16} {x:10.4f} -> {y:10.4f}  ({y - x:+.4f}{' ' + paired if paired else ''})")
     if across:  # heads do not correspond across models: the profiles instead
         from .gate.profile import profile, profile_line

@@ -219,6 +219,21 @@ def test_corrupt_baseline_exit_2(model, tmp_path, capsys):
     assert "schema version 7" in capsys.readouterr().err
 
 
+def test_incomplete_baseline_is_refused_in_one_line_naming_the_file_and_the_fix(model, recorded, tmp_path, capsys):
+    """A baseline missing a figure the typed record requires is refused where it is read, before any
+    invariant: one line naming the file, the field and the fix (typed records, issue #39 item 4)."""
+    import json
+
+    record = json.loads((recorded / "m--fp32.json").read_text())
+    del record["copy_loss"]
+    bad = tmp_path / "m--fp32.json"
+    bad.write_text(json.dumps(record))
+    assert main(["gate", str(model), "--build", "fp32", "--baseline", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert str(bad) in err and "copy_loss" in err and "record" in err.split(";")[-1]
+
+
 def test_usage_error_exit_2():
     with pytest.raises(SystemExit) as done:
         main(["record", "m"])  # --build is required
@@ -228,13 +243,16 @@ def test_usage_error_exit_2():
 def test_head_table_shows_each_heads_ov_gain_against_the_largest():
     from pytest_circuits.cli import head_table
 
+    from .scan_records import complete
+
     heads = [
-        {"head": name, "kappa": 0.5, "ov_gain": gain} for name, gain in (("L0H0", 8.0), ("L0H1", 2.0), ("L1H0", 0.04))
+        {"head": f"L{layer}H{head}", "layer": layer, "head_index": head, "kappa": 0.5, "ov_gain": gain}
+        for layer, head, gain in ((0, 0, 8.0), (0, 1, 2.0), (1, 0, 0.04), (1, 1, 1.0))
     ]
-    lines = head_table({"heads": heads}).splitlines()
-    assert lines[0].split()[:4] == ["head", "kappa", "ov", "gain"]
-    assert [line.split()[2] for line in lines[1:]] == ["1.000", "0.250", "0.005"]
-    no_gain = head_table({"heads": [{"head": "L0H0", "kappa": 0.5}]})
+    lines = head_table(complete({"heads": heads}, n_layers=2, n_heads=2)).splitlines()
+    assert lines[0].split()[-3:] == ["ov", "gain", "flag"]
+    assert [line.split()[-1] for line in lines[1:]] == ["1.000", "0.250", "0.005", "0.125"]
+    no_gain = head_table(complete({"heads": [{"head": "L0H0", "kappa": 0.5}]}))
     assert "ov gain" not in no_gain  # records without gains or eigenvalues: no column
 
 

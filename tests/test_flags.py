@@ -194,3 +194,24 @@ def test_assertion_cuts_negligible_heads_on_what_they_write():
     assert "L0H1" not in str(info.value)
     with pytest.raises(AssertionError, match="2 of 3 copying heads lost"):
         assert_copying_heads_preserved(ref, lost, min_spearman=None, min_ov_gain=0)
+
+
+def test_a_partial_frame_reaches_the_cut_as_head_writes_and_a_bad_one_is_one_line():
+    """The assertions' frames are partial records (no model, build or figures): they reach the gate's
+    negligible-head cut as typed `HeadWrites`, never validated as scan records (which they are not);
+    a column that is no number is one line naming it."""
+    from pytest_circuits.errors import CircuitsError
+    from pytest_circuits.gate.invariants import negligible_heads
+    from pytest_circuits.gate.schema import HeadWrites
+
+    frame = pd.DataFrame({"head": ["L0H0", "L0H1"], "kappa": [0.9, 0.1], "copying": [True, False]})
+    assert_copying_heads_preserved(frame, frame)  # no ov_gain: no cut, nothing lost
+    writes = HeadWrites.of([{"head": "L0H0", "ov_gain": 2.0}, {"head": "L0H1", "ov_gain": 0.01}])
+    assert negligible_heads(writes, 0.01) == {"L0H1"}
+    assert negligible_heads(HeadWrites.of([{"head": "L0H0", "ov_gain": None}]), 0.01) == set()
+    bad = frame.assign(ov_gain=["large", "small"])
+    with pytest.raises(CircuitsError, match=r"^the result frame's head writes are not valid: heads\[0\]\.ov_gain"):
+        assert_copying_heads_preserved(bad, frame)
+    with pytest.raises(CircuitsError) as info:
+        assert_copying_heads_preserved(bad, frame)
+    assert "\n" not in str(info.value) and "ov_spectrum" in str(info.value)

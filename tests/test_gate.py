@@ -25,6 +25,8 @@ from pytest_circuits.testing import (
     negate_head_ov,
 )
 
+from .scan_records import complete
+
 TOL = Tolerances()
 
 
@@ -68,7 +70,7 @@ def record(n_layers=2, n_heads=4, seed=0) -> dict:
         kappa=-0.6, kappa_trace=-0.7, kappa_z=-5.0, kappa_trace_z=-6.0, suppression=True, knockout_delta=-0.2
     )
     by["L0H1"].update(previous_token=0.9, knockout_delta=1.5, kappa_z=3.0)
-    return {"copy_loss": 0.4, "first_copy_loss": 6.0, "copy_gain": 5.6, "heads": heads}
+    return complete({"copy_loss": 0.4, "first_copy_loss": 6.0, "copy_gain": 5.6, "heads": heads})
 
 
 def head(rec, name):
@@ -96,9 +98,9 @@ def test_flipped_copying_head_fails_and_names_it():
 
 def test_small_kappa_moves_pass_and_tolerance_is_two_sided():
     after = record()
-    head(after, "L1H2").update(kappa=0.91 + 0.14, kappa_trace=0.95 - 0.14)
+    head(after, "L1H3").update(kappa=-0.6 + 0.14, kappa_trace=-0.7 - 0.14)
     assert check("copying_heads", record(), after, TOL, "b", "a").passed
-    head(after, "L1H2").update(kappa=0.91 + 0.16)
+    head(after, "L1H3").update(kappa=-0.6 + 0.16)
     assert not check("copying_heads", record(), after, TOL, "b", "a").passed
 
 
@@ -140,7 +142,8 @@ def test_ov_gain_falls_back_to_the_stored_eigenvalues():
     """Records written before the ov_gain column gate the same way, from their eigenvalues."""
     rec = without_gains(record())
     rec["eigenvalues"] = {row["head"]: [[3.0, 4.0], [-1.0, 0.0]] for row in rec["heads"]}  # |3+4i| + |-1| = 6
-    rec["eigenvalues"]["L1H3"] = [[0.03, 0.0]]
+    rec["eigenvalues"]["L1H3"] = [[0.03, 0.0], [0.0, 0.0]]
+    rec["model"]["geometry"]["d_head"] = 2
     gains = gate.ov_gains(rec)
     assert gains["L0H0"] == pytest.approx(6.0) and gains["L1H3"] == pytest.approx(0.03)
     assert gate.negligible_heads(rec, TOL.min_ov_gain) == {"L1H3"}
@@ -186,8 +189,8 @@ def test_ov_gain_holds_the_key_heads_sizes_and_only_theirs():
     assert check("ov_gain", no_circuit, no_circuit, TOL, "b", "a").status == "skipped"
 
     other = copy.deepcopy(before)
-    other["rung1"] = {"unembedding": "uncentred"}
-    centred = {**copy.deepcopy(before), "rung1": {"unembedding": "centred"}}
+    other["rung1"] = {"n_rotations": 64, "q": 0.05, "unembedding": "uncentred"}
+    centred = {**copy.deepcopy(before), "rung1": {"n_rotations": 64, "q": 0.05, "unembedding": "centred"}}
     result = check("ov_gain", other, centred, TOL, "b", "a")
     assert not result.passed and result.compared == 0 and "uncentred W_U" in result.message
 
@@ -455,10 +458,13 @@ def gate_build(session, *rest):
 
 
 def with_model(rec, fingerprint="sha256:aa", n_heads=4):
-    rec["model"] = {
-        "fingerprint": fingerprint,
-        "geometry": {"n_layers": 2, "n_heads": n_heads, "n_kv_heads": n_heads, "d_model": 8, "d_head": 2, "vocab": 16},
-    }
+    """``rec`` of a model of ``n_heads`` heads a layer (the heads of ``record(n_heads=...)``)."""
+    if n_heads != rec["model"]["geometry"]["n_heads"]:
+        rec = record(n_heads=n_heads)
+    rec["model"].update(
+        fingerprint=fingerprint,
+        geometry={"n_layers": 2, "n_heads": n_heads, "n_kv_heads": n_heads, "d_model": 8, "d_head": 2, "vocab": 16},
+    )
     rec["probe"] = {"seed": 0, "n": 4, "L": 8}
     return rec
 
@@ -490,10 +496,10 @@ def test_gate_build_skips_other_geometry_and_notes_other_weights():
     cand = with_model(record(), fingerprint="sha256:bb")
     outcome = gate_build(FakeSession({"fp32": with_model(record())}, cand), "fp32", "copy_loss", TOL, {})
     assert outcome.passed and len(outcome.notes) == 1 and "weights differ" in outcome.notes[0]
-    other = with_model(record(), n_heads=2)  # same heads listed, another geometry declared: another model
+    other = with_model(record(), n_heads=6)  # another geometry: another model
     outcome = gate_build(FakeSession({"fp32": other}, cand), "fp32", "copy_loss", TOL, {})
     assert outcome.skipped and not outcome.passed and not outcome.problems
-    assert "copy_loss (builds of one model) is not compared across models (geometry n_heads 2 vs 4" in outcome.message()
+    assert "copy_loss (builds of one model) is not compared across models (geometry n_heads 6 vs 4" in outcome.message()
     assert "per-head invariants were not compared" in outcome.notes[0]
 
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import pytest_circuits
 
 PACKAGE = Path(pytest_circuits.__file__).resolve().parent
@@ -191,3 +193,126 @@ def test_the_session_and_its_parts_have_no_class_over_200_lines():
     found = [f"{p}: {c}" for p in parts for c in long_classes(MODULES[f"{ROOT}.{p}"].read_text(encoding="utf-8"))]
     assert not found, "\n".join(found)
     assert long_classes("class Big:\n" + "    x = 1\n" * 200) == ["Big (201 lines)"]
+
+
+# ---------------------------------------------------------------- typed records (issue #39, item 4)
+
+# modules that read scan records as typed `gate.schema.Record`s, never by key
+TYPED = (
+    "gate/builtin_invariants.py",
+    "gate/swap_invariants.py",
+    "gate/profile.py",
+    "gate/looks.py",
+    "gate/further_looks.py",
+    "gate/invariant_api.py",
+    "gate/invariants.py",
+    "gate/verdict.py",
+    "gate/baselines.py",
+)
+# still reading record dicts by key: to convert (the merge, then the report)
+PENDING = (
+    "gate/fixes.py",
+    "gate/record.py",
+    "gate/shards.py",
+    "gate/store.py",
+    "report/data.py",
+    "report/html.py",
+    "report/markdown.py",
+    "report/plots.py",
+    "report/sections.py",
+    "report/summary.py",
+)
+
+
+NOT_RECORDS = {"words"}  # names of dicts that share a key with a record (a message's words)
+
+
+def _record_keys() -> set[str]:
+    """Every key of a scan record, at any depth: the fields of `Record` and its parts."""
+    from pytest_circuits.gate import schema
+
+    models = (schema.Record, schema.HeadRow, schema.Geometry, schema.ModelInfo, schema.BuildInfo)
+    models += (schema.ProbeInfo, schema.KnockoutInfo, schema.Rung1Info, schema.Look)
+    return {name for model in models for name in model.model_fields}
+
+
+def record_reads(source: str, keys: set[str], gets_only: bool = False) -> list[str]:
+    """``line: text`` of each read of a record key by name: ``x.get("copy_loss")``, ``x["heads"]``
+    (with ``gets_only``, only the ``.get`` reads: a frame's columns share the keys' names)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            key = node.args[0] if node.args else None
+        elif isinstance(node, ast.Subscript) and not gets_only:
+            key = node.slice
+        else:
+            continue
+        receiver = node.func.value if isinstance(node, ast.Call) else node.value  # type: ignore[union-attr]
+        if isinstance(receiver, ast.Name) and receiver.id in NOT_RECORDS:
+            continue
+        if isinstance(key, ast.Constant) and key.value in keys:
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_typed_modules_read_no_record_key_and_the_pending_list_is_exact():
+    keys = _record_keys()
+    flagged = {}
+    for path in sorted(PACKAGE.glob("gate/*.py")) + sorted(PACKAGE.glob("report/*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel != "gate/schema.py" and (reads := record_reads(path.read_text(), keys)):
+            flagged[rel] = reads
+    typed = {m: flagged[m] for m in TYPED if m in flagged}
+    assert not typed, f"record keys read in typed modules (read the Record's attributes): {typed}"
+    assert sorted(flagged) == sorted(PENDING), (
+        "a pending module was converted (drop it from PENDING) or a new one reads keys"
+    )
+
+
+def test_the_assertions_read_no_record_key_with_get():
+    """The public assertions reach the gate's cut through typed `HeadWrites`, not a record dict."""
+    assert record_reads((PACKAGE / "assertions.py").read_text(), _record_keys(), gets_only=True) == []
+
+
+def test_the_record_read_check_sees_a_key_read():
+    keys = _record_keys()
+    assert record_reads('x = before.get("copy_loss")\ny = row["knockout_delta"]', keys) == [
+        "1: before.get('copy_loss')",
+        "2: row['knockout_delta']",
+    ]
+    assert record_reads('x = fixes.get("own")\ny = gains[name]\nz = before.copy_loss', keys) == []
+    assert record_reads('x = frame["kappa"]\ny = row.get("ov_gain")', keys, gets_only=True) == ["2: row.get('ov_gain')"]
+
+
+def _declared_for_mypy(name: str) -> dict[str, str]:
+    """``field: annotation`` of class ``name`` in schema.py's ``if TYPE_CHECKING:`` block."""
+    tree = ast.parse((PACKAGE / "gate" / "schema.py").read_text())
+    block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    cls = next(n for n in block.body if isinstance(n, ast.ClassDef) and n.name == name)
+    return {n.target.id: ast.unparse(n.annotation) for n in cls.body if isinstance(n, ast.AnnAssign)}
+
+
+def _plain_annotation(field) -> str:
+    """A pydantic field's annotation without its constraints: ``float | None``, ``list[float]``."""
+    import typing
+
+    def plain(kind) -> str:
+        if typing.get_origin(kind) is typing.Annotated:
+            return plain(typing.get_args(kind)[0])
+        if typing.get_origin(kind) in (typing.Union, __import__("types").UnionType):
+            return " | ".join(plain(k) for k in typing.get_args(kind))
+        if typing.get_origin(kind) is list:
+            return f"list[{plain(typing.get_args(kind)[0])}]"
+        return "None" if kind is type(None) else kind.__name__
+
+    return plain(field.annotation)
+
+
+@pytest.mark.parametrize("name", ["HeadRow", "_Figures"])
+def test_what_mypy_reads_of_the_figure_models_is_what_they_hold(name):
+    """The head rows and model figures are built from the figure table at import; mypy reads a
+    declaration of each (schema.py, ``if TYPE_CHECKING``) that must name the same fields and types."""
+    from pytest_circuits.gate import schema
+
+    built = {field: _plain_annotation(info) for field, info in getattr(schema, name).model_fields.items()}
+    assert _declared_for_mypy(name) == built

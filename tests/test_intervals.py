@@ -27,6 +27,7 @@ from pytest_circuits.rungs.repeat_settings import RepeatSettings
 from pytest_circuits.testing import negate_head_ov
 
 from .conftest import LEGACY_BASELINE, needs_embedded
+from .scan_records import complete
 
 TOL = Tolerances()
 PLAIN = Tolerances(outside_interval=False)
@@ -204,19 +205,21 @@ def test_old_baselines_validate_and_gate_on_the_plain_tolerance(embedded_records
 def sampled(copy_losses, first_copy_losses) -> dict:
     """A record of the two invariants' figures from per-sequence values."""
     c, f = np.asarray(copy_losses, float), np.asarray(first_copy_losses, float)
-    return {
-        "copy_loss": float(c.mean()),
-        "first_copy_loss": float(f.mean()),
-        "copy_gain": float((f - c).mean()),
-        "copy_loss_sequences": c.tolist(),
-        "first_copy_loss_sequences": f.tolist(),
-        "copy_gain_sequences": (f - c).tolist(),
-    }
+    return complete(
+        {
+            "copy_loss": float(c.mean()),
+            "first_copy_loss": float(f.mean()),
+            "copy_gain": float((f - c).mean()),
+            "copy_loss_sequences": c.tolist(),
+            "first_copy_loss_sequences": f.tolist(),
+            "copy_gain_sequences": (f - c).tolist(),
+        }
+    )
 
 
 def test_sampling_noise_passes_with_the_rule_and_fails_without():
     rng = np.random.default_rng(14)  # a draw whose mean noise is beyond 0.25 (asserted below)
-    base = rng.normal(3.0, 1.0, 8)
+    base = rng.normal(3.0, 1.0, 8) + 3.0  # + 3: a copy loss is never negative
     first = base + 11.0
     noise = rng.normal(0.0, 0.6, 8)  # no systematic change: pure per-sequence noise
     before, after = sampled(base, first), sampled(base + noise, first)
@@ -310,7 +313,7 @@ def test_report_reads_the_intervals(embedded_records):
 
 def test_a_failure_lists_the_rows_the_rule_spared():
     rng = np.random.default_rng(14)
-    base = rng.normal(3.0, 1.0, 8)
+    base = rng.normal(3.0, 1.0, 8) + 3.0  # + 3: a copy loss is never negative
     noise = rng.normal(0.0, 0.6, 8)  # copy loss: beyond 0.25, inside the noise (as above)
     first = base + 11.0 + noise + 0.5 + rng.normal(0, 0.02, 8)  # copy gain: +0.5 on every sequence
     result = evaluate("copy_loss", sampled(base, base + 11.0), sampled(base + noise, first), TOL, "b", "a")

@@ -134,3 +134,56 @@ def test_every_tolerance_is_declared_by_one_invariant_and_the_table_is_generated
     assert tuple(BUILT_IN) == Tolerances.names()
     for name, row in BUILT_IN.items():
         assert type(declared[name].default) is type(row[0]), name  # an int stays a count, a bool a flag
+
+
+def test_an_invariant_reads_typed_records_and_the_older_mapping_view_still_works_with_one_warning(monkeypatch):
+    """`compare` receives validated `Record`s: attributes are the typed way; ``record["key"]`` and
+    ``record.get("key")`` (the dicts invariants received before) still read the record dict, warning
+    `CircuitsDeprecationWarning` once a process."""
+    import warnings
+
+    from pytest_circuits import CircuitsDeprecationWarning
+    from pytest_circuits.gate import schema
+    from pytest_circuits.gate.invariants import Comparison, Invariant, evaluate, within
+    from pytest_circuits.gate.store import read_baseline
+
+    from .conftest import SHIPPED_BASELINES
+
+    baseline = read_baseline(SHIPPED_BASELINES / "tiny-induction--fp32.json")
+    build = read_baseline(SHIPPED_BASELINES / "tiny-induction--rtn-int4.json")
+    seen = {}
+
+    class Typed(Invariant):
+        name = "typed_reads"
+
+        def compare(self, before, after, tol):
+            seen["typed"] = (type(after), after.copy_loss, after.heads[0].head, after.model.name)
+            return Comparison([within("model", "copy_loss", before.copy_loss, after.copy_loss, 10.0)])
+
+    class Older(Typed):
+        name = "older_reads"
+
+        def compare(self, before, after, tol):
+            seen["older"] = (after["copy_loss"], after.get("heads")[0]["head"], "probe" in after)
+            return Comparison([within("model", "copy_loss", before["copy_loss"], after.get("copy_loss"), 10.0)])
+
+    monkeypatch.setattr(schema, "_WARNED", [])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        typed = evaluate(Typed(), baseline, build, Tolerances(), "rtn-int4", "fp32 baseline")
+        assert typed.passed and not caught  # the typed way warns nothing
+        older = [evaluate(Older(), baseline, build, Tolerances(), "rtn-int4", "fp32 baseline") for _ in range(2)]
+    assert all(r.passed for r in older) and older[0].message == older[1].message
+    assert seen["typed"] == (schema.Record, build["copy_loss"], "L0H0", "tiny-induction")
+    assert seen["older"] == (build["copy_loss"], "L0H0", True)
+    deprecations = [w for w in caught if issubclass(w.category, CircuitsDeprecationWarning)]
+    assert len(deprecations) == 1
+    assert "read its attributes" in str(deprecations[0].message)
+
+
+def test_a_record_dict_that_is_no_scan_record_is_one_line_at_the_gate():
+    from pytest_circuits.errors import CircuitsError
+    from pytest_circuits.gate.invariants import gate_all
+
+    with pytest.raises(CircuitsError, match=r"^the scan record given is not valid: copy_loss: Field required; [^\n]*$"):
+        gate_all({"schema_version": 1}, {"schema_version": 1}, Tolerances(), "fp32", "fp32 baseline")

@@ -12,6 +12,8 @@ from pytest_circuits.gate.looks import look_seed, look_values
 from pytest_circuits.gate.sequential import boundaries, decide
 from pytest_circuits.gate.tolerances import Tolerances
 
+from .scan_records import typed
+
 # Jennison & Turnbull (2000), Table 2.1 (Pocock C_P(K)) and Table 2.3 (O'Brien-Fleming C_B(K)):
 # two-sided alpha = 0.05, K equally spaced looks, printed to 3 decimals
 POCOCK = {1: 1.960, 2: 2.178, 3: 2.289, 4: 2.361, 5: 2.413}
@@ -93,7 +95,12 @@ def record(values, looks=()):
     out = {"copy_loss": float(np.mean(values)), "copy_loss_sequences": list(values)}
     if len(looks):
         out["looks"] = [{"look": k, "copy_loss_sequences": list(v)} for k, v in enumerate(looks, start=2)]
-    return out
+    return typed(out)
+
+
+def record_dict(values, looks=()):
+    """`record` as the dict a baseline file holds."""
+    return record(values, looks).data
 
 
 def test_sampled_rows_take_the_sequential_rule_when_the_baseline_has_looks():
@@ -142,7 +149,7 @@ def test_extend_measures_only_the_looks_an_undecided_row_needs():
             return None
 
     baseline = {
-        **record(base[0]),
+        **record_dict(base[0]),
         "copy_gain": 0.0,
         "copy_gain_sequences": [0.0] * 16,
         "looks": [
@@ -150,7 +157,7 @@ def test_extend_measures_only_the_looks_an_undecided_row_needs():
             for k, v in enumerate(base[1:], start=2)
         ],
     }
-    candidate = {**record(build[0]), "copy_gain": 0.0, "copy_gain_sequences": [0.0] * 16}
+    candidate = {**record_dict(build[0]), "copy_gain": 0.0, "copy_gain_sequences": [0.0] * 16}
     source = Source()
     out = L.extend(source, "fp32", baseline, candidate, Tolerances())
     measured = source.asked
@@ -159,7 +166,7 @@ def test_extend_measures_only_the_looks_an_undecided_row_needs():
     again = Source()
     L.extend(again, "fp32", baseline, out, Tolerances())
     assert again.asked == []  # nothing measured twice
-    merged = {**record(build[0]), "copy_gain": 0.0, "copy_gain_sequences": [0.0] * 16}
+    merged = {**record_dict(build[0]), "copy_gain": 0.0, "copy_gain_sequences": [0.0] * 16}
     L.extend(MergedParts(), "fp32", baseline, merged, Tolerances())
     assert "looks" not in merged  # a merge job loads no build
 
@@ -172,7 +179,7 @@ def test_looks_below_one_is_refused_in_one_line():
 
 def test_a_baseline_of_implausible_spread_carries_no_evidence_for_the_sequential_rule_either():
     rng = np.random.default_rng(10)
-    base = rng.normal(1.0, 0.05, size=(4, 16))
+    base = rng.normal(1.0, 0.05, size=(4, 16)) + 3.0  # + 3: the doctored copy losses stay >= 0
     build = base + 0.01 * rng.normal(size=(4, 16))
     doctored = base[0] + 1.0 + 3.0 * (-1.0) ** np.arange(16)  # moved 1 nat, spread +-3 (the means still move)
     before = record(doctored, base[1:])

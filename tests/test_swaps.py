@@ -19,6 +19,7 @@ from pytest_circuits.gate.tolerances import Tolerances
 from pytest_circuits.testing import requires_embedded_model, save_tiny_model
 
 from .conftest import PROBES, SHIPPED_BASELINES, beyond_progress
+from .scan_records import complete
 
 TOL = Tolerances()
 SWAPS = ("swap_copy", "swap_induction", "swap_kappa", "swap_knockout")
@@ -71,7 +72,7 @@ def make_record(name="old", n_layers=3, n_heads=2, vocab=100, **figures) -> dict
         "heads": heads,
     }
     model.update(figures)
-    return model
+    return complete(model)
 
 
 def old_model() -> dict:

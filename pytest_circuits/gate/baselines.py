@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import BaselineCorrupt, BaselineError, BaselineMissing
 from ..options import flag
@@ -20,7 +20,11 @@ from .invariants import key_heads
 from .record_source import RecordSource
 from .store import BaselineStore, geometry_difference, geometry_record, same_geometry
 
-Memo = Callable[[tuple, Callable[[], Any]], Any]
+if TYPE_CHECKING:
+    from ..settings import CircuitsSettings
+    from .tolerances import Tolerances
+
+Memo = Callable[[tuple[Any, ...], Callable[[], Any]], Any]
 
 
 class RunBaselines:
@@ -28,13 +32,13 @@ class RunBaselines:
 
     def __init__(
         self,
-        settings,
+        settings: CircuitsSettings,
         model_name: Callable[[], str],
         geometry: Callable[[], Any],
         records: RecordSource,
         memo: Memo,
         run_folder: Callable[[], Any] = lambda: None,
-        key_heads_of: Sequence[dict] = (),
+        key_heads_of: Sequence[dict[str, Any]] = (),
         tolerances: Callable[[], Any] = lambda: None,
     ) -> None:
         self.settings = settings  # `CircuitsSettings`
@@ -42,7 +46,7 @@ class RunBaselines:
         self._run_folder = run_folder
         self._tolerances = tolerances  # the run's `Tolerances` (how many looks a baseline stores)
         self.key_heads_of = tuple(key_heads_of)  # more records whose key heads a screened scan knocks out exactly
-        self.events: list[dict] = []  # baseline events: written, compared, missing, corrupt (for the summary)
+        self.events: list[dict[str, Any]] = []  # baseline events: written, compared, missing, corrupt (for the summary)
 
     @property
     def model_name(self) -> str:
@@ -92,15 +96,15 @@ class RunBaselines:
             folder = self._run_folder()
             if folder is None:
                 return write()
-            return folder.once(f"{self.path(recipe).name}.written", write, dump=str, load=Path)
+            return Path(folder.once(f"{self.path(recipe).name}.written", write, dump=str, load=Path))
 
-        return self.memo(("written", recipe), write_once)
+        return Path(self.memo(("written", recipe), write_once))
 
-    def load(self, recipe: str) -> dict:
+    def load(self, recipe: str) -> dict[str, Any]:
         """The baseline record of ``recipe``: written first under ``update``; a typed BaselineError
         (`BaselineMissing`, `BaselineCorrupt`) if there is none or it is unreadable."""
 
-        def load() -> dict:
+        def load() -> dict[str, Any]:
             s = self.settings
             if s.update and (recipe in s.builds or recipe == s.reference):
                 self.write(recipe)
@@ -116,7 +120,8 @@ class RunBaselines:
             self.events.append({"event": "compared", "recipe": recipe, "path": str(path)})
             return record
 
-        return self.memo(("baseline", recipe), load)
+        loaded: dict[str, Any] = self.memo(("baseline", recipe), load)
+        return loaded
 
     def missing_message(self, recipe: str, path: Path) -> str:
         """Why ``recipe`` has no baseline, and what to do: gate against a baseline of the same
@@ -137,7 +142,7 @@ class RunBaselines:
             f"build is gated against, a broken one included; only if it is known good, {record}"
         )
 
-    def key_heads(self, tol) -> list[str]:
+    def key_heads(self, tol: Tolerances) -> list[str]:
         """The key knockout heads of this run's baselines (reference and each build's own) and of
         `key_heads_of`, which a screened scan always knocks out exactly; a record of another geometry
         (another base model: compared across models, never by label) gives none."""

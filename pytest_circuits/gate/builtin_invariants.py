@@ -26,11 +26,13 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
 from .invariant_api import Comparison, Invariant, Row, format_interval, register, signed, within
 from .record import record_eigenvalues
+from .schema import Head, HeadWrites, Record, RecordLike
 from .stats import LEVEL, excludes_zero, implausible_spread, paired_interval, spearman
 from .tolerances import Tolerance, Tolerances
 
@@ -40,16 +42,22 @@ RANK_MIN_Z = 2.0  # heads in the rank correlation: those the baseline tells apar
 # ---------------------------------------------------------------- shared helpers of the built-in invariants
 
 
-def num(value) -> float:
+def num(value: Any) -> float:
     """A float, NaN for None (a figure that was not measured)."""
     return float("nan") if value is None else float(value)
 
 
-def heads_by_label(record: dict) -> dict[str, dict]:
-    return {row["head"]: row for row in record.get("heads", [])}
+def figure(row: Record | Head | None, name: str) -> float:
+    """Figure ``name`` of a record or head row (its figures are named by the table, `rungs.figures`)
+    as a float: NaN when not measured, or when there is no such row (a head the build lacks)."""
+    return num(getattr(row, name, None))
 
 
-def head_pairs(before: dict, after: dict) -> list[tuple[str, dict, dict]]:
+def heads_by_label(record: RecordLike) -> dict[str, Head]:
+    return {row.head: row for row in Record.of(record).heads}
+
+
+def head_pairs(before: Record, after: Record) -> list[tuple[str, Head, Head]]:
     """Heads present in both records, in the baseline's order."""
     b, a = heads_by_label(before), heads_by_label(after)
     return [(name, b[name], a[name]) for name in b if name in a]
@@ -63,12 +71,12 @@ NO_INTERVAL = (
 def sampled_within(
     subject: str,
     metric: str,
-    before: dict,
-    after: dict,
+    before: Record | Head,
+    after: Record | Head | None,
     limit: float,
     tol: Tolerances,
     note: str = "",
-    looks: tuple[list, list] = ([], []),
+    looks: tuple[list[list[float]], list[list[float]]] = ([], []),
 ) -> Row:
     """A row of a sampled figure (a mean over the probe's sequences; rungs/figures.py), read from
     ``before`` / ``after`` (a record, or one of its head rows) with its per-sequence values, and
@@ -82,14 +90,21 @@ def sampled_within(
     """
     from ..rungs.figures import sequences_key
 
-    x, y = num(before.get(metric)), num(after.get(metric))
+    x, y = figure(before, metric), figure(after, metric)
     key = sequences_key(metric)
-    xs, ys = before.get(key), after.get(key)
+    xs, ys = getattr(before, key, None), getattr(after, key, None)
     interval = paired_interval(xs, ys) if xs is not None and ys is not None else None
     beyond = not abs(y - x) <= limit
     said = [note] if note else []
     # a baseline whose values spread implausibly carries no evidence for either rule: the fixed path says so
-    if interval is not None and tol.outside_interval and math.isfinite(limit) and implausible_spread(xs, ys) is None:
+    if (
+        interval is not None
+        and xs is not None
+        and ys is not None
+        and tol.outside_interval
+        and math.isfinite(limit)
+        and implausible_spread(xs, ys) is None
+    ):  # (an interval needs both sides' values)
         row = sequential_row(subject, metric, x, y, xs, ys, looks, limit, tol, said)
         if row is not None:
             return row
@@ -101,7 +116,7 @@ def sampled_within(
         broken = beyond
     elif tol.outside_interval:
         broken = beyond and excludes_zero(interval)
-        ratio = implausible_spread(xs, ys) if beyond and not broken else None
+        ratio = implausible_spread(xs, ys) if beyond and not broken and xs is not None and ys is not None else None
         if ratio is not None:
             broken = True  # only the baseline's implausible spread held the interval over 0
             said.append(NO_EVIDENCE.format(ratio=ratio, n=len(xs or ())))
@@ -119,14 +134,25 @@ FIXED = "fixed rule on {n} sequences"  # the note of a sampled row decided by th
 NO_LOOKS = "; fixed rule: the baseline holds no further looks (record it again for the sequential rule)"
 
 
-def fixed_why(before: dict, rows: list[Row], tol: Tolerances) -> str:
+def fixed_why(before: Record, rows: list[Row], tol: Tolerances) -> str:
     """The invariant's words (a `Comparison.left_out`) when the fixed rule decided a row because the
     baseline holds no further looks ("" otherwise: the sequential rule, or ``looks`` = 1 asked)."""
     fixed = any(FIXED.format(n=r.sequences) in r.note for r in rows if r.sequences is not None)
-    return NO_LOOKS if fixed and tol.looks > 1 and not before.get("looks") else ""
+    return NO_LOOKS if fixed and tol.looks > 1 and not before.looks else ""
 
 
-def sequential_row(subject, metric, x, y, xs, ys, looks, limit, tol, said) -> Row | None:
+def sequential_row(
+    subject: str,
+    metric: str,
+    x: float,
+    y: float,
+    xs: list[float],
+    ys: list[float],
+    looks: tuple[list[list[float]], list[list[float]]],
+    limit: float,
+    tol: Tolerances,
+    said: list[str],
+) -> Row | None:
     """The row the sequential rule (`gate.sequential.decide`) gives: over look 1 (``xs``, ``ys``)
     and the further looks both sides hold, at most ``tol.looks`` (and the baseline's count). None
     when the baseline holds no further look (or ``tol.looks`` is 1): the fixed rule applies. A row
@@ -138,7 +164,7 @@ def sequential_row(subject, metric, x, y, xs, ys, looks, limit, tol, said) -> Ro
     most = min(max(int(tol.looks), 1), 1 + len(before_looks))
     if most < 2 or len(xs) != len(ys):
         return None
-    parts = [np.subtract(np.asarray(ys, float), np.asarray(xs, float))]
+    parts: list[np.ndarray[Any, Any]] = [np.subtract(np.asarray(ys, float), np.asarray(xs, float))]
     for b, a in zip(before_looks[: most - 1], after_looks):
         if len(a) != len(b):
             break
@@ -201,30 +227,42 @@ def sequences_said(rows: list[Row]) -> str:
     return f"decided on {span} sequences ({'fixed' if fixed else 'sequential'} rule)"
 
 
-def ov_gains(record: dict) -> dict[str, float]:
+def _writer(record: RecordLike | HeadWrites) -> Record | HeadWrites:
+    """A partial record of head writes as it is, else the validated `Record` (`Record.of`)."""
+    return record if isinstance(record, HeadWrites) else Record.of(record)
+
+
+def ov_gains(record: RecordLike | HeadWrites) -> dict[str, float]:
     """Each head's OV gain ``sum_i |lambda_i|``: the ``ov_gain`` column, or from the stored
-    eigenvalues for records written before that column existed; empty when neither is there."""
+    eigenvalues for records written before that column existed; empty when neither is there
+    (a frame's `HeadWrites` hold no eigenvalues)."""
     from ..rungs.kappa import ov_gain
 
-    heads = heads_by_label(record)
-    if heads and all(row.get("ov_gain") is not None for row in heads.values()):
-        return {name: float(row["ov_gain"]) for name, row in heads.items()}
-    return {name: float(ov_gain(lam)) for name, lam in record_eigenvalues(record).items() if lam.size}
+    typed = _writer(record)
+    heads = {row.head: row for row in typed.heads}
+    gains = {name: float(row.ov_gain) for name, row in heads.items() if row.ov_gain is not None}
+    if heads and len(gains) == len(heads):
+        return gains
+    if isinstance(typed, HeadWrites):
+        return {}
+    return {name: float(ov_gain(lam)) for name, lam in record_eigenvalues(typed).items() if lam.size}
 
 
-def head_writes(record: dict) -> tuple[dict[str, float], str]:
+def head_writes(record: RecordLike | HeadWrites) -> tuple[dict[str, float], str]:
     """``(sizes, what)``: each head's OV gain times its layer's ``path_factor`` (what it writes
     on the probe: the per-position norm factors the fold leaves out put back) when every head has
     one, else its OV gain alone (`ov_gains`; records written before ``path_factor``), and the words."""
-    gains = ov_gains(record)
-    heads = heads_by_label(record)
-    if gains and all(heads.get(name, {}).get("path_factor") is not None for name in gains):
-        return {name: gain * float(heads[name]["path_factor"]) for name, gain in gains.items()}, "OV gain on the probe"
+    typed = _writer(record)
+    gains = ov_gains(typed)
+    factors = {row.head: float(row.path_factor) for row in typed.heads if row.path_factor is not None}
+    if gains and all(name in factors for name in gains):
+        return {name: gain * factors[name] for name, gain in gains.items()}, "OV gain on the probe"
     return gains, "OV gain"
 
 
-def negligible_heads(record: dict, min_ov_gain: float) -> set[str]:
-    """Heads whose residual write (`head_writes`) is below ``min_ov_gain`` x the record's largest."""
+def negligible_heads(record: RecordLike | HeadWrites, min_ov_gain: float) -> set[str]:
+    """Heads whose residual write (`head_writes`) is below ``min_ov_gain`` x the record's largest
+    (a scan record, or a result frame's `HeadWrites`)."""
     gains, _ = head_writes(record)
     if not gains or min_ov_gain <= 0:
         return set()
@@ -232,7 +270,7 @@ def negligible_heads(record: dict, min_ov_gain: float) -> set[str]:
     return {name for name, gain in gains.items() if gain < min_ov_gain * largest}
 
 
-def compared_pairs(before: dict, after: dict, tol: Tolerances) -> tuple[list, str]:
+def compared_pairs(before: Record, after: Record, tol: Tolerances) -> tuple[list[tuple[str, Head, Head]], str]:
     """``(pairs, left_out)``: the heads the kappa invariants compare, and a note naming how many
     negligible heads were left out ("" when none)."""
     negligible = negligible_heads(before, tol.min_ov_gain)
@@ -243,13 +281,15 @@ def compared_pairs(before: dict, after: dict, tol: Tolerances) -> tuple[list, st
     return pairs, f"; {len(negligible)} heads with {what} < {tol.min_ov_gain:g} x the largest not compared"
 
 
-def kappa_pairs(before: dict, after: dict, figures: tuple[str, ...]) -> tuple[dict[str, tuple[str, str]], str]:
+def kappa_pairs(
+    before: RecordLike, after: RecordLike, figures: tuple[str, ...]
+) -> tuple[dict[str, tuple[str, str]], str]:
     """``({figure: (figure of before, figure of after)}, why)``: the figures of two records that
     measure the same thing (`rungs.kappa_method.paired_figures`); ``why`` names the two ways of
     measuring kappa when some figure has no pair ("" when all do)."""
     from ..rungs.kappa_method import of_record, paired_figures
 
-    mb, ma = of_record(before), of_record(after)
+    mb, ma = of_record(Record.of(before)), of_record(Record.of(after))
     pairs = {f: p for f in figures if (p := paired_figures(f, mb, ma)) is not None}
     if len(pairs) == len(figures):
         return pairs, ""
@@ -260,36 +300,34 @@ def kappa_pairs(before: dict, after: dict, figures: tuple[str, ...]) -> tuple[di
     )
 
 
-def key_heads(record: dict, metric: str, top_k: int, minimum: float) -> list[str]:
+def key_heads(record: RecordLike, metric: str, top_k: int, minimum: float) -> list[str]:
     """The record's heads scoring at least ``minimum`` on ``metric``, best first; the top ``top_k``
     of them when ``top_k`` is positive, every one when it is 0."""
-    rows = [(r["head"], num(r.get(metric))) for r in record.get("heads", [])]
+    rows = [(r.head, figure(r, metric)) for r in Record.of(record).heads]
     rows = [(h, v) for h, v in rows if not math.isnan(v) and v >= minimum]
     rows.sort(key=lambda hv: -hv[1])
     return [h for h, _ in (rows[:top_k] if top_k > 0 else rows)]
 
 
-def knockouts_lost(record: dict) -> list[str]:
+def knockouts_lost(record: Record) -> list[str]:
     """Heads without a knockout_delta in a record whose knockout scan was not screened (every head
     exactly): figures lost, not screened out."""
-    info = record.get("knockout")
-    if info is None or info.get("screened") is not None:
+    if record.knockout is None or record.knockout.screened is not None:
         return []
-    return [r["head"] for r in record.get("heads", []) if r.get("knockout_delta") is None]
+    return [r.head for r in record.heads if r.knockout_delta is None]
 
 
-def other_knockout_settings(before: dict, after: dict) -> list[str]:
+def other_knockout_settings(before: Record, after: Record) -> list[str]:
     """``["mode zero vs mean", ...]``: the knockout settings (mode, seed, n, L) both records name
     and name differently; deltas of another ablation or other sequences are other figures."""
     settings = [
-        (k, (before.get("knockout") or {}).get(k), (after.get("knockout") or {}).get(k))
-        for k in ("mode", "seed", "n", "L")
+        (k, getattr(before.knockout, k, None), getattr(after.knockout, k, None)) for k in ("mode", "seed", "n", "L")
     ]
     return [f"{k} {x} vs {y}" for k, x, y in settings if x is not None and y is not None and x != y]
 
 
-def _role(row: dict) -> str:
-    return "copying" if row.get("copying") else "suppression" if row.get("suppression") else ""
+def _role(row: Head) -> str:
+    return "copying" if row.copying else "suppression" if row.suppression else ""
 
 
 # ---------------------------------------------------------------- the built-in invariants
@@ -311,20 +349,20 @@ class CopyingHeads(Invariant):
     held = "copying heads of {build} survive against the {against}"
     moved = "copying heads of {build} moved against the {against}"
 
-    def compare(self, before, after, tol):
+    def compare(self, before: Record, after: Record, tol: Tolerances) -> Comparison:
         same, mismatch = kappa_pairs(before, after, ("kappa", "kappa_trace"))
         if mismatch:
             return Comparison(nothing=mismatch)
-        (kb, ka), (tb, ta) = same["kappa"], same["kappa_trace"]  # the uncentred twin across unembeddings
+        (kb, ka), (tb, ta) = (same[f] for f in ("kappa", "kappa_trace"))  # the uncentred twin across unembeddings
         pairs, left_out = compared_pairs(before, after, tol)
         rows = []
         for name, b, a in pairs:
             for metric, x, y in [("kappa", kb, ka), ("kappa_trace", tb, ta)] if _role(b) else [("kappa_trace", tb, ta)]:
                 paired = "" if x == y else f" ({x} -> {y})"
-                rows.append(within(name, metric, num(b.get(x)), num(a.get(y)), tol.kappa, _role(b) + paired))
-        ranked = [(b, a) for _, b, a in pairs if abs(num(b.get("kappa_z"))) >= RANK_MIN_Z]
+                rows.append(within(name, metric, figure(b, x), figure(a, y), tol.kappa, _role(b) + paired))
+        ranked = [(b, a) for _, b, a in pairs if abs(figure(b, "kappa_z")) >= RANK_MIN_Z]
         if len(ranked) >= 3:
-            rho = spearman([num(b.get(kb)) for b, _ in ranked], [num(a.get(ka)) for _, a in ranked])
+            rho = spearman([figure(b, kb) for b, _ in ranked], [figure(a, ka) for _, a in ranked])
             undefined = " undefined: kappa is constant on one side" if math.isnan(rho) else ""
             rows.append(
                 Row(
@@ -357,28 +395,30 @@ class KappaDistribution(Invariant):
     held = "kappa distribution of {build} not shifted against the {against}"
     moved = "kappa distribution of {build} shifted against the null, compared with the {against}"
 
-    def compare(self, before, after, tol):
+    def compare(self, before: Record, after: Record, tol: Tolerances) -> Comparison:
         _, mismatch = kappa_pairs(before, after, ("kappa_z", "kappa_trace_z"))
         if mismatch:
             return Comparison(nothing=mismatch)
         pairs, left_out = compared_pairs(before, after, tol)
-        rows, context, said = [], [], []
+        rows: list[Row] = []
+        context: list[Row] = []
+        said: list[str] = []
         for metric in ("kappa_z", "kappa_trace_z"):
-            dz = np.array([num(a.get(metric)) - num(b.get(metric)) for _, b, a in pairs], float)
+            dz = np.array([figure(a, metric) - figure(b, metric) for _, b, a in pairs], float)
             if not np.isfinite(dz).any():
                 continue
             shift = float(dz[np.isfinite(dz)].mean()) if np.isfinite(dz).all() else math.nan
-            mean_b = float(np.nanmean([num(b.get(metric)) for _, b, _ in pairs]))
+            mean_b = float(np.nanmean([figure(b, metric) for _, b, _ in pairs]))
             row = within("all heads", f"mean {metric}", mean_b, mean_b + shift, tol.shift)
             rows.append(row)
             said.append(f"mean d{metric} {shift:+.2f}")
             if row.broken:  # the heads that drive the shift: moved the same way at least as far, largest first
                 drivers = sorted(
                     (p for p, d in zip(pairs, dz) if np.sign(d) == np.sign(shift) and abs(d) >= abs(shift)),
-                    key=lambda p: -abs(num(p[2].get(metric)) - num(p[1].get(metric))),
+                    key=lambda p: -abs(figure(p[2], metric) - figure(p[1], metric)),
                 )
                 context += [
-                    Row(name, metric, num(b.get(metric)), num(a.get(metric)), tol.shift, True, "(drives the shift)")
+                    Row(name, metric, figure(b, metric), figure(a, metric), tol.shift, True, "(drives the shift)")
                     for name, b, a in drivers[:5]
                 ]
         return Comparison(
@@ -408,7 +448,7 @@ class OvGain(Invariant):
     held = "key heads of {build} keep their OV gain against the {against}"
     moved = "key heads of {build} changed their OV gain against the {against}"
 
-    def compare(self, before, after, tol):
+    def compare(self, before: Record, after: Record, tol: Tolerances) -> Comparison:
         from ..rungs.kappa_method import of_record
 
         wb, wa = of_record(before).unembedding, of_record(after).unembedding
@@ -418,7 +458,7 @@ class OvGain(Invariant):
                 "(a live gate measures the build the baseline's way)"
             )
         keys = sampled_key_heads(before, tol)
-        if not keys and not any(num(r.get(m)) == num(r.get(m)) for r in before.get("heads", []) for m in KEY_SCORES):
+        if not keys and not any(not math.isnan(figure(r, m)) for r in before.heads for m in KEY_SCORES):
             return Comparison(nothing="the {against} holds no probe or knockout figures to find key heads by")
         gb, ga = ov_gains(before), ov_gains(after)
         if keys and not gb:
@@ -449,11 +489,11 @@ class OvGain(Invariant):
 KEY_SCORES = ("prefix_matching", "previous_token", "knockout_delta")  # the figures that make a key head
 
 
-def sampled_key_heads(record: dict, tol: Tolerances) -> list[str]:
+def sampled_key_heads(record: RecordLike, tol: Tolerances) -> list[str]:
     """The heads ``induction_heads`` and ``knockout_deltas`` compare, in the record's order."""
     minimum = {"prefix_matching": tol.min_score, "previous_token": tol.min_score, "knockout_delta": tol.min_delta}
     keys = {h for score in KEY_SCORES for h in key_heads(record, score, tol.top_k, minimum[score])}
-    return [row["head"] for row in record.get("heads", []) if row["head"] in keys]
+    return [row.head for row in Record.of(record).heads if row.head in keys]
 
 
 @register
@@ -481,7 +521,7 @@ class CopyLoss(Invariant):
     held = "copy behaviour of {build} within tolerance of the {against}"
     moved = "copy behaviour of {build} moved against the {against}"
 
-    def compare(self, before, after, tol):
+    def compare(self, before: Record, after: Record, tol: Tolerances) -> Comparison:
         from .looks import look_values
 
         rows = [
@@ -496,7 +536,7 @@ class CopyLoss(Invariant):
             )
             for metric, limit in (("copy_loss", tol.copy_loss), ("copy_gain", tol.copy_gain))
         ]
-        detail = f"copy loss {num(after.get('copy_loss')):.3f}, gain {num(after.get('copy_gain')):.3f}; "
+        detail = f"copy loss {num(after.copy_loss):.3f}, gain {num(after.copy_gain):.3f}; "
         return Comparison(rows, spared(rows), fixed_why(before, rows, tol), detail + interval_detail(rows))
 
 
@@ -516,13 +556,13 @@ class InductionHeads(Invariant):
     held = "induction heads of {build} survive against the {against}"
     moved = "induction heads of {build} moved against the {against}"
 
-    def compare(self, before, after, tol):
+    def compare(self, before: Record, after: Record, tol: Tolerances) -> Comparison:
         b, a = heads_by_label(before), heads_by_label(after)
         rows = []
         for metric, role in (("prefix_matching", "induction"), ("previous_token", "previous-token")):
             for name in key_heads(before, metric, tol.top_k, tol.min_score):
                 rows.append(
-                    within(name, metric, num(b[name].get(metric)), num(a.get(name, {}).get(metric)), tol.prefix, role)
+                    within(name, metric, figure(b[name], metric), figure(a.get(name), metric), tol.prefix, role)
                 )
         return Comparison(
             rows,
@@ -549,7 +589,7 @@ class KnockoutDeltas(Invariant):
     held = "knockout deltas of {build}'s key heads keep their size against the {against}"
     moved = "knockout deltas of {build}'s key heads changed against the {against}"
 
-    def compare(self, before, after, tol):
+    def compare(self, before: Record, after: Record, tol: Tolerances) -> Comparison:
         from .looks import look_values
 
         other = other_knockout_settings(before, after)
@@ -568,7 +608,7 @@ class KnockoutDeltas(Invariant):
         b, a = heads_by_label(before), heads_by_label(after)
         rows = []
         for name in key_heads(before, "knockout_delta", tol.top_k, tol.min_delta):
-            x, y = num(b[name].get("knockout_delta")), num(a.get(name, {}).get("knockout_delta"))
+            x, y = figure(b[name], "knockout_delta"), figure(a.get(name), "knockout_delta")
             note = (
                 f"({tol.knockout:.0%} of its size)"
                 if not math.isnan(y)
@@ -576,7 +616,7 @@ class KnockoutDeltas(Invariant):
             )
             looks = (look_values(before, "knockout_delta", name), look_values(after, "knockout_delta", name))
             limit = tol.knockout * abs(x)
-            rows.append(sampled_within(name, "knockout_delta", b[name], a.get(name, {}), limit, tol, note, looks))
+            rows.append(sampled_within(name, "knockout_delta", b[name], a.get(name), limit, tol, note, looks))
         return Comparison(
             rows,
             spared(rows),

@@ -8,6 +8,7 @@ import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from ..options import flag
 from ..settings import CircuitsSettings, recording_words
@@ -38,7 +39,7 @@ def file_record_command(settings: CircuitsSettings, build: str, baseline: Path) 
     return record_command(settings, build, folder, name=name)
 
 
-def update_command(config) -> str:
+def update_command(config: Any) -> str:
     """The command this pytest run was started with (``config``: its `pytest.Config`), its arguments
     as given (``--pyargs``, paths relative to the folder it was started in), with the update flag
     added: pasted there, it records the baselines that changed (unchanged ones are not rewritten).
@@ -73,7 +74,7 @@ def fix_lines(settings: CircuitsSettings, recipe: str, command: str) -> dict[str
     }
 
 
-def file_fix_line(settings: CircuitsSettings, baseline: dict, path: Path, across: bool) -> str:
+def file_fix_line(settings: CircuitsSettings, baseline: dict[str, Any], path: Path, across: bool) -> str:
     """The closing line of a ``circuits gate`` failure against the baseline file ``path``."""
     if across:
         return (
@@ -83,6 +84,6 @@ def file_fix_line(settings: CircuitsSettings, baseline: dict, path: Path, across
     return RECORD_AGAIN + file_record_command(settings, build_word(baseline["build"]), path)
 
 
-def build_word(build: dict) -> str:
+def build_word(build: dict[str, Any]) -> str:
     """How ``--build`` names a record's build: its recipe, or NAME=PATH for an external build."""
     return f"{build['recipe']}={build['source']}" if build.get("source") else str(build["recipe"])

@@ -8,20 +8,26 @@ measured by the run's `RecordSource` (a merge of shard parts measures none).
 
 from __future__ import annotations
 
+from typing import Any
+
 from .looks import KNOCKOUT_KEY, SEQUENTIAL, look_seed
 from .record_source import RecordSource
+from .schema import Record, RecordLike
+from .tolerances import Tolerances
 
 
-def with_looks(records: RecordSource, recipe: str, record: dict, tol) -> dict:
-    """``record`` (a record of ``recipe`` measured now) with its looks 2 .. ``tol.looks`` (a
-    baseline's: measured once, with the knockouts of its key heads when it has knockouts)."""
+def with_looks(records: RecordSource, recipe: str, record: dict[str, Any], tol: Tolerances) -> dict[str, Any]:
+    """``record`` (a record of ``recipe`` measured now, the dict written) with its looks 2 ..
+    ``tol.looks`` (a baseline's: measured once, with the knockouts of its key heads when it has
+    knockouts)."""
     from .invariants import key_heads
 
-    looks = tol.looks
-    knocked = record.get("knockout")
-    heads = key_heads(record, "knockout_delta", tol.top_k, tol.min_delta) if knocked else []
-    mode = (knocked or {}).get("mode")
-    probe_seed, knockout_seed = int(record["probe"]["seed"]), int((knocked or {}).get("seed", 0))
+    looks = int(tol.looks)
+    typed = Record.of(record)
+    knocked = typed.knockout
+    heads = key_heads(typed, "knockout_delta", int(tol.top_k), float(tol.min_delta)) if knocked else []
+    mode = knocked.mode if knocked else None
+    probe_seed, knockout_seed = typed.probe.seed, knocked.seed if knocked else 0
     entries = [
         records.look(recipe, k, look_seed(probe_seed, k), look_seed(knockout_seed, k), heads, mode)
         for k in range(2, looks + 1)
@@ -31,11 +37,12 @@ def with_looks(records: RecordSource, recipe: str, record: dict, tol) -> dict:
     return {**record, "looks": entries}
 
 
-def wanted(baseline: dict, candidate: dict, tol) -> int:
+def wanted(baseline: RecordLike, candidate: RecordLike, tol: Tolerances) -> int:
     """The largest look a row of the sequential invariants asks for (0: every row is decided)."""
     from .invariants import get
     from .record import has_figures
 
+    baseline, candidate = Record.of(baseline), Record.of(candidate)
     most = 0
     for name in SEQUENTIAL:
         inv = get(name)
@@ -49,23 +56,29 @@ def wanted(baseline: dict, candidate: dict, tol) -> int:
     return most
 
 
-def extend(records: RecordSource, recipe: str, baseline: dict, candidate: dict, tol) -> dict:
+def extend(
+    records: RecordSource, recipe: str, baseline: dict[str, Any], candidate: dict[str, Any], tol: Tolerances
+) -> dict[str, Any]:
     """``candidate`` with the further looks its undecided rows ask for, measured on the baseline's
     seeds of those looks, in look order, until every row is decided (the candidate's own dict is
     extended in place: the run's record of the build keeps them). A merge of shard parts
     (``--circuits-shard-parts``) loads no build (its `RecordSource.look` measures nothing): its
-    undecided rows keep the fixed rule, said."""
-    stored = {e.get("look"): e for e in baseline.get("looks") or []}
+    undecided rows keep the fixed rule, said. Both are the record dicts (what is written); the
+    rows that ask are read from their typed `Record`s, validated again as looks are added."""
+    typed_baseline = Record.of(baseline)
+    # a look without its seeds (a hand-built record) cannot be measured for the build: fixed rule
+    stored = {e.look: e for e in typed_baseline.looks or [] if e.probe_seed is not None and e.knockout_seed is not None}
+    mode = typed_baseline.knockout.mode if typed_baseline.knockout else None
     while True:
-        k = wanted(baseline, candidate, tol)
-        have = 1 + len(candidate.get("looks") or [])
+        typed = Record.of(candidate)
+        k = wanted(typed_baseline, typed, tol)
+        have = 1 + len(typed.looks or [])
         if k <= have or any(j not in stored for j in range(have + 1, k + 1)):
             return candidate
         for j in range(have + 1, k + 1):
             entry = stored[j]
-            heads = sorted(entry.get(KNOCKOUT_KEY) or {}) if candidate.get("knockout") else []
-            mode = (baseline.get("knockout") or {}).get("mode")
-            look = records.look(recipe, j, entry["probe_seed"], entry["knockout_seed"], heads, mode)
+            heads = sorted(entry.values(KNOCKOUT_KEY) or {}) if typed.knockout else []
+            look = records.look(recipe, j, int(entry.probe_seed or 0), int(entry.knockout_seed or 0), heads, mode)
             if look is None:
                 return candidate
             candidate.setdefault("looks", []).append(look)

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ..errors import CircuitsDeprecationWarning, CircuitsError, did_you_mean
 from ..options import flag
 from . import tolerances as tolerances_module
 from .record import has_figures, lacking_figures
+from .schema import Record, RecordLike
 from .store import geometry_difference
 from .tolerances import Number, Tolerance, Tolerances
 
@@ -76,7 +77,7 @@ class Row:
     sequences: int | None = None  # the paired sequences that decided a sampled row (all looks)
     wants: int = 0  # the look an undecided sampled row needs next (gate.looks.extend measures it); 0: decided
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "head": self.subject,
             "metric": self.metric,
@@ -128,7 +129,9 @@ class Invariant:
     own_tolerances: ClassVar[Mapping[str, Number]] = {}  # deprecated spelling of `tolerances`
     guards: ClassVar[str] = ""  # what it guards, in the verdict line's words (default: its name)
 
-    def compare(self, before: dict, after: dict, tol: Tolerances) -> Comparison:
+    def compare(self, before: Record, after: Record, tol: Tolerances) -> Comparison:
+        """The rows of ``after`` (the build's record) against ``before`` (the baseline's), both typed
+        `schema.Record`s: read their attributes (``after.copy_loss``, ``after.heads``)."""
         raise NotImplementedError
 
 
@@ -137,7 +140,7 @@ _DECLARED: dict[str, dict[str, Tolerance]] = {}  # invariant name -> the toleran
 BUILT_IN_MODULES = (f"{__package__}.builtin_invariants", f"{__package__}.swap_invariants")
 
 
-def register(invariant):
+def register(invariant: Any) -> Any:
     """Add an invariant (an instance, or a subclass to instantiate) to the gate; returns it.
 
     Usable as a class decorator. Its ``name`` is what ``circuits_gate(name)`` runs; its
@@ -214,7 +217,7 @@ class InvariantResult:
     status: str  # one of STATUSES
     message: str
     compared: int = 0  # figures compared
-    moved: list[dict] = field(default_factory=list)  # broken rows (and context), as dicts
+    moved: list[dict[str, Any]] = field(default_factory=list)  # broken rows (and context), as dicts
 
     @property
     def passed(self) -> bool:
@@ -224,14 +227,14 @@ class InvariantResult:
     def skipped(self) -> bool:
         return self.status == "skipped"
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "passed": self.passed}
 
 
 def evaluate(
     invariant: Invariant | str,
-    before: dict,
-    after: dict,
+    before: RecordLike,
+    after: RecordLike,
     tol: Tolerances,
     build: str,
     against: str,
@@ -242,13 +245,15 @@ def evaluate(
 
     ``across``: compare the records as two base models (None: when their geometries differ).
     Across models only the `Invariant.across_models` invariants run, and the others are skipped
-    saying why; between builds of one model it is the other way round.
+    saying why; between builds of one model it is the other way round. A record dict is validated
+    first (`schema.Record.of`); the invariants read the typed `Record`.
     """
     inv = get(invariant) if isinstance(invariant, str) else invariant
+    before, after = Record.of(before), Record.of(after)
     words = dict(
         name=inv.name, build=build, against=against, model=model_name(after), baseline_model=model_name(before)
     )
-    other = geometry_difference(before, after)
+    other = geometry_difference(before.data, after.data)
     scope = scope_skip(inv, bool(other) if across is None else across, other, words)
     if scope:
         return InvariantResult(inv.name, build, against, "skipped", scope)
@@ -283,11 +288,11 @@ def evaluate(
     return InvariantResult(inv.name, build, against, status, message, len(comparison.rows), moved)
 
 
-def model_name(record: dict) -> str:
-    return str((record.get("model") or {}).get("name") or "the model")
+def model_name(record: RecordLike) -> str:
+    return Record.of(record).model.name or "the model"
 
 
-def scope_skip(inv: Invariant, across: bool, other: str, words: dict) -> str:
+def scope_skip(inv: Invariant, across: bool, other: str, words: dict[str, Any]) -> str:
     """Why ``inv`` is not compared in this pairing ("" when it is): a build invariant across two
     base models, or a cross-model invariant between builds of one model."""
     geometry = f"geometry {other}" if other else "the same geometry, compared as two models"
@@ -312,13 +317,14 @@ def per_build_invariants() -> list[str]:
     return [name for name, inv in REGISTRY.items() if not inv.across_models]
 
 
-def runnable(after: dict, names=None, across: bool = False) -> list[str]:
+def runnable(after: RecordLike, names: Iterable[str] | None = None, across: bool = False) -> list[str]:
     """The invariants (all registered, or ``names``) whose figures the candidate record holds;
     the cross-model ones only ``across`` models (the others then report why they were skipped)."""
+    after = Record.of(after)
     return [n for n in in_scope(names, across) if all(has_figures(after, need) for need in get(n).needs)]
 
 
-def in_scope(names=None, across: bool = False) -> list[str]:
+def in_scope(names: Iterable[str] | None = None, across: bool = False) -> list[str]:
     """The invariants (all registered, or ``names``) a comparison runs, whatever figures they need:
     the cross-model ones only ``across`` models."""
     chosen = list(REGISTRY) if names is None else list(names)
@@ -326,18 +332,19 @@ def in_scope(names=None, across: bool = False) -> list[str]:
 
 
 def gate_all(
-    before: dict,
-    after: dict,
+    before: RecordLike,
+    after: RecordLike,
     tol: Tolerances,
     build: str,
     against: str,
     fix: str | None = None,
-    names=None,
+    names: Iterable[str] | None = None,
     across: bool | None = None,
 ) -> list[InvariantResult]:
     """`evaluate` every invariant the candidate has figures for (``across``: see `evaluate`); one it
     has none for (a scan without knockouts) is skipped saying so, so the verdict names it as not guarded."""
-    across = bool(geometry_difference(before, after)) if across is None else across
+    before, after = Record.of(before), Record.of(after)
+    across = bool(geometry_difference(before.data, after.data)) if across is None else across
     run = runnable(after, names, across)
     results = {n: evaluate(n, before, after, tol, build, against, fix, across) for n in run}
     for n in in_scope(names, across):
@@ -347,13 +354,13 @@ def gate_all(
     return [results[n] for n in in_scope(names, across)]
 
 
-def guarded(results) -> str:
+def guarded(results: Iterable[Any]) -> str:
     """What a gate that skipped something checked, for its verdict line: ``"guarded: the copy loss,
     the copying heads; NOT guarded: the induction and previous-token heads (skipped)"``; "" when
     nothing was skipped. ``results``: objects or dicts with ``invariant`` and ``status``; an
     invariant held against one baseline is guarded."""
 
-    def field(r, key):
+    def field(r: Any, key: str) -> Any:
         return r[key] if isinstance(r, dict) else getattr(r, key)
 
     pairs = [(field(r, "invariant"), field(r, "status")) for r in results]

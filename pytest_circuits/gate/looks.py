@@ -10,9 +10,12 @@ figure. Here: the seeds of each look and the values a record holds; when looks a
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..rungs.figures import sequences_key
+from .schema import Record
 
 SEQUENTIAL = ("copy_loss", "knockout_deltas")  # the invariants that read further looks
 KNOCKOUT_KEY = sequences_key("knockout_delta")
@@ -26,12 +29,12 @@ def look_seed(seed: int, look: int) -> int:
     return int(np.random.SeedSequence([int(seed), int(look)]).generate_state(1, np.uint32)[0])
 
 
-def look_values(record: dict, metric: str, head: str | None = None) -> list[list[float]]:
+def look_values(record: Record, metric: str, head: str | None = None) -> list[list[float]]:
     """The per-sequence values of ``metric`` (of ``head``) in each further look of ``record``, in
     look order, stopping at the first look that lacks them."""
     out = []
-    for entry in sorted(record.get("looks") or [], key=lambda e: e.get("look", 0)):
-        values = entry.get(sequences_key(metric))
+    for entry in sorted(record.looks or [], key=lambda e: e.look):
+        values: Any = entry.values(sequences_key(metric))
         if head is not None:
             values = (values or {}).get(head)
         if values is None:

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .schema import Record, RecordLike
+
 TOP = 3  # heads in the concentration share
 
 
@@ -67,8 +69,8 @@ class Profile:
         return f"{self.knockout_measured} of {self.n_heads} heads measured exactly (screened)"
 
 
-def _num(value) -> float:
-    return math.nan if value is None else float(value)
+def _num(value: object) -> float:
+    return math.nan if value is None else float(value)  # type: ignore[arg-type]
 
 
 def depth(layer: int, n_layers: int) -> float:
@@ -76,33 +78,34 @@ def depth(layer: int, n_layers: int) -> float:
     return (layer + 0.5) / n_layers
 
 
-def profile(record: dict, induction_threshold: float) -> Profile:
+def profile(record: RecordLike, induction_threshold: float) -> Profile:
     """The `Profile` of ``record``; induction heads score ``prefix_matching >= induction_threshold``."""
-    geometry = record["model"]["geometry"]
-    n_layers = int(geometry["n_layers"])
-    heads = record.get("heads") or []
-    n_heads = n_layers * int(geometry["n_heads"])
+    record = Record.of(record)
+    geometry = record.model.geometry
+    n_layers = geometry.n_layers
+    heads = record.heads
+    n_heads = n_layers * geometry.n_heads
 
-    prefix = [(row["head"], int(row["layer"]), _num(row.get("prefix_matching"))) for row in heads]
+    prefix = [(row.head, int(row.layer), _num(row.prefix_matching)) for row in heads]
     prefix = sorted((p for p in prefix if not math.isnan(p[2])), key=lambda p: -p[2])
     induction = [p for p in prefix if p[2] >= induction_threshold]
     best_head, _, best = prefix[0] if prefix else ("", 0, math.nan)
     mean_depth = float(np.mean([depth(layer, n_layers) for _, layer, _ in induction])) if induction else math.nan
 
-    deltas = [(row["head"], _num(row.get("knockout_delta"))) for row in heads]
+    deltas = [(row.head, _num(row.knockout_delta)) for row in heads]
     measured = [(h, d) for h, d in deltas if not math.isnan(d)]
     largest_head, largest = max(measured, key=lambda hd: hd[1]) if measured else ("", math.nan)
     positive = sorted((max(d, 0.0) for _, d in measured), reverse=True)
     total = sum(positive)
     top = sum(positive[:TOP]) / total if len(measured) == n_heads and total > 0 else math.nan
 
-    copy_loss, first = _num(record.get("copy_loss")), _num(record.get("first_copy_loss"))
-    gain = _num(record.get("copy_gain"))
+    copy_loss, first = _num(record.copy_loss), _num(record.first_copy_loss)
+    gain = _num(record.copy_gain)
     return Profile(
-        model=str(record["model"].get("name", "?")),
+        model=record.model.name,
         n_layers=n_layers,
         n_heads=n_heads,
-        uniform_loss=_num(record.get("uniform_loss")),
+        uniform_loss=_num(record.uniform_loss),
         copy_loss=copy_loss,
         first_copy_loss=first,
         copy_gain=gain,
@@ -112,9 +115,9 @@ def profile(record: dict, induction_threshold: float) -> Profile:
         best_prefix=best,
         best_prefix_head=best_head,
         induction_depth=mean_depth,
-        copying_share=sum(bool(row.get("copying")) for row in heads) / n_heads,
-        suppression_share=sum(bool(row.get("suppression")) for row in heads) / n_heads,
-        kappa_z=tuple(z for z in (_num(row.get("kappa_z")) for row in heads) if math.isfinite(z)),
+        copying_share=sum(bool(row.copying) for row in heads) / n_heads,
+        suppression_share=sum(bool(row.suppression) for row in heads) / n_heads,
+        kappa_z=tuple(z for z in (_num(row.kappa_z) for row in heads) if math.isfinite(z)),
         knockout_measured=len(measured),
         largest_knockout=largest,
         largest_knockout_head=largest_head,

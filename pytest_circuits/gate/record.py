@@ -7,13 +7,15 @@ them (the same code path for the plugin and the CLI).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from ..model.families import head_label
 from ..rungs import figures
-from .schema import SCHEMA_VERSION
+from .schema import SCHEMA_VERSION, Record
 from .stats import mean_interval
 
 HEAD_COLUMNS = figures.stored_head_figures("always")  # in every head row (None where not measured)
@@ -27,22 +29,24 @@ NEEDS = {
 }  # what an invariant may need -> the head figure that shows it
 
 
-def has_figures(record: dict, need: str) -> bool:
+def has_figures(record: Record | dict[str, Any], need: str) -> bool:
     """True when the record holds the figures of ``need`` (``"knockout"``: any measured knockout delta;
     ``"routing"``: any measured routing score, which an engine without attention patterns lacks)."""
     column = NEEDS[need]
+    if isinstance(record, Record):
+        return any(getattr(row, column) is not None for row in record.heads)
     return any(row.get(column) is not None for row in record.get("heads") or [] if isinstance(row, dict))
 
 
-def lacking_figures(record: dict, build: str, lacking: str) -> str:
+def lacking_figures(record: Record, build: str, lacking: str) -> str:
     """Why an invariant was not checked: ``record`` holds no ``lacking`` figures (the engine that ran
     its probe could not measure them, or it was measured without them)."""
-    engine = (record.get("build") or {}).get("engine")
+    engine = record.build.engine
     why = f"its probe ran on {engine}" if engine else "it was measured without them"
     return f"not checked: the {build} record holds no {lacking} figures, {why}"
 
 
-def versions() -> dict:
+def versions() -> dict[str, Any]:
     """Versions of torch, transformers, bitsandbytes (None if absent) and pytest-circuits."""
     import torch
     import transformers
@@ -64,7 +68,7 @@ def versions() -> dict:
     }
 
 
-def _plain(value):
+def _plain(value: Any) -> Any:
     """numpy scalars -> Python; NaN/inf -> None (strict JSON)."""
     if isinstance(value, (np.bool_, bool)):
         return bool(value)
@@ -78,7 +82,7 @@ def _plain(value):
     return value
 
 
-def interval_of(sequences) -> list[float] | None:
+def interval_of(sequences: Sequence[float] | None) -> list[float] | None:
     """The 95% t interval ``[low, high]`` of the mean of per-sequence values (`stats.mean_interval`);
     None when there are none (records without per-sequence figures) or too few."""
     if sequences is None:
@@ -87,11 +91,11 @@ def interval_of(sequences) -> list[float] | None:
     return None if interval is None else [float(interval[0]), float(interval[1])]
 
 
-def sampled_model_figures(probe_result) -> dict:
+def sampled_model_figures(probe_result: Any) -> dict[str, Any]:
     """Per-sequence copy loss, first-copy loss and copy gain, each with its interval (`interval_of`)."""
     keep = getattr(probe_result, "sequence_figures", None)  # a probe result that kept none has no such method
     sequences = keep() if keep is not None else {}
-    out: dict = {}
+    out: dict[str, Any] = {}
     for name in figures.SAMPLED_MODEL_FIGURES:
         values = sequences.get(figures.sequences_key(name))
         if values is not None:
@@ -100,7 +104,7 @@ def sampled_model_figures(probe_result) -> dict:
     return out
 
 
-def head_rows(spectrum, probe_heads=None, knockout=None) -> list[dict]:
+def head_rows(spectrum: Any, probe_heads: Any = None, knockout: Any = None) -> list[dict[str, Any]]:
     """One dict per head (ordered by layer, head), joining the three rung frames on ``head``."""
     frame = pd.DataFrame({c: spectrum[c].to_numpy() for c in spectrum.columns})  # no attrs: they break merge
     if probe_heads is not None:
@@ -120,7 +124,7 @@ def head_rows(spectrum, probe_heads=None, knockout=None) -> list[dict]:
     return rows
 
 
-def eigenvalue_map(eigenvalues) -> dict:
+def eigenvalue_map(eigenvalues: Any) -> dict[str, Any]:
     """``(n_layers, n_heads, d_head)`` complex array -> ``{"L0H0": [[re, im], ...]}``."""
     if eigenvalues is None:
         return {}
@@ -132,10 +136,11 @@ def eigenvalue_map(eigenvalues) -> dict:
     return out
 
 
-def record_eigenvalues(record: dict) -> dict[str, np.ndarray]:
+def record_eigenvalues(record: Record | dict[str, Any]) -> dict[str, np.ndarray]:
     """The inverse of `eigenvalue_map`: a record's ``{"L0H0": [[re, im], ...]}`` as complex arrays."""
     out = {}
-    for label, pairs in (record.get("eigenvalues") or {}).items():
+    stored = record.eigenvalues if isinstance(record, Record) else record.get("eigenvalues") or {}
+    for label, pairs in stored.items():
         values = np.asarray(pairs, dtype=float).reshape(-1, 2)
         out[str(label)] = values[:, 0] + 1j * values[:, 1]
     return out
@@ -143,15 +148,15 @@ def record_eigenvalues(record: dict) -> dict[str, np.ndarray]:
 
 def assemble_record(
     *,
-    model: dict,
-    build: dict,
-    probe: dict,
-    knockout_info: dict | None,
-    spectrum,
-    probe_result,
-    knockout=None,
-    rung1: dict,
-) -> dict:
+    model: dict[str, Any],
+    build: dict[str, Any],
+    probe: dict[str, Any],
+    knockout_info: dict[str, Any] | None,
+    spectrum: Any,
+    probe_result: Any,
+    knockout: Any = None,
+    rung1: dict[str, Any],
+) -> dict[str, Any]:
     """The scan record from its parts (pure; see the contract in the module docstring)."""
     model_figures = probe_result.model_figures() if probe_result is not None else {}
     return {
@@ -170,7 +175,7 @@ def assemble_record(
     }
 
 
-def _series(probe_result) -> dict:
+def _series(probe_result: Any) -> dict[str, Any]:
     """The per-position series the probe measured (absent keys, not empty lists, when it has none)."""
     out = {}
     for name in SERIES_FIGURES:
@@ -180,7 +185,7 @@ def _series(probe_result) -> dict:
     return out
 
 
-def rung1_info(spectrum, settings, folded: bool, method) -> dict:
+def rung1_info(spectrum: Any, settings: Any, folded: bool, method: Any) -> dict[str, Any]:
     """The record's ``rung1`` section: how kappa was measured (`KappaMethod`) and its null's scale."""
     attrs = {**spectrum.attrs, **(spectrum.attrs.get("summary") or {})}
     null_sd = attrs.get("median_null_sd", attrs.get("null_sd_median"))
@@ -198,7 +203,7 @@ def rung1_info(spectrum, settings, folded: bool, method) -> dict:
     }
 
 
-def model_info(name: str, source, build) -> dict:
+def model_info(name: str, source: Any, build: Any) -> dict[str, Any]:
     """Name, spec, layout (``family``), model type, the quirks its config enables, weight fingerprint and
     geometry of the model ``name`` loaded from ``source`` (a `ModelSource`) as ``build``."""
     from ..model.families import active_quirks
@@ -217,7 +222,7 @@ def model_info(name: str, source, build) -> dict:
     }
 
 
-def model_kind(model: dict) -> str:
+def model_kind(model: dict[str, Any]) -> str:
     """How a record's model is named to a reader: its model type and, where it differs, the layout its
     heads are read with (``qwen3, llama layout``); an older record's layout alone."""
     kind = model.get("model_type") or str(model.get("family") or "")

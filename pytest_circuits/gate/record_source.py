@@ -11,24 +11,24 @@ from typing import Any, Protocol
 class RecordSource(Protocol):
     """The scan records of one run's builds."""
 
-    def record(self, recipe: str, knockout: bool = True, method: Any = None) -> dict:
+    def record(self, recipe: str, knockout: bool = True, method: Any = None) -> dict[str, Any]:
         """The scan record of build ``recipe``, knockouts optional, kappa measured by ``method``
         (a `KappaMethod`; None: the run's)."""
         ...
 
-    def stand_in(self) -> dict:
+    def stand_in(self) -> dict[str, Any]:
         """A record holding only the model's geometry and the run's probe settings, before any figure
         is measured (what `store.compatibility` refuses another probe on)."""
         ...
 
     def look(
         self, recipe: str, k: int, probe_seed: int, knockout_seed: int, heads: Sequence[str], mode: str | None
-    ) -> dict | None:
+    ) -> dict[str, Any] | None:
         """Look ``k`` of the sequential rule (`gate.looks`) of build ``recipe``: the probe's
         per-sequence figures on ``probe_seed`` and, with ``heads``, their exact knockout deltas
         (``mode``) on ``knockout_seed``; None where no build is measured (merged shard parts)."""
         ...
 
-    def identity(self, recipe: str) -> dict:
+    def identity(self, recipe: str) -> dict[str, Any]:
         """The build identity of ``recipe`` (`BuildIdentity.as_dict`)."""
         ...

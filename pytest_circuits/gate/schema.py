@@ -11,10 +11,22 @@ Unknown extra keys are allowed (a newer minor version may add figures).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
+from ..errors import CircuitsDeprecationWarning, CircuitsError
 from ..options import KNOCKOUT_MODES
 from ..rungs import figures, kappa_method
 
@@ -28,7 +40,7 @@ _TYPES: dict[str, Any] = {"float": float, "int": int, "bool": bool, "str": str}
 _INTERVAL = Annotated[list[float], Field(min_length=2, max_length=2)]  # [low, high]
 
 
-def _field(figure: figures.Figure):
+def _field(figure: figures.Figure) -> tuple[Any, Any]:
     """``(annotation, default)`` of one stored head or model figure."""
     kind: Any = _INTERVAL if figure.kind == "interval" else _TYPES[figure.kind.removesuffix("s")]
     if figure.kind != "interval" and (figure.low is not None or figure.high is not None):
@@ -38,13 +50,6 @@ def _field(figure: figures.Figure):
     if figure.nullable or figure.stored == "measured":
         kind = kind | None
     return kind, (None if figure.stored == "measured" else ...)
-
-
-HeadRow = create_model(
-    "HeadRow",
-    __config__=_STRICT,
-    **{f.name: _field(f) for f in figures.HEAD_FIGURES if f.stored},
-)
 
 
 class Geometry(BaseModel):
@@ -95,6 +100,9 @@ class ProbeInfo(BaseModel):
 
 class KnockoutInfo(ProbeInfo):
     mode: str
+    # the screen's K (`records`); None: every head knocked out exactly. Unchecked, as when it was an extra
+    # key: older records and hand-built ones hold a bool
+    screened: Any = None
 
     @field_validator("mode")
     @classmethod
@@ -117,15 +125,84 @@ class Rung1Info(BaseModel):
     min_effect: float | None = Field(default=None, ge=0.0, lt=2.0)  # None: an older record, flagged on q alone
 
 
+class Look(BaseModel):
+    """One further look of the sequential rule (`gate.looks`): its number ``k`` >= 2, its seeds, and
+    per-sequence values by figure (`values`)."""
+
+    model_config = _STRICT
+    look: int = Field(ge=2)
+    probe_seed: int | None = None  # None: a look of a hand-built record (it cannot be measured again)
+    knockout_seed: int | None = None
+
+    def values(self, key: str) -> Any:
+        """The look's ``<figure>_sequences``: a list, or ``{head: list}`` of knockout deltas; None without."""
+        return (self.model_extra or {}).get(key)
+
+
 _MODEL_FIGURES = {f.name: (Annotated[float, Field(ge=f.low, le=f.high)], ...) for f in figures.MODEL_FIGURES}
 _MODEL_FIGURES.update({f.name: _field(f) for f in figures.SEQUENCE_FIGURES})  # absent in older records
 # optional per-position series (older baselines lack them): floats in range, 2L-1 of them
 _SERIES = {f.name: (list[Annotated[float, Field(ge=f.low, le=f.high)]] | None, None) for f in figures.SERIES_FIGURES}
-_Figures = create_model("_Figures", __config__=_STRICT, **_MODEL_FIGURES, **_SERIES)  # type: ignore[call-overload]
+
+if TYPE_CHECKING:  # what mypy reads of the two models built from the figure table (tests/test_import_layers.py
+    # checks these declarations name the same fields, of the same types, as the built models)
+
+    class HeadRow(BaseModel):
+        head: str
+        layer: int
+        head_index: int
+        kappa: float
+        kappa_trace: float
+        kappa_null_mean: float
+        kappa_null_sd: float
+        kappa_z: float
+        kappa_p: float
+        kappa_q: float
+        copying: bool
+        suppression: bool
+        kappa_trace_z: float | None
+        copying_trace: bool | None
+        suppression_trace: bool | None
+        ov_gain: float | None
+        kappa_uncentred: float | None
+        kappa_trace_uncentred: float | None
+        prefix_matching: float | None
+        previous_token: float | None
+        duplicate_token: float | None
+        path_factor: float | None
+        knockout_delta: float | None
+        knockout_estimate: float | None
+        knockout_delta_sequences: list[float] | None
+        knockout_delta_interval: list[float] | None
+
+    class _Figures(BaseModel):
+        copy_loss: float
+        first_copy_loss: float
+        copy_gain: float
+        uniform_loss: float
+        copy_loss_sequences: list[float] | None
+        copy_loss_interval: list[float] | None
+        first_copy_loss_sequences: list[float] | None
+        first_copy_loss_interval: list[float] | None
+        copy_gain_sequences: list[float] | None
+        copy_gain_interval: list[float] | None
+        position_loss: list[float] | None
+
+else:
+    HeadRow = create_model(
+        "HeadRow", __config__=_STRICT, **{f.name: _field(f) for f in figures.HEAD_FIGURES if f.stored}
+    )
+    _Figures = create_model("_Figures", __config__=_STRICT, **_MODEL_FIGURES, **_SERIES)
 
 
-class Record(_Figures):  # type: ignore[misc, valid-type]
-    """One scan record; `model_validator` checks the heads against the geometry."""
+class Record(_Figures):
+    """One scan record; `model_validator` checks the heads against the geometry.
+
+    What the gate reads (`Record.of`, once where a record enters: a baseline read, a build
+    measured, parts merged); the dict it was read from is what is written (`data`). Reading it
+    as a mapping (``record["copy_loss"]``, ``record.get(...)``: the dicts invariants received
+    before) still works on that dict, with a `CircuitsDeprecationWarning`.
+    """
 
     schema_version: Literal[1]
     model: ModelInfo
@@ -133,13 +210,53 @@ class Record(_Figures):  # type: ignore[misc, valid-type]
     probe: ProbeInfo
     knockout: KnockoutInfo | None = None
     rung1: Rung1Info | None = None
-    heads: list[HeadRow]  # type: ignore[valid-type]
+    heads: list[HeadRow]
     eigenvalues: dict[str, list[Annotated[list[float], Field(min_length=2, max_length=2)]]] = Field(
         default_factory=dict
     )  # head -> [[re, im], ...]
+    looks: list[Look] | None = None  # the further looks of the sequential rule (`gate.looks`)
+    _data: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @classmethod
+    def of(cls, record: RecordLike) -> Record:
+        """``record`` itself when it is a `Record`, else the validated `Record` of a record dict; one
+        line (`CircuitsError`) naming the first problem when it is not one."""
+        if isinstance(record, Record):
+            return record
+        try:
+            typed = cls.model_validate(record)
+        except ValidationError as error:
+            raise CircuitsError(
+                f"the scan record given is not valid: {problem(error)}; pass a record pytest-circuits measured "
+                "or read (gate.store.read_baseline)"
+            ) from None
+        typed._data = record if isinstance(record, dict) else dict(record)
+        return typed
+
+    @property
+    def data(self) -> dict[str, Any]:
+        """The record dict this was validated from (what a baseline file holds)."""
+        return self._data or self.model_dump(exclude_unset=True)
+
+    # the deprecated mapping view: invariants written when they received the record dict
+    def __getitem__(self, key: str) -> Any:
+        _mapping_read(f"[{key!r}]")
+        return self.data[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        _mapping_read(f".get({key!r})")
+        return self.data.get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        _mapping_read(f" ({key!r} in record)")
+        return key in self.data
+
+    def keys(self) -> Any:
+        _mapping_read(".keys()")
+        return self.data.keys()
 
     @model_validator(mode="after")
-    def _heads_match_geometry(self):
+    def _heads_match_geometry(self) -> Record:
         geo = self.model.geometry
         seen: set[str] = set()
         for i, row in enumerate(self.heads):
@@ -202,6 +319,57 @@ class Record(_Figures):  # type: ignore[misc, valid-type]
                 )
 
 
+Head = HeadRow  # one head row of a record
+RecordLike = Record | Mapping[str, Any]  # a typed record, or a record dict `Record.of` validates
+
+
+class HeadWrite(BaseModel):
+    """What a result frame's row says a head writes (`assertions`): its label, and its OV gain and
+    ``path_factor`` when the frame has them (None: not measured); the part of a `HeadRow` the
+    negligible-head cut reads (`gate.invariants.head_writes`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    head: str
+    ov_gain: float | None = None
+    path_factor: float | None = None
+
+
+class HeadWrites(BaseModel):
+    """A partial record: only the heads' writes, as a result frame carries them. Never a scan record
+    (no figure, model or build): the assertions' way into the negligible-head cut, validated as such."""
+
+    model_config = ConfigDict(extra="forbid")
+    heads: list[HeadWrite]
+
+    @classmethod
+    def of(cls, rows: list[dict[str, Any]]) -> HeadWrites:
+        """The validated writes of ``rows`` (a frame's records); one line (`CircuitsError`) naming the
+        first problem when they are not."""
+        try:
+            return cls.model_validate({"heads": rows})
+        except ValidationError as error:
+            raise CircuitsError(
+                f"the result frame's head writes are not valid: {problem(error)}; pass a frame from ov_spectrum"
+            ) from None
+
+
+_WARNED: list[str] = []  # the mapping view warns once a process
+
+
+def _mapping_read(how: str) -> None:
+    """Warn, once, that a record was read as a mapping (``how``: the older dict API)."""
+    if _WARNED:
+        return
+    _WARNED.append(how)
+    warnings.warn(
+        f"reading a scan record as a mapping (record{how}) is deprecated: invariants "
+        "receive a typed Record; read its attributes (record.copy_loss, record.heads[0].kappa, "
+        "record.model.name; docs/invariants.md)",
+        CircuitsDeprecationWarning,
+        stacklevel=3,
+    )
+
+
 class PartInfo(BaseModel):
     """The header of a shard part (`gate.shards`): shard ``index`` of ``of``, measuring ``layers``."""
 
@@ -212,7 +380,7 @@ class PartInfo(BaseModel):
     layers: list[Annotated[int, Field(ge=0)]] = Field(min_length=1)
 
     @model_validator(mode="after")
-    def _index_in_split(self):
+    def _index_in_split(self) -> PartInfo:
         if self.format != PART_FORMAT:
             raise ValueError(f"format {self.format} is not {PART_FORMAT}, the part format this pytest-circuits reads")
         if self.index > self.of:
@@ -225,7 +393,14 @@ class PartInfo(BaseModel):
 SAMPLED_MATCH = 1e-5  # per-sequence values, rounded like every figure, average to it within this x (1 + max |value|)
 
 
-def _check_sampled(name: str, value, sequences, interval, n: int | None, probe: str) -> None:
+def _check_sampled(
+    name: str,
+    value: float | None,
+    sequences: list[float] | None,
+    interval: list[float] | None,
+    n: int | None,
+    probe: str,
+) -> None:
     if interval is not None and not interval[0] <= interval[1]:
         raise ValueError(f"{figures.interval_key(name)} {interval} has low above high")
     if sequences is None:

@@ -25,8 +25,10 @@ tolerance. Early fails never raise that chance (tests/test_sequential.py simulat
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -118,7 +120,9 @@ def repeated_interval(d: np.ndarray, c: float) -> tuple[float, float]:
     return m - half, m + half
 
 
-def decide(differences, limit: float, looks: int, alpha: float = 1 - LEVEL, design: str = DESIGN) -> Decision | None:
+def decide(
+    differences: Sequence[Any], limit: float, looks: int, alpha: float = 1 - LEVEL, design: str = DESIGN
+) -> Decision | None:
     """The sequential rule over the looks given (``differences``: one array of paired differences
     per look, in look order, at most ``looks`` of them). None when a look has fewer than two
     values or a non-finite one (no interval: the caller's fixed rule applies)."""

@@ -16,23 +16,29 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ShardError
+
+if TYPE_CHECKING:
+    from ..settings import CircuitsSettings
+    from .schema import HeadRow, RecordLike
 
 KNOCKOUT_PREFIX = "knockout_delta"  # a head row's figures that the part owning its layer measured
 # where two parts of one build may differ: the spec the model was typed as (a job's own path)
 JOB_LOCAL = (("model", "spec"),)
 
 
-def dumps_part(part: dict) -> str:
+def dumps_part(part: dict[str, Any]) -> str:
     """A part's text: its record rounded as a baseline is (`store.round_sig`), so the merge writes the same bytes."""
     from .store import round_sig
 
     return json.dumps({"part": part["part"], "record": round_sig(part["record"])}, sort_keys=True, indent=1) + "\n"
 
 
-def read_part(path: Path) -> dict:
+def read_part(path: Path) -> dict[str, Any]:
     """A part file, checked (`check_part`), or one line saying why it is not one."""
     from ..fsio import JsonUnreadable, read_json
 
@@ -50,12 +56,12 @@ def read_part(path: Path) -> dict:
 WRITE_AGAIN = "write it again (circuits record --shard I/K --out FILE)"
 
 
-def check_part(name: str, data) -> dict:
+def check_part(name: str, data: Any) -> dict[str, Any]:
     """``data`` if it is a part (`schema.PartInfo` header, a valid scan record whose knockout
     figures are its layers' only, every one of them there), else one `ShardError` line naming ``name``."""
     from pydantic import ValidationError
 
-    from .schema import PartInfo, problem
+    from .schema import PartInfo, Record, problem
     from .store import record_problem
 
     if not isinstance(data, dict) or not isinstance(data.get("part"), dict) or "record" not in data:
@@ -67,17 +73,17 @@ def check_part(name: str, data) -> dict:
     found = record_problem(data["record"])
     if found is not None:
         raise ShardError(f"{name}: its record {found}; {WRITE_AGAIN}")
-    record = data["record"]
-    n_layers = record["model"]["geometry"]["n_layers"]
+    record = Record.of(data["record"])
+    n_layers = record.model.geometry.n_layers
     beyond = [layer for layer in meta.layers if layer >= n_layers]
     if beyond:
         raise ShardError(f"{name} claims layer(s) {_listed(beyond)}, the model has {n_layers} layers; {WRITE_AGAIN}")
-    if record.get("knockout") is None:
+    if record.knockout is None:
         raise ShardError(f"{name} holds no knockout scan, so no part of one; {WRITE_AGAIN}")
     own = set(meta.layers)
-    exact = record["knockout"].get("screened") is None  # unscreened: every head of its layers knocked out
-    strays = [r["head"] for r in record["heads"] if r["layer"] not in own and _knockout_figures(r)]
-    unmeasured = [r["head"] for r in record["heads"] if r["layer"] in own and exact and r.get("knockout_delta") is None]
+    exact = record.knockout.screened is None  # unscreened: every head of its layers knocked out
+    strays = [r.head for r in record.heads if r.layer not in own and _knockout_figures(r)]
+    unmeasured = [r.head for r in record.heads if r.layer in own and exact and r.knockout_delta is None]
     if strays or unmeasured:
         why = (
             f"knockout figures of {_listed(strays)}, outside its layers {_listed(meta.layers)}"
@@ -97,26 +103,33 @@ def check_part(name: str, data) -> dict:
     return data
 
 
-def _measured_figures(record: dict) -> dict[frozenset, list[str]]:
+def _measured_figures(record: RecordLike) -> dict[frozenset[str], list[str]]:
     """The heads knocked out exactly (a knockout_delta), by the set of knockout figures each holds."""
-    found: dict[frozenset, list[str]] = {}
-    for row in record["heads"]:
-        if row.get("knockout_delta") is not None:
-            keys = frozenset(k for k in row if k.startswith(KNOCKOUT_PREFIX) and row[k] is not None)
-            found.setdefault(keys, []).append(row["head"])
+    from .schema import Record
+
+    found: dict[frozenset[str], list[str]] = {}
+    for row in Record.of(record).heads:
+        if row.knockout_delta is not None:
+            found.setdefault(frozenset(_knockouts_of(row)), []).append(row.head)
     return found
 
 
-def _knockout_figures(row: dict) -> bool:
-    return any(row[k] is not None for k in row if k.startswith(KNOCKOUT_PREFIX))
+def _knockouts_of(row: HeadRow) -> list[str]:
+    """The knockout figures a head row holds (a figure absent or None: not held)."""
+    held = row.model_dump()
+    return [k for k, value in held.items() if k.startswith(KNOCKOUT_PREFIX) and value is not None]
 
 
-def _listed(items, most: int = 6) -> str:
-    items = [str(i) for i in items]
-    return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
+def _knockout_figures(row: HeadRow) -> bool:
+    return bool(_knockouts_of(row))
 
 
-def _without_knockouts(record: dict) -> dict:
+def _listed(items: Iterable[Any], most: int = 6) -> str:
+    words = [str(i) for i in items]
+    return ", ".join(words[:most]) + (f" and {len(words) - most} more" if len(words) > most else "")
+
+
+def _without_knockouts(record: dict[str, Any]) -> dict[str, Any]:
     """The record less what only one part measures (its heads' knockout figures) and job-local fields."""
     plain = copy.deepcopy(record)
     for row in plain.get("heads") or []:
@@ -127,7 +140,7 @@ def _without_knockouts(record: dict) -> dict:
     return plain
 
 
-def _first_difference(a, b, where: str = "") -> str | None:
+def _first_difference(a: Any, b: Any, where: str = "") -> str | None:
     """The dotted path of the first place two JSON values differ, else None."""
     if isinstance(a, dict) and isinstance(b, dict):
         for key in sorted(set(a) | set(b)):
@@ -151,7 +164,7 @@ def _first_difference(a, b, where: str = "") -> str | None:
 WHY = {"model": "other weights or another model", "build": "another build", "probe": "other probe settings"}
 
 
-def merge_parts(parts: list[tuple[str, dict]]) -> dict:
+def merge_parts(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     """The unsharded record from every part of one build's scan (``(name, part)`` pairs, any order).
 
     Each part is checked (`check_part`), then coverage is proven: one K in every part, every index
@@ -162,7 +175,7 @@ def merge_parts(parts: list[tuple[str, dict]]) -> dict:
     name0, first = parts[0]
     total = first["part"]["of"]
     owners: dict[int, str] = {}
-    layer_owner: dict[int, tuple[str, dict]] = {}
+    layer_owner: dict[int, tuple[str, dict[str, Any]]] = {}
     base = _without_knockouts(first["record"])
     for name, part in parts:
         meta = part["part"]
@@ -189,7 +202,9 @@ def merge_parts(parts: list[tuple[str, dict]]) -> dict:
     missing = [i for i in range(1, total + 1) if i not in owners]
     if missing:
         raise ShardError(f"shard(s) {', '.join(f'{i}/{total}' for i in missing)} missing: merge all {total} parts")
-    n_layers = first["record"]["model"]["geometry"]["n_layers"]
+    from .schema import Record
+
+    n_layers = Record.of(first["record"]).model.geometry.n_layers
     uncovered = [layer for layer in range(n_layers) if layer not in layer_owner]
     if uncovered:
         raise ShardError(f"no part holds layer(s) {_listed(uncovered)}: the parts do not cover the model's {n_layers}")
@@ -200,7 +215,7 @@ def merge_parts(parts: list[tuple[str, dict]]) -> dict:
             f"{kinds[fewest]} holds fewer knockout figures per head ({', '.join(sorted(fewest))}) than the other "
             f"parts: parts of one build's scan measure every head alike; {WRITE_AGAIN}"
         )
-    merged = copy.deepcopy(first["record"])
+    merged: dict[str, Any] = copy.deepcopy(first["record"])
     for i, row in enumerate(merged["heads"]):
         theirs = layer_owner[row["layer"]][1]["record"]["heads"][i]
         for key in [k for k in row if k.startswith(KNOCKOUT_PREFIX)]:
@@ -208,7 +223,7 @@ def merge_parts(parts: list[tuple[str, dict]]) -> dict:
     return merged
 
 
-def merge_files(paths: list[Path], output: Path) -> tuple[dict, int]:
+def merge_files(paths: list[Path], output: Path) -> tuple[dict[str, Any], int]:
     """``circuits merge``: the record merged from the part files ``paths`` (`merge_parts`), checked,
     written to ``output``; ``(record, parts merged)``. An output that is one of the parts, or that
     may not be written (`fsio.check_output`), is refused before anything is read."""
@@ -241,14 +256,15 @@ def part_paths(pattern: str, said: str) -> list[Path]:
     return found
 
 
-def merged_by_build(paths: list[Path]) -> dict[str, dict]:
+def merged_by_build(paths: list[Path]) -> dict[str, dict[str, Any]]:
     """Each build's merged record (`merge_parts`) from part files of one or more builds, any order."""
+    from .schema import Record
     from .store import validate
 
-    groups: dict[str, list[tuple[str, dict]]] = {}
+    groups: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     for path in paths:
         part = read_part(path)
-        recipe = str((part["record"].get("build") or {}).get("recipe"))
+        recipe = Record.of(part["record"]).build.recipe  # a part read is a valid record (`check_part`)
         groups.setdefault(recipe, []).append((str(path), part))
     return {
         recipe: validate(merge_parts(parts), f"the record merged from the parts of {recipe}")
@@ -256,7 +272,7 @@ def merged_by_build(paths: list[Path]) -> dict[str, dict]:
     }
 
 
-def check_shard_job(settings) -> None:
+def check_shard_job(settings: CircuitsSettings) -> None:
     """The pytest options of a shard job (``--circuits-shard I/K --circuits-shard-out FILE``, one
     build) and of a merge job (``--circuits-shard-parts``) fit together, or one line says why not."""
     from ..options import flag

@@ -3,23 +3,24 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
 LEVEL = 0.95  # confidence level of every interval the gate reports
 
 
-def spearman(x, y) -> float:
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
     """Spearman rank correlation (average ranks for ties); nan when either side is constant."""
     from scipy.stats import spearmanr
 
-    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    if len(x) < 2 or np.ptp(x) == 0 or np.ptp(y) == 0:
+    a, b = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if len(a) < 2 or np.ptp(a) == 0 or np.ptp(b) == 0:
         return float("nan")
-    return float(spearmanr(x, y).statistic)
+    return float(spearmanr(a, b).statistic)
 
 
-def mean_interval(values, level: float = LEVEL) -> tuple[float, float] | None:
+def mean_interval(values: Sequence[float], level: float = LEVEL) -> tuple[float, float] | None:
     """Student t interval of the mean of ``values`` (one per probe sequence):
     ``mean +- t_{(1+level)/2, n-1} * s / sqrt(n)``, ``s`` the sample sd (ddof 1).
 
@@ -35,7 +36,9 @@ def mean_interval(values, level: float = LEVEL) -> tuple[float, float] | None:
     return centre - half, centre + half
 
 
-def paired_interval(before, after, level: float = LEVEL) -> tuple[float, float] | None:
+def paired_interval(
+    before: Sequence[float], after: Sequence[float], level: float = LEVEL
+) -> tuple[float, float] | None:
     """Interval of the change ``mean(after) - mean(before)`` of two builds on the same sequences:
     `mean_interval` of the paired differences ``d_i = after_i - before_i``. None when the two
     do not pair (other lengths) or `mean_interval` gives none."""
@@ -48,7 +51,7 @@ def paired_interval(before, after, level: float = LEVEL) -> tuple[float, float] 
 SPREAD_LEVEL = 0.999  # a baseline's spread beyond this quantile of F(n-1, n-1) carries no evidence
 
 
-def implausible_spread(before, after, level: float = SPREAD_LEVEL) -> float | None:
+def implausible_spread(before: Sequence[float], after: Sequence[float], level: float = SPREAD_LEVEL) -> float | None:
     """``s(before) / s(after)`` when it is implausible for two builds measured on the same ``n``
     sequences, else None: the per-sequence values are close to normal (each a mean of ``L - 1``
     token losses), so with equal spreads ``s_b^2 / s_a^2`` follows ``F(n-1, n-1)``; a ratio past its

@@ -16,7 +16,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -31,7 +33,7 @@ SEPARATOR = "--"
 GEOMETRY_KEYS = ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "vocab")
 
 
-def geometry_record(geometry: dict, probe: dict | None = None) -> dict:
+def geometry_record(geometry: dict[str, Any], probe: dict[str, Any] | None = None) -> dict[str, Any]:
     """A stand-in record that holds only a model's geometry (and ``probe``): what `compatibility` and
     `geometry_difference` read of a build that has not been measured yet."""
     return {"model": {"geometry": geometry}} | ({} if probe is None else {"probe": probe})
@@ -55,13 +57,13 @@ def model_baselines(folder: str | Path, model_name: str) -> dict[str, Path]:
     }
 
 
-def orphans(folder: str | Path, model_name: str, used_recipes) -> list[Path]:
+def orphans(folder: str | Path, model_name: str, used_recipes: Iterable[str]) -> list[Path]:
     """Baseline files of ``model_name`` that no recipe in ``used_recipes`` reads."""
     used = set(used_recipes)
     return [p for recipe, p in model_baselines(folder, model_name).items() if recipe not in used]
 
 
-def round_sig(value, digits: int = SIG_DIGITS):
+def round_sig(value: Any, digits: int = SIG_DIGITS) -> Any:
     """Floats (nested anywhere) rounded to ``digits`` significant digits; NaN/inf -> None."""
     if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
         return value
@@ -81,13 +83,13 @@ def round_sig(value, digits: int = SIG_DIGITS):
 _PAIR = re.compile(r"\[\s*(-?[\d.eE+-]+),\s*(-?[\d.eE+-]+)\s*\]")
 
 
-def dumps(record: dict, digits: int = SIG_DIGITS) -> str:
+def dumps(record: dict[str, Any], digits: int = SIG_DIGITS) -> str:
     """Stable text of a record: sorted keys, rounded floats, one line per eigenvalue pair."""
     text = json.dumps(round_sig(record, digits), sort_keys=True, indent=2, allow_nan=False)
     return _PAIR.sub(r"[\1, \2]", text) + "\n"
 
 
-def write_baseline(path: str | Path, record: dict) -> Path:
+def write_baseline(path: str | Path, record: dict[str, Any]) -> Path:
     """Write ``record`` to ``path`` atomically (`fsio.atomic_write_text` of `dumps`), after removing
     the temporary files a killed writer left in its folder."""
     path = Path(path)
@@ -103,7 +105,7 @@ def _fix() -> str:
     return f"record it again with {flag('update')} (or circuits record)"
 
 
-def record_problem(record) -> str | None:
+def record_problem(record: Any) -> str | None:
     """What makes ``record`` not a scan record of this schema (`schema.Record`), in a few words, or None."""
     if not isinstance(record, dict):
         return "is not a scan record (top level is not an object)"
@@ -117,16 +119,17 @@ def record_problem(record) -> str | None:
     return None
 
 
-def validate(record, source: str = "baseline") -> dict:
+def validate(record: Any, source: str = "baseline") -> dict[str, Any]:
     """``record`` if it is a valid scan record of this schema (`record_problem`), else a one-line
     `BaselineCorrupt` naming ``source``, the field and the fix."""
     found = record_problem(record)
     if found is not None:
         raise BaselineCorrupt(f"{source} {found}; {_fix()}")
-    return record
+    checked: dict[str, Any] = record
+    return checked
 
 
-def read_baseline(path: str | Path) -> dict:
+def read_baseline(path: str | Path) -> dict[str, Any]:
     """The validated record in ``path`` (`fsio.read_json`); a missing or corrupt file is a one-line BaselineError."""
     path = Path(path)
     try:
@@ -144,7 +147,7 @@ def read_baseline(path: str | Path) -> dict:
     return validate(record, f"baseline {path}")
 
 
-def geometry_difference(baseline: dict, record: dict) -> str:
+def geometry_difference(baseline: dict[str, Any], record: dict[str, Any]) -> str:
     """``"n_layers 30 vs 2, n_heads 9 vs 4, ..."``: where the two records' geometries differ ("" when
     they do not, or when either record states none)."""
     geo_b = (baseline.get("model") or {}).get("geometry") or {}
@@ -154,7 +157,7 @@ def geometry_difference(baseline: dict, record: dict) -> str:
     return ", ".join(f"{k} {geo_b.get(k)} vs {geo_r.get(k)}" for k in GEOMETRY_KEYS if geo_b.get(k) != geo_r.get(k))
 
 
-def other_model_type(baseline: dict, record: dict) -> str:
+def other_model_type(baseline: dict[str, Any], record: dict[str, Any]) -> str:
     """``"qwen3 vs llama"`` when both records name their ``config.model_type`` and the two differ, else ""."""
     tb, tr = ((r.get("model") or {}).get("model_type") for r in (baseline, record))
     return f"{tb} vs {tr}" if tb and tr and tb != tr else ""
@@ -167,14 +170,16 @@ def _swap_hint() -> str:
     return f"{flag('swap-baseline')} FILE"
 
 
-def _described(record: dict, fallback: str) -> str:
+def _described(record: dict[str, Any], fallback: str) -> str:
     """``smollm2-135m (30 layers x 9 heads, vocab 49152)``."""
     model = record.get("model") or {}
     geo = model.get("geometry") or {}
     return f"{model.get('name') or fallback} ({geo.get('n_layers')} layers x {geo.get('n_heads')} heads, vocab {geo.get('vocab')})"
 
 
-def compatibility(baseline: dict, record: dict, source: str = "baseline", across: bool = False) -> list[str]:
+def compatibility(
+    baseline: dict[str, Any], record: dict[str, Any], source: str = "baseline", across: bool = False
+) -> list[str]:
     """Notes on comparing ``record`` with ``baseline``; other probe settings are refused.
 
     Another model type of the same geometry is refused unless ``across`` (a `ForeignBaseline`).
@@ -228,7 +233,7 @@ def compatibility(baseline: dict, record: dict, source: str = "baseline", across
     return notes
 
 
-def engine_of(record: dict) -> str:
+def engine_of(record: dict[str, Any]) -> str:
     """``llama.cpp`` or ``torch``: what ran a record's probe (its build identity's ``engine``)."""
     engine = (record.get("build") or {}).get("engine")
     return str(engine).partition(" ")[0] if engine else "torch"
@@ -247,7 +252,7 @@ UNCHANGED_REL, UNCHANGED_ABS = 1e-3, 1e-6  # a figure within this of the stored 
 VOLATILE_KEYS = ("versions",)  # library versions alone do not make a baseline change
 
 
-def unchanged(old, new, rel: float = UNCHANGED_REL, atol: float = UNCHANGED_ABS) -> bool:
+def unchanged(old: Any, new: Any, rel: float = UNCHANGED_REL, atol: float = UNCHANGED_ABS) -> bool:
     """True when ``new`` holds the same keys, flags and identity as ``old`` and every number is
     within ``atol + rel * |old|`` of it (re-recording an unchanged build then rewrites nothing)."""
     if isinstance(old, dict) and isinstance(new, dict):
@@ -264,8 +269,8 @@ def unchanged(old, new, rel: float = UNCHANGED_REL, atol: float = UNCHANGED_ABS)
         and not isinstance(old, bool)
         and not isinstance(new, bool)
     ):
-        return abs(new - old) <= atol + rel * abs(old)
-    return old == new
+        return bool(abs(new - old) <= atol + rel * abs(old))
+    return bool(old == new)
 
 
 def is_shipped(folder: str | Path) -> bool:
@@ -295,7 +300,7 @@ def baseline_file(text: str | Path) -> Path:
     return shipped_baselines().get(path.name.removesuffix(SUFFIX), path)
 
 
-def same_geometry(folder: str | Path, recipe: str, geometry: dict, exclude: str) -> dict[str, Path]:
+def same_geometry(folder: str | Path, recipe: str, geometry: dict[str, Any], exclude: str) -> dict[str, Path]:
     """Baselines of ``recipe`` in ``folder`` of other models than ``exclude`` whose geometry is
     ``geometry`` (a `Geometry`'s fields), by the model name in their file name: the baseline a
     renamed candidate folder was probably meant to be gated against. Unreadable files are left out."""
@@ -329,11 +334,11 @@ class BaselineStore:
         """``folder/<model>--<build>.json``."""
         return baseline_path(self.folder, model_name, build)
 
-    def read(self, model_name: str, build: str) -> dict:
+    def read(self, model_name: str, build: str) -> dict[str, Any]:
         """The validated baseline of ``build``; `BaselineMissing` or `BaselineCorrupt` otherwise."""
         return read_baseline(self.path(model_name, build))
 
-    def write(self, model_name: str, build: str, record: dict, force: bool = True) -> tuple[Path, bool]:
+    def write(self, model_name: str, build: str, record: dict[str, Any], force: bool = True) -> tuple[Path, bool]:
         """Write ``record`` as the baseline of ``build``, atomically: ``(path, written)``.
 
         Without ``force`` an existing valid baseline that `unchanged` says holds the same figures
@@ -373,6 +378,6 @@ class BaselineStore:
         """Every baseline file of ``model_name`` here, by build."""
         return model_baselines(self.folder, model_name)
 
-    def orphans(self, model_name: str, used_builds) -> list[Path]:
+    def orphans(self, model_name: str, used_builds: Iterable[str]) -> list[Path]:
         """Baselines of ``model_name`` that no build in ``used_builds`` reads."""
         return orphans(self.folder, model_name, used_builds)

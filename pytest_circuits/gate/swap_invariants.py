@@ -26,6 +26,8 @@ import numpy as np
 from ..options import flag
 from .builtin_invariants import kappa_pairs, other_knockout_settings
 from .invariant_api import Comparison, Invariant, Row, register, within
+from .profile import Profile, profile
+from .schema import Record
 from .tolerances import Tolerance, Tolerances
 
 # ---------------------------------------------------------------- across base models (gate/profile.py)
@@ -41,9 +43,7 @@ def at_most(subject: str, metric: str, before: float, after: float, rise: float,
     return Row(subject, metric, before, after, rise, not after <= before + rise, note)
 
 
-def _profiles(before: dict, after: dict, tol: Tolerances):
-    from .profile import profile
-
+def _profiles(before: Record, after: Record, tol: Tolerances) -> tuple[Profile, Profile]:
     return profile(before, tol.swap_induction_score), profile(after, tol.swap_induction_score)
 
 
@@ -70,7 +70,7 @@ class SwapCopy(AcrossModels):
         "swap_copy_gain": Tolerance(0.1, "across base models: how far copy_gain / first_copy_loss may fall"),
     }
 
-    def compare(self, before, after, tol):
+    def compare(self, before: Record, after: Record, tol: Tolerances) -> Comparison:
         b, a = _profiles(before, after, tol)
         vocab = f"ln V {b.uniform_loss:.3f} -> {a.uniform_loss:.3f}"
         rows = [
@@ -109,7 +109,7 @@ class SwapInduction(AcrossModels):
         ),
     }
 
-    def compare(self, before, after, tol):
+    def compare(self, before: Record, after: Record, tol: Tolerances) -> Comparison:
         b, a = _profiles(before, after, tol)
         threshold = f"prefix_matching >= {tol.swap_induction_score:g}"
         if not b.induction_heads:
@@ -172,7 +172,7 @@ class SwapKappa(AcrossModels):
         ),
     }
 
-    def compare(self, before, after, tol):
+    def compare(self, before: Record, after: Record, tol: Tolerances) -> Comparison:
         from .profile import kappa_w1
 
         _, mismatch = kappa_pairs(before, after, ("copying", "suppression", "kappa_z"))
@@ -217,7 +217,7 @@ class SwapKnockout(AcrossModels):
     }
     reads = ("min_delta",)
 
-    def compare(self, before, after, tol):
+    def compare(self, before: Record, after: Record, tol: Tolerances) -> Comparison:
         from .profile import TOP
 
         other = other_knockout_settings(before, after)

@@ -113,11 +113,11 @@ class Tolerances:
         """Every tolerance's value, as set or by its default."""
         return {name: getattr(self, name) for name in self.all_names()}
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         """The built-in tolerances' values."""
         return {name: getattr(self, name) for name in self.names()}
 
-    def own_values(self) -> dict:
+    def own_values(self) -> dict[str, Any]:
         """The other registered invariants' tolerances, as set or by their default."""
         return {name: value for name, value in self.values().items() if name not in BUILT_IN}
 

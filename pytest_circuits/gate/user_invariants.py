@@ -15,6 +15,7 @@ import importlib.util
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from ..errors import CircuitsError
 
@@ -100,7 +101,7 @@ def load_module(name: str) -> None:
         _register_named(getattr(module, attribute), said)
 
 
-def _register_named(value, said: str) -> None:
+def _register_named(value: Any, said: str) -> None:
     """Register what an entry point or ``MODULE:OBJECT`` names: an `Invariant` class or instance, a
     sequence of them, or a module (which registered its own on import)."""
     from types import ModuleType
@@ -109,7 +110,7 @@ def _register_named(value, said: str) -> None:
 
     if isinstance(value, ModuleType):
         return
-    items: Iterable = [value] if isinstance(value, (type, Invariant)) else value
+    items: Iterable[Any] = [value] if isinstance(value, (type, Invariant)) else value
     for item in list(items):
         is_class = isinstance(item, type) and issubclass(item, Invariant)
         if not (is_class or isinstance(item, Invariant)):

@@ -6,7 +6,9 @@ and ``circuits gate`` (`gate_file`) both run it. Every function takes typed inpu
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import BaselineError, BaselineMissing, ForeignBaseline
 from ..options import flag
@@ -45,7 +47,7 @@ class GateOutcome:
         return all(r.skipped for r in self.results) if self.results else bool(self.absent)
 
     @classmethod
-    def merged(cls, outcomes) -> GateOutcome:
+    def merged(cls, outcomes: Iterable[GateOutcome]) -> GateOutcome:
         """One outcome of several invariants' (results in order; notes and problems once each)."""
         out = cls()
         for o in outcomes:
@@ -73,7 +75,7 @@ def comparisons(recipe: str, reference: str) -> list[tuple[str, str]]:
     return [(reference, f"{reference} baseline"), (recipe, OWN)]
 
 
-def candidate_record(records: RecordSource, recipe: str, baseline: dict, knockout: bool) -> dict:
+def candidate_record(records: RecordSource, recipe: str, baseline: dict[str, Any], knockout: bool) -> dict[str, Any]:
     """The record of build ``recipe`` measured the way ``baseline`` was: kappa on the same
     unembedding, against the same rotation null (`kappa_method.of_record`; a baseline that does
     not say is an older one: uncentred, 256 float64 draws, normal p). The gate's one rule for
@@ -119,15 +121,15 @@ def gate_build(
 def gate_against(
     records: RecordSource,
     recipe: str,
-    baseline: dict,
+    baseline: dict[str, Any],
     label: str,
     tol: Tolerances,
     fix: str | None,
     *,
-    invariant=None,
-    across=False,
+    invariant: invariants.Invariant | str | None = None,
+    across: bool = False,
     knockout: bool | None = None,
-) -> tuple[dict, list[str], list[invariants.InvariantResult]]:
+) -> tuple[dict[str, Any], list[str], list[invariants.InvariantResult]]:
     """The gate's one flow against one baseline: ``(candidate, notes, results)``. Other probe settings
     are refused before any figure is measured (`store.compatibility` on the run's stand-in, a
     `BaselineError`); the candidate is then measured the baseline's way (`candidate_record`) and
@@ -158,13 +160,13 @@ def gate_against(
 def gate_file(
     records: RecordSource,
     recipe: str,
-    baseline: dict,
+    baseline: dict[str, Any],
     label: str,
     tol: Tolerances,
     fix: str,
     across: bool,
     knockout: bool = True,
-):
+) -> tuple[dict[str, Any], list[str], list[invariants.InvariantResult]]:
     """``circuits gate``: `gate_against` one baseline file with every invariant. ``knockout=False``
     (``--no-knockout``): no knockouts measured, so the invariants that need them are not run (the
     verdict says which are not guarded). (A screened scan knocks the file's key heads out exactly
@@ -172,7 +174,7 @@ def gate_file(
     return gate_against(records, recipe, baseline, label, tol, fix, across=across, knockout=None if knockout else False)
 
 
-def swap_baseline(records: RecordSource, baselines: RunBaselines) -> tuple[dict | None, str, str]:
+def swap_baseline(records: RecordSource, baselines: RunBaselines) -> tuple[dict[str, Any] | None, str, str]:
     """``(baseline, label, why_none)``: the baseline of the model this one replaces, the
     `--circuits-swap-baseline` file, else the reference baseline when it is of another geometry
     (the model was swapped under the same name); ``None`` and the reason when there is none.
@@ -198,7 +200,12 @@ def swap_baseline(records: RecordSource, baselines: RunBaselines) -> tuple[dict 
 
 
 def gate_swap(
-    records: RecordSource, baselines: RunBaselines, recipe: str, inv, tol: Tolerances, fixes: dict[str, str]
+    records: RecordSource,
+    baselines: RunBaselines,
+    recipe: str,
+    inv: invariants.Invariant | str,
+    tol: Tolerances,
+    fixes: dict[str, str],
 ) -> GateOutcome:
     """Gate a cross-model invariant of ``recipe`` against the baseline of the replaced model
     (`swap_baseline`); skipped, saying why, when there is none."""

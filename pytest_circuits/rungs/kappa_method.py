@@ -59,9 +59,13 @@ KEYS = tuple(f.name for f in fields(KappaMethod))
 FLAGS = ("copying", "suppression", "copying_trace", "suppression_trace")  # the figures min_effect decides
 
 
-def of_record(record: dict) -> KappaMethod:
+def of_record(record) -> KappaMethod:
     """How ``record``'s kappa was measured: its ``rung1`` keys, `LEGACY` for each key it lacks."""
-    rung1 = record.get("rung1") if isinstance(record, dict) else None
+    if isinstance(record, dict):
+        rung1 = record.get("rung1")
+    else:  # a typed `gate.schema.Record`: the keys its rung1 was given
+        info = getattr(record, "rung1", None)
+        rung1 = {key: getattr(info, key) for key in info.model_fields_set} if info is not None else None
     rung1 = rung1 if isinstance(rung1, dict) else {}
     return KappaMethod(**{key: rung1.get(key, getattr(LEGACY, key)) for key in KEYS})
 
