@@ -715,19 +715,19 @@ def test_a_build_that_could_not_be_gated_leads_the_report(tmp_path):
         def baselines(self):
             return self
 
-        def load(self, recipe):
+        def load(self, build_name):
             from pytest_circuits.gate.store import read_baseline
 
             from .conftest import SHIPPED_BASELINES as shipped
 
-            return read_baseline(shipped / f"tiny-induction--{recipe}.json")
+            return read_baseline(shipped / f"tiny-induction--{build_name}.json")
 
         def stand_in(self):
             fp32 = self.load("fp32")
             return {"model": fp32["model"], "probe": fp32["probe"]}
 
-        def record(self, recipe, knockout=True, method=None):
-            raise CircuitsError(f"{recipe}: the per-head weight read does not reproduce layer 0")
+        def record(self, build_name, knockout=True, method=None):
+            raise CircuitsError(f"{build_name}: the per-head weight read does not reproduce layer 0")
 
     node = SimpleNamespace(path=tmp_path / "test_gate.py", user_properties=[])
     request = SimpleNamespace(

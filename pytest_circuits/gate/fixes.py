@@ -54,21 +54,21 @@ def update_command(config: Any) -> str:
     return shlex.join(words + [str(a) for a in args] + ([] if update in args else [update]))
 
 
-def fix_lines(settings: CircuitsSettings, recipe: str, command: str) -> dict[str, str]:
+def fix_lines(settings: CircuitsSettings, build_name: str, command: str) -> dict[str, str]:
     """The closing line of a pytest failure message, per comparison (``own``, ``reference``,
     ``swap``): how to accept the change if it is intended. ``command``: `update_command`."""
     own = RECORD_AGAIN + command
     return {
         "own": own,
         "reference": own  # the build is the reference: its own baseline is the one it missed
-        if recipe == settings.reference
+        if build_name == settings.reference
         else (
-            f"if {recipe} may differ this much from {settings.reference}, loosen the tolerance "
+            f"if {build_name} may differ this much from {settings.reference}, loosen the tolerance "
             "(@pytest.mark.circuits_tolerance(...) or circuits_tol_* in [tool.pytest.ini_options]); "
             f"if the {settings.reference} build changed on purpose, record its baseline again: {command}"
         ),
         "swap": (
-            f"if {recipe} of the new model may differ this much from the model it replaces, loosen the swap_* "
+            f"if {build_name} of the new model may differ this much from the model it replaces, loosen the swap_* "
             "tolerance (@pytest.mark.circuits_tolerance(...) or circuits_tol_swap_* in [tool.pytest.ini_options])"
         ),
     }

@@ -39,9 +39,9 @@ def geometry_record(geometry: dict[str, Any], probe: dict[str, Any] | None = Non
     return {"model": {"geometry": geometry}} | ({} if probe is None else {"probe": probe})
 
 
-def baseline_path(folder: str | Path, model_name: str, recipe: str) -> Path:
-    """``folder/<model>--<recipe>.json``."""
-    return Path(folder) / f"{safe_name(model_name)}{SEPARATOR}{recipe}{SUFFIX}"
+def baseline_path(folder: str | Path, model_name: str, build_name: str) -> Path:
+    """``folder/<model>--<build name>.json``."""
+    return Path(folder) / f"{safe_name(model_name)}{SEPARATOR}{build_name}{SUFFIX}"
 
 
 def model_baselines(folder: str | Path, model_name: str) -> dict[str, Path]:
@@ -300,15 +300,15 @@ def baseline_file(text: str | Path) -> Path:
     return shipped_baselines().get(path.name.removesuffix(SUFFIX), path)
 
 
-def same_geometry(folder: str | Path, recipe: str, geometry: dict[str, Any], exclude: str) -> dict[str, Path]:
-    """Baselines of ``recipe`` in ``folder`` of other models than ``exclude`` whose geometry is
+def same_geometry(folder: str | Path, build_name: str, geometry: dict[str, Any], exclude: str) -> dict[str, Path]:
+    """Baselines of ``build_name`` in ``folder`` of other models than ``exclude`` whose geometry is
     ``geometry`` (a `Geometry`'s fields), by the model name in their file name: the baseline a
     renamed candidate folder was probably meant to be gated against. Unreadable files are left out."""
     from ..errors import BaselineError
 
     found = {}
-    folder, ending = Path(folder), f"{SEPARATOR}{recipe}{SUFFIX}"
-    own = baseline_path(folder, exclude, recipe).name
+    folder, ending = Path(folder), f"{SEPARATOR}{build_name}{SUFFIX}"
+    own = baseline_path(folder, exclude, build_name).name
     for path in sorted(folder.glob(f"*{ending}")) if folder.is_dir() else []:
         if path.name == own:
             continue
