@@ -214,7 +214,6 @@ PENDING = (
     "gate/fixes.py",
     "gate/record.py",
     "gate/shards.py",
-    "gate/store.py",
     "report/data.py",
     "report/html.py",
     "report/markdown.py",

@@ -18,6 +18,7 @@ from ..options import flag
 from .fixes import record_command
 from .invariants import key_heads
 from .record_source import RecordSource
+from .schema import Record, RecordLike
 from .store import BaselineStore, geometry_difference, geometry_record, same_geometry
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ class RunBaselines:
         records: RecordSource,
         memo: Memo,
         run_folder: Callable[[], Any] = lambda: None,
-        key_heads_of: Sequence[dict[str, Any]] = (),
+        key_heads_of: Sequence[RecordLike] = (),
         tolerances: Callable[[], Any] = lambda: None,
     ) -> None:
         self.settings = settings  # `CircuitsSettings`
@@ -108,11 +109,12 @@ class RunBaselines:
         return Path(self.memo(("written", build_name), write_once))
 
     @renamed_keywords(recipe="build_name")
-    def load(self, build_name: str) -> dict[str, Any]:
-        """The baseline record of ``build_name``: written first under ``update``; a typed BaselineError
-        (`BaselineMissing`, `BaselineCorrupt`) if there is none or it is unreadable."""
+    def load(self, build_name: str) -> Record:
+        """The baseline record of ``build_name``, validated once (`store.read_record`): written first
+        under ``update``; a typed BaselineError (`BaselineMissing`, `BaselineCorrupt`) if there is none
+        or it is unreadable."""
 
-        def load() -> dict[str, Any]:
+        def load() -> Record:
             s = self.settings
             if s.update and (build_name in s.builds or build_name == s.reference):
                 self.write(build_name)
@@ -128,7 +130,7 @@ class RunBaselines:
             self.events.append({"event": "compared", "recipe": build_name, "path": str(path)})
             return record
 
-        loaded: dict[str, Any] = self.memo(("baseline", build_name), load)
+        loaded: Record = self.memo(("baseline", build_name), load)
         return loaded
 
     @renamed_keywords(recipe="build_name")
@@ -157,7 +159,7 @@ class RunBaselines:
         (another base model: compared across models, never by label) gives none."""
         heads: set[str] = set()
         geometry = geometry_record(self._geometry().__dict__)
-        records = list(self.key_heads_of)
+        records: list[RecordLike] = list(self.key_heads_of)
         for recipe in dict.fromkeys((self.settings.reference, *self.settings.builds)):
             try:
                 records.append(self.store.read(self.model_name, recipe))

@@ -57,7 +57,7 @@ def wanted(baseline: RecordLike, candidate: RecordLike, tol: Tolerances) -> int:
 
 
 def extend(
-    records: RecordSource, build_name: str, baseline: dict[str, Any], candidate: dict[str, Any], tol: Tolerances
+    records: RecordSource, build_name: str, baseline: RecordLike, candidate: dict[str, Any], tol: Tolerances
 ) -> dict[str, Any]:
     """``candidate`` with the further looks its undecided rows ask for, measured on the baseline's
     seeds of those looks, in look order, until every row is decided (the candidate's own dict is

@@ -15,7 +15,7 @@ import pandas as pd
 
 from ..model.families import head_label
 from ..rungs import figures
-from .schema import SCHEMA_VERSION, Record
+from .schema import SCHEMA_VERSION, Record, RecordLike
 from .stats import mean_interval
 
 HEAD_COLUMNS = figures.stored_head_figures("always")  # in every head row (None where not measured)
@@ -29,7 +29,7 @@ NEEDS = {
 }  # what an invariant may need -> the head figure that shows it
 
 
-def has_figures(record: Record | dict[str, Any], need: str) -> bool:
+def has_figures(record: RecordLike, need: str) -> bool:
     """True when the record holds the figures of ``need`` (``"knockout"``: any measured knockout delta;
     ``"routing"``: any measured routing score, which an engine without attention patterns lacks)."""
     column = NEEDS[need]

@@ -238,7 +238,7 @@ def merge_files(paths: list[Path], output: Path) -> tuple[dict[str, Any], int]:
         ):
             raise ShardError(f"-o {output} is the part {path}: write the merged record to another file")
     check_output(output)
-    merged = validate(merge_parts([(str(path), read_part(path)) for path in paths]), "the merged record")
+    merged = validate(merge_parts([(str(path), read_part(path)) for path in paths]), "the merged record").data
     write_baseline(output, merged)
     return merged, len(paths)
 
@@ -264,11 +264,11 @@ def merged_by_build(paths: list[Path]) -> dict[str, dict[str, Any]]:
     groups: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     for path in paths:
         part = read_part(path)
-        recipe = Record.of(part["record"]).build.recipe  # a part read is a valid record (`check_part`)
-        groups.setdefault(recipe, []).append((str(path), part))
+        build_name = Record.of(part["record"]).build.recipe  # a part read is a valid record (`check_part`)
+        groups.setdefault(build_name, []).append((str(path), part))
     return {
-        recipe: validate(merge_parts(parts), f"the record merged from the parts of {recipe}")
-        for recipe, parts in groups.items()
+        build_name: validate(merge_parts(parts), f"the record merged from the parts of {build_name}").data
+        for build_name, parts in groups.items()
     }
 
 

@@ -17,7 +17,8 @@ from . import invariants
 from .baselines import RunBaselines
 from .record import has_figures
 from .record_source import RecordSource
-from .store import compatibility, engine_of, geometry_difference, read_baseline
+from .schema import Record, RecordLike
+from .store import compatibility, engine_of, geometry_difference, read_record
 from .tolerances import Tolerances
 
 
@@ -76,9 +77,7 @@ def comparisons(build_name: str, reference: str) -> list[tuple[str, str]]:
 
 
 @renamed_keywords(recipe="build_name")
-def candidate_record(
-    records: RecordSource, build_name: str, baseline: dict[str, Any], knockout: bool
-) -> dict[str, Any]:
+def candidate_record(records: RecordSource, build_name: str, baseline: RecordLike, knockout: bool) -> dict[str, Any]:
     """The record of build ``build_name`` measured the way ``baseline`` was: kappa on the same
     unembedding, against the same rotation null (`kappa_method.of_record`; a baseline that does
     not say is an older one: uncentred, 256 float64 draws, normal p). The gate's one rule for
@@ -131,7 +130,7 @@ def gate_build(
 def gate_against(
     records: RecordSource,
     build_name: str,
-    baseline: dict[str, Any],
+    baseline: RecordLike,
     label: str,
     tol: Tolerances,
     fix: str | None,
@@ -173,7 +172,7 @@ def gate_against(
 def gate_file(
     records: RecordSource,
     build_name: str,
-    baseline: dict[str, Any],
+    baseline: RecordLike,
     label: str,
     tol: Tolerances,
     fix: str,
@@ -189,7 +188,7 @@ def gate_file(
     )
 
 
-def swap_baseline(records: RecordSource, baselines: RunBaselines) -> tuple[dict[str, Any] | None, str, str]:
+def swap_baseline(records: RecordSource, baselines: RunBaselines) -> tuple[Record | None, str, str]:
     """``(baseline, label, why_none)``: the baseline of the model this one replaces, the
     `--circuits-swap-baseline` file, else the reference baseline when it is of another geometry
     (the model was swapped under the same name); ``None`` and the reason when there is none.
@@ -197,7 +196,7 @@ def swap_baseline(records: RecordSource, baselines: RunBaselines) -> tuple[dict[
     s = baselines.settings
     if s.swap_baseline is not None:
         try:
-            baseline = read_baseline(s.swap_baseline)
+            baseline = read_record(s.swap_baseline)
         except BaselineMissing:
             raise BaselineMissing(
                 f"{flag('swap-baseline')} {s.swap_baseline}: no such file; pass the baseline file of the model "
