@@ -12,6 +12,7 @@ from typing import Any
 
 from ..options import flag
 from ..settings import CircuitsSettings, recording_words
+from .schema import BuildInfo, Record, RecordLike
 from .store import SEPARATOR, SUFFIX, is_shipped
 
 RECORD_AGAIN = "if the change is intended, record the baseline again: "
@@ -74,16 +75,17 @@ def fix_lines(settings: CircuitsSettings, build_name: str, command: str) -> dict
     }
 
 
-def file_fix_line(settings: CircuitsSettings, baseline: dict[str, Any], path: Path, across: bool) -> str:
+def file_fix_line(settings: CircuitsSettings, baseline: RecordLike, path: Path, across: bool) -> str:
     """The closing line of a ``circuits gate`` failure against the baseline file ``path``."""
+    typed = Record.of(baseline)
     if across:
         return (
-            f"if the new model may differ this much from {baseline['model']['name']}, loosen the swap_* "
+            f"if the new model may differ this much from {typed.model.name}, loosen the swap_* "
             "tolerance (--tol NAME=VALUE)"
         )
-    return RECORD_AGAIN + file_record_command(settings, build_word(baseline["build"]), path)
+    return RECORD_AGAIN + file_record_command(settings, build_word(typed.build), path)
 
 
-def build_word(build: dict[str, Any]) -> str:
+def build_word(build: BuildInfo) -> str:
     """How ``--build`` names a record's build: its recipe, or NAME=PATH for an external build."""
-    return f"{build['recipe']}={build['source']}" if build.get("source") else str(build["recipe"])
+    return f"{build.recipe}={build.source}" if build.source else build.recipe

@@ -337,6 +337,13 @@ def typed_record(record: Any) -> Record | str:
     return typed
 
 
+def head_dicts(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The head rows of a record dict as stored (what is written), in the order of its `Record`'s
+    ``heads``: to edit in place (a shard merge's knockout figures), never to read figures from."""
+    rows: list[dict[str, Any]] = record.get("heads") or []
+    return rows
+
+
 Head = HeadRow  # one head row of a record
 RecordLike = Record | Mapping[str, Any]  # a typed record, or a record dict `Record.of` validates
 
@@ -387,6 +394,7 @@ class _SomeGeometry(BaseModel):
 class _SomeModel(BaseModel):
     model_config = _LOOSE
     name: str | None = None
+    family: str | None = None
     model_type: str | None = None
     fingerprint: str | None = None
     geometry: _SomeGeometry | None = None
