@@ -417,19 +417,19 @@ def cmd_baselines(args) -> int:
 def cmd_gate(args) -> int:
     from .errors import BaselineMissing
     from .gate.fixes import file_fix_line
-    from .gate.store import baseline_file, geometry_difference, read_baseline
+    from .gate.store import baseline_file, geometry_difference, read_record
     from .gate.verdict import gate_file
     from .model.recipes import describe_identity
 
     tol = _tolerances(args.tol)
     args.baseline = baseline_file(args.baseline)
     try:
-        baseline = read_baseline(args.baseline)
+        baseline = read_record(args.baseline)  # validated once: the gate reads this typed record
     except BaselineMissing:
         raise BaselineMissing(_missing_baseline(args)) from None
     # on the same model a screened scan knocks the file's key heads out exactly (another model's are skipped)
     key_heads_of = () if args.across_models else (baseline,)
-    session = _session(args, probe=baseline.get("probe"), key_heads_of=key_heads_of)
+    session = _session(args, probe=baseline.probe.model_dump(), key_heads_of=key_heads_of)
     build = _one_build(session, "gate")
     records = session.records
     across = args.across_models or bool(geometry_difference(baseline, records.stand_in()))
@@ -438,7 +438,7 @@ def cmd_gate(args) -> int:
     candidate, notes, results = gate_file(records, build, baseline, label, tol, fix, across, not args.no_knockout)
     identities = [
         f"{who} {line}"
-        for who, record in (("candidate", candidate), ("baseline", baseline))
+        for who, record in (("candidate", candidate), ("baseline", baseline.data))
         if (line := describe_identity(record["build"]))
     ]
     return EXIT_OK if _print_results(results, identities + notes) else EXIT_BROKEN

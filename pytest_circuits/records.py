@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .errors import renamed_keywords
 from .measurement import BuildMeasurement
 from .options import flag
 
@@ -57,13 +58,14 @@ class MeasuredRecords:
     def __init__(self, measurement: BuildMeasurement):
         self.measurement = measurement
 
-    def record(self, recipe: str, knockout: bool = True, method=None) -> dict:
+    @renamed_keywords(recipe="build_name")
+    def record(self, build_name: str, knockout: bool = True, method=None) -> dict:
         m = self.measurement
         method = m.settings.kappa_method if method is None else method
-        full = m.memoised(("record", recipe, True, method))
+        full = m.memoised(("record", build_name, True, method))
         if not knockout and full is not None:  # the full record serves too
             return full
-        return m.memo(("record", recipe, knockout, method), lambda: measure_record(m, recipe, knockout, method))
+        return m.memo(("record", build_name, knockout, method), lambda: measure_record(m, build_name, knockout, method))
 
     def stand_in(self) -> dict:
         from .gate.store import geometry_record
@@ -71,10 +73,12 @@ class MeasuredRecords:
         m = self.measurement
         return geometry_record(m.preflight().__dict__, probe=m.settings.probe.as_dict())
 
-    def identity(self, recipe: str) -> dict:
-        return self.measurement.build(recipe).identity.as_dict()
+    @renamed_keywords(recipe="build_name")
+    def identity(self, build_name: str) -> dict:
+        return self.measurement.build(build_name).identity.as_dict()
 
-    def look(self, recipe: str, k: int, probe_seed: int, knockout_seed: int, heads, mode) -> dict | None:
+    @renamed_keywords(recipe="build_name")
+    def look(self, build_name: str, k: int, probe_seed: int, knockout_seed: int, heads, mode) -> dict | None:
         m, s = self.measurement, self.measurement.settings
 
         def measure() -> dict:
@@ -84,8 +88,8 @@ class MeasuredRecords:
             from .rungs.knockout import knockout_scan
             from .rungs.probe import run_repeat_probe
 
-            build = m.build(recipe)
-            with m._phase(f"look {k} (n={s.probe.n}) {m.model_name}:{recipe}"):
+            build = m.build(build_name)
+            with m._phase(f"look {k} (n={s.probe.n}) {m.model_name}:{build_name}"):
                 probe = run_repeat_probe(build, replace(s.probe, seed=probe_seed), batch_size=s.batch_size)
                 entry: dict = {"look": k, "probe_seed": probe_seed, "knockout_seed": knockout_seed}
                 entry.update(probe.sequence_figures())
@@ -105,7 +109,7 @@ class MeasuredRecords:
                     }
             return entry
 
-        return m.memo(("look", recipe, k, probe_seed, knockout_seed, tuple(heads or ()), mode), measure)
+        return m.memo(("look", build_name, k, probe_seed, knockout_seed, tuple(heads or ()), mode), measure)
 
 
 class ShardPartRecords(MeasuredRecords):
@@ -113,30 +117,33 @@ class ShardPartRecords(MeasuredRecords):
     (`gate.shards.merged_by_build`), read once; no build is loaded. Parts of a build not gated, a
     build without parts, or parts measured otherwise than asked are one line each."""
 
-    def record(self, recipe: str, knockout: bool = True, method=None) -> dict:
+    @renamed_keywords(recipe="build_name")
+    def record(self, build_name: str, knockout: bool = True, method=None) -> dict:
         from .errors import ShardError
         from .rungs.kappa_method import of_record
 
         m = self.measurement
         merged = m.memo(("shard_parts",), self._read)
-        if recipe not in merged:
+        if build_name not in merged:
             raise ShardError(
-                f"{flag('shard-parts')} {m.settings.shard_parts} holds no part of build {recipe}: "
+                f"{flag('shard-parts')} {m.settings.shard_parts} holds no part of build {build_name}: "
                 "gate only the builds whose parts are there, or add them"
             )
-        record = merged[recipe]
+        record = merged[build_name]
         method = m.settings.kappa_method if method is None else method
         if of_record(record) != method:
             raise ShardError(
-                f"the parts of {recipe} measured kappa with {of_record(record).describe()}, the baseline asks for "
+                f"the parts of {build_name} measured kappa with {of_record(record).describe()}, the baseline asks for "
                 f"{method.describe()}: record the baseline again, or measure the build unsharded"
             )
         return record
 
-    def identity(self, recipe: str) -> dict:
-        return self.record(recipe)["build"]
+    @renamed_keywords(recipe="build_name")
+    def identity(self, build_name: str) -> dict:
+        return self.record(build_name)["build"]
 
-    def look(self, recipe: str, k: int, probe_seed: int, knockout_seed: int, heads, mode) -> dict | None:
+    @renamed_keywords(recipe="build_name")
+    def look(self, build_name: str, k: int, probe_seed: int, knockout_seed: int, heads, mode) -> dict | None:
         return None  # a merge loads no build: an undecided row keeps the fixed rule
 
     def _read(self) -> dict[str, dict]:

@@ -128,7 +128,7 @@ class CircuitsSession(BuildMeasurement):
 
     @renamed_keywords(recipe="build_name")
     def load_baseline(self, build_name: str) -> dict:
-        return self.baselines.load(build_name)
+        return self.baselines.load(build_name).data  # the record dict, as this (deprecated) API always returned
 
     @renamed_keywords(recipe="build_name")
     def missing_message(self, build_name: str, path: Path) -> str:

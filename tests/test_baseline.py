@@ -453,3 +453,29 @@ def test_every_shipped_baseline_has_every_figure_the_invariants_read(path):
 def test_missing_figures_names_what_a_record_lacks():
     record = fake_record()
     assert {"min_effect", "path_factor", "looks"} <= set(missing_figures(record))
+
+
+def test_a_baseline_is_validated_once_where_it_is_read(tmp_path, monkeypatch):
+    """The store reads a baseline as its typed `Record` (its dict kept as `data`): the gate's
+    `Record.of` takes it as it is, never validating it again (#39 item 4)."""
+    from pytest_circuits.gate import schema
+    from pytest_circuits.gate.invariants import gate_all
+    from pytest_circuits.gate.tolerances import Tolerances
+
+    store = bl.BaselineStore(tmp_path)
+    store.write("m", "fp32", json.loads((SHIPPED_BASELINES / "tiny-induction--fp32.json").read_text()))
+    validations = []
+    real = schema.Record.model_validate.__func__
+
+    def counted(cls, *args, **kwargs):
+        validations.append(cls.__name__)
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(schema.Record, "model_validate", classmethod(counted))
+    record = store.read("m", "fp32")
+    assert isinstance(record, schema.Record) and validations == ["Record"]
+    assert record.data == json.loads((tmp_path / "m--fp32.json").read_text())  # the file's dict, as read
+    assert schema.Record.of(record) is record and bl.validate(record) is record
+    gate_all(record, record, Tolerances(), "fp32", "baseline")
+    assert validations == ["Record"]  # the gate read the typed record it was given
+    assert bl.read_baseline(tmp_path / "m--fp32.json") == record.data  # the dict reader: the same record

@@ -436,20 +436,20 @@ class FakeSession:
         self.saved, self.candidate = baselines, candidate
         self.records = self.baselines = self  # the record source and the baselines, both typed inputs of the gate
 
-    def record(self, recipe, knockout=True, method=None):
+    def record(self, build_name, knockout=True, method=None):
         return self.candidate
 
     def stand_in(self):
         return {"model": dict(self.candidate.get("model") or {}), "probe": self.candidate.get("probe")}
 
-    def load(self, recipe):
+    def load(self, build_name):
         from pytest_circuits.errors import BaselineMissing
 
-        if recipe not in self.saved:
+        if build_name not in self.saved:
             raise BaselineMissing(
-                f"baseline {recipe}.json does not exist; record it with: circuits record m --build {recipe}"
+                f"baseline {build_name}.json does not exist; record it with: circuits record m --build {build_name}"
             )
-        return self.saved[recipe]
+        return self.saved[build_name]
 
 
 def gate_build(session, *rest):

@@ -434,10 +434,10 @@ def test_gate_build_asks_each_baseline_for_its_own_method():
     class Parts:  # the gate's typed inputs: the record source and the baselines
         settings = SimpleNamespace(reference="fp32")
 
-        def load(self, recipe):
-            return old if recipe == "fp32" else new
+        def load(self, build_name):
+            return old if build_name == "fp32" else new
 
-        def record(self, recipe, knockout=True, method=None):
+        def record(self, build_name, knockout=True, method=None):
             asked.append(method)
             return old if method == LEGACY else new
 

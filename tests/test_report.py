@@ -715,19 +715,19 @@ def test_a_build_that_could_not_be_gated_leads_the_report(tmp_path):
         def baselines(self):
             return self
 
-        def load(self, recipe):
+        def load(self, build_name):
             from pytest_circuits.gate.store import read_baseline
 
             from .conftest import SHIPPED_BASELINES as shipped
 
-            return read_baseline(shipped / f"tiny-induction--{recipe}.json")
+            return read_baseline(shipped / f"tiny-induction--{build_name}.json")
 
         def stand_in(self):
             fp32 = self.load("fp32")
             return {"model": fp32["model"], "probe": fp32["probe"]}
 
-        def record(self, recipe, knockout=True, method=None):
-            raise CircuitsError(f"{recipe}: the per-head weight read does not reproduce layer 0")
+        def record(self, build_name, knockout=True, method=None):
+            raise CircuitsError(f"{build_name}: the per-head weight read does not reproduce layer 0")
 
     node = SimpleNamespace(path=tmp_path / "test_gate.py", user_properties=[])
     request = SimpleNamespace(
@@ -810,3 +810,23 @@ def test_summary_md_says_against_which_baseline_an_invariant_broke():
     ]
     first = markdown.summary([], results).splitlines()[2]
     assert first == "**2 of 2 invariants broken:** `copy_loss` (b vs fp32 baseline), `copy_loss` (b vs own baseline)"
+
+
+def test_circuits_report_validates_each_file_once(tmp_path, monkeypatch, capsys):
+    """``circuits report B --against A`` reads each file once as its typed Record, gates and draws
+    those (#39 item 4: before, each file was read and validated three times)."""
+    from pytest_circuits.gate import schema
+    from pytest_circuits.model.named import SHIPPED_BASELINES
+
+    validations = []
+    real = schema.Record.model_validate.__func__
+
+    def counted(cls, *args, **kwargs):
+        validations.append(cls.__name__)
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(schema.Record, "model_validate", classmethod(counted))
+    build, reference = (SHIPPED_BASELINES / f"tiny-induction--{b}.json" for b in ("rtn-int4", "fp32"))
+    assert report_command([str(build), "--against", str(reference), "--out", str(tmp_path)]) == 0
+    assert "gate passed" in capsys.readouterr().out
+    assert validations == ["Record", "Record"]

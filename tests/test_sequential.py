@@ -139,7 +139,7 @@ def test_extend_measures_only_the_looks_an_undecided_row_needs():
         def __init__(self):
             self.asked: list[tuple[int, int]] = []
 
-        def look(self, recipe, k, probe_seed, knockout_seed, heads, mode):
+        def look(self, build_name, k, probe_seed, knockout_seed, heads, mode):
             self.asked.append((k, probe_seed))
             assert probe_seed == look_seed(0, k) and not heads  # the baseline's seeds of that look
             return {"look": k, "copy_loss_sequences": list(build[k - 1])}

@@ -19,30 +19,6 @@ from pytest_circuits.errors import CircuitsDeprecationWarning, renamed_keywords
 
 PACKAGE = Path(pytest_circuits.__file__).resolve().parent
 PLAIN_LOOPS = "rungs/plain_loops.py"
-# `recipe` parameters that still take any build's name, kept until gate/ is renamed with its
-# protocol (gate/record_source.py and the records that implement it): remove each as it goes.
-RECIPE_PARAMETER_EXCEPTIONS = {
-    "gate/baselines.py": {
-        "RunBaselines.path",
-        "RunBaselines.record_command",
-        "RunBaselines.write",
-        "RunBaselines.load",
-        "RunBaselines.missing_message",
-    },
-    "gate/fixes.py": {"fix_lines"},
-    "gate/further_looks.py": {"with_looks", "extend"},
-    "gate/record_source.py": {"RecordSource.record", "RecordSource.look", "RecordSource.identity"},
-    "gate/store.py": {"baseline_path", "same_geometry"},
-    "gate/verdict.py": {"comparisons", "candidate_record", "gate_build", "gate_against", "gate_file", "gate_swap"},
-    "records.py": {
-        "MeasuredRecords.record",
-        "MeasuredRecords.identity",
-        "MeasuredRecords.look",
-        "ShardPartRecords.record",
-        "ShardPartRecords.identity",
-        "ShardPartRecords.look",
-    },
-}
 
 
 def sources() -> dict[str, ast.Module]:
@@ -91,17 +67,9 @@ def test_no_recipe_parameter_takes_a_build_name():
         for name, node in functions(tree):
             for arg in parameters(node):
                 typed_recipe = arg.annotation is not None and ast.unparse(arg.annotation) == "Recipe"
-                if arg.arg == "recipe" and not typed_recipe and name not in RECIPE_PARAMETER_EXCEPTIONS.get(module, ()):
+                if arg.arg == "recipe" and not typed_recipe:
                     wrong.append(f"{module}: {name}")
     assert not wrong, wrong
-
-
-def test_the_exceptions_still_exist():
-    """Each listed exception is a real ``recipe`` parameter: a renamed one must leave the list."""
-    trees = sources()
-    for module, names in RECIPE_PARAMETER_EXCEPTIONS.items():
-        found = {name for name, node in functions(trees[module]) if any(a.arg == "recipe" for a in parameters(node))}
-        assert names <= found, f"{module}: {sorted(names - found)} no longer take recipe; drop them from the list"
 
 
 def test_the_replay_says_trace_and_replay_not_record_and_cached():
@@ -176,6 +144,45 @@ def test_the_session_methods_take_their_old_keyword(tmp_path):
     assert old == session.baseline_path("fp32") == session.baseline_path(build_name="fp32")
     with pytest.warns(CircuitsDeprecationWarning, match="forget_figures"):
         session.forget_figures(recipe="fp32")
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        ("gate.verdict", "candidate_record"),
+        ("gate.verdict", "gate_build"),
+        ("gate.verdict", "gate_against"),
+        ("gate.verdict", "gate_file"),
+        *(
+            ("gate.baselines", f"RunBaselines.{m}")
+            for m in ("path", "record_command", "write", "load", "missing_message")
+        ),
+        *(
+            ("records", f"{c}.{m}")
+            for c in ("MeasuredRecords", "ShardPartRecords")
+            for m in ("record", "identity", "look")
+        ),
+    ],
+)
+def test_the_documented_gate_functions_take_their_old_keyword(module, name):
+    """The gate's functions and records named in docs/ keep ``recipe=`` as a deprecated keyword."""
+    fn = importlib.import_module(f"pytest_circuits.{module}")
+    for part in name.split("."):
+        fn = getattr(fn, part)
+    with pytest.warns(CircuitsDeprecationWarning, match=f"{name}\\(recipe=.*use build_name="):
+        with pytest.raises(TypeError):  # reached the function as build_name=, short of its other arguments
+            fn(recipe="fp32")
+
+
+def test_the_run_baselines_path_takes_recipe(tmp_path):
+    from pytest_circuits.gate.baselines import RunBaselines
+
+    baselines = RunBaselines.__new__(RunBaselines)
+    baselines.store = type("S", (), {"path": staticmethod(lambda model, name: tmp_path / f"{model}--{name}.json")})()
+    baselines._model_name = lambda: "m"
+    with pytest.warns(CircuitsDeprecationWarning, match="RunBaselines.path"):
+        old = baselines.path(recipe="fp32")
+    assert old == baselines.path("fp32") == baselines.path(build_name="fp32") == tmp_path / "m--fp32.json"
 
 
 @pytest.mark.parametrize(("old", "new", "value"), [("cached", "replay", False), ("record_bytes", "trace_bytes", 1)])

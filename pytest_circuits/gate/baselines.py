@@ -13,11 +13,12 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import BaselineCorrupt, BaselineError, BaselineMissing
+from ..errors import BaselineCorrupt, BaselineError, BaselineMissing, renamed_keywords
 from ..options import flag
 from .fixes import record_command
 from .invariants import key_heads
 from .record_source import RecordSource
+from .schema import Record, RecordLike
 from .store import BaselineStore, geometry_difference, geometry_record, same_geometry
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ class RunBaselines:
         records: RecordSource,
         memo: Memo,
         run_folder: Callable[[], Any] = lambda: None,
-        key_heads_of: Sequence[dict[str, Any]] = (),
+        key_heads_of: Sequence[RecordLike] = (),
         tolerances: Callable[[], Any] = lambda: None,
     ) -> None:
         self.settings = settings  # `CircuitsSettings`
@@ -66,17 +67,20 @@ class RunBaselines:
         shipped = BaselineStore(SHIPPED_BASELINES)
         return shipped if shipped.builds(self.model_name) else store
 
-    def path(self, recipe: str) -> Path:
-        """Where the baseline of ``recipe`` for this model lives."""
-        return self.store.path(self.model_name, recipe)
+    @renamed_keywords(recipe="build_name")
+    def path(self, build_name: str) -> Path:
+        """Where the baseline of ``build_name`` for this model lives."""
+        return self.store.path(self.model_name, build_name)
 
-    def record_command(self, recipe: str) -> str:
-        """The shell command that (re)records the baseline of ``recipe``, with every setting it was gated with."""
+    @renamed_keywords(recipe="build_name")
+    def record_command(self, build_name: str) -> str:
+        """The shell command that (re)records the baseline of ``build_name``, with every setting it was gated with."""
         s = self.settings
-        return record_command(s, str(s.spec(recipe)), s.baselines)
+        return record_command(s, str(s.spec(build_name)), s.baselines)
 
-    def write(self, recipe: str) -> Path:
-        """Record ``recipe`` (with knockouts) and write its baseline atomically, once per run.
+    @renamed_keywords(recipe="build_name")
+    def write(self, build_name: str) -> Path:
+        """Record ``build_name`` (with knockouts) and write its baseline atomically, once per run.
 
         Under pytest-xdist the write runs once in the run's shared folder (`fsio.RunFolder.once`):
         the first worker that needs the file records and writes it, every other one waits for the
@@ -84,52 +88,59 @@ class RunBaselines:
         """
 
         def write() -> Path:
-            self.store.check_writable(self.path(recipe))  # a path it cannot write ends here, not after the scan
+            self.store.check_writable(self.path(build_name))  # a path it cannot write ends here, not after the scan
             from .further_looks import with_looks  # every look of the sequential rule, measured once
 
-            record = with_looks(self.records, recipe, self.records.record(recipe, knockout=True), self._tolerances())
-            path, written = self.store.write(self.model_name, recipe, record, force=self.settings.update_all)
-            self.events.append({"event": "written" if written else "unchanged", "recipe": recipe, "path": str(path)})
+            record = with_looks(
+                self.records, build_name, self.records.record(build_name, knockout=True), self._tolerances()
+            )
+            path, written = self.store.write(self.model_name, build_name, record, force=self.settings.update_all)
+            self.events.append(
+                {"event": "written" if written else "unchanged", "recipe": build_name, "path": str(path)}
+            )
             return path
 
         def write_once() -> Path:
             folder = self._run_folder()
             if folder is None:
                 return write()
-            return Path(folder.once(f"{self.path(recipe).name}.written", write, dump=str, load=Path))
+            return Path(folder.once(f"{self.path(build_name).name}.written", write, dump=str, load=Path))
 
-        return Path(self.memo(("written", recipe), write_once))
+        return Path(self.memo(("written", build_name), write_once))
 
-    def load(self, recipe: str) -> dict[str, Any]:
-        """The baseline record of ``recipe``: written first under ``update``; a typed BaselineError
-        (`BaselineMissing`, `BaselineCorrupt`) if there is none or it is unreadable."""
+    @renamed_keywords(recipe="build_name")
+    def load(self, build_name: str) -> Record:
+        """The baseline record of ``build_name``, validated once (`store.read_record`): written first
+        under ``update``; a typed BaselineError (`BaselineMissing`, `BaselineCorrupt`) if there is none
+        or it is unreadable."""
 
-        def load() -> dict[str, Any]:
+        def load() -> Record:
             s = self.settings
-            if s.update and (recipe in s.builds or recipe == s.reference):
-                self.write(recipe)
-            path = self.path(recipe)
+            if s.update and (build_name in s.builds or build_name == s.reference):
+                self.write(build_name)
+            path = self.path(build_name)
             try:
-                record = self.store.read(self.model_name, recipe)
+                record = self.store.read(self.model_name, build_name)
             except BaselineMissing:
-                self.events.append({"event": "missing", "recipe": recipe, "path": str(path)})
-                raise BaselineMissing(self.missing_message(recipe, path)) from None
+                self.events.append({"event": "missing", "recipe": build_name, "path": str(path)})
+                raise BaselineMissing(self.missing_message(build_name, path)) from None
             except BaselineCorrupt:
-                self.events.append({"event": "corrupt", "recipe": recipe, "path": str(path)})
+                self.events.append({"event": "corrupt", "recipe": build_name, "path": str(path)})
                 raise
-            self.events.append({"event": "compared", "recipe": recipe, "path": str(path)})
+            self.events.append({"event": "compared", "recipe": build_name, "path": str(path)})
             return record
 
-        loaded: dict[str, Any] = self.memo(("baseline", recipe), load)
+        loaded: Record = self.memo(("baseline", build_name), load)
         return loaded
 
-    def missing_message(self, recipe: str, path: Path) -> str:
-        """Why ``recipe`` has no baseline, and what to do: gate against a baseline of the same
+    @renamed_keywords(recipe="build_name")
+    def missing_message(self, build_name: str, path: Path) -> str:
+        """Why ``build_name`` has no baseline, and what to do: gate against a baseline of the same
         geometry in the folder (``--circuits-name``) first, when there is one; recording makes this
         build the reference its later builds are gated against."""
-        record = f"record it with: {self.record_command(recipe)} (or add {flag('update')} to this pytest command)"
+        record = f"record it with: {self.record_command(build_name)} (or add {flag('update')} to this pytest command)"
         try:
-            others = same_geometry(path.parent, recipe, self._geometry().__dict__, self.model_name)
+            others = same_geometry(path.parent, build_name, self._geometry().__dict__, self.model_name)
         except Exception:  # the model does not resolve: its own error says so
             others = {}
         if not others:
@@ -148,7 +159,7 @@ class RunBaselines:
         (another base model: compared across models, never by label) gives none."""
         heads: set[str] = set()
         geometry = geometry_record(self._geometry().__dict__)
-        records = list(self.key_heads_of)
+        records: list[RecordLike] = list(self.key_heads_of)
         for recipe in dict.fromkeys((self.settings.reference, *self.settings.builds)):
             try:
                 records.append(self.store.read(self.model_name, recipe))

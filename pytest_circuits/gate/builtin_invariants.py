@@ -245,7 +245,7 @@ def ov_gains(record: RecordLike | HeadWrites) -> dict[str, float]:
         return gains
     if isinstance(typed, HeadWrites):
         return {}
-    return {name: float(ov_gain(lam)) for name, lam in record_eigenvalues(typed).items() if lam.size}
+    return {name: float(ov_gain(lam)) for name, lam in record_eigenvalues(typed.eigenvalues).items() if lam.size}
 
 
 def head_writes(record: RecordLike | HeadWrites) -> tuple[dict[str, float], str]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..options import flag
 from ..settings import CircuitsSettings, recording_words
+from .schema import BuildInfo, Record, RecordLike
 from .store import SEPARATOR, SUFFIX, is_shipped
 
 RECORD_AGAIN = "if the change is intended, record the baseline again: "
@@ -54,36 +55,37 @@ def update_command(config: Any) -> str:
     return shlex.join(words + [str(a) for a in args] + ([] if update in args else [update]))
 
 
-def fix_lines(settings: CircuitsSettings, recipe: str, command: str) -> dict[str, str]:
+def fix_lines(settings: CircuitsSettings, build_name: str, command: str) -> dict[str, str]:
     """The closing line of a pytest failure message, per comparison (``own``, ``reference``,
     ``swap``): how to accept the change if it is intended. ``command``: `update_command`."""
     own = RECORD_AGAIN + command
     return {
         "own": own,
         "reference": own  # the build is the reference: its own baseline is the one it missed
-        if recipe == settings.reference
+        if build_name == settings.reference
         else (
-            f"if {recipe} may differ this much from {settings.reference}, loosen the tolerance "
+            f"if {build_name} may differ this much from {settings.reference}, loosen the tolerance "
             "(@pytest.mark.circuits_tolerance(...) or circuits_tol_* in [tool.pytest.ini_options]); "
             f"if the {settings.reference} build changed on purpose, record its baseline again: {command}"
         ),
         "swap": (
-            f"if {recipe} of the new model may differ this much from the model it replaces, loosen the swap_* "
+            f"if {build_name} of the new model may differ this much from the model it replaces, loosen the swap_* "
             "tolerance (@pytest.mark.circuits_tolerance(...) or circuits_tol_swap_* in [tool.pytest.ini_options])"
         ),
     }
 
 
-def file_fix_line(settings: CircuitsSettings, baseline: dict[str, Any], path: Path, across: bool) -> str:
+def file_fix_line(settings: CircuitsSettings, baseline: RecordLike, path: Path, across: bool) -> str:
     """The closing line of a ``circuits gate`` failure against the baseline file ``path``."""
+    typed = Record.of(baseline)
     if across:
         return (
-            f"if the new model may differ this much from {baseline['model']['name']}, loosen the swap_* "
+            f"if the new model may differ this much from {typed.model.name}, loosen the swap_* "
             "tolerance (--tol NAME=VALUE)"
         )
-    return RECORD_AGAIN + file_record_command(settings, build_word(baseline["build"]), path)
+    return RECORD_AGAIN + file_record_command(settings, build_word(typed.build), path)
 
 
-def build_word(build: dict[str, Any]) -> str:
+def build_word(build: BuildInfo) -> str:
     """How ``--build`` names a record's build: its recipe, or NAME=PATH for an external build."""
-    return f"{build['recipe']}={build['source']}" if build.get("source") else str(build["recipe"])
+    return f"{build.recipe}={build.source}" if build.source else build.recipe

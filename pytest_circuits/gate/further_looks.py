@@ -16,8 +16,8 @@ from .schema import Record, RecordLike
 from .tolerances import Tolerances
 
 
-def with_looks(records: RecordSource, recipe: str, record: dict[str, Any], tol: Tolerances) -> dict[str, Any]:
-    """``record`` (a record of ``recipe`` measured now, the dict written) with its looks 2 ..
+def with_looks(records: RecordSource, build_name: str, record: dict[str, Any], tol: Tolerances) -> dict[str, Any]:
+    """``record`` (a record of ``build_name`` measured now, the dict written) with its looks 2 ..
     ``tol.looks`` (a baseline's: measured once, with the knockouts of its key heads when it has
     knockouts)."""
     from .invariants import key_heads
@@ -29,7 +29,7 @@ def with_looks(records: RecordSource, recipe: str, record: dict[str, Any], tol: 
     mode = knocked.mode if knocked else None
     probe_seed, knockout_seed = typed.probe.seed, knocked.seed if knocked else 0
     entries = [
-        records.look(recipe, k, look_seed(probe_seed, k), look_seed(knockout_seed, k), heads, mode)
+        records.look(build_name, k, look_seed(probe_seed, k), look_seed(knockout_seed, k), heads, mode)
         for k in range(2, looks + 1)
     ]
     if any(entry is None for entry in entries):  # a source that measures nothing (merged shard parts)
@@ -57,7 +57,7 @@ def wanted(baseline: RecordLike, candidate: RecordLike, tol: Tolerances) -> int:
 
 
 def extend(
-    records: RecordSource, recipe: str, baseline: dict[str, Any], candidate: dict[str, Any], tol: Tolerances
+    records: RecordSource, build_name: str, baseline: RecordLike, candidate: dict[str, Any], tol: Tolerances
 ) -> dict[str, Any]:
     """``candidate`` with the further looks its undecided rows ask for, measured on the baseline's
     seeds of those looks, in look order, until every row is decided (the candidate's own dict is
@@ -78,7 +78,7 @@ def extend(
         for j in range(have + 1, k + 1):
             entry = stored[j]
             heads = sorted(entry.values(KNOCKOUT_KEY) or {}) if typed.knockout else []
-            look = records.look(recipe, j, int(entry.probe_seed or 0), int(entry.knockout_seed or 0), heads, mode)
+            look = records.look(build_name, j, int(entry.probe_seed or 0), int(entry.knockout_seed or 0), heads, mode)
             if look is None:
                 return candidate
             candidate.setdefault("looks", []).append(look)

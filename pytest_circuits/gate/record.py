@@ -7,7 +7,7 @@ them (the same code path for the plugin and the CLI).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -15,7 +15,7 @@ import pandas as pd
 
 from ..model.families import head_label
 from ..rungs import figures
-from .schema import SCHEMA_VERSION, Record
+from .schema import SCHEMA_VERSION, Identity, ModelInfo, Record, RecordLike
 from .stats import mean_interval
 
 HEAD_COLUMNS = figures.stored_head_figures("always")  # in every head row (None where not measured)
@@ -29,13 +29,11 @@ NEEDS = {
 }  # what an invariant may need -> the head figure that shows it
 
 
-def has_figures(record: Record | dict[str, Any], need: str) -> bool:
+def has_figures(record: RecordLike, need: str) -> bool:
     """True when the record holds the figures of ``need`` (``"knockout"``: any measured knockout delta;
     ``"routing"``: any measured routing score, which an engine without attention patterns lacks)."""
     column = NEEDS[need]
-    if isinstance(record, Record):
-        return any(getattr(row, column) is not None for row in record.heads)
-    return any(row.get(column) is not None for row in record.get("heads") or [] if isinstance(row, dict))
+    return any(getattr(row, column) is not None for row in Record.of(record).heads)
 
 
 def lacking_figures(record: Record, build: str, lacking: str) -> str:
@@ -136,10 +134,10 @@ def eigenvalue_map(eigenvalues: Any) -> dict[str, Any]:
     return out
 
 
-def record_eigenvalues(record: Record | dict[str, Any]) -> dict[str, np.ndarray]:
-    """The inverse of `eigenvalue_map`: a record's ``{"L0H0": [[re, im], ...]}`` as complex arrays."""
+def record_eigenvalues(stored: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The inverse of `eigenvalue_map`: a record's ``eigenvalues`` (``{"L0H0": [[re, im], ...]}``) as
+    complex arrays."""
     out = {}
-    stored = record.eigenvalues if isinstance(record, Record) else record.get("eigenvalues") or {}
     for label, pairs in stored.items():
         values = np.asarray(pairs, dtype=float).reshape(-1, 2)
         out[str(label)] = values[:, 0] + 1j * values[:, 1]
@@ -222,8 +220,11 @@ def model_info(name: str, source: Any, build: Any) -> dict[str, Any]:
     }
 
 
-def model_kind(model: dict[str, Any]) -> str:
-    """How a record's model is named to a reader: its model type and, where it differs, the layout its
-    heads are read with (``qwen3, llama layout``); an older record's layout alone."""
-    kind = model.get("model_type") or str(model.get("family") or "")
-    return kind + (f", {model['family']} layout" if model.get("family") and model["family"] != kind else "")
+def model_kind(model: ModelInfo | Mapping[str, Any]) -> str:
+    """How a record's model (its `ModelInfo`, or the dict of one, parts missing) is named to a reader: its
+    model type and, where it differs, the layout its heads are read with (``qwen3, llama layout``); an older
+    record's layout alone."""
+    typed = model if isinstance(model, ModelInfo) else Identity.of({"model": model}).model
+    family = typed.family if typed is not None else None
+    kind = (typed.model_type if typed is not None else None) or str(family or "")
+    return kind + (f", {family} layout" if family and family != kind else "")

@@ -11,8 +11,8 @@ from typing import Any, Protocol
 class RecordSource(Protocol):
     """The scan records of one run's builds."""
 
-    def record(self, recipe: str, knockout: bool = True, method: Any = None) -> dict[str, Any]:
-        """The scan record of build ``recipe``, knockouts optional, kappa measured by ``method``
+    def record(self, build_name: str, knockout: bool = True, method: Any = None) -> dict[str, Any]:
+        """The scan record of build ``build_name``, knockouts optional, kappa measured by ``method``
         (a `KappaMethod`; None: the run's)."""
         ...
 
@@ -22,13 +22,13 @@ class RecordSource(Protocol):
         ...
 
     def look(
-        self, recipe: str, k: int, probe_seed: int, knockout_seed: int, heads: Sequence[str], mode: str | None
+        self, build_name: str, k: int, probe_seed: int, knockout_seed: int, heads: Sequence[str], mode: str | None
     ) -> dict[str, Any] | None:
-        """Look ``k`` of the sequential rule (`gate.looks`) of build ``recipe``: the probe's
+        """Look ``k`` of the sequential rule (`gate.looks`) of build ``build_name``: the probe's
         per-sequence figures on ``probe_seed`` and, with ``heads``, their exact knockout deltas
         (``mode``) on ``knockout_seed``; None where no build is measured (merged shard parts)."""
         ...
 
-    def identity(self, recipe: str) -> dict[str, Any]:
-        """The build identity of ``recipe`` (`BuildIdentity.as_dict`)."""
+    def identity(self, build_name: str) -> dict[str, Any]:
+        """The build identity of ``build_name`` (`BuildIdentity.as_dict`)."""
         ...

@@ -319,6 +319,31 @@ class Record(_Figures):
                 )
 
 
+def typed_record(record: Any) -> Record | str:
+    """The validated `Record` of ``record`` (a record dict of this schema version, kept as its `data`),
+    or what makes it not one, in a few words."""
+    if isinstance(record, Record):
+        return record
+    if not isinstance(record, dict):
+        return "is not a scan record (top level is not an object)"
+    version = record.get("schema_version")
+    if version != SCHEMA_VERSION:
+        return f"has schema version {version!r}, this pytest-circuits reads {SCHEMA_VERSION}"
+    try:
+        typed = Record.model_validate(record)
+    except ValidationError as error:
+        return f"is not a valid scan record: {problem(error)}"
+    typed._data = record
+    return typed
+
+
+def head_dicts(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The head rows of a record dict as stored (what is written), in the order of its `Record`'s
+    ``heads``: to edit in place (a shard merge's knockout figures), never to read figures from."""
+    rows: list[dict[str, Any]] = record.get("heads") or []
+    return rows
+
+
 Head = HeadRow  # one head row of a record
 RecordLike = Record | Mapping[str, Any]  # a typed record, or a record dict `Record.of` validates
 
@@ -351,6 +376,60 @@ class HeadWrites(BaseModel):
             raise CircuitsError(
                 f"the result frame's head writes are not valid: {problem(error)}; pass a frame from ov_spectrum"
             ) from None
+
+
+_LOOSE = ConfigDict(extra="allow")
+
+
+class _SomeGeometry(BaseModel):
+    model_config = _LOOSE
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    d_model: int | None = None
+    d_head: int | None = None
+    vocab: int | None = None
+
+
+class _SomeModel(BaseModel):
+    model_config = _LOOSE
+    name: str | None = None
+    family: str | None = None
+    model_type: str | None = None
+    fingerprint: str | None = None
+    geometry: _SomeGeometry | None = None
+
+
+class _SomeProbe(BaseModel):
+    model_config = _LOOSE
+    seed: int | None = None
+    n: int | None = None
+    L: int | None = None
+
+
+class _SomeBuild(BaseModel):
+    model_config = _LOOSE
+    kv_cache: str | None = None
+    engine: str | None = None
+
+
+class Identity(BaseModel):
+    """What a record says of its model, probe and build, and nothing else: read from a `Record`
+    as it is, or from a partial record dict (a stand-in of a build not measured yet,
+    `store.geometry_record`; a record measured now), each part optional. What `gate.store`'s
+    comparisons (geometry, probe, engine, KV cache, weights) read."""
+
+    model_config = _LOOSE
+    model: _SomeModel | None = None
+    probe: _SomeProbe | None = None
+    build: _SomeBuild | None = None
+
+    @classmethod
+    def of(cls, record: RecordLike | Identity) -> Record | Identity:
+        """``record`` itself when it is typed, else the identity parts of a record dict (no figure read)."""
+        if isinstance(record, (Record, Identity)):
+            return record
+        return cls.model_validate({key: record.get(key) for key in ("model", "probe", "build")})
 
 
 _WARNED: list[str] = []  # the mapping view warns once a process

@@ -61,8 +61,7 @@ def check_part(name: str, data: Any) -> dict[str, Any]:
     figures are its layers' only, every one of them there), else one `ShardError` line naming ``name``."""
     from pydantic import ValidationError
 
-    from .schema import PartInfo, Record, problem
-    from .store import record_problem
+    from .schema import PartInfo, problem, typed_record
 
     if not isinstance(data, dict) or not isinstance(data.get("part"), dict) or "record" not in data:
         raise ShardError(f"{name} is not a shard part (circuits record --shard i/K --out FILE writes one)")
@@ -70,10 +69,9 @@ def check_part(name: str, data: Any) -> dict[str, Any]:
         meta = PartInfo.model_validate(data["part"])
     except ValidationError as error:
         raise ShardError(f"{name} is not a valid shard part: part.{problem(error)}; {WRITE_AGAIN}") from None
-    found = record_problem(data["record"])
-    if found is not None:
-        raise ShardError(f"{name}: its record {found}; {WRITE_AGAIN}")
-    record = Record.of(data["record"])
+    record = typed_record(data["record"])
+    if isinstance(record, str):
+        raise ShardError(f"{name}: its record {record}; {WRITE_AGAIN}")
     n_layers = record.model.geometry.n_layers
     beyond = [layer for layer in meta.layers if layer >= n_layers]
     if beyond:
@@ -131,8 +129,10 @@ def _listed(items: Iterable[Any], most: int = 6) -> str:
 
 def _without_knockouts(record: dict[str, Any]) -> dict[str, Any]:
     """The record less what only one part measures (its heads' knockout figures) and job-local fields."""
+    from .schema import head_dicts
+
     plain = copy.deepcopy(record)
-    for row in plain.get("heads") or []:
+    for row in head_dicts(plain):
         for key in [k for k in row if k.startswith(KNOCKOUT_PREFIX)]:
             del row[key]
     for section, key in JOB_LOCAL:
@@ -202,9 +202,10 @@ def merge_parts(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     missing = [i for i in range(1, total + 1) if i not in owners]
     if missing:
         raise ShardError(f"shard(s) {', '.join(f'{i}/{total}' for i in missing)} missing: merge all {total} parts")
-    from .schema import Record
+    from .schema import Record, head_dicts
 
-    n_layers = Record.of(first["record"]).model.geometry.n_layers
+    typed_first = Record.of(first["record"])
+    n_layers = typed_first.model.geometry.n_layers
     uncovered = [layer for layer in range(n_layers) if layer not in layer_owner]
     if uncovered:
         raise ShardError(f"no part holds layer(s) {_listed(uncovered)}: the parts do not cover the model's {n_layers}")
@@ -216,8 +217,8 @@ def merge_parts(parts: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
             f"parts: parts of one build's scan measure every head alike; {WRITE_AGAIN}"
         )
     merged: dict[str, Any] = copy.deepcopy(first["record"])
-    for i, row in enumerate(merged["heads"]):
-        theirs = layer_owner[row["layer"]][1]["record"]["heads"][i]
+    for i, (row, head) in enumerate(zip(head_dicts(merged), typed_first.heads)):
+        theirs = head_dicts(layer_owner[head.layer][1]["record"])[i]
         for key in [k for k in row if k.startswith(KNOCKOUT_PREFIX)]:
             row[key] = theirs.get(key)
     return merged
@@ -238,7 +239,7 @@ def merge_files(paths: list[Path], output: Path) -> tuple[dict[str, Any], int]:
         ):
             raise ShardError(f"-o {output} is the part {path}: write the merged record to another file")
     check_output(output)
-    merged = validate(merge_parts([(str(path), read_part(path)) for path in paths]), "the merged record")
+    merged = validate(merge_parts([(str(path), read_part(path)) for path in paths]), "the merged record").data
     write_baseline(output, merged)
     return merged, len(paths)
 
@@ -264,11 +265,11 @@ def merged_by_build(paths: list[Path]) -> dict[str, dict[str, Any]]:
     groups: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     for path in paths:
         part = read_part(path)
-        recipe = Record.of(part["record"]).build.recipe  # a part read is a valid record (`check_part`)
-        groups.setdefault(recipe, []).append((str(path), part))
+        build_name = Record.of(part["record"]).build.recipe  # a part read is a valid record (`check_part`)
+        groups.setdefault(build_name, []).append((str(path), part))
     return {
-        recipe: validate(merge_parts(parts), f"the record merged from the parts of {recipe}")
-        for recipe, parts in groups.items()
+        build_name: validate(merge_parts(parts), f"the record merged from the parts of {build_name}").data
+        for build_name, parts in groups.items()
     }
 
 

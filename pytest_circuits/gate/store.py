@@ -20,17 +20,17 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from ..errors import BaselineCorrupt, BaselineMissing, FileSystemError, ForeignBaseline
 from ..fsio import JsonUnreadable, atomic_write_text, check_output, ensure_dir, read_json, remove_stale_temps, safe_name
 from ..options import FRONT_END, flag
-from .schema import SCHEMA_VERSION, Record, problem
+from .schema import Identity, Record, RecordLike, typed_record
 
 SIG_DIGITS = 6
 SUFFIX = ".json"
 SEPARATOR = "--"
 GEOMETRY_KEYS = ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "vocab")
+PROBE_KEYS = ("seed", "n", "L")
+Seen = RecordLike | Identity  # what the comparisons read: a record, typed or not, or a stand-in (`geometry_record`)
 
 
 def geometry_record(geometry: dict[str, Any], probe: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -39,9 +39,9 @@ def geometry_record(geometry: dict[str, Any], probe: dict[str, Any] | None = Non
     return {"model": {"geometry": geometry}} | ({} if probe is None else {"probe": probe})
 
 
-def baseline_path(folder: str | Path, model_name: str, recipe: str) -> Path:
-    """``folder/<model>--<recipe>.json``."""
-    return Path(folder) / f"{safe_name(model_name)}{SEPARATOR}{recipe}{SUFFIX}"
+def baseline_path(folder: str | Path, model_name: str, build_name: str) -> Path:
+    """``folder/<model>--<build name>.json``."""
+    return Path(folder) / f"{safe_name(model_name)}{SEPARATOR}{build_name}{SUFFIX}"
 
 
 def model_baselines(folder: str | Path, model_name: str) -> dict[str, Path]:
@@ -107,30 +107,28 @@ def _fix() -> str:
 
 def record_problem(record: Any) -> str | None:
     """What makes ``record`` not a scan record of this schema (`schema.Record`), in a few words, or None."""
-    if not isinstance(record, dict):
-        return "is not a scan record (top level is not an object)"
-    version = record.get("schema_version")
-    if version != SCHEMA_VERSION:
-        return f"has schema version {version!r}, this pytest-circuits reads {SCHEMA_VERSION}"
-    try:
-        Record.model_validate(record)
-    except ValidationError as error:
-        return f"is not a valid scan record: {problem(error)}"
-    return None
+    typed = typed_record(record)
+    return typed if isinstance(typed, str) else None
 
 
-def validate(record: Any, source: str = "baseline") -> dict[str, Any]:
-    """``record`` if it is a valid scan record of this schema (`record_problem`), else a one-line
-    `BaselineCorrupt` naming ``source``, the field and the fix."""
-    found = record_problem(record)
-    if found is not None:
-        raise BaselineCorrupt(f"{source} {found}; {_fix()}")
-    checked: dict[str, Any] = record
-    return checked
+def validate(record: Any, source: str = "baseline") -> Record:
+    """The validated `Record` of ``record`` (validated once: its `data` is ``record``; a `Record` is
+    returned as it is), else a one-line `BaselineCorrupt` naming ``source``, the field and the fix."""
+    typed = typed_record(record)
+    if isinstance(typed, str):
+        raise BaselineCorrupt(f"{source} {typed}; {_fix()}")
+    return typed
 
 
 def read_baseline(path: str | Path) -> dict[str, Any]:
-    """The validated record in ``path`` (`fsio.read_json`); a missing or corrupt file is a one-line BaselineError."""
+    """The validated record dict in ``path`` (`read_record`'s `data`); a missing or corrupt file is a
+    one-line BaselineError."""
+    return read_record(path).data
+
+
+def read_record(path: str | Path) -> Record:
+    """The validated `Record` in ``path`` (`fsio.read_json`, validated once); a missing or corrupt
+    file is a one-line BaselineError."""
     path = Path(path)
     try:
         record = read_json(path)
@@ -147,19 +145,24 @@ def read_baseline(path: str | Path) -> dict[str, Any]:
     return validate(record, f"baseline {path}")
 
 
-def geometry_difference(baseline: dict[str, Any], record: dict[str, Any]) -> str:
+def _geometry(record: Seen) -> dict[str, Any]:
+    """The geometry ``record`` states, as given ({} when it states none)."""
+    model = Identity.of(record).model
+    return {} if model is None or model.geometry is None else model.geometry.model_dump(exclude_unset=True)
+
+
+def geometry_difference(baseline: Seen, record: Seen) -> str:
     """``"n_layers 30 vs 2, n_heads 9 vs 4, ..."``: where the two records' geometries differ ("" when
     they do not, or when either record states none)."""
-    geo_b = (baseline.get("model") or {}).get("geometry") or {}
-    geo_r = (record.get("model") or {}).get("geometry") or {}
+    geo_b, geo_r = _geometry(baseline), _geometry(record)
     if not geo_b or not geo_r:
         return ""
     return ", ".join(f"{k} {geo_b.get(k)} vs {geo_r.get(k)}" for k in GEOMETRY_KEYS if geo_b.get(k) != geo_r.get(k))
 
 
-def other_model_type(baseline: dict[str, Any], record: dict[str, Any]) -> str:
+def other_model_type(baseline: Seen, record: Seen) -> str:
     """``"qwen3 vs llama"`` when both records name their ``config.model_type`` and the two differ, else ""."""
-    tb, tr = ((r.get("model") or {}).get("model_type") for r in (baseline, record))
+    tb, tr = (model.model_type if (model := Identity.of(r).model) else None for r in (baseline, record))
     return f"{tb} vs {tr}" if tb and tr and tb != tr else ""
 
 
@@ -170,16 +173,14 @@ def _swap_hint() -> str:
     return f"{flag('swap-baseline')} FILE"
 
 
-def _described(record: dict[str, Any], fallback: str) -> str:
+def _described(record: Seen, fallback: str) -> str:
     """``smollm2-135m (30 layers x 9 heads, vocab 49152)``."""
-    model = record.get("model") or {}
-    geo = model.get("geometry") or {}
-    return f"{model.get('name') or fallback} ({geo.get('n_layers')} layers x {geo.get('n_heads')} heads, vocab {geo.get('vocab')})"
+    model = Identity.of(record).model
+    layers, heads, vocab = (_geometry(record).get(k) for k in ("n_layers", "n_heads", "vocab"))
+    return f"{(model.name if model else None) or fallback} ({layers} layers x {heads} heads, vocab {vocab})"
 
 
-def compatibility(
-    baseline: dict[str, Any], record: dict[str, Any], source: str = "baseline", across: bool = False
-) -> list[str]:
+def compatibility(baseline: Seen, record: Seen, source: str = "baseline", across: bool = False) -> list[str]:
     """Notes on comparing ``record`` with ``baseline``; other probe settings are refused.
 
     Another model type of the same geometry is refused unless ``across`` (a `ForeignBaseline`).
@@ -188,13 +189,14 @@ def compatibility(
     geometry but another weight fingerprint (a new checkpoint of the same shape) is compared,
     with a note saying the weights differ.
     """
-    pb, pr = baseline.get("probe") or {}, record.get("probe") or {}
-    pdiff = [f"{k}={pb.get(k)} vs {pr.get(k)}" for k in ("seed", "n", "L") if pb.get(k) != pr.get(k)]
+    b, r = Identity.of(baseline), Identity.of(record)
+    pb, pr = (_probe(x) for x in (b, r))
+    pdiff = [f"{k}={pb[k]} vs {pr[k]}" for k in PROBE_KEYS if pb[k] != pr[k]]
     if pdiff:
+        seed, n, length = (pb[k] for k in PROBE_KEYS)
         raise ForeignBaseline(
             f"{source} was recorded with other probe settings ({', '.join(pdiff)}); run with "
-            f"{flag('probe-seed')} {pb.get('seed')} {flag('probe-n')} {pb.get('n')} "
-            f"{flag('probe-length')} {pb.get('L')} or record it again"
+            f"{flag('probe-seed')} {seed} {flag('probe-n')} {n} {flag('probe-length')} {length} or record it again"
         )
     diff = geometry_difference(baseline, record)
     kinds = other_model_type(baseline, record)
@@ -211,7 +213,7 @@ def compatibility(
             "models), only the model-level swap invariants"
         ]
     notes = []
-    kb, kr = (baseline.get("build") or {}).get("kv_cache"), (record.get("build") or {}).get("kv_cache")
+    kb, kr = (x.build.kv_cache if x.build else None for x in (b, r))
     if kb != kr:
         notes.append(
             f"note: the KV cache differs from the baseline's (baseline: {_cache_name(kb)}, this build: "
@@ -223,7 +225,7 @@ def compatibility(
             f"note: the probe ran on another engine than the baseline's (baseline: {eb}, this build: {er}); "
             f"its copy loss and gain are {er}'s logits against {eb}'s"
         )
-    fb, fr = baseline["model"].get("fingerprint"), record["model"].get("fingerprint")
+    fb, fr = (x.model.fingerprint if x.model else None for x in (b, r))
     if fb and fr and fb != fr:
         notes.append(
             f"note: the weights differ from those the baseline was recorded from (weight fingerprint: baseline "
@@ -233,9 +235,15 @@ def compatibility(
     return notes
 
 
-def engine_of(record: dict[str, Any]) -> str:
+def _probe(record: Record | Identity) -> dict[str, Any]:
+    """``{seed, n, L}`` of the probe ``record`` states (None where it states none)."""
+    return {k: getattr(record.probe, k, None) for k in PROBE_KEYS}
+
+
+def engine_of(record: Seen) -> str:
     """``llama.cpp`` or ``torch``: what ran a record's probe (its build identity's ``engine``)."""
-    engine = (record.get("build") or {}).get("engine")
+    build = Identity.of(record).build
+    engine = build.engine if build else None
     return str(engine).partition(" ")[0] if engine else "torch"
 
 
@@ -300,23 +308,23 @@ def baseline_file(text: str | Path) -> Path:
     return shipped_baselines().get(path.name.removesuffix(SUFFIX), path)
 
 
-def same_geometry(folder: str | Path, recipe: str, geometry: dict[str, Any], exclude: str) -> dict[str, Path]:
-    """Baselines of ``recipe`` in ``folder`` of other models than ``exclude`` whose geometry is
+def same_geometry(folder: str | Path, build_name: str, geometry: dict[str, Any], exclude: str) -> dict[str, Path]:
+    """Baselines of ``build_name`` in ``folder`` of other models than ``exclude`` whose geometry is
     ``geometry`` (a `Geometry`'s fields), by the model name in their file name: the baseline a
     renamed candidate folder was probably meant to be gated against. Unreadable files are left out."""
     from ..errors import BaselineError
 
     found = {}
-    folder, ending = Path(folder), f"{SEPARATOR}{recipe}{SUFFIX}"
-    own = baseline_path(folder, exclude, recipe).name
+    folder, ending = Path(folder), f"{SEPARATOR}{build_name}{SUFFIX}"
+    own = baseline_path(folder, exclude, build_name).name
     for path in sorted(folder.glob(f"*{ending}")) if folder.is_dir() else []:
         if path.name == own:
             continue
         try:
-            record = read_baseline(path)
+            record = read_record(path)
         except BaselineError:
             continue
-        if (record.get("model") or {}).get("geometry") and not geometry_difference(record, geometry_record(geometry)):
+        if not geometry_difference(record, geometry_record(geometry)):
             found[path.name[: -len(ending)]] = path
     return found
 
@@ -334,9 +342,9 @@ class BaselineStore:
         """``folder/<model>--<build>.json``."""
         return baseline_path(self.folder, model_name, build)
 
-    def read(self, model_name: str, build: str) -> dict[str, Any]:
-        """The validated baseline of ``build``; `BaselineMissing` or `BaselineCorrupt` otherwise."""
-        return read_baseline(self.path(model_name, build))
+    def read(self, model_name: str, build: str) -> Record:
+        """The validated baseline of ``build`` (`read_record`); `BaselineMissing` or `BaselineCorrupt` otherwise."""
+        return read_record(self.path(model_name, build))
 
     def write(self, model_name: str, build: str, record: dict[str, Any], force: bool = True) -> tuple[Path, bool]:
         """Write ``record`` as the baseline of ``build``, atomically: ``(path, written)``.

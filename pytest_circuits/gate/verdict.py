@@ -10,14 +10,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import BaselineError, BaselineMissing, ForeignBaseline
+from ..errors import BaselineError, BaselineMissing, ForeignBaseline, renamed_keywords
 from ..options import flag
 from ..rungs import kappa_method
 from . import invariants
 from .baselines import RunBaselines
 from .record import has_figures
 from .record_source import RecordSource
-from .store import compatibility, engine_of, geometry_difference, read_baseline
+from .schema import Record, RecordLike
+from .store import compatibility, engine_of, geometry_difference, read_record
 from .tolerances import Tolerances
 
 
@@ -68,25 +69,32 @@ class GateOutcome:
 OWN = "own baseline"  # the label of a build's comparison with its own baseline (drift)
 
 
-def comparisons(recipe: str, reference: str) -> list[tuple[str, str]]:
+def comparisons(build_name: str, reference: str) -> list[tuple[str, str]]:
     """``(baseline recipe, label)`` pairs a build is gated against: the reference, then its own."""
-    if recipe == reference:  # its own baseline is the reference: missing it fails the gate
+    if build_name == reference:  # its own baseline is the reference: missing it fails the gate
         return [(reference, f"{reference} baseline")]
-    return [(reference, f"{reference} baseline"), (recipe, OWN)]
+    return [(reference, f"{reference} baseline"), (build_name, OWN)]
 
 
-def candidate_record(records: RecordSource, recipe: str, baseline: dict[str, Any], knockout: bool) -> dict[str, Any]:
-    """The record of build ``recipe`` measured the way ``baseline`` was: kappa on the same
+@renamed_keywords(recipe="build_name")
+def candidate_record(records: RecordSource, build_name: str, baseline: RecordLike, knockout: bool) -> dict[str, Any]:
+    """The record of build ``build_name`` measured the way ``baseline`` was: kappa on the same
     unembedding, against the same rotation null (`kappa_method.of_record`; a baseline that does
     not say is an older one: uncentred, 256 float64 draws, normal p). The gate's one rule for
     comparing like with like, used by the plugin and ``circuits gate``."""
-    return records.record(recipe, knockout=knockout, method=kappa_method.of_record(baseline))
+    return records.record(build_name, knockout=knockout, method=kappa_method.of_record(baseline))
 
 
+@renamed_keywords(recipe="build_name")
 def gate_build(
-    records: RecordSource, baselines: RunBaselines, recipe: str, invariant: str, tol: Tolerances, fixes: dict[str, str]
+    records: RecordSource,
+    baselines: RunBaselines,
+    build_name: str,
+    invariant: str,
+    tol: Tolerances,
+    fixes: dict[str, str],
 ) -> GateOutcome:
-    """Gate one invariant of ``recipe`` against the reference baseline and its own (drift).
+    """Gate one invariant of ``build_name`` against the reference baseline and its own (drift).
 
     A missing reference baseline is a problem (the gate fails); a missing own baseline only skips
     the drift comparison. ``fixes`` maps ``"reference"``/``"own"`` to the line that ends a failure
@@ -94,9 +102,9 @@ def gate_build(
     """
     inv = invariants.get(invariant)
     if inv.across_models:
-        return gate_swap(records, baselines, recipe, inv, tol, fixes)
+        return gate_swap(records, baselines, build_name, inv, tol, fixes)
     outcome = GateOutcome()
-    for base_recipe, label in comparisons(recipe, baselines.settings.reference):
+    for base_recipe, label in comparisons(build_name, baselines.settings.reference):
         own = label == OWN
         try:
             baseline = baselines.load(base_recipe)
@@ -109,7 +117,7 @@ def gate_build(
             continue
         fix = fixes.get("own" if own else "reference")
         try:
-            _, notes, results = gate_against(records, recipe, baseline, label, tol, fix, invariant=inv)
+            _, notes, results = gate_against(records, build_name, baseline, label, tol, fix, invariant=inv)
         except BaselineError as error:  # another geometry or probe
             outcome.problems.append(str(error))
             continue
@@ -118,10 +126,11 @@ def gate_build(
     return outcome
 
 
+@renamed_keywords(recipe="build_name")
 def gate_against(
     records: RecordSource,
-    recipe: str,
-    baseline: dict[str, Any],
+    build_name: str,
+    baseline: RecordLike,
     label: str,
     tol: Tolerances,
     fix: str | None,
@@ -139,28 +148,31 @@ def gate_against(
     inv = None if invariant is None else invariants.get(invariant) if isinstance(invariant, str) else invariant
     if knockout is None:  # measure knockouts when the invariant needs them, or the baseline has them
         knockout = "knockout" in inv.needs if inv is not None else has_figures(baseline, "knockout")
-    candidate = candidate_record(records, recipe, baseline, knockout=knockout)
+    candidate = candidate_record(records, build_name, baseline, knockout=knockout)
     notes = compatibility(baseline, candidate, label, across=across)
     if label == OWN and engine_of(baseline) != engine_of(candidate):  # drift is measured on one engine
         raise ForeignBaseline(
-            f"{recipe}'s own baseline was recorded on {engine_of(baseline)}, this run measures it on "
+            f"{build_name}'s own baseline was recorded on {engine_of(baseline)}, this run measures it on "
             f"{engine_of(candidate)}; record it again with {flag('engine')} {engine_of(candidate)}, or gate "
             f"it on {engine_of(baseline)}"
         )
     if not across:  # the further looks an undecided sampled row needs (gate/further_looks.py)
         from .further_looks import extend
 
-        candidate = extend(records, recipe, baseline, candidate, tol)
+        candidate = extend(records, build_name, baseline, candidate, tol)
     if inv is None:
-        return candidate, notes, invariants.gate_all(baseline, candidate, tol, recipe, label, fix, across=across)
-    evaluated = invariants.evaluate(inv, baseline, candidate, tol, recipe, label, fix, across=True if across else None)
+        return candidate, notes, invariants.gate_all(baseline, candidate, tol, build_name, label, fix, across=across)
+    evaluated = invariants.evaluate(
+        inv, baseline, candidate, tol, build_name, label, fix, across=True if across else None
+    )
     return candidate, notes, [evaluated]
 
 
+@renamed_keywords(recipe="build_name")
 def gate_file(
     records: RecordSource,
-    recipe: str,
-    baseline: dict[str, Any],
+    build_name: str,
+    baseline: RecordLike,
     label: str,
     tol: Tolerances,
     fix: str,
@@ -171,10 +183,12 @@ def gate_file(
     (``--no-knockout``): no knockouts measured, so the invariants that need them are not run (the
     verdict says which are not guarded). (A screened scan knocks the file's key heads out exactly
     because the CLI gave them to the run's rung-2 plan, `RunBaselines.key_heads_of`.)"""
-    return gate_against(records, recipe, baseline, label, tol, fix, across=across, knockout=None if knockout else False)
+    return gate_against(
+        records, build_name, baseline, label, tol, fix, across=across, knockout=None if knockout else False
+    )
 
 
-def swap_baseline(records: RecordSource, baselines: RunBaselines) -> tuple[dict[str, Any] | None, str, str]:
+def swap_baseline(records: RecordSource, baselines: RunBaselines) -> tuple[Record | None, str, str]:
     """``(baseline, label, why_none)``: the baseline of the model this one replaces, the
     `--circuits-swap-baseline` file, else the reference baseline when it is of another geometry
     (the model was swapped under the same name); ``None`` and the reason when there is none.
@@ -182,7 +196,7 @@ def swap_baseline(records: RecordSource, baselines: RunBaselines) -> tuple[dict[
     s = baselines.settings
     if s.swap_baseline is not None:
         try:
-            baseline = read_baseline(s.swap_baseline)
+            baseline = read_record(s.swap_baseline)
         except BaselineMissing:
             raise BaselineMissing(
                 f"{flag('swap-baseline')} {s.swap_baseline}: no such file; pass the baseline file of the model "
@@ -202,12 +216,12 @@ def swap_baseline(records: RecordSource, baselines: RunBaselines) -> tuple[dict[
 def gate_swap(
     records: RecordSource,
     baselines: RunBaselines,
-    recipe: str,
+    build_name: str,
     inv: invariants.Invariant | str,
     tol: Tolerances,
     fixes: dict[str, str],
 ) -> GateOutcome:
-    """Gate a cross-model invariant of ``recipe`` against the baseline of the replaced model
+    """Gate a cross-model invariant of ``build_name`` against the baseline of the replaced model
     (`swap_baseline`); skipped, saying why, when there is none."""
     outcome = GateOutcome()
     try:
@@ -220,7 +234,7 @@ def gate_swap(
         return outcome
     try:
         _, notes, results = gate_against(
-            records, recipe, baseline, label, tol, fixes.get("swap"), invariant=inv, across=True
+            records, build_name, baseline, label, tol, fixes.get("swap"), invariant=inv, across=True
         )
     except BaselineError as error:
         outcome.problems.append(str(error))

@@ -102,7 +102,7 @@ def flagged_heads(record: dict, flag: str) -> list[str]:
 def normalised_eigenvalues(record: dict) -> dict[str, np.ndarray]:
     """Each head's OV eigenvalues divided by that head's max |lambda| (all within the unit circle)."""
     out = {}
-    for label, lam in record_eigenvalues(record).items():
+    for label, lam in record_eigenvalues(record.get("eigenvalues") or {}).items():
         top = np.abs(lam).max() if lam.size else 0.0
         out[label] = lam / top if top > 0 else lam
     return out

@@ -9,7 +9,8 @@ from typing import Any
 
 from ..errors import CircuitsError
 from ..fsio import atomic_write_bytes, atomic_write_text, ensure_dir, fs_error
-from ..gate.store import baseline_file, read_baseline
+from ..gate.schema import Record, RecordLike
+from ..gate.store import baseline_file, read_record
 from . import data, html, markdown, plots
 from .arguments import report_parser
 from .sections import build_section, failing_first, overview_figures
@@ -69,23 +70,32 @@ def report_from_files(
     against and gated against (`gate_files`, unless ``results`` are given). There is no model
     to run, so the page has no attention map and says so.
     """
-    record = read_baseline(baseline_path)
+    record = read_record(baseline_path)
+    baseline = read_record(against_path) if against_path else None
+    return _report_of(out_dir, record, baseline, Path(against_path).name if against_path else "", results)
+
+
+def _report_of(
+    out_dir: str | Path, record: Record, baseline: Record | None, against_name: str, results: Iterable[Any] | None
+) -> Path:
+    """`report_from_files` on records read (each validated once, where it was read): ``record`` drawn against
+    ``baseline`` (gated against it unless ``results`` are given)."""
     baselines: dict[str, dict | None] | None = None
-    if against_path:
-        baseline = read_baseline(against_path)
-        baselines = {data.build_name_of(record): baseline}
+    if baseline is not None:
+        baselines = {data.build_name_of(record.data): baseline.data}
         if results is None:
-            results = gate_files(baseline, record, Path(against_path).name)
-    return write_report(out_dir, [record], baselines, results)
+            results = gate_files(baseline, record, against_name)
+    return write_report(out_dir, [record.data], baselines, results)
 
 
-def gate_files(baseline: dict, record: dict, against_name: str) -> list:
+def gate_files(baseline: RecordLike, record: RecordLike, against_name: str) -> list:
     """The gate of ``record`` against ``baseline`` with the default tolerances: the one gate flow
     (`gate.invariants.gate_all`), labelled as ``circuits diff`` labels it (``baseline NAME``)."""
     from ..gate.invariants import gate_all
     from ..gate.tolerances import Tolerances
 
-    return gate_all(baseline, record, Tolerances(), data.build_name_of(record), f"baseline {against_name}")
+    typed = Record.of(record)
+    return gate_all(baseline, typed, Tolerances(), data.build_name_of(typed.data), f"baseline {against_name}")
 
 
 def report_command(argv: Sequence[str] | None = None) -> int:
@@ -99,28 +109,30 @@ def report_command(argv: Sequence[str] | None = None) -> int:
     if args.against:  # a file, or a shipped baseline's name
         args.against = str(baseline_file(args.against))
     try:
-        record = read_baseline(args.baseline)
+        record = read_record(args.baseline)  # each file read and validated once
         results = None
+        baseline = None
+        against_name = Path(args.against).name if args.against else ""
         if args.against:
             from ..gate.store import compatibility
 
-            baseline = read_baseline(args.against)
-            for note in compatibility(baseline, record, f"baseline {Path(args.against).name}"):
+            baseline = read_record(args.against)
+            for note in compatibility(baseline, record, f"baseline {against_name}"):
                 print(note)
-            results = gate_files(baseline, record, Path(args.against).name)
-        page = report_from_files(args.out, args.baseline, args.against, results)
+            results = gate_files(baseline, record, against_name)
+        page = _report_of(args.out, record, baseline, against_name, results)
     except OSError as error:  # a write outside fsio (matplotlib's font cache, ...): still one line
         print(f"circuits report: {fs_error(error, error.filename or args.out, 'write')}", file=sys.stderr)
         return 2
     except CircuitsError as error:
         print(f"circuits report: {error}", file=sys.stderr)
         return 2
-    for line in summary_lines(results or [], [record], page):
+    for line in summary_lines(results or [], [record.data], page):
         print(line)
     if results is not None:
         from ..gate.invariants import verdict
 
         print(
-            f"with default tolerances, {data.build_name_of(record)} against {Path(args.against).name}: {verdict(results)[1]}"
+            f"with default tolerances, {data.build_name_of(record.data)} against {Path(args.against).name}: {verdict(results)[1]}"
         )
     return 0
