@@ -830,3 +830,21 @@ def test_circuits_report_validates_each_file_once(tmp_path, monkeypatch, capsys)
     assert report_command([str(build), "--against", str(reference), "--out", str(tmp_path)]) == 0
     assert "gate passed" in capsys.readouterr().out
     assert validations == ["Record", "Record"]
+
+
+def test_the_drawn_view_reads_a_partial_record_as_far_as_it_goes():
+    """`schema.drawn_record`: a head without its cell reads it from its label, in model order; a missing
+    part or figure reads as None; a view is its own view."""
+    from pytest_circuits.gate.schema import drawn_record
+
+    partial = {
+        "build": {"recipe": "int4"},
+        "heads": [{"head": "L1H0", "kappa": 0.5}, {"head": "L0H1", "layer": 0, "head_index": 1}],
+    }
+    view = drawn_record(partial)
+    assert drawn_record(view) is view
+    assert view.build_name == "int4" and drawn_record({}).build_name == "build"
+    assert [(h.head, h.layer, h.head_index) for h in view.heads] == [("L0H1", 0, 1), ("L1H0", 1, 0)]
+    assert view.heads[1].figure("kappa") == 0.5 and view.heads[0].figure("kappa") is None
+    assert view.info("model", "geometry", "n_layers") is None and view.info("build", "recipe") == "int4"
+    assert view.info("build", "recipe", "deeper") is None and view.figure("eigenvalues") is None

@@ -1,20 +1,20 @@
 """Read scan records and gate results into grids and rankings (numpy only, no plotting).
 
-A scan record is the JSON-able dict of the contract (``heads``: one dict per head with
-``layer``, ``head_index`` and the per-head figures; ``eigenvalues``: ``{"L0H0": [[re, im], ...]}``).
-Missing or ``None`` fields read as NaN, so a scan without knockouts still draws.
+A scan record (a dict, a `Record`) is read through its lenient typed view (`gate.schema.Drawn`):
+missing or ``None`` fields read as NaN, so a scan without knockouts still draws.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from ..gate.record import record_eigenvalues
+from ..gate.schema import Drawn, DrawnHead, Record, drawn_record
 from ..gate.store import UNCHANGED_ABS, UNCHANGED_REL
 from ..model.families import head_label
 from ..rungs import figures
@@ -22,6 +22,8 @@ from ..rungs import figures
 # (column, title, kind): "diverging" maps are centred on 0, "score" maps run over [0, 1]
 HEATMAP_METRICS = figures.heatmap_figures()
 MODEL_FIGURES = figures.model_figure_names()
+
+Drawable = Mapping[str, Any] | Record | Drawn  # a record the report draws: read through its `Drawn` view
 
 
 def number(value: Any) -> float:
@@ -34,56 +36,51 @@ def number(value: Any) -> float:
         return math.nan
 
 
-def build_name_of(record: dict) -> str:
+def build_name_of(record: Drawable) -> str:
     """The name of the build a record was scanned from (its ``build.recipe`` key; ``"build"`` if unnamed)."""
-    return str((record.get("build") or {}).get("recipe") or "build")
+    return drawn_record(record).build_name
 
 
-def heads_of(record: dict) -> list[dict]:
-    """The record's per-head dicts in model order (L0H0, L0H1, ..., L1H0, ...)."""
-    heads = [dict(h) for h in record.get("heads") or []]
-    for h in heads:
-        if h.get("layer") is None or h.get("head_index") is None:
-            cell = figures.parse_label(h.get("head", ""))
-            if cell:
-                h["layer"], h["head_index"] = cell
-    return sorted(heads, key=lambda h: (int(h["layer"]), int(h["head_index"])))
+def heads_of(record: Drawable) -> list[DrawnHead]:
+    """The record's head rows in model order (L0H0, L0H1, ..., L1H0, ...)."""
+    return drawn_record(record).heads
 
 
-def grid_shape(record: dict) -> tuple[int, int]:
+def grid_shape(record: Drawable) -> tuple[int, int]:
     """(n_layers, n_heads) from the record's geometry, else from its head table."""
-    geometry = (record.get("model") or {}).get("geometry") or {}
-    if geometry.get("n_layers") and geometry.get("n_heads"):
-        return int(geometry["n_layers"]), int(geometry["n_heads"])
-    heads = heads_of(record)
+    view = drawn_record(record)
+    n_layers, n_heads = view.info("model", "geometry", "n_layers"), view.info("model", "geometry", "n_heads")
+    if n_layers and n_heads:
+        return int(n_layers), int(n_heads)
+    heads = view.heads
     if not heads:
         return 0, 0
-    return 1 + max(int(h["layer"]) for h in heads), 1 + max(int(h["head_index"]) for h in heads)
+    return 1 + max(h.layer for h in heads), 1 + max(h.head_index for h in heads)
 
 
-def metric_grid(record: dict, column: str) -> np.ndarray:
+def metric_grid(record: Drawable, column: str) -> np.ndarray:
     """Layer x head array of one per-head figure; NaN where a head lacks it."""
     grid = np.full(grid_shape(record), np.nan)
     for h in heads_of(record):
-        layer, index = int(h["layer"]), int(h["head_index"])
+        layer, index = h.layer, h.head_index
         if layer < grid.shape[0] and index < grid.shape[1]:
-            grid[layer, index] = number(h.get(column))
+            grid[layer, index] = number(h.figure(column))
     return grid
 
 
-def has_metric(record: dict, column: str) -> bool:
+def has_metric(record: Drawable, column: str) -> bool:
     """True when at least one head carries a finite value of ``column``."""
     return bool(np.isfinite(metric_grid(record, column)).any())
 
 
-def difference_grid(record: dict, baseline: dict, column: str) -> np.ndarray | None:
+def difference_grid(record: Drawable, baseline: Drawable, column: str) -> np.ndarray | None:
     """``record - baseline`` per head, or None when the two models' head grids differ."""
     if grid_shape(record) != grid_shape(baseline):
         return None
     return metric_grid(record, column) - metric_grid(baseline, column)
 
 
-def changed_cells(record: dict, baseline: dict, column: str) -> np.ndarray:
+def changed_cells(record: Drawable, baseline: Drawable, column: str) -> np.ndarray:
     """Boolean layer x head mask: measured in both and moved by more than a baseline re-record
     does (``|after - before| > UNCHANGED_ABS + UNCHANGED_REL |before|``: 6-digit rounding is no change)."""
     diff = difference_grid(record, baseline, column)
@@ -94,15 +91,15 @@ def changed_cells(record: dict, baseline: dict, column: str) -> np.ndarray:
         return np.isfinite(diff) & (np.abs(diff) > UNCHANGED_ABS + UNCHANGED_REL * np.abs(before))
 
 
-def flagged_heads(record: dict, flag: str) -> list[str]:
+def flagged_heads(record: Drawable, flag: str) -> list[str]:
     """Labels of the heads whose boolean ``flag`` (``copying``, ``suppression``) is set."""
-    return [str(h.get("head")) for h in heads_of(record) if h.get(flag) is True]
+    return [str(h.head) for h in heads_of(record) if h.figure(flag) is True]
 
 
-def normalised_eigenvalues(record: dict) -> dict[str, np.ndarray]:
+def normalised_eigenvalues(record: Drawable) -> dict[str, np.ndarray]:
     """Each head's OV eigenvalues divided by that head's max |lambda| (all within the unit circle)."""
     out = {}
-    for label, lam in record_eigenvalues(record.get("eigenvalues") or {}).items():
+    for label, lam in record_eigenvalues(drawn_record(record).figure("eigenvalues") or {}).items():
         top = np.abs(lam).max() if lam.size else 0.0
         out[label] = lam / top if top > 0 else lam
     return out
@@ -191,7 +188,7 @@ def top_moved(results: Iterable[dict], k: int = 5) -> list[dict]:
     return sorted(entries.values(), key=rank, reverse=True)[:k]
 
 
-def largest_changes(record: dict, baseline: dict, k: int = 10) -> list[dict]:
+def largest_changes(record: Drawable, baseline: Drawable, k: int = 10) -> list[dict]:
     """The ``k`` largest per-head changes against the baseline, over the heatmap metrics.
 
     Ranked by |after - before| divided by the metric's spread in the baseline
@@ -220,12 +217,13 @@ def largest_changes(record: dict, baseline: dict, k: int = 10) -> list[dict]:
     return sorted(changes, key=lambda c: c["score"], reverse=True)[:k]
 
 
-def model_figures(record: dict) -> dict[str, float]:
+def model_figures(record: Drawable) -> dict[str, float]:
     """The model-level figures of a record (NaN where absent)."""
-    return {name: number(record.get(name)) for name in MODEL_FIGURES}
+    view = drawn_record(record)
+    return {name: number(view.figure(name)) for name in MODEL_FIGURES}
 
 
-def model_interval(record: dict, baseline: dict | None, name: str) -> str:
+def model_interval(record: Drawable, baseline: Drawable | None, name: str) -> str:
     """The 95% interval of a sampled model figure as text: of its change against ``baseline``
     (paired over the probe's sequences) when there is one, else of the figure itself; why not
     when a record lacks per-sequence figures; "" for a figure that is not sampled."""
@@ -235,11 +233,11 @@ def model_interval(record: dict, baseline: dict | None, name: str) -> str:
     if name not in figures.SAMPLED_MODEL_FIGURES:
         return ""
     key = figures.sequences_key(name)
-    mine = record.get(key)
+    mine = drawn_record(record).figure(key)
     if baseline is None:
-        interval = record.get(figures.interval_key(name))
+        interval = drawn_record(record).figure(figures.interval_key(name))
         return f"[{fmt(interval[0])}, {fmt(interval[1])}]" if interval else "not available"
-    theirs = baseline.get(key)
+    theirs = drawn_record(baseline).figure(key)
     if mine is None or theirs is None:
         side = "baseline" if theirs is None else "build"
         return f"not available ({side} recorded without per-sequence figures; re-record)"

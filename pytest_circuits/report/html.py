@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from html import escape
 
 from ..gate.invariants import guarded
+from ..gate.schema import drawn_record
 from . import data
 from .sections import FOLD_MAX_HEADS, Figure, Section
 
@@ -66,7 +67,7 @@ def page(
 
 
 def _title(sections: list[Section]) -> str:
-    name = next(((s.record.get("model") or {}).get("name") for s in sections), None)
+    name = next((drawn_record(s.record).info("model", "name") for s in sections), None)
     return f"Circuits report: {name}" if name else "Circuits report"
 
 
@@ -76,17 +77,18 @@ def _model_line(sections: list[Section]) -> str:
 
     if not sections:
         return ""
-    model = sections[0].record.get("model") or {}
-    g = model.get("geometry") or {}
-    bits = [model_kind(model)]
-    if g:
-        bits.append(
-            f"{g.get('n_layers')} layers × {g.get('n_heads')} heads "
-            f"({g.get('n_kv_heads')} kv), d_model {g.get('d_model')}, d_head {g.get('d_head')}, "
-            f"vocab {g.get('vocab')}"
+    view = drawn_record(sections[0].record)
+    bits = [model_kind(view.info("model") or {})]
+    if view.info("model", "geometry"):
+        n_layers, n_heads, n_kv, d_model, d_head, vocab = (
+            view.info("model", "geometry", k)
+            for k in ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "vocab")
         )
-    if model.get("fingerprint"):
-        bits.append(f"weights {str(model['fingerprint'])[:12]}")
+        bits.append(
+            f"{n_layers} layers × {n_heads} heads ({n_kv} kv), d_model {d_model}, d_head {d_head}, vocab {vocab}"
+        )
+    if fingerprint := view.info("model", "fingerprint"):
+        bits.append(f"weights {str(fingerprint)[:12]}")
     return " · ".join(b for b in bits if b)
 
 
@@ -150,14 +152,16 @@ def _section(s: Section) -> str:
 
 
 def _identity(s: Section) -> str:
-    build = s.record.get("build") or {}
-    rows = [(k, build.get(k)) for k in ("recipe", "dtype", "backend", "backend_version", "device")]
+    view = drawn_record(s.record)
+    rows = [(k, view.info("build", k)) for k in ("recipe", "dtype", "backend", "backend_version", "device")]
     rows += [
-        (k, build[k]) for k in ("source", "format", "sha256", "tensor_types", "quantization", "forward") if build.get(k)
+        (k, view.info("build", k))
+        for k in ("source", "format", "sha256", "tensor_types", "quantization", "forward")
+        if view.info("build", k)
     ]  # external builds
-    probe = s.record.get("probe") or {}
-    if probe:
-        rows.append(("probe", f"seed {probe.get('seed')}, n {probe.get('n')}, L {probe.get('L')}"))
+    if view.info("probe"):
+        seed, n, length = (view.info("probe", k) for k in ("seed", "n", "L"))
+        rows.append(("probe", f"seed {seed}, n {n}, L {length}"))
     if s.baseline is not None:
         rows.append(("baseline", data.build_name_of(s.baseline)))
     copying, suppression = data.flagged_heads(s.record, "copying"), data.flagged_heads(s.record, "suppression")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..gate.invariants import guarded
+from ..gate.schema import drawn_record
 from . import data
 from .sections import Figure, Section
 
@@ -25,7 +26,7 @@ def summary(
     """The markdown summary of the same verdicts as the HTML page; the figures by file name."""
     results = [r for s in sections for r in s.results] + extra_results
     failed = [r for r in results if r["failed"]]
-    name = next(((s.record.get("model") or {}).get("name") for s in sections), None)
+    name = next((drawn_record(s.record).info("model", "name") for s in sections), None)
     lines = [f"# Circuits report{': ' + str(name) if name else ''}", ""]
     if failed:
         lines.append(
@@ -99,18 +100,19 @@ def _builds_table(sections: list[Section]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in sections:
-        build = s.record.get("build") or {}
-        figures = data.model_figures(s.record)
+        view = drawn_record(s.record)
+        measured = data.model_figures(s.record)
         change = "—"
         if s.baseline is not None:
-            change = data.fmt(figures["copy_loss"] - data.model_figures(s.baseline)["copy_loss"], sign=True)
+            measured_before = data.model_figures(s.baseline)
+            change = data.fmt(measured["copy_loss"] - measured_before["copy_loss"], sign=True)
             change += f" {data.model_interval(s.record, s.baseline, 'copy_loss')}"
         copying = data.flagged_heads(s.record, "copying")
         suppression = data.flagged_heads(s.record, "suppression")
         lines.append(
-            f"| {s.label} | {build.get('dtype') or '—'} | {build.get('backend') or '—'} | "
-            f"{data.build_name_of(s.baseline) if s.baseline is not None else '—'} | {data.fmt(figures['copy_loss'])} | "
-            f"{change} | {data.fmt(figures['copy_gain'])} | {_few(copying)} | {_few(suppression)} |"
+            f"| {s.label} | {view.info('build', 'dtype') or '—'} | {view.info('build', 'backend') or '—'} | "
+            f"{data.build_name_of(s.baseline) if s.baseline is not None else '—'} | {data.fmt(measured['copy_loss'])} | "
+            f"{change} | {data.fmt(measured['copy_gain'])} | {_few(copying)} | {_few(suppression)} |"
         )
     return lines + [""]
 

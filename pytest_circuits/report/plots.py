@@ -15,6 +15,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ..errors import CircuitsError
+from ..gate.schema import DrawnHead, drawn_record
 from . import data
 
 COPYING, SUPPRESSION, REFERENCE = "#1a9850", "#d73027", "#9e9e9e"
@@ -159,9 +160,9 @@ def kappa_figure(record: dict, title: str, baseline: dict | None = None):
     heads = data.heads_of(record)
     n = len(heads)
     x = np.arange(n)
-    kappa = np.array([data.number(h.get("kappa")) for h in heads])
-    mean = np.array([data.number(h.get("kappa_null_mean")) for h in heads])
-    sd = np.array([data.number(h.get("kappa_null_sd")) for h in heads])
+    kappa = np.array([data.number(h.figure("kappa")) for h in heads])
+    mean = np.array([data.number(h.figure("kappa_null_mean")) for h in heads])
+    sd = np.array([data.number(h.figure("kappa_null_sd")) for h in heads])
     fig = new_figure(min(16.0, max(6.5, 0.055 * n + 4)), 3.8)
     ax = fig.add_subplot()
     band = np.isfinite(mean) & np.isfinite(sd)
@@ -176,10 +177,10 @@ def kappa_figure(record: dict, title: str, baseline: dict | None = None):
             PolyCollection(boxes, facecolors="#d9d9d9", edgecolors="none", label="null band (mean ± 2 sd)")
         )
     if baseline is not None and data.grid_shape(baseline) == data.grid_shape(record):
-        baseline_kappa = {h["head"]: data.number(h.get("kappa")) for h in data.heads_of(baseline)}
+        baseline_kappa = {h.head: data.number(h.figure("kappa")) for h in data.heads_of(baseline)}
         ax.scatter(
             x,
-            [baseline_kappa.get(h["head"], np.nan) for h in heads],
+            [baseline_kappa.get(h.head, np.nan) for h in heads],
             s=22,
             facecolors="none",
             edgecolors=REFERENCE,
@@ -187,8 +188,8 @@ def kappa_figure(record: dict, title: str, baseline: dict | None = None):
             label="baseline κ",
             zorder=3,
         )
-    copying = np.array([h.get("copying") is True for h in heads], dtype=bool)
-    suppression = np.array([h.get("suppression") is True for h in heads], dtype=bool)
+    copying = np.array([h.figure("copying") is True for h in heads], dtype=bool)
+    suppression = np.array([h.figure("suppression") is True for h in heads], dtype=bool)
     plain = ~(copying | suppression)
     ax.scatter(x[plain], kappa[plain], s=10, color="#333333", label="head κ", zorder=4)
     if copying.any():
@@ -201,7 +202,7 @@ def kappa_figure(record: dict, title: str, baseline: dict | None = None):
     if flagged.size <= _LABEL_MAX_HEADS:
         for i in flagged:
             ax.annotate(
-                heads[i]["head"], (x[i], kappa[i]), xytext=(4, 0), textcoords="offset points", fontsize=7, va="center"
+                heads[i].head, (x[i], kappa[i]), xytext=(4, 0), textcoords="offset points", fontsize=7, va="center"
             )
     ax.axhline(0, color="#777777", lw=0.6)
     _layer_axis(ax, heads)
@@ -212,9 +213,9 @@ def kappa_figure(record: dict, title: str, baseline: dict | None = None):
     return fig
 
 
-def _layer_axis(ax, heads: list[dict]) -> None:
+def _layer_axis(ax, heads: list[DrawnHead]) -> None:
     """Separate the layers with dotted lines and label the x axis by layer."""
-    layers = np.array([int(h["layer"]) for h in heads])
+    layers = np.array([h.layer for h in heads])
     if layers.size == 0:
         return
     starts = np.flatnonzero(np.diff(layers)) + 1
@@ -340,16 +341,20 @@ def position_loss_figure(curves: list[tuple[str, dict]], title: str):
     ax = fig.add_subplot()
     lengths = set()
     for i, (label, record) in enumerate(curves):
-        loss = np.array([data.number(x) for x in record.get("position_loss") or []])
+        loss = np.array([data.number(x) for x in drawn_record(record).figure("position_loss") or []])
         t = np.arange(1, loss.size + 1)
-        lengths.add(int((record.get("probe") or {}).get("L") or (loss.size + 1) // 2))
+        lengths.add(int(drawn_record(record).info("probe", "L") or (loss.size + 1) // 2))
         if label.endswith(" baseline"):  # a baseline's stored curve: grey, under the builds
             ax.plot(t, loss, ":", color=REFERENCE, lw=1.6, label=label, zorder=1)
         else:
             style = "-" if i < len(BUILD_COLOURS) else "--"
             ax.plot(t, loss, style, color=BUILD_COLOURS[i % len(BUILD_COLOURS)], lw=1.3, label=label, zorder=2)
     # one line per vocabulary: a stored baseline's ln V (6 significant digits) and a live one's are one entry
-    uniform = {f"{u:.2f}": u for u in (data.number(r.get("uniform_loss")) for _, r in curves) if math.isfinite(u)}
+    uniform = {
+        f"{u:.2f}": u
+        for u in (data.number(drawn_record(r).figure("uniform_loss")) for _, r in curves)
+        if math.isfinite(u)
+    }
     for shown, u in sorted(uniform.items(), key=lambda item: item[1]):
         ax.axhline(u, color="#555555", lw=0.9, ls="--", label=f"uniform ln V = {shown}")
     for L in sorted(lengths):
@@ -387,7 +392,7 @@ def attention_figure(maps: list[tuple[str, dict, dict]], title: str):
         boundary = int(attention.get("offset", 0)) + int(attention.get("L", pattern.shape[0] // 2)) - 0.5
         ax.axhline(boundary, color="#2b8cbe", lw=0.6, ls=":")
         ax.axvline(boundary, color="#2b8cbe", lw=0.6, ls=":")
-        score = {h["head"]: h.get("prefix_matching") for h in data.heads_of(record)}.get(attention["head"])
+        score = {h.head: h.figure("prefix_matching") for h in data.heads_of(record)}.get(attention["head"])
         ax.set_title(f"{label}: {attention['head']}, prefix-matching {data.fmt(score, 2)}", fontsize=9)
         ax.set_xlabel("source position", fontsize=8)
         ax.set_ylabel("destination position", fontsize=8)

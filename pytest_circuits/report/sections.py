@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..gate.schema import drawn_record
 from . import data, plots
 
 EIGEN_CAPTION = (
@@ -101,7 +102,7 @@ def build_section(record: dict, baseline: dict | None, results: list[dict], slug
 def _own_figures(section: Section) -> list[Figure]:
     record, label, slug = section.record, section.label, section.slug
     drawn = []
-    if record.get("eigenvalues"):
+    if drawn_record(record).figure("eigenvalues"):
         drawn.append(
             _draw(
                 f"{label}: OV eigenvalues of every head (normalised per head)",
@@ -182,7 +183,7 @@ def _comparison_figures(section: Section) -> list[Figure]:
         )
     drawn = [differences]
     flagged = kappa_flagged(section)
-    if flagged and record.get("eigenvalues") and baseline.get("eigenvalues"):
+    if flagged and drawn_record(record).figure("eigenvalues") and drawn_record(baseline).figure("eigenvalues"):
         fig = plots.moved_eigenvalue_figure(
             record, baseline, flagged, f"{label}: heads the gate flagged on κ, against {against}"
         )
@@ -226,12 +227,12 @@ def kappa_flagged(section: Section) -> list[dict]:
 def loss_curves(sections: list[Section]) -> list[tuple[str, dict]]:
     """``(label, record)`` of every build with a ``position_loss``, then each drawn-against baseline's
     stored curve once (labelled ``"<recipe> baseline"``)."""
-    curves = [(s.label, s.record) for s in sections if s.record.get("position_loss")]
+    curves = [(s.label, s.record) for s in sections if drawn_record(s.record).figure("position_loss")]
     shown = {s.label for s in sections}
     for s in sections:
         ref = s.baseline
         name = f"{data.build_name_of(ref)} baseline" if ref else ""
-        if ref and ref.get("position_loss") and name not in shown:
+        if ref and drawn_record(ref).figure("position_loss") and name not in shown:
             shown.add(name)
             curves.append((name, ref))
     return curves
@@ -243,7 +244,7 @@ def overview_figures(sections: list[Section], attention: dict[str, dict | None])
     notes: list[str] = []
     drawn: list[Figure] = []
     with_curve = loss_curves(sections)
-    without = [s.label for s in sections if not s.record.get("position_loss")]
+    without = [s.label for s in sections if not drawn_record(s.record).figure("position_loss")]
     if without:
         notes.append(
             f"No per-position loss in the record of {', '.join(without)} (recorded before position_loss "
@@ -264,15 +265,15 @@ def overview_figures(sections: list[Section], attention: dict[str, dict | None])
     drawable = [(label, m) for label, m in maps.items() if m and m.get("pattern")]
     notes += [f"{label}: {m['note']}" for label, m in maps.items() if m and m.get("note")]
     if drawable:
-        records = {s.label: s.record for s in sections}
+        records, head = {s.label: s.record for s in sections}, next(m["head"] for _, m in drawable)
         drawn.append(
             _draw(
-                f"Attention of {drawable[0][1]['head']} on probe sequence 0",
+                f"Attention of {head} on probe sequence 0",
                 ATTENTION_CAPTION,
                 "attention.png",
                 plots.attention_figure,
                 [(label, m, records[label]) for label, m in drawable],
-                f"Attention pattern of {drawable[0][1]['head']} (strongest induction head), probe sequence 0",
+                f"Attention pattern of {head} (strongest induction head), probe sequence 0",
             )
         )
     elif not any(m for m in maps.values()):

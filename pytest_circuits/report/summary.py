@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..gate.invariants import guarded
+from ..gate.schema import drawn_record
 from . import data
 
 REPORT_PAGE = "report.html"
@@ -54,7 +55,7 @@ def summary_lines(
     for record in records or []:
         build = data.build_name_of(record)
         if build not in grouped:
-            loss = data.fmt(record.get("copy_loss"))
+            loss = data.fmt(drawn_record(record).figure("copy_loss"))
             lines.append(f"circuits {build}: scanned, not gated (copy loss {loss} nats)")
     if report_dir is not None:
         lines.append(f"circuits report: {_page(Path(report_dir))}")
