@@ -102,3 +102,19 @@ def q8_file(env, float_gguf) -> Path:
     from pytest_circuits.model.gguf_quant import requantize_gguf
 
     return requantize_gguf(float_gguf, env / "tiny-Q8_0.gguf", "Q8_0")
+
+
+@pytest.fixture
+def record_validations(monkeypatch):
+    """The class names of every `schema.Record` validation from here on, in order."""
+    from pytest_circuits.gate import schema
+
+    validations: list[str] = []
+    real = schema.Record.model_validate.__func__
+
+    def counted(cls, *args, **kwargs):
+        validations.append(cls.__name__)
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(schema.Record, "model_validate", classmethod(counted))
+    return validations

@@ -455,7 +455,7 @@ def test_missing_figures_names_what_a_record_lacks():
     assert {"min_effect", "path_factor", "looks"} <= set(missing_figures(record))
 
 
-def test_a_baseline_is_validated_once_where_it_is_read(tmp_path, monkeypatch):
+def test_a_baseline_is_validated_once_where_it_is_read(tmp_path, record_validations):
     """The store reads a baseline as its typed `Record` (its dict kept as `data`): the gate's
     `Record.of` takes it as it is, never validating it again (#39 item 4)."""
     from pytest_circuits.gate import schema
@@ -464,14 +464,8 @@ def test_a_baseline_is_validated_once_where_it_is_read(tmp_path, monkeypatch):
 
     store = bl.BaselineStore(tmp_path)
     store.write("m", "fp32", json.loads((SHIPPED_BASELINES / "tiny-induction--fp32.json").read_text()))
-    validations = []
-    real = schema.Record.model_validate.__func__
-
-    def counted(cls, *args, **kwargs):
-        validations.append(cls.__name__)
-        return real(cls, *args, **kwargs)
-
-    monkeypatch.setattr(schema.Record, "model_validate", classmethod(counted))
+    validations = record_validations
+    validations.clear()  # the write above validated it once; count the read and the gate
     record = store.read("m", "fp32")
     assert isinstance(record, schema.Record) and validations == ["Record"]
     assert record.data == json.loads((tmp_path / "m--fp32.json").read_text())  # the file's dict, as read

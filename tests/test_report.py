@@ -812,20 +812,12 @@ def test_summary_md_says_against_which_baseline_an_invariant_broke():
     assert first == "**2 of 2 invariants broken:** `copy_loss` (b vs fp32 baseline), `copy_loss` (b vs own baseline)"
 
 
-def test_circuits_report_validates_each_file_once(tmp_path, monkeypatch, capsys):
+def test_circuits_report_validates_each_file_once(tmp_path, record_validations, capsys):
     """``circuits report B --against A`` reads each file once as its typed Record, gates and draws
     those (#39 item 4: before, each file was read and validated three times)."""
-    from pytest_circuits.gate import schema
     from pytest_circuits.model.named import SHIPPED_BASELINES
 
-    validations = []
-    real = schema.Record.model_validate.__func__
-
-    def counted(cls, *args, **kwargs):
-        validations.append(cls.__name__)
-        return real(cls, *args, **kwargs)
-
-    monkeypatch.setattr(schema.Record, "model_validate", classmethod(counted))
+    validations = record_validations
     build, reference = (SHIPPED_BASELINES / f"tiny-induction--{b}.json" for b in ("rtn-int4", "fp32"))
     assert report_command([str(build), "--against", str(reference), "--out", str(tmp_path)]) == 0
     assert "gate passed" in capsys.readouterr().out
