@@ -309,7 +309,7 @@ def served(model, impl: str) -> str:
 @torch.no_grad()
 def check_in_path(model, modules, cache: KvCache, what: str) -> None:
     """Refuse a cache that a two-token forward did not read in every layer: a family that computes
-    its attention itself, outside transformers' attention interface (BLOOM, Falcon, GPT-Neo), would gate as
+    its attention itself, outside transformers' attention interface (BLOOM, GPT-Neo; Falcon before transformers 5.25), would gate as
     if its cache were full precision."""
     device = model.get_input_embeddings().weight.device
     model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), use_cache=False)
