@@ -34,6 +34,7 @@ from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.model.weights import extract_weights
 from pytest_circuits.rungs.kappa import ov_spectrum
 from pytest_circuits.rungs.plain_loops import plain_ov_spectrum
+from pytest_circuits.rungs.plan import rung1_flops
 from pytest_circuits.testing import requires_smollm2
 
 pytestmark = [pytest.mark.slow]
@@ -224,7 +225,7 @@ def random_weights(shape: str = "llama-3.2-1b"):
     ]
     W_E = draw(V, d)
     geometry = Geometry(n_layers=L, n_heads=H, n_kv_heads=KV, d_model=d, d_head=dh, vocab=V)
-    return ModelWeights("llama", geometry, layers, W_E, W_E.T, torch.ones(d), True), sizes.rung1_flops(geometry)
+    return ModelWeights("llama", geometry, layers, W_E, W_E.T, torch.ones(d), True), rung1_flops(geometry, 32)
 
 
 def test_bench_rung1_against_the_matmul_ceiling(benchmark):

@@ -114,6 +114,10 @@ class LoadedBuilds:
 
         return self.memo(("weights", build_name, fold), lambda: extract_weights(self.build(build_name).model, fold))
 
+    def say(self, line: str) -> None:
+        """One line to the run's progress writer (pytest's terminal), else to stderr."""
+        (self.progress_write or stderr_line)(line)
+
     def _phase(self, label: str):
         """A heartbeat line every few seconds while a long step runs (`progress.phase`)."""
         from .progress import phase
@@ -197,6 +201,29 @@ class BuildMeasurement(LoadedBuilds):
             )
         return self.memo(("head_knockout", build_name, chosen), lambda: self._knockout_scan(build_name, chosen, None))
 
+    def scan_plan(self, build_name: str, knockout: bool, method) -> float | None:
+        """Before a build's whole scan under a rung-2 plan chosen by size (and one process doing all of
+        it): say its counted cost and time (`rungs.plan.scan_estimate`) and return the seconds; else None."""
+        from .rungs.plan import scan_estimate, screened_flops
+
+        s = self.settings
+        measured = self.memoised(("ov_spectrum", build_name, method.null)) is not None
+        if s.shard is not None or self.shards > 1 or measured:
+            return None  # a shard's scan, or rung 1 already measured: not the whole scan's time
+        chosen = rung2_plan.plan(s, self.preflight, lambda: list(self.key_heads()))
+        if not chosen.by_size:
+            return None
+        build, rung2 = self.build(build_name), None
+        if knockout:
+            assert chosen.top_k is not None
+            method_2 = self.screen_method(build_name)
+            rung2 = screened_flops(
+                build, s.knockout_probe, chosen.top_k, len(chosen.must_include), method_2, self.screen_variant()
+            )
+        line, seconds = scan_estimate(build, s.probe, method.n_rotations, rung2)
+        self.say(line)
+        return seconds
+
     def screen_top_k(self) -> int | None:
         """The rung-2 plan's K (`rung2_plan.screen_top_k`): None scans every head exactly."""
         return rung2_plan.screen_top_k(self.settings, self.preflight)
@@ -215,7 +242,7 @@ class BuildMeasurement(LoadedBuilds):
                 self.build(build_name), self.settings.knockout_probe, self.screen_variant()
             )
             if why:
-                (self.progress_write or stderr_line)(why)
+                self.say(why)
             return method
 
         return self.memo(("screen_method", build_name), choose)
@@ -237,7 +264,7 @@ class BuildMeasurement(LoadedBuilds):
         from .rungs.plan import plan_estimate, took_line
 
         s = self.settings
-        say = self.progress_write or stderr_line
+        say = self.say
         chosen = rung2_plan.plan(s, self.preflight, lambda: list(self.key_heads()))
         planned = None
         if chosen.by_size and heads is None:  # said before it starts, with its counted cost

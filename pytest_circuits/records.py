@@ -5,6 +5,7 @@ which is all the gate reads. Also the writer of one shard's part (`write_part`).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from .errors import renamed_keywords
@@ -19,14 +20,16 @@ def measure_record(
     ``method`` (a `KappaMethod`, default the settings'); ``knockout_frame``: these knockouts (one
     shard's) instead of the run's scan."""
     from .gate.record import assemble_record, model_info, rung1_info
+    from .rungs.plan import took_line
 
     s = m.settings
     method = s.kappa_method if method is None else method
     build = m.build(build_name)
+    knockout = knockout and not build.identity.engine  # llama.cpp has no head to knock out (llama_engine.NOT_MEASURED)
+    planned, started = m.scan_plan(build_name, knockout and knockout_frame is None, method), time.perf_counter()
     spectrum = m.ov_spectrum(build_name, method)
     probe = m.repeat_probe(build_name)
     ko_frame, ko_info = None, None
-    knockout = knockout and not build.identity.engine  # llama.cpp has no head to knock out (llama_engine.NOT_MEASURED)
     if knockout:
         ko_frame = m.head_knockout(build_name) if knockout_frame is None else knockout_frame
         ko_info = {
@@ -35,6 +38,8 @@ def measure_record(
             "screened": m.screen_top_k(),
             "screen_method": m.screen_method(build_name) if m.screen_top_k() is not None else None,
         }
+    if planned is not None:  # and after it, its wall time beside the estimate
+        m.say(took_line(build, planned, time.perf_counter() - started, "the scan"))
     return assemble_record(
         model=model_info(m.model_name, m.source, build),
         build=build.identity.as_dict(),

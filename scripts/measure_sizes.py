@@ -101,7 +101,7 @@ SHAPES: dict[str, dict] = {
         rms_norm_eps=1e-5,
     ),
 }
-RUNGS = ("load", "rung1", "probe", "screen", "scan")
+RUNGS = ("load", "rung1", "probe", "screen", "scan", "gate")
 INIT_STD = 0.02  # transformers' initializer_range: the random weights' scale
 SHARD_BYTES = 2 * 1024**3  # a safetensors shard holds at most this many bytes
 ROW_CHUNK = 1 << 24  # entries drawn at once (float32 scratch of 64 MB)
@@ -198,93 +198,68 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def rung1_flops(geometry) -> float:
-    """Counted FLOPs of rung 1: ``W_U W_E`` (``2 d^2 V``, float32), the centred reduced OV stack per
-    layer (the uncentred one is its rank-one shift, not counted), and the eigenvalues (``~25 d_head^3``
-    each: the head's two spectra and 32 null draws)."""
-    d, V, dh = geometry.d_model, geometry.vocab, geometry.d_head
-    heads, kv = geometry.n_layers * geometry.n_heads, geometry.n_layers * geometry.n_kv_heads
-    reduced = kv * 2 * d * d * dh + heads * 2 * dh * d * dh
-    return 2 * d * d * V + reduced + heads * (2 + 32) * (25 + 2) * dh**3
-
-
-def probe_flops(build, settings) -> float:
-    """One forward of the probe, every position unembedded (`knockout_flops`'s count, plus the rest)."""
-    from pytest_circuits.rungs.plan import knockout_flops
-
-    counted = knockout_flops(build, settings, heads=[])["forward"]
-    T, L, n = 2 * settings.L, settings.L, settings.n
-    unembed = 2 * build.geometry.d_model * build.geometry.vocab
-    return counted + n * (T - L) * unembed
-
-
 def stage(args) -> dict:
     """Run one rung after loading the build; report times, peak RSS and counted FLOPs as JSON."""
-    from pytest_circuits.rungs.knockout import knockout_scan
-    from pytest_circuits.rungs.plan import knockout_flops
+    from pytest_circuits.rungs.plan import exact_flops, probe_flops, rung1_flops, screened_flops
     from pytest_circuits.session import CircuitsSession
     from pytest_circuits.settings import CircuitsSettings, RepeatSettings
 
     probe = RepeatSettings(n=args.probe_n, L=args.probe_length)
     settings = CircuitsSettings(
-        model=str(args.folder), builds=(args.build,), reference=args.build, device="cpu", probe=probe
+        model=str(args.folder),
+        builds=(args.build,),
+        reference=args.build,
+        device="cpu",
+        probe=probe,
+        knockout_screen=args.screen,
+        knockout_screen_method=args.screen_method or "auto",
     )
-    if args.rung == "scan":  # the whole command, its own load included: no second copy of the build
-        return scan_stage(args)
+    if args.rung in ("scan", "gate"):  # the whole command, its own load included: no second copy of the build
+        return command_stage(args)
     session = CircuitsSession(settings)
     wall, cpu = time.perf_counter(), cpu_seconds()
     build = session.build(args.build)
     out: dict = {"load_wall": time.perf_counter() - wall, "load_cpu": cpu_seconds() - cpu}
     out["load_rss"] = peak_rss_bytes()
     wall, cpu = time.perf_counter(), cpu_seconds()
-    flops = 0.0
+    flops, dtype = 0.0, str(build.model.dtype).removeprefix("torch.")
     if args.rung == "rung1":
         session.ov_spectrum(args.build)
-        flops = rung1_flops(build.geometry)
+        flops, dtype = rung1_flops(build.geometry, settings.kappa_method.n_rotations), "float32"
     elif args.rung == "probe":
         session.repeat_probe(args.build)
         flops = probe_flops(build, probe)
-    elif args.rung == "screen":
-        frame = knockout_scan(
-            build,
-            settings.knockout_probe,
-            screen_top_k=args.screen,
-            screen_method=args.screen_method,
-            progress=False,
-        )
-        exact = frame.attrs["exact_heads"]
-        counted = knockout_flops(build, settings.knockout_probe, heads=exact)
-        flops = counted["scan"] + 2 * counted["forward"]  # the screen: one forward and one backward (~2x)
-        out["exact_heads"] = exact
-    out.update(wall=time.perf_counter() - wall, cpu=cpu_seconds() - cpu, rss=peak_rss_bytes(), flops=flops)
+    elif args.rung == "screen":  # rung 2 as the gate plans it: the screen, then its top K exactly
+        frame = session.head_knockout(args.build)
+        top_k, probe_2 = session.screen_top_k(), settings.knockout_probe
+        if top_k is None:  # 300 heads or fewer: every head exactly
+            flops, method, exact = exact_flops(build, probe_2), "exact", "every head"
+        else:
+            exact, method = frame.attrs["exact_heads"], session.screen_method(args.build)
+            flops = screened_flops(build, probe_2, top_k, 0, method, session.screen_variant())
+        out.update(exact_heads=exact, method=method)
+    out.update(wall=time.perf_counter() - wall, cpu=cpu_seconds() - cpu, rss=peak_rss_bytes(), flops=flops, dtype=dtype)
     return out
 
 
-def scan_stage(args) -> dict:
-    """``circuits scan`` in this fresh process, loading the build itself (the peak is the command's)."""
+def command_stage(args) -> dict:
+    """``circuits scan`` (writing its record beside the checkpoint) or ``circuits gate`` of the build
+    against that record, in this fresh process that loads the build itself (the peak is the command's)."""
     from pytest_circuits.cli import main
 
+    record = args.folder / "scan-record.json"
+    words = ["scan", str(args.folder), "--json", str(record)] if args.rung == "scan" else []
+    if args.rung == "gate":
+        words = ["gate", str(args.folder), "--baseline", str(record)]
+    else:
+        words += ["--probe-n", str(args.probe_n), "--probe-length", str(args.probe_length)]
+    words += ["--build", args.build, "--device", "cpu"]
+    if args.screen is not None:
+        words += ["--knockout-screen", str(args.screen)]
+    if args.screen_method is not None:
+        words += ["--knockout-screen-method", args.screen_method]
     wall, cpu = time.perf_counter(), cpu_seconds()
-    code = main(
-        [
-            "scan",
-            str(args.folder),
-            "--build",
-            args.build,
-            "--knockout-screen",
-            str(args.screen),
-            "--knockout-screen-method",
-            args.screen_method,
-            "--probe-n",
-            str(args.probe_n),
-            "--probe-length",
-            str(args.probe_length),
-            "--device",
-            "cpu",
-            "--json",
-            str(args.json_out),
-        ]
-    )
+    code = main(words)
     return {
         "exit": code,
         "wall": time.perf_counter() - wall,
@@ -295,25 +270,14 @@ def scan_stage(args) -> dict:
 
 
 def run_stage(shape: str, folder: Path, rung: str, options) -> dict:
-    """`stage` in a fresh interpreter (its peak RSS is its own); the JSON it prints last."""
-    command = [
-        sys.executable,
-        __file__,
-        "--stage",
-        rung,
-        "--folder",
-        str(folder),
-        "--build",
-        options.build,
-        "--probe-n",
-        str(options.probe_n),
-        "--probe-length",
-        str(options.probe_length),
-        "--screen",
-        str(options.screen),
-        "--screen-method",
-        options.screen_method,
-    ]
+    """`stage` in a fresh interpreter (its peak RSS is its own); the JSON it prints last, with the
+    plan's lines it said (``circuits: ... took ...``)."""
+    command = [sys.executable, __file__, "--stage", rung, "--folder", str(folder), "--build", options.build]
+    command += ["--probe-n", str(options.probe_n), "--probe-length", str(options.probe_length)]
+    if options.screen is not None:
+        command += ["--screen", str(options.screen)]
+    if options.screen_method is not None:
+        command += ["--screen-method", options.screen_method]
     print(f"[{time.strftime('%H:%M:%S')}] {shape}: {rung}", file=sys.stderr, flush=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(command, capture_output=True, text=True, env=env)  # this checkout's package
@@ -321,7 +285,29 @@ def run_stage(shape: str, folder: Path, rung: str, options) -> dict:
     if done.returncode != 0 or not lines:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         return {"error": f"exit {done.returncode}: {' | '.join(tail)}"}
-    return json.loads(lines[-1])
+    said = [line for line in (done.stderr + done.stdout).splitlines() if line.startswith("circuits: ")]
+    return {**json.loads(lines[-1]), "said": said}
+
+
+def matmul_ceiling(size: int = 4096, repeats: int = 3) -> dict[str, float]:
+    """This CPU's matmul rate (FLOP/s) in float32 and bfloat16 at torch's thread count: one
+    ``size x size`` by ``size x size`` ``torch.matmul``, timed after a warm-up (the ceiling of every rung)."""
+    import torch
+
+    rates = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+        torch.matmul(a, b)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            torch.matmul(a, b)
+        rates[str(dtype).removeprefix("torch.")] = 2 * size**3 * repeats / (time.perf_counter() - start)
+    return rates
+
+
+def machine_load() -> str:
+    """The 1-minute load average over the cores, as the rows are measured."""
+    return f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
 
 
 # ---------------------------------------------------------------- the table
@@ -329,25 +315,34 @@ def run_stage(shape: str, folder: Path, rung: str, options) -> dict:
 
 def probe_words(options) -> str:
     """The probe and rung-2 plan a row was measured with."""
-    return f"n {options.probe_n}, L {options.probe_length}; {options.screen_method} + top {options.screen}"
+    screen = "the default plan" if options.screen is None else f"top {options.screen}"
+    return f"n {options.probe_n}, L {options.probe_length}; {options.screen_method or 'auto'} + {screen}"
+
+
+def plan_ratio(result: dict) -> str:
+    """The plan's estimate beside the wall time, from the ``took`` lines a command said (the whole scan's)."""
+    took = [line for line in result.get("said", []) if " took " in line]
+    scan = [line for line in took if "the scan took" in line] or took
+    return scan[-1].split("the plan estimated ", 1)[1] if scan else ""
 
 
 def table(rows: list[dict], options) -> str:
     """The measured table in Markdown."""
     head = (
         "| shape | weights (bf16) | goal: weights x 1.25 + 1.5 GB | probe; rung 2 | rung | peak RSS | CPU s | wall s | "
-        "counted FLOP | achieved |\n|---|---|---|---|---|---|---|---|---|---|"
+        "counted FLOP | achieved | of the ceiling | plan's estimate |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for row in rows:
         weights = row["weights_bytes"]
         goal = 1.25 * weights + 1.5e9
+        ceiling = row.get("ceiling", {})
         for rung in row["rungs"]:
             result = row["rungs"][rung]
             label = {"load": "load + self-check"}.get(rung, rung)
             if "error" in result:
                 why = result["error"].split(":")[0]  # "exit N": the process's own lines are in its log
-                lines.append(f"| {row['shape']} | | | | {label} | not completed ({why}) | | | | |")
+                lines.append(f"| {row['shape']} | | | | {label} | not completed ({why}) | | | | | | |")
                 continue
             rss = result["rss"]
             mark = "" if rss <= goal else " (over the goal)"
@@ -355,9 +350,13 @@ def table(rows: list[dict], options) -> str:
             flops = result.get("flops") or 0.0
             rate = f"{flops / wall / 1e9:.1f} GFLOP/s" if flops and wall > 0 else ""
             shown_flops = f"{flops / 1e12:.2f} TFLOP" if flops else ""
+            dtype = result.get("dtype", "")
+            top = ceiling.get(dtype)
+            fraction = f"{flops / wall / top:.0%} of {dtype}'s {top / 1e9:.0f}" if flops and wall > 0 and top else ""
             lines.append(
                 f"| {row['shape']} | {weights / 1e9:.2f} GB | {goal / 1e9:.2f} GB | {row.get('probe', '')} | {label} | "
-                f"{rss / 1e9:.2f} GB{mark} | {cpu:.0f} | {wall:.0f} | {shown_flops} | {rate} |"
+                f"{rss / 1e9:.2f} GB{mark} | {cpu:.0f} | {wall:.0f} | {shown_flops} | {rate} | {fraction} | "
+                f"{plan_ratio(result)} |"
             )
     return "\n".join(lines)
 
@@ -395,15 +394,18 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--build", default="bf16")
     parser.add_argument("--probe-n", type=int, default=8)
     parser.add_argument("--probe-length", type=int, default=64)
-    parser.add_argument("--screen", type=int, default=8, help="exact knockouts after the screen (default 8)")
-    parser.add_argument("--screen-method", default="atp", help="the screen's method (default atp: see docs/scale.md)")
+    parser.add_argument(
+        "--screen", type=int, default=None, help="exact knockouts after the screen (default: the plan's 12)"
+    )
+    parser.add_argument(
+        "--screen-method", default=None, help="the screen's method (default: the plan's, auto: docs/scale.md)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints")
     parser.add_argument("--write-docs", action="store_true", help="write the table into docs/scale.md")
     parser.add_argument("--results", type=Path, default=None, help="append each shape's JSON here")
     parser.add_argument("--table-only", action="store_true", help="run nothing: the table of --results only")
     parser.add_argument("--stage", choices=RUNGS, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--json-out", type=Path, default=Path(os.devnull), help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -424,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
             build_checkpoint(shape, folder, args.seed)
         weights = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
         row = {"shape": shape, "weights_bytes": weights, "probe": probe_words(args), "rungs": {}}
+        row.update(ceiling=matmul_ceiling(), machine_load=machine_load())  # before the rungs, on the same threads
         for rung in args.rungs.split(","):
             row["rungs"][rung] = run_stage(shape, folder, rung, args)
             print(json.dumps({shape: {rung: row["rungs"][rung]}}), file=sys.stderr, flush=True)
@@ -438,16 +441,22 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows, args)
     print(text)
     if args.write_docs:
+        plan = "".join(
+            f" --{name} {value}"
+            for name, value in (("screen", args.screen), ("screen-method", args.screen_method))
+            if value is not None
+        )
+        loads = "; ".join(f"{row['shape']}: {row['machine_load']}" for row in rows if "machine_load" in row)
         note = (
             f"`python scripts/measure_sizes.py --shapes {args.shapes} --probe-n {args.probe_n} "
-            f"--probe-length {args.probe_length} --screen {args.screen} --screen-method {args.screen_method} --write-docs` "
-            f"({time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores shared with other jobs):"
+            f"--probe-length {args.probe_length}{plan} --write-docs` ({time.strftime('%Y-%m-%d')}; "
+            f"the 1-minute load as each shape started: {loads or 'not recorded'}):"
         )
         if args.table_only:
             note = (
-                f"Gathered from the runs `python scripts/measure_sizes.py --shapes SHAPE --rungs RUNGS --results "
-                f"{args.results.name}` made so far, each rung in its own process ({time.strftime('%Y-%m-%d')}, "
-                f"{os.cpu_count()} cores shared with other jobs); a rung not in the table was not run:"
+                f"Gathered from the runs `python scripts/measure_sizes.py --shapes SHAPE --rungs RUNGS{plan} --results "
+                f"{args.results.name}` made so far, each rung in its own process ({time.strftime('%Y-%m-%d')}; "
+                f"the 1-minute load as each shape started: {loads or 'not recorded'}); a rung not in the table was not run:"
             )
         write_docs(text, note)
     return 0

@@ -351,6 +351,19 @@ def test_screen_variant_at_todays_values_is_todays_screen_exactly(fp32_builds, m
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("method", ["atp*", "atp*gd"])
+def test_qk_fix_in_groups_of_heads_is_the_qk_fix_of_every_head_at_once(fp32_builds, method, monkeypatch):
+    """The QK fix stacks a layer's heads in groups that fit `screen.QK_FIX_BYTES` (what bounds its
+    memory at 1B+): one head at a time gives the estimates of every head stacked at once."""
+    from pytest_circuits.rungs import screen
+
+    build = fp32_builds["llama"]
+    at_once = _screen(build, None, method)
+    monkeypatch.setattr(screen, "QK_FIX_BYTES", 1)  # groups of one head
+    for got, want in zip(_screen(build, None, method), at_once):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
+
+
 def test_screen_variant_knobs_do_what_they_say(fp32_builds):
     """``qk_top=0`` leaves every head its plain AtP estimate; ``qk_top=C`` changes exactly C heads'
     estimates from AtP's (AtP's top C by |estimate|); ``ablation="both"`` is the mean of the zero-
@@ -682,6 +695,44 @@ def test_default_plan_screens_past_300_heads_and_says_so_first(tmp_path):
         _session_of(wide, knockout_full=True, knockout_screen=5).screen_top_k()
     narrow = save_tiny_model("llama", tmp_path / "narrow")
     assert _session_of(narrow).screen_top_k() is None  # the embedded model, SmolLM2: every head exactly
+
+
+def test_a_scan_planned_by_size_says_its_whole_cost_first_and_its_time_last(tmp_path):
+    """Past 300 heads a build's whole scan (rung 1, the probe, rung 2) says its counted cost and time
+    before rung 1 starts and its wall time beside that estimate after rung 2; without knockouts the
+    line counts no rung 2; a model scanned exactly (300 heads or fewer) says neither."""
+    from pytest_circuits.rungs.plan import probe_flops, rung1_flops
+
+    wide = save_tiny_model(
+        "llama",
+        tmp_path / "wide",
+        num_hidden_layers=4,
+        num_attention_heads=76,
+        num_key_value_heads=4,
+        hidden_size=304,
+        intermediate_size=64,
+    )
+    for with_knockout in (True, False):
+        session = _session_of(wide, knockout_screen_method="atp")
+        lines: list[str] = []
+        session.progress_write = lines.append
+        session.records.record("fp32", knockout=with_knockout)
+        said = [line for line in lines if not line.startswith(("loading ", "rung 1 (", "repeat probe ("))]
+        scan = [line for line in said if line.startswith("circuits: the scan of")]
+        took = [line for line in said if "the scan took" in line]
+        assert len(scan) == 1 and len(took) == 1, said
+        assert said.index(scan[0]) == 0 and said.index(took[0]) == len(said) - 1, said
+        assert ("and rung 2 " in scan[0]) is with_knockout and "rung 1 counts" in scan[0] and "(float32, " in scan[0]
+        assert "the plan estimated" in took[0] and took[0].endswith("x)")
+        build = session.build("fp32")
+        rung1 = rung1_flops(build.geometry, session.settings.kappa_method.n_rotations)
+        assert f"rung 1 counts {rung1 / 1e12:.3g} TFLOP" in scan[0]
+        assert f"the probe {probe_flops(build, session.settings.probe) / 1e12:.3g}" in scan[0]
+    narrow = _session_of(save_tiny_model("llama", tmp_path / "narrow"))
+    lines = []
+    narrow.progress_write = lines.append
+    narrow.records.record("fp32")
+    assert not [line for line in lines if "the scan" in line]
 
 
 def test_automatic_screen_method_is_chosen_by_counted_cost_and_said(tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
-"""The counted cost of a rung-2 plan (screen + exact knockouts, or every head exactly), and its time
-at the rate a matmul reaches on the build's device: the line printed before a plan chosen by size starts.
+"""The counted cost of a rung-2 plan (screen + exact knockouts, or every head exactly) and of a
+build's whole scan (rung 1, the probe, rung 2), and their time at the rate a matmul reaches on the
+build's device: the lines printed before a plan chosen by size starts, and after it ran.
 
 Counts (multiply-add = 2), with ``forward`` = `knockout_flops`'s one forward:
 
@@ -14,6 +15,8 @@ Counts (multiply-add = 2), with ``forward`` = `knockout_flops`'s one forward:
 A `screen.ScreenVariant` scales these: ``sequences`` the screen's ``n``; ``qk_top`` C runs the QK
 fix on at most ``C (n_layers - 1)`` (head, later layer) pairs, one copy each, after one more
 ``atp`` (``3 forward``); ``grad_drop_layers`` counts only the sampled blocks; ``ablation="both"`` doubles it.
+
+The whole scan adds rung 1 (`rung1_flops`, float32 products) and the probe (`probe_flops`, the build's dtype).
 """
 
 from __future__ import annotations
@@ -118,11 +121,13 @@ def exact_flops(build, settings: RepeatSettings, n_heads: int | None = None) -> 
     return counted["forward"] + n_heads * (counted["scan"] - counted["forward"]) / total
 
 
-def measured_rate(build, repeats: int = 3) -> float:
-    """FLOP/s of a ``RATE_ROWS x d_model`` by ``d_model x d_model`` matmul in the build's dtype on its device."""
+def measured_rate(build, repeats: int = 3, dtype=None) -> float:
+    """FLOP/s of a ``RATE_ROWS x d_model`` by ``d_model x d_model`` matmul on the build's device, in
+    ``dtype`` (None: the build's own, float32 unless it is a float16/bfloat16 model)."""
     d = build.geometry.d_model
-    dtype = getattr(build.model, "dtype", torch.float32)
-    dtype = dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+    if dtype is None:
+        dtype = getattr(build.model, "dtype", torch.float32)
+        dtype = dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
     a = torch.randn(RATE_ROWS, d, dtype=dtype, device=build.device)
     b = torch.randn(d, d, dtype=dtype, device=build.device)
     a @ b  # warm up
@@ -134,6 +139,24 @@ def measured_rate(build, repeats: int = 3) -> float:
     if build.device.type == "cuda":
         torch.cuda.synchronize(build.device)
     return 2 * RATE_ROWS * d * d * repeats / max(time.perf_counter() - start, 1e-9)
+
+
+def rung1_flops(geometry, n_rotations: int) -> float:
+    """Counted FLOPs of rung 1 (float32 products): ``W_U W_E`` (``2 d^2 V``), the reduced OV stack of
+    every KV group and head (``2 d^2 d_head`` a group, ``2 d_head^2 d`` a head), and the eigenvalues
+    (about ``27 d_head^3`` each: the head's two spectra and ``n_rotations`` null draws)."""
+    d, V, dh = geometry.d_model, geometry.vocab, geometry.d_head
+    heads, kv = geometry.n_layers * geometry.n_heads, geometry.n_layers * geometry.n_kv_heads
+    reduced = kv * 2 * d * d * dh + heads * 2 * dh * d * dh
+    return 2 * d * d * V + reduced + heads * (2 + n_rotations) * 27 * dh**3
+
+
+def probe_flops(build, settings: RepeatSettings) -> float:
+    """One forward of the repeat probe, every position unembedded (`knockout_flops`'s forward unembeds
+    the last ``L``; the probe reads the other ``T - L`` too)."""
+    counted = knockout_flops(build, settings, heads=[])["forward"]
+    T, L, n = 2 * settings.L + bos_offset(build.tokens), settings.L, settings.n
+    return counted + n * (T - L) * 2 * build.geometry.d_model * build.geometry.vocab
 
 
 def _duration(seconds: float) -> str:
@@ -149,22 +172,28 @@ def plan_line(build, settings: RepeatSettings, top_k: int, n_key: int, method: s
     return plan_estimate(build, settings, top_k, n_key, method, variant)[0]
 
 
-def took_line(build, planned_s: float, took_s: float) -> str:
-    """The line said after a plan chosen by size ran: its wall time beside the plan's estimate."""
+def took_line(build, planned_s: float, took_s: float, what: str = "rung 2") -> str:
+    """The line said after a plan chosen by size ran: ``what``'s wall time beside the plan's estimate."""
     return (
-        f"circuits: {build.label}: rung 2 took {_duration(took_s)} of wall time; the plan estimated "
+        f"circuits: {build.label}: {what} took {_duration(took_s)} of wall time; the plan estimated "
         f"{_duration(planned_s)} ({took_s / max(planned_s, 1e-9):.2f}x)"
     )
+
+
+def screened_flops(build, settings: RepeatSettings, top_k: int, n_key: int, method: str, variant=None) -> float:
+    """Counted FLOPs of a screened rung 2: the ``method`` screen, then ``top_k + n_key`` heads exactly."""
+    geo = build.geometry
+    exact = exact_flops(build, settings, min(geo.n_layers * geo.n_heads, top_k + n_key))
+    return screen_flops(build, settings, method, variant) + exact
 
 
 def plan_estimate(
     build, settings: RepeatSettings, top_k: int, n_key: int, method: str, variant=None
 ) -> tuple[str, float]:
     """``(plan_line's line, its estimate in seconds)``: counted FLOPs at the rate of a matmul measured now."""
-    geo = build.geometry
-    heads = geo.n_layers * geo.n_heads
+    heads = build.geometry.n_layers * build.geometry.n_heads
     rate = measured_rate(build)
-    planned = screen_flops(build, settings, method, variant) + exact_flops(build, settings, min(heads, top_k + n_key))
+    planned = screened_flops(build, settings, top_k, n_key, method, variant)
     full = exact_flops(build, settings)
     line = (
         f"circuits: rung 2 of {build.label} ({heads} heads): the {method} screen over every head, then the top "
@@ -173,3 +202,19 @@ def plan_estimate(
         f"would be {full / 1e12:.3g} TFLOP, about {_duration(full / rate)}"
     )
     return line, planned / rate
+
+
+def scan_estimate(build, probe: RepeatSettings, n_rotations: int, rung2_flops: float | None) -> tuple[str, float]:
+    """``(line, seconds)`` of a build's whole scan: rung 1 at a float32 matmul's rate, the probe and
+    ``rung2_flops`` (None: no knockouts) at the rate of the build's dtype, both measured now."""
+    float32 = measured_rate(build, dtype=torch.float32)
+    own = measured_rate(build)
+    rung1, forward = rung1_flops(build.geometry, n_rotations), probe_flops(build, probe)
+    seconds = rung1 / float32 + (forward + (rung2_flops or 0.0)) / own
+    rung2 = "" if rung2_flops is None else f" and rung 2 {rung2_flops / 1e12:.3g}"
+    line = (
+        f"circuits: the scan of {build.label}: rung 1 counts {rung1 / 1e12:.3g} TFLOP (float32, "
+        f"{float32 / 1e9:.0f} GFLOP/s), the probe {forward / 1e12:.3g}{rung2} TFLOP ({own / 1e9:.0f} GFLOP/s): "
+        f"about {_duration(seconds)} (matmuls measured here)"
+    )
+    return line, seconds

@@ -386,21 +386,33 @@ def pattern_gradient(residual, call, norm, attention, rows: int) -> torch.Tensor
     return grad
 
 
+QK_FIX_BYTES = 16 << 20  # the QK fix stacks at most this many bytes of one layer's float32 patterns at once
+
+
 def exact_pattern_change(
     build, layer: int, dr, residual, calls, norms, attn, rows: int, copies: int | None = None
 ) -> torch.Tensor:
     """``(copies,)``: ``sum_{m > layer} (A'_m - A_m) . dCL/dA_m`` per head of ``layer``, ``A'_m`` the
     pattern of ``attn_norm_m(r_m + dr_h)`` (``dr``: `_output_change`, ``copies`` heads (default
-    every head of the layer) stacked on the batch)."""
+    every head of the layer) stacked on the batch), in groups of heads whose stacked patterns fit in
+    `QK_FIX_BYTES` (each head's sum is its own: the grouping changes the memory, not the figures)."""
     geo, state = build.geometry, _STATE
     k = geo.n_heads if copies is None else copies
-    state.copies, state.qk = k, torch.zeros(k, dtype=torch.float64)
+    T = residual[layer].shape[-2]
+    per_head = rows * geo.n_heads * T * T * 4  # one head's float32 patterns of one later layer
+    group = max(1, min(k, QK_FIX_BYTES // max(per_head, 1)))
+    out = torch.zeros(k, dtype=torch.float64)
     try:
         with torch.no_grad():
-            for m in range(layer + 1, geo.n_layers):
-                state.mode = "qkfix"
-                _call(attn[m], calls[m], norms[m](residual[m].repeat(k, 1, 1) + dr), rows, k)
-        return state.qk
+            for start in range(0, k, group):
+                size = min(group, k - start)
+                state.copies, state.qk = size, torch.zeros(size, dtype=torch.float64)
+                moved = dr[start * rows : (start + size) * rows]
+                for m in range(layer + 1, geo.n_layers):
+                    state.mode = "qkfix"
+                    _call(attn[m], calls[m], norms[m](residual[m].repeat(size, 1, 1) + moved), rows, size)
+                out[start : start + size] = state.qk
+        return out
     finally:
         state.mode, state.copies = "off", 1
 
