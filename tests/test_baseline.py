@@ -425,25 +425,12 @@ def missing_figures(record: dict) -> list[str]:
     return missing
 
 
-# Shipped baselines recorded before the figures above, to be recorded again: circuits record
-# smollm2-135m --build RECIPE --baselines baselines --knockout-screen 12 --knockout-screen-method atp
-# (the fp32 baseline's key heads and the screen's top 12, as before; look 1 unchanged); then take them
-# out here. Measured at 1 thread on a shared 2-core machine (load 3-4), every look included: bf16
-# 2.7 min, rtn-int4 9.8, fp16 18 (CPU float16), fp8-e4m3 11, fp8-e4m3-dyn 40. The bitsandbytes
-# builds are left: their CPU kernels make each 77-head look slow.
-INCOMPLETE = {
-    f"smollm2-135m--{recipe}.json": ["min_effect", "path_factor", "looks"]
-    for recipe in ("bnb-fp4", "bnb-int8", "bnb-nf4")
-}
-
-
 @pytest.mark.parametrize("path", SHIPPED_FILES, ids=[p.stem for p in SHIPPED_FILES])
 def test_every_shipped_baseline_has_every_figure_the_invariants_read(path):
     missing = missing_figures(bl.read_baseline(path))
-    assert missing == INCOMPLETE.get(path.name, []), (
-        f"{path.name} lacks {missing}: record it again with circuits record"
-        if missing
-        else f"{path.name} is complete now: take it out of INCOMPLETE"
+    assert not missing, (
+        f"{path.name} lacks {missing}: record it again with circuits record {path.stem.split('--')[0]} "
+        f"--build {path.stem.split('--')[1]} --baselines baselines"
     )
 
 
