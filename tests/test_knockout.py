@@ -658,12 +658,9 @@ def _session_of(folder, **settings):
     return CircuitsSession(CircuitsSettings(**{**base, **settings}))
 
 
-def test_default_plan_screens_past_300_heads_and_says_so_first(tmp_path):
-    """More than 300 heads: rung 2 screens by default (top 12 exact), printing the plan and its
-    counted time before it starts; --knockout-full asks for every head; 300 or fewer stay exact."""
-    from pytest_circuits.rungs.plan import exact_flops, screen_flops
-
-    wide = save_tiny_model(
+def _wide_model(tmp_path):
+    """A tiny llama of 304 heads (4 layers x 76): past the 300 heads from which the plan screens."""
+    return save_tiny_model(
         "llama",
         tmp_path / "wide",
         num_hidden_layers=4,
@@ -672,6 +669,14 @@ def test_default_plan_screens_past_300_heads_and_says_so_first(tmp_path):
         hidden_size=304,
         intermediate_size=64,
     )
+
+
+def test_default_plan_screens_past_300_heads_and_says_so_first(tmp_path):
+    """More than 300 heads: rung 2 screens by default (top 12 exact), printing the plan and its
+    counted time before it starts; --knockout-full asks for every head; 300 or fewer stay exact."""
+    from pytest_circuits.rungs.plan import exact_flops, screen_flops
+
+    wide = _wide_model(tmp_path)
     session = _session_of(wide, knockout_screen_method="atp")
     assert session.screen_top_k() == session.AUTO_SCREEN_TOP_K == 12
     lines: list[str] = []
@@ -703,15 +708,7 @@ def test_a_scan_planned_by_size_says_its_whole_cost_first_and_its_time_last(tmp_
     line counts no rung 2; a model scanned exactly (300 heads or fewer) says neither."""
     from pytest_circuits.rungs.plan import probe_flops, rung1_flops
 
-    wide = save_tiny_model(
-        "llama",
-        tmp_path / "wide",
-        num_hidden_layers=4,
-        num_attention_heads=76,
-        num_key_value_heads=4,
-        hidden_size=304,
-        intermediate_size=64,
-    )
+    wide = _wide_model(tmp_path)
     for with_knockout in (True, False):
         session = _session_of(wide, knockout_screen_method="atp")
         lines: list[str] = []
