@@ -327,37 +327,42 @@ def plan_ratio(result: dict) -> str:
 
 
 def table(rows: list[dict], options) -> str:
-    """The measured table in Markdown."""
+    """The measured table in Markdown: a shape's weights, memory goal and plan on its first row."""
     head = (
-        "| shape | weights (bf16) | goal: weights x 1.25 + 1.5 GB | probe; rung 2 | rung | peak RSS | CPU s | wall s | "
-        "counted FLOP | achieved | of the ceiling | plan's estimate |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| shape (weights; goal: weights x 1.25 + 1.5 GB) | rung | peak RSS | CPU s | wall s | counted | achieved | "
+        "of the ceiling | plan's estimate |\n|---|---|---|---|---|---|---|---|---|"
     )
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
     lines = [head]
     for row in rows:
         weights = row["weights_bytes"]
         goal = 1.25 * weights + 1.5e9
         ceiling = row.get("ceiling", {})
+        shape = f"{row['shape']} ({weights / 1e9:.2f} GB; {goal / 1e9:.2f} GB; {row.get('probe', '')})"
         for rung in row["rungs"]:
             result = row["rungs"][rung]
             label = {"load": "load + self-check"}.get(rung, rung)
             if "error" in result:
                 why = result["error"].split(":")[0]  # "exit N": the process's own lines are in its log
-                lines.append(f"| {row['shape']} | | | | {label} | not completed ({why}) | | | | | | |")
+                lines.append(f"| {shape} | {label} | not completed ({why}) | | | | | | |")
+                shape = ""
                 continue
             rss = result["rss"]
             mark = "" if rss <= goal else " (over the goal)"
             wall, cpu = (result["load_wall"], result["load_cpu"]) if rung == "load" else (result["wall"], result["cpu"])
             flops = result.get("flops") or 0.0
-            rate = f"{flops / wall / 1e9:.1f} GFLOP/s" if flops and wall > 0 else ""
+            rate = f"{flops / wall / 1e9:,.0f} GFLOP/s" if flops and wall > 0 else ""
             shown_flops = f"{flops / 1e12:.2f} TFLOP" if flops else ""
             dtype = result.get("dtype", "")
             top = ceiling.get(dtype)
-            fraction = f"{flops / wall / top:.0%} of {dtype}'s {top / 1e9:.0f}" if flops and wall > 0 and top else ""
+            fraction = ""
+            if flops and wall > 0 and top:
+                fraction = f"{flops / wall / top:.0%} of {short.get(dtype, dtype)}'s {top / 1e9:,.0f}"
             lines.append(
-                f"| {row['shape']} | {weights / 1e9:.2f} GB | {goal / 1e9:.2f} GB | {row.get('probe', '')} | {label} | "
-                f"{rss / 1e9:.2f} GB{mark} | {cpu:.0f} | {wall:.0f} | {shown_flops} | {rate} | {fraction} | "
-                f"{plan_ratio(result)} |"
+                f"| {shape} | {label} | {rss / 1e9:.2f} GB{mark} | {cpu:.0f} | {wall:.0f} | {shown_flops} | {rate} | "
+                f"{fraction} | {plan_ratio(result)} |"
             )
+            shape = ""
     return "\n".join(lines)
 
 
