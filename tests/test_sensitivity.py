@@ -192,19 +192,25 @@ def test_an_invariant_that_compared_nothing_is_not_counted_as_catching_a_damage(
     assert caught.failed == ["copy_loss"] and S.smallest_caught([caught], ["copy_loss"])["L1H0 OV x s"]["any"] is damage
 
 
-def test_false_alarm_trials_split_over_runs_tally_as_one(tmp_path, monkeypatch):
-    """``scripts/measure_sensitivity.py --seeds A-B --trials F`` keeps each trial; ``--kept F1,F2`` counts
-    them as one sweep: per invariant the failures over the trials it ran (a skip is no trial), the whole
-    gate failing wherever any invariant did, and a seed and build kept twice refused."""
+def _sensitivity_script(monkeypatch):
+    """``scripts/measure_sensitivity.py`` as a module."""
     import importlib.util
-    import json
 
     scripts = Path(__file__).resolve().parent.parent / "scripts"
     monkeypatch.syspath_prepend(str(scripts))
     spec = importlib.util.spec_from_file_location("measure_sensitivity", scripts / "measure_sensitivity.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
 
+
+def test_false_alarm_trials_split_over_runs_tally_as_one(tmp_path, monkeypatch):
+    """``scripts/measure_sensitivity.py --seeds A-B --trials F`` keeps each trial; ``--kept F1,F2`` counts
+    them as one sweep: per invariant the failures over the trials it ran (a skip is no trial), the whole
+    gate failing wherever any invariant did, and a seed and build kept twice refused."""
+    import json
+
+    script = _sensitivity_script(monkeypatch)
     assert list(script.seed_range("3")) == [1, 2, 3] and list(script.seed_range("6-10")) == [6, 7, 8, 9, 10]
     assert not script.seed_range("0")
     with pytest.raises(SystemExit, match="--seeds 1-x"):
@@ -227,6 +233,23 @@ def test_false_alarm_trials_split_over_runs_tally_as_one(tmp_path, monkeypatch):
         script.read_trials(f"{first},{first}")
     with pytest.raises(SystemExit, match="cannot read the kept trials"):
         script.read_trials(str(tmp_path / "missing.jsonl"))
+
+
+def test_the_share_of_a_tolerance_a_build_used_reads_the_stored_records(monkeypatch):
+    """The script's `tolerance_used` and `rule_figures` take the record dicts a file or a scan gives
+    (the invariants compare typed records): rtn-int4 against fp32 of the shipped embedded-model
+    baselines, ``copy_loss``'s share under the fixed rule being its larger change over its tolerance."""
+    from pytest_circuits.gate.store import read_baseline
+
+    script = _sensitivity_script(monkeypatch)
+    folder = Path(__file__).resolve().parent.parent / "baselines"
+    fp32, int4 = (read_baseline(folder / f"tiny-induction--{b}.json") for b in ("fp32", "rtn-int4"))
+    used = script.tolerance_used(fp32, int4, script.FIXED)
+    assert set(used) == set(script.per_build_invariants())
+    largest = max(abs(int4[f] - fp32[f]) for f in ("copy_loss", "copy_gain"))
+    assert used["copy_loss"] == pytest.approx(largest / script.FIXED.copy_loss, rel=1e-4)  # stored to 6 digits
+    figures = script.rule_figures(fp32, int4, script.Tolerances(), "rtn-int4")
+    assert figures["fixed"]["copy_loss"] in ("passed", "failed") and figures["sequences"]["copy_loss"] >= 8
 
 
 @needs_embedded
