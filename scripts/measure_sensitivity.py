@@ -434,6 +434,17 @@ def measure(args, model: str, write) -> dict[str, str]:
         fixed_outcomes = [
             replace(o, failed=[k for k, v in r["fixed"].items() if v == "failed"]) for o, r in zip(outcomes, rules)
         ]
+        gated_tables = [  # the gated builds' tables: none in a run of trials alone
+            "",
+            "Verdicts the two rules differ on:",
+            "",
+            *differing_rows(ran, rules),
+            "",
+            "The mildest damage each invariant catches under the fixed rule (compare the table above, "
+            "the sequential rule's):",
+            "",
+            *S.caught_table(fixed_outcomes, invariants),
+        ]
         blocks[f"{block}-rules"] = (
             "\n".join(
                 [
@@ -441,15 +452,7 @@ def measure(args, model: str, write) -> dict[str, str]:
                     f"{session.settings.probe.n} sequences) and the fixed rule (`looks=1`) on the same records.",
                     "",
                     *rules_rows(trials, outcomes, rules),
-                    "",
-                    "Verdicts the two rules differ on:",
-                    "",
-                    *differing_rows(ran, rules),
-                    "",
-                    "The mildest damage each invariant catches under the fixed rule (compare the table above, "
-                    "the sequential rule's):",
-                    "",
-                    *S.caught_table(fixed_outcomes, invariants),
+                    *(gated_tables if ran else []),
                 ]
             )
             + "\n"
