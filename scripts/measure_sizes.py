@@ -248,11 +248,11 @@ def command_stage(args) -> dict:
     from pytest_circuits.cli import main
 
     record = args.folder / "scan-record.json"
-    words = ["scan", str(args.folder), "--json", str(record)] if args.rung == "scan" else []
-    if args.rung == "gate":
+    if args.rung == "gate":  # the probe's settings are the record's
         words = ["gate", str(args.folder), "--baseline", str(record)]
     else:
-        words += ["--probe-n", str(args.probe_n), "--probe-length", str(args.probe_length)]
+        words = ["scan", str(args.folder), "--json", str(record), "--probe-n", str(args.probe_n)]
+        words += ["--probe-length", str(args.probe_length)]
     words += ["--build", args.build, "--device", "cpu"]
     if args.screen is not None:
         words += ["--knockout-screen", str(args.screen)]
