@@ -17,6 +17,11 @@ Per model (the fp32 build, its shipped fp32 baseline, the default tolerances):
    external build the way a user gives ``NAME=FILE.gguf`` and gated like a recipe (block
    ``MODEL-gguf``).
 
+``--trials FILE`` keeps each false-alarm trial and each gated damage's verdicts (under both rules)
+as it is measured, and ``--kept FILE,...`` counts kept ones beside this run's: a long sweep split over
+processes (seed ranges, a damage grid) is tabled by one later run that measures nothing
+(``--seeds 0`` and no damages).
+
 Each model rewrites only its own blocks (``<!-- measured: NAME -->``), so models can be run apart;
 ``--tag T`` writes ``MODEL-T-...`` blocks instead, so a second grid of one model (SmolLM2 with its
 knockouts) stands beside the first:
@@ -206,8 +211,30 @@ def tally(trials: list[dict]) -> tuple[dict, list[str], dict]:
                 counts[inv][0] += status == "failed"
         counts["gate"][1] += 1
         counts["gate"][0] += "failed" in trial["status"].values()
-        lines.append(f"| {trial['seed']} | {trial['build']} | {trial_said(trial)} |")
+        lines.append(f"| {trial['seed']} | {trial['build']} | {trial_said(trial)} | {margins_said(trial)} |")
     return {k: tuple(v) for k, v in counts.items()}, lines, most
+
+
+TRIALS_HEADER = [
+    "| seed | build | gate | sampled invariants: most of a tolerance used, fixed / sequential rule (sequences) |",
+    "|---|---|---|---|",
+]
+
+
+def margins_said(trial: dict) -> str:
+    """``"copy_loss 0.41 / 0.41 (8); knockout_deltas 0.88 / 0.79 (24)"``: how near each sampled
+    invariant came to its tolerance under the two rules, with the sequences that decided it."""
+    said = []
+    for name in SEQUENTIAL:
+        if name not in trial.get("used", {}):
+            continue
+        fixed = trial.get("fixed_used", {}).get(name)
+        n = trial.get("sequences", {}).get(name)
+        said.append(
+            f"{name} {'n/a' if fixed is None else f'{fixed:.2f}'} / {trial['used'][name]:.2f}"
+            + (f" ({n})" if n else "")
+        )
+    return "; ".join(said)
 
 
 def shown_command(command: str) -> str:
@@ -219,10 +246,18 @@ def shown_command(command: str) -> str:
     )
 
 
+def seeds_folded(command: str) -> str:
+    """`shown_command` with its seed range as ``A-B`` and its ``--trials`` file as ``FILE``: the runs of
+    one sweep split over processes (one seed range each) read as the one command they are."""
+    command = re.sub(r"--seeds(\s+|=)\S+", r"--seeds\1A-B", shown_command(command))
+    return re.sub(r"--trials(\s+|=)\S+", r"--trials\1FILE", command)
+
+
 def trials_said(trials: list[dict], command: str) -> str:
-    """Which commands measured the trials (a trial kept without one: this run's), over which seeds."""
+    """Which commands measured the trials (a trial kept without one: this run's), over which seeds;
+    runs that differ only in their seed range and ``--trials`` file are one command, ``--seeds A-B``."""
     # a --trials file by its name: the page names no machine's folders
-    commands = list(dict.fromkeys(shown_command(t.get("command", command)) for t in trials))
+    commands = list(dict.fromkeys(seeds_folded(t.get("command", command)) for t in trials))
     seeds = sorted({t["seed"] for t in trials})
     builds = list(dict.fromkeys(t["build"] for t in trials))
     return (
@@ -232,21 +267,49 @@ def trials_said(trials: list[dict], command: str) -> str:
     )
 
 
-def read_trials(paths: str) -> list[dict]:
-    """The trials kept by earlier runs' ``--trials FILE`` (JSON lines), comma-separated files."""
-    trials = []
+def read_kept(paths: str) -> tuple[list[dict], list[tuple[S.Outcome, dict]]]:
+    """``(trials, judged)`` kept by earlier runs' ``--trials FILE`` (JSON lines), comma-separated files:
+    the false-alarm trials, and the gated damages and builds (`verdict_line`) as ``(outcome, rules)``
+    for the side-by-side table (their outcomes carry verdicts only, no figures)."""
+    lines = []
     for path in filter(None, (p.strip() for p in paths.split(","))):
         try:
-            lines = Path(path).read_text(encoding="utf-8").splitlines()
+            text = Path(path).read_text(encoding="utf-8")
         except OSError as error:
             raise SystemExit(
                 f"{path}: cannot read the kept trials ({error.strerror}); give a file --trials wrote"
             ) from None
-        trials += [json.loads(line) for line in lines if line.strip()]
-    seen = [(t["seed"], t["build"]) for t in trials]
+        lines += [json.loads(line) for line in text.splitlines() if line.strip()]
+    trials = [t for t in lines if "label" not in t]
+    judged = [kept_verdict(v) for v in lines if "label" in v]
+    seen = [(t["seed"], t["build"]) for t in trials] + [(None, o.label) for o, _ in judged]
     if len(seen) != len(set(seen)):
-        raise SystemExit(f"{paths}: a seed and build is kept twice; give each run's --trials file once")
-    return trials
+        raise SystemExit(f"{paths}: a trial or a damage is kept twice; give each run's --trials file once")
+    return trials, judged
+
+
+def verdict_line(outcome: S.Outcome, rules: dict) -> dict:
+    """A gated damage or build as ``--trials`` keeps it: its verdict under the sequential rule
+    (``failed``, ``passed``), under the fixed rule (``fixed``) and the sequences that decided it."""
+    damage = outcome.damage
+    return {
+        "label": outcome.label,
+        "damage": None
+        if damage is None
+        else {"kind": damage.kind, "strength": damage.strength, "head": damage.head, "seed": damage.seed},
+        "failed": outcome.failed,
+        "passed": outcome.passed,
+        "fixed": rules["fixed"],
+        "sequences": rules["sequences"],
+    }
+
+
+def kept_verdict(line: dict) -> tuple[S.Outcome, dict]:
+    """`verdict_line` read back: an outcome with its verdicts (no figures) and its rules."""
+    damage = S.Damage(**line["damage"]) if line["damage"] else None
+    nan = float("nan")
+    outcome = S.Outcome(damage, line["label"], line["failed"], line["passed"], nan, nan, nan)
+    return outcome, {"fixed": line["fixed"], "sequences": line["sequences"], "command": line.get("command")}
 
 
 def seed_range(text: str) -> range:
@@ -275,14 +338,16 @@ def rules_rows(trials: list[dict], outcomes: list, rules: list[dict]) -> list[st
     """The fixed and the sequential rule side by side, per sampled invariant and for the whole gate:
     false alarms over the benign trials with the most of a tolerance used (the fixed rule's on look 1,
     the sequential rule's on the look that decided), the sequences used, and the damages caught."""
-    lines = [
-        "| invariant | false alarms, fixed rule | false alarms, sequential rule | most of a tolerance used, "
-        "fixed / sequential | benign: mean sequences (sequential) | damages caught, fixed / sequential "
-        "| damages: mean sequences (sequential) |",
-        "|---|---|---|---|---|---|---|",
-    ]
     kept = [t for t in trials if "fixed_status" in t]
     damaged = [(o, r) for o, r in zip(outcomes, rules) if o.damage is not None]
+    header = (
+        "| invariant | false alarms, fixed rule | false alarms, sequential rule | most of a tolerance used, "
+        "fixed / sequential | benign: mean sequences (sequential) |"
+    )
+    lines = [  # a run of trials alone caught no damage: no damage columns
+        header + (" damages caught, fixed / sequential | damages: mean sequences (sequential) |" if damaged else ""),
+        "|---|---|---|---|---|" + ("---|---|" if damaged else ""),
+    ]
     for name in (*SEQUENTIAL, "gate"):
 
         def failed(status: dict, name=name) -> bool:
@@ -311,8 +376,8 @@ def rules_rows(trials: list[dict], outcomes: list, rules: list[dict]) -> list[st
         shown = "the whole gate" if name == "gate" else f"`{name}`"
         lines.append(
             f"| {shown} | {share(sum(fixed), len(fixed))} | {share(sum(seq), len(seq))} "
-            f"| {used('fixed_used')} / {used('used')} | {mean_of(benign)} "
-            f"| {caught_fixed} / {caught_seq} of {len(damaged)} | {mean_of(damage_n)} |"
+            f"| {used('fixed_used')} / {used('used')} | {mean_of(benign)} |"
+            + (f" {caught_fixed} / {caught_seq} of {len(damaged)} | {mean_of(damage_n)} |" if damaged else "")
         )
     return lines
 
@@ -383,18 +448,24 @@ def measure(args, model: str, write) -> dict[str, str]:
     builds = gate_recipes(session, baseline, tol, recipes, text_loss, write, knockout)
     gguf_builds = gate_recipes(session, baseline, tol, list(ggufs), text_loss, write, knockout)
     ran = outcomes + builds + gguf_builds
-    invariants = [i for i in per_build_invariants() if any(i in o.passed + o.failed for o in ran)]
     seeds = seed_range(args.seeds)
     command = f"python scripts/measure_sensitivity.py {shlex.join(args.argv)}".strip()
-    trials = read_trials(args.kept) if args.kept else []
+    trials, judged = read_kept(args.kept) if args.kept else ([], [])
+    sink = Path(args.trials) if args.trials else None
+
+    def keep(line):
+        if sink is not None:
+            with sink.open("a", encoding="utf-8") as out:
+                out.write(json.dumps({**line, "command": command, "torch": torch.__version__}) + "\n")
+
+    measured = [(o, rule_figures(baseline, o.record, tol, "fp32")) for o in ran]
+    for o, rules in measured:  # the damages' verdicts, for a later run's side-by-side table
+        keep(verdict_line(o, rules))
+    judged = measured + judged
+    invariants = [
+        i for i in per_build_invariants() if any(i in o.passed + o.failed for o in ran + [o for o, _ in judged])
+    ]
     if seeds:
-        sink = Path(args.trials) if args.trials else None
-
-        def keep(trial):
-            if sink is not None:
-                with sink.open("a", encoding="utf-8") as out:
-                    out.write(json.dumps({**trial, "command": command, "torch": torch.__version__}) + "\n")
-
         trials += false_alarms(session, tol, seeds, BENIGN_RECIPES, write, knockout, keep)
     counts, alarm_lines, most = tally(trials)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
@@ -429,10 +500,13 @@ def measure(args, model: str, write) -> dict[str, str]:
             )
         )
         blocks[f"{block}-gguf"] = "\n".join([said, "", *outcome_rows(gguf_builds, baseline, tol)]) + "\n"
-    if trials or outcomes:
-        rules = [rule_figures(baseline, o.record, tol, "fp32") for o in ran]
+    if trials or judged:
+        ran, rules = [o for o, _ in judged], [r for _, r in judged]
+        gated_by = list(dict.fromkeys(shown_command(r["command"]) for r in rules if r.get("command")))
         fixed_outcomes = [
-            replace(o, failed=[k for k, v in r["fixed"].items() if v == "failed"]) for o, r in zip(outcomes, rules)
+            replace(o, failed=[k for k, v in r["fixed"].items() if v == "failed"])
+            for o, r in judged
+            if o.damage is not None
         ]
         gated_tables = [  # the gated builds' tables: none in a run of trials alone
             "",
@@ -448,10 +522,12 @@ def measure(args, model: str, write) -> dict[str, str]:
         blocks[f"{block}-rules"] = (
             "\n".join(
                 [
-                    f"Measured by `{command}`: the sequential rule (default, at most {tol.looks} looks of "
+                    f"Measured by `{command}`"
+                    + (f" (the damages as gated by {' and '.join(f'`{c}`' for c in gated_by)})" if gated_by else "")
+                    + f": the sequential rule (default, at most {tol.looks} looks of "
                     f"{session.settings.probe.n} sequences) and the fixed rule (`looks=1`) on the same records.",
                     "",
-                    *rules_rows(trials, outcomes, rules),
+                    *rules_rows(trials, ran, rules),
                     *(gated_tables if ran else []),
                 ]
             )
@@ -459,7 +535,7 @@ def measure(args, model: str, write) -> dict[str, str]:
         )
     if trials:
         blocks[f"{block}-false-alarms"] = "\n".join([trials_said(trials, command), "", *rate_rows(counts, most)]) + "\n"
-        blocks[f"{block}-trials"] = "\n".join(["| seed | build | gate |", "|---|---|---|", *alarm_lines]) + "\n"
+        blocks[f"{block}-trials"] = "\n".join([*TRIALS_HEADER, *alarm_lines]) + "\n"
     return blocks
 
 
@@ -482,9 +558,15 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--seeds", default="10", help="held-out probe seeds for the false alarms: N (1..N; 0: none) or A-B"
     )
-    parser.add_argument("--trials", default="", help="append each false-alarm trial to this file (JSON lines)")
     parser.add_argument(
-        "--kept", default="", help="count these --trials files' trials too (comma-separated; e.g. a split run)"
+        "--trials",
+        default="",
+        help="append each false-alarm trial and each gated damage's verdicts to this file (JSON lines)",
+    )
+    parser.add_argument(
+        "--kept",
+        default="",
+        help="count these --trials files' trials and damages too (comma-separated; e.g. a split run)",
     )
     parser.add_argument("--no-knockout", action="store_true", help="no knockouts: knockout_deltas is not run")
     parser.add_argument(

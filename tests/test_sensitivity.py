@@ -10,7 +10,7 @@ import torch
 
 from pytest_circuits.cli import main
 from pytest_circuits.model.families import geometry_of, out_proj_module
-from pytest_circuits.sensitivity import Damage, Restorer, caught_table, gate_outcome, sweep
+from pytest_circuits.sensitivity import Damage, Outcome, Restorer, caught_table, gate_outcome, sweep
 from pytest_circuits.testing import make_tiny_model, requires_embedded_model
 
 from .conftest import SHIPPED_BASELINES
@@ -223,16 +223,81 @@ def test_false_alarm_trials_split_over_runs_tally_as_one(tmp_path, monkeypatch):
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     first.write_text(json.dumps(trial(2, "bf16", knockout="failed")) + "\n" + json.dumps(trial(1, "bf16")) + "\n")
     second.write_text(json.dumps(trial(3, "bf16", knockout="skipped")) + "\n")
-    counts, lines, most = script.tally(script.read_trials(f"{first},{second}"))
+    counts, lines, most = script.tally(script.read_kept(f"{first},{second}")[0])
     assert counts["knockout_deltas"] == (1, 2) and counts["copy_loss"] == (0, 3) and counts["gate"] == (1, 3)
-    assert lines == ["| 1 | bf16 | pass |", "| 2 | bf16 | FAIL knockout_deltas |", "| 3 | bf16 | pass |"]
+    assert lines == [
+        "| 1 | bf16 | pass | copy_loss n/a / 0.10 |",
+        "| 2 | bf16 | FAIL knockout_deltas | copy_loss n/a / 0.20 |",
+        "| 3 | bf16 | pass | copy_loss n/a / 0.30 |",
+    ]
     assert most == {"copy_loss": pytest.approx(0.3)}
     rows = "\n".join(script.rate_rows(counts, most))
     assert "| `knockout_deltas` | 1 / 2 | 0.500 |" in rows and "| the whole gate | 1 / 3 | 0.333 |" in rows
     with pytest.raises(SystemExit, match="kept twice"):
-        script.read_trials(f"{first},{first}")
+        script.read_kept(f"{first},{first}")
     with pytest.raises(SystemExit, match="cannot read the kept trials"):
-        script.read_trials(str(tmp_path / "missing.jsonl"))
+        script.read_kept(str(tmp_path / "missing.jsonl"))
+
+
+def test_trials_alone_are_said_as_one_sweep_with_each_rule_s_margin(monkeypatch):
+    """A sweep split over processes (a seed range and a --trials file each) is said as one command;
+    each trial's row gives how near each sampled invariant came to its tolerance under the fixed and
+    the sequential rule, with the sequences that decided it; with no damage gated the side-by-side
+    table has no damage columns."""
+    script = _sensitivity_script(monkeypatch)
+    base = "python scripts/measure_sensitivity.py --models m --seeds {} --trials /tmp/x/{} --tag t"
+    trials = [
+        {
+            "seed": seed,
+            "build": "rtn-int8",
+            "command": base.format(f"{seed}-{seed}", f"ko-{seed}.jsonl"),
+            "status": {"copy_loss": "passed", "knockout_deltas": "passed"},
+            "fixed_status": {"copy_loss": "passed", "knockout_deltas": "failed" if seed == 2 else "passed"},
+            "used": {"copy_loss": 0.4, "knockout_deltas": 0.79},
+            "fixed_used": {"copy_loss": 0.4, "knockout_deltas": 0.88},
+            "sequences": {"copy_loss": 8, "knockout_deltas": 8 * seed},
+        }
+        for seed in (1, 2)
+    ]
+    said = script.trials_said(trials, "unused")
+    assert said.count("`") == 2 and "--seeds A-B --trials FILE --tag t" in said and "/tmp/x" not in said
+    _, lines, _ = script.tally(trials)
+    assert lines[1] == "| 2 | rtn-int8 | pass | copy_loss 0.40 / 0.40 (8); knockout_deltas 0.88 / 0.79 (16) |"
+    rows = script.rules_rows(trials, [], [])
+    assert all(row.count("|") == 6 for row in rows), rows  # five columns: no damage was gated
+    assert "| `knockout_deltas` | 1 / 2 [" in rows[3] and "| 0.88 / 0.79 | 12.0 |" in rows[3]
+
+
+def test_a_kept_damage_grid_joins_the_side_by_side_table(tmp_path, monkeypatch):
+    """A grid run with ``--trials`` keeps each damage's verdicts under both rules; ``--kept`` reads them
+    back beside the false-alarm trials, so one run that measures nothing tables both: the damages
+    each rule caught, the verdicts they differ on and the fixed rule's mildest catch."""
+    import json
+
+    script = _sensitivity_script(monkeypatch)
+    mild, strong = Damage("ov_scale", 0.9, "L1H0"), Damage("ov_scale", 0.5, "L1H0")
+    nan = float("nan")
+    gated = [
+        (Outcome(None, "intact", [], ["knockout_deltas"], nan, nan, nan), {"passed"}),
+        (Outcome(mild, "L1H0 OV x0.9", ["knockout_deltas"], [], nan, nan, nan), {"passed"}),
+        (Outcome(strong, "L1H0 OV x0.5", ["knockout_deltas"], [], nan, nan, nan), {"failed"}),
+    ]
+    kept = tmp_path / "grid.jsonl"
+    with kept.open("w") as out:
+        for outcome, fixed in gated:
+            rules = {"fixed": {"knockout_deltas": fixed.pop()}, "sequences": {"knockout_deltas": 24}}
+            out.write(json.dumps({**script.verdict_line(outcome, rules), "command": "grid --trials /x/g.jsonl"}) + "\n")
+    trial = {"seed": 1, "build": "bf16", "status": {"knockout_deltas": "passed"}, "used": {"knockout_deltas": 0.4}}
+    (tmp_path / "t.jsonl").write_text(json.dumps({**trial, "fixed_status": trial["status"]}) + "\n")
+    trials, judged = script.read_kept(f"{tmp_path / 't.jsonl'},{kept}")
+    assert [t["build"] for t in trials] == ["bf16"] and [o.label for o, _ in judged] == [o.label for o, _ in gated]
+    assert judged[1][0].damage == mild and judged[1][1]["command"] == "grid --trials /x/g.jsonl"
+    outcomes, rules = [o for o, _ in judged], [r for _, r in judged]
+    rows = script.rules_rows(trials, outcomes, rules)
+    assert "| 1 / 2 of 2 | 24.0 |" in rows[3] and "| 0 / 1 [" in rows[3]  # fixed caught 1, sequential 2
+    assert any("L1H0 OV x0.9 | pass | FAIL knockout_deltas" in row for row in script.differing_rows(outcomes, rules))
+    with pytest.raises(SystemExit, match="kept twice"):
+        script.read_kept(f"{kept},{kept}")
 
 
 def test_the_share_of_a_tolerance_a_build_used_reads_the_stored_records(monkeypatch):
