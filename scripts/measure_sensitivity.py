@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import shlex
@@ -583,7 +584,7 @@ def main(argv=None) -> None:
             print(f"--- {name}\n{text}")
     else:
         write_blocks(PAGE, blocks)
-        print(f"rewrote {len(blocks)} blocks of {PAGE.relative_to(ROOT)}")
+        print(f"rewrote {len(blocks)} blocks of {os.path.relpath(PAGE, ROOT)}")
 
 
 if __name__ == "__main__":

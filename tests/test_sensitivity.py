@@ -11,11 +11,12 @@ import torch
 from pytest_circuits.cli import main
 from pytest_circuits.model.families import geometry_of, out_proj_module
 from pytest_circuits.sensitivity import Damage, Outcome, Restorer, caught_table, gate_outcome, sweep
-from pytest_circuits.testing import make_tiny_model, requires_embedded_model
+from pytest_circuits.testing import make_tiny_model, requires_embedded_model, requires_smollm2
 
 from .conftest import SHIPPED_BASELINES
 
 needs_embedded = requires_embedded_model()
+needs_smollm2 = requires_smollm2()
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
@@ -266,6 +267,26 @@ def test_trials_alone_are_said_as_one_sweep_with_each_rule_s_margin(monkeypatch)
     rows = script.rules_rows(trials, [], [])
     assert all(row.count("|") == 6 for row in rows), rows  # five columns: no damage was gated
     assert "| `knockout_deltas` | 1 / 2 [" in rows[3] and "| 0.88 / 0.79 | 12.0 |" in rows[3]
+
+
+@needs_smollm2
+def test_smollm2_s_side_by_side_tables_are_what_its_kept_files_count(tmp_path, monkeypatch):
+    """docs/sensitivity.md's tables of SmolLM2 under both rules are what the one command it gives
+    counts from the trials and verdicts kept in docs/measured/: run on a copy of the page, it
+    leaves the page as it is."""
+    import shlex
+
+    script = _sensitivity_script(monkeypatch)
+    shown = script.PAGE.read_text(encoding="utf-8")
+    page = tmp_path / "sensitivity.md"
+    page.write_text(shown, encoding="utf-8")
+    monkeypatch.setattr(script, "PAGE", page)
+    monkeypatch.chdir(script.ROOT)  # the command names the kept files from the repository's root
+    command = next(
+        line for line in shown.splitlines() if line.startswith("python ") and "--kept docs/measured/" in line
+    )
+    script.main(shlex.split(command)[2:])
+    assert page.read_text(encoding="utf-8") == shown, "docs/sensitivity.md is not what its --kept command counts"
 
 
 def test_a_kept_damage_grid_joins_the_side_by_side_table(tmp_path, monkeypatch):
