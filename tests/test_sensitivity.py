@@ -270,7 +270,7 @@ def test_trials_alone_are_said_as_one_sweep_with_each_rule_s_margin(monkeypatch)
 
 
 @needs_smollm2
-def test_smollm2_s_side_by_side_tables_are_what_its_kept_files_count(tmp_path, monkeypatch):
+def test_smollm2_s_side_by_side_tables_are_what_its_kept_files_count(tmp_path, monkeypatch, capsys):
     """docs/sensitivity.md's tables of SmolLM2 under both rules are what the one command it gives
     counts from the trials and verdicts kept in docs/measured/: run on a copy of the page, it
     leaves the page as it is."""
@@ -286,6 +286,7 @@ def test_smollm2_s_side_by_side_tables_are_what_its_kept_files_count(tmp_path, m
         line for line in shown.splitlines() if line.startswith("python ") and "--kept docs/measured/" in line
     )
     script.main(shlex.split(command)[2:])
+    assert "rewrote 3 blocks" in capsys.readouterr().out  # the rules, the false alarms, every trial: compared
     assert page.read_text(encoding="utf-8") == shown, "docs/sensitivity.md is not what its --kept command counts"
 
 
