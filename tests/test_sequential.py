@@ -125,6 +125,49 @@ def test_sampled_rows_take_the_sequential_rule_when_the_baseline_has_looks():
     assert "fixed rule" in fixed.note and fixed.wants == 0
 
 
+def knockout_record(first, looks=()):
+    """A record of one key head, L0H0, with its knockout deltas per sequence and further looks."""
+    row = {"head": "L0H0", "layer": 0, "head_index": 0, "knockout_delta": float(np.mean(first))}
+    row["knockout_delta_sequences"] = list(first)
+    out = {"heads": [row], "knockout": {"mode": "zero", "seed": 1, "n": len(first), "L": 64}}
+    if len(looks):
+        out["looks"] = [{"look": k, "knockout_delta_sequences": {"L0H0": list(v)}} for k, v in enumerate(looks, 2)]
+    return typed(out)
+
+
+def test_the_knockout_tolerance_is_half_the_delta_over_every_sequence_the_baseline_holds():
+    from pytest_circuits.gate.invariants import get
+
+    rng = np.random.default_rng(11)
+    base = rng.normal(0.13, 0.08, size=(4, 8))
+    base[0] += 0.105 - base[0].mean()  # look 1 reads the delta low, as one seed's 8 sequences did on SmolLM2
+    build = base + 0.041  # a steady change, as rtn-int8's on SmolLM2's L19H0
+    tol = Tolerances()
+    compare = get("knockout_deltas").compare
+    row = compare(knockout_record(base[0], base[1:]), knockout_record(build[0], build[1:]), tol).rows[0]
+    size = abs(float(np.mean(base)))  # every sequence: look 1 and the three further looks, by hand
+    assert row.limit == pytest.approx(tol.knockout * size) and row.limit > tol.knockout * 0.105
+    assert row.before == pytest.approx(0.105)  # the row still shows look 1's figures
+    assert f"of its size {size:+.3f} over 32 sequences" in row.note
+    assert not row.broken and "shown within" in row.note  # 0.041 against half the pooled size
+    fixed = compare(knockout_record(base[0]), knockout_record(build[0]), tol).rows[0]
+    assert fixed.limit == pytest.approx(tol.knockout * 0.105) and "over" not in fixed.note  # no looks: look 1
+
+
+def test_key_knockout_heads_are_picked_by_their_delta_over_every_sequence():
+    from pytest_circuits.gate.invariants import get, key_heads
+
+    lifted = np.array([0.19, 0.17, 0.15, 0.13, 0.11, 0.09, 0.07, 0.05])  # look 1 reads 0.12: over min_delta
+    low = np.full((3, 8), 0.02)  # the further looks read 0.02: over all 32 sequences 0.045, not a key head
+    tol = Tolerances()
+    lone = knockout_record(lifted)
+    assert key_heads(lone, "knockout_delta", 0, tol.min_delta) == ["L0H0"]  # no looks: look 1 decides
+    pooled_record = knockout_record(lifted, low)
+    assert key_heads(pooled_record, "knockout_delta", 0, tol.min_delta) == []
+    compared = get("knockout_deltas").compare(pooled_record, pooled_record, tol)
+    assert not compared.rows and "no head with knockout delta >= 0.1" in compared.nothing
+
+
 def test_extend_measures_only_the_looks_an_undecided_row_needs():
     from pytest_circuits.gate import further_looks as L
 

@@ -17,7 +17,8 @@
 - ``induction_heads``: the baseline's top-``top_k`` prefix-matching and previous-token heads
   scoring at least ``min_score`` keep their score within ``+-prefix``.
 - ``knockout_deltas``: the baseline's top-``top_k`` knockout heads (delta at least
-  ``min_delta`` nats) keep ``|delta' - delta| <= knockout * |delta|``.
+  ``min_delta`` nats) keep ``|delta' - delta| <= knockout * |delta_bar|``, ``delta_bar`` the
+  baseline's delta over every sequence it holds (its further looks too).
 - Both of these compare sampled figures (`sampled_within`): each row carries the 95% paired t
   interval of its change over the probe's sequences, and with ``outside_interval`` (default)
   a change beyond its tolerance breaks only when that interval excludes 0.
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from .invariant_api import Comparison, Invariant, Row, format_interval, register, signed, within
+from .looks import look_values, pooled
 from .record import record_eigenvalues
 from .schema import Head, HeadWrites, Record, RecordLike
 from .stats import LEVEL, excludes_zero, implausible_spread, paired_interval, spearman
@@ -302,11 +304,21 @@ def kappa_pairs(
 
 def key_heads(record: RecordLike, metric: str, top_k: int, minimum: float) -> list[str]:
     """The record's heads scoring at least ``minimum`` on ``metric``, best first; the top ``top_k``
-    of them when ``top_k`` is positive, every one when it is 0."""
-    rows = [(r.head, figure(r, metric)) for r in Record.of(record).heads]
+    of them when ``top_k`` is positive, every one when it is 0. A head's score is its figure over
+    every sequence the record holds (`looks.pooled`: a baseline's knockout deltas pool look 1 with
+    its further looks, so a head that look 1's few sequences lifted over ``minimum`` is not key)."""
+    typed = Record.of(record)
+    rows = [(r.head, pooled_score(r, metric, look_values(typed, metric, r.head))) for r in typed.heads]
     rows = [(h, v) for h, v in rows if not math.isnan(v) and v >= minimum]
     rows.sort(key=lambda hv: -hv[1])
     return [h for h, _ in (rows[:top_k] if top_k > 0 else rows)]
+
+
+def pooled_score(row: Head, metric: str, further: list[list[float]]) -> float:
+    """``row``'s ``metric`` pooled with its ``further`` looks' values when the record holds some
+    (`looks.pooled`; NaN stays NaN: a figure not measured), else its figure."""
+    value = figure(row, metric)
+    return pooled(row, metric, further)[0] if further and not math.isnan(value) else value
 
 
 def knockouts_lost(record: Record) -> list[str]:
@@ -522,8 +534,6 @@ class CopyLoss(Invariant):
     moved = "copy behaviour of {build} moved against the {against}"
 
     def compare(self, before: Record, after: Record, tol: Tolerances) -> Comparison:
-        from .looks import look_values
-
         rows = [
             sampled_within(
                 "model",
@@ -575,7 +585,8 @@ class InductionHeads(Invariant):
 
 @register
 class KnockoutDeltas(Invariant):
-    """Key heads' knockout deltas keep their size: ``|d' - d| <= knockout * |d|``."""
+    """Key heads' knockout deltas keep their size: ``|d' - d| <= knockout * |d_bar|``, ``d_bar``
+    the baseline's delta over every sequence it holds (look 1 and its further looks)."""
 
     name = "knockout_deltas"
     suite_test = "test_knockout_deltas_keep_size"
@@ -590,8 +601,6 @@ class KnockoutDeltas(Invariant):
     moved = "knockout deltas of {build}'s key heads changed against the {against}"
 
     def compare(self, before: Record, after: Record, tol: Tolerances) -> Comparison:
-        from .looks import look_values
-
         other = other_knockout_settings(before, after)
         if other:  # deltas of another ablation or other sequences are other figures, not a change
             return Comparison(
@@ -608,14 +617,16 @@ class KnockoutDeltas(Invariant):
         b, a = heads_by_label(before), heads_by_label(after)
         rows = []
         for name in key_heads(before, "knockout_delta", tol.top_k, tol.min_delta):
-            x, y = figure(b[name], "knockout_delta"), figure(a.get(name), "knockout_delta")
+            y = figure(a.get(name), "knockout_delta")
+            looks = (look_values(before, "knockout_delta", name), look_values(after, "knockout_delta", name))
+            size, n = pooled(b[name], "knockout_delta", looks[0])  # every sequence the baseline holds
+            over = f" {signed(size)} over {n} sequences" if looks[0] and n else ""
             note = (
-                f"({tol.knockout:.0%} of its size)"
+                f"({tol.knockout:.0%} of its size{over})"
                 if not math.isnan(y)
                 else "NOT MEASURED in this build (screened out): an error, not a change; measure it exactly"
             )
-            looks = (look_values(before, "knockout_delta", name), look_values(after, "knockout_delta", name))
-            limit = tol.knockout * abs(x)
+            limit = tol.knockout * abs(size)
             rows.append(sampled_within(name, "knockout_delta", b[name], a.get(name), limit, tol, note, looks))
         return Comparison(
             rows,

@@ -4,8 +4,9 @@ stored in a baseline and measured for a build only when its verdict needs them.
 A record's ``looks`` is a list of the looks after the first (look 1 is the record's own
 figures), each ``{"look": k, "probe_seed", "knockout_seed", "copy_loss_sequences",
 "copy_gain_sequences", ..., "knockout_delta_sequences": {head: [...]}}`` with ``n`` values per
-figure. Here: the seeds of each look and the values a record holds; when looks are measured
-(a baseline's once, a build's as its rows ask): `further_looks`.
+figure. Here: the seeds of each look, the values a record holds and their pooled mean (the size
+`knockout_deltas` takes half of); when looks are measured (a baseline's once, a build's as its rows
+ask): `further_looks`.
 """
 
 from __future__ import annotations
@@ -41,3 +42,15 @@ def look_values(record: Record, metric: str, head: str | None = None) -> list[li
             break
         out.append(list(values))
     return out
+
+
+def pooled(row: Any, metric: str, further: list[list[float]]) -> tuple[float, int | None]:
+    """``(mean, n)``: ``metric``'s mean over every sequence ``row`` (a record or head row) holds, its
+    own look's per-sequence values and each further look's (``further``, `look_values`), with their
+    count; ``(figure, None)`` when the row holds no per-sequence values (the figure alone)."""
+    first = getattr(row, sequences_key(metric), None)
+    if not first:
+        value = getattr(row, metric, None)
+        return (float("nan") if value is None else float(value)), None
+    values = np.concatenate([np.asarray(v, dtype=float) for v in (first, *further)])
+    return float(values.mean()), int(values.size)
