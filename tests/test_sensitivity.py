@@ -271,9 +271,9 @@ def test_trials_alone_are_said_as_one_sweep_with_each_rule_s_margin(monkeypatch)
 
 @needs_smollm2
 def test_smollm2_s_side_by_side_tables_are_what_its_kept_files_count(tmp_path, monkeypatch, capsys):
-    """docs/sensitivity.md's tables of SmolLM2 under both rules are what the one command it gives
-    counts from the trials and verdicts kept in docs/measured/: run on a copy of the page, it
-    leaves the page as it is."""
+    """docs/sensitivity.md's tables of SmolLM2 under both rules are what the commands it gives count
+    from the trials and verdicts kept in docs/measured/ (one command per kept set): run on a copy of
+    the page, each leaves the page as it is."""
     import shlex
 
     script = _sensitivity_script(monkeypatch)
@@ -282,12 +282,12 @@ def test_smollm2_s_side_by_side_tables_are_what_its_kept_files_count(tmp_path, m
     page.write_text(shown, encoding="utf-8")
     monkeypatch.setattr(script, "PAGE", page)
     monkeypatch.chdir(script.ROOT)  # the command names the kept files from the repository's root
-    command = next(
-        line for line in shown.splitlines() if line.startswith("python ") and "--kept docs/measured/" in line
-    )
-    script.main(shlex.split(command)[2:])
-    assert "rewrote 3 blocks" in capsys.readouterr().out  # the rules, the false alarms, every trial: compared
-    assert page.read_text(encoding="utf-8") == shown, "docs/sensitivity.md is not what its --kept command counts"
+    commands = [line for line in shown.splitlines() if line.startswith("python ") and "--kept docs/measured/" in line]
+    assert commands, "docs/sensitivity.md gives no --kept command"
+    for command in commands:
+        script.main(shlex.split(command)[2:])
+        assert "rewrote 3 blocks" in capsys.readouterr().out  # the rules, the false alarms, every trial: compared
+        assert page.read_text(encoding="utf-8") == shown, f"docs/sensitivity.md is not what {command!r} counts"
 
 
 def test_a_kept_damage_grid_joins_the_side_by_side_table(tmp_path, monkeypatch):
