@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 
+from pytest_circuits.gate.looks import look_seed
 from pytest_circuits.gate.schema import Record
 from pytest_circuits.rungs import figures
 
@@ -62,6 +63,10 @@ def complete(partial: dict, n_layers: int | None = None, n_heads: int | None = N
     record.setdefault("first_copy_loss", record["copy_loss"] + 4.0)
     record.setdefault("copy_gain", record["first_copy_loss"] - record["copy_loss"])
     record.setdefault("uniform_loss", math.log(geometry["vocab"]))
+    knockout_seed = (record.get("knockout") or {}).get("seed", 0)
+    for entry in record.get("looks") or []:  # seeded as the rule derives them from the record's seeds
+        entry.setdefault("probe_seed", look_seed(record["probe"]["seed"], entry["look"]))
+        entry.setdefault("knockout_seed", look_seed(knockout_seed, entry["look"]))
     return record
 
 

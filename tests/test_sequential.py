@@ -185,7 +185,12 @@ def test_extend_measures_only_the_looks_an_undecided_row_needs():
         def look(self, build_name, k, probe_seed, knockout_seed, heads, mode):
             self.asked.append((k, probe_seed))
             assert probe_seed == look_seed(0, k) and not heads  # the baseline's seeds of that look
-            return {"look": k, "copy_loss_sequences": list(build[k - 1])}
+            return {
+                "look": k,
+                "probe_seed": probe_seed,
+                "knockout_seed": knockout_seed,
+                "copy_loss_sequences": list(build[k - 1]),
+            }
 
     class MergedParts:  # a merge of shard parts: no build loaded, no look measured
         def look(self, *args):

@@ -125,18 +125,45 @@ class Rung1Info(BaseModel):
     min_effect: float | None = Field(default=None, ge=0.0, lt=2.0)  # None: an older record, flagged on q alone
 
 
-class Look(BaseModel):
-    """One further look of the sequential rule (`gate.looks`): its number ``k`` >= 2, its seeds, and
-    per-sequence values by figure (`values`)."""
+_SEQUENCES = {f.name: _field(f) for f in figures.SEQUENCE_FIGURES if f.kind == "floats"}  # <figure>_sequences
+_KNOCKOUT_SEQUENCES = figures.sequences_key("knockout_delta")
+_HeadSequences = dict[str, Annotated[list[float], Field(min_length=1)]]  # head label -> one value per sequence
 
-    model_config = _STRICT
+if TYPE_CHECKING:  # the model built below, as mypy reads it (its fields come from the figure table)
+
+    class _LookValues(BaseModel):
+        copy_loss_sequences: list[float] | None
+        first_copy_loss_sequences: list[float] | None
+        copy_gain_sequences: list[float] | None
+        knockout_delta_sequences: dict[str, list[float]] | None
+
+else:
+    _LookValues = create_model(
+        "_LookValues",
+        __config__=ConfigDict(strict=True, extra="forbid", allow_inf_nan=False),
+        **_SEQUENCES,
+        **{_KNOCKOUT_SEQUENCES: (_HeadSequences | None, None)},
+    )
+
+
+class Look(_LookValues):
+    """One further look of the sequential rule (`gate.looks`): its number ``k`` >= 2, its seeds
+    (`gate.looks.look_seed` of the record's probe and knockout seeds, checked by the `Record`), and
+    one value per sequence of each figure it measured: ``<figure>_sequences`` (``n`` finite values in
+    the figure's range) and ``knockout_delta_sequences`` (``{head: n values}``). Nothing else: a key
+    the gate would not read is refused, not ignored."""
+
     look: int = Field(ge=2)
-    probe_seed: int | None = None  # None: a look of a hand-built record (it cannot be measured again)
-    knockout_seed: int | None = None
+    probe_seed: int = Field(ge=0)
+    knockout_seed: int = Field(ge=0)
 
     def values(self, key: str) -> Any:
         """The look's ``<figure>_sequences``: a list, or ``{head: list}`` of knockout deltas; None without."""
-        return (self.model_extra or {}).get(key)
+        return getattr(self, key, None)
+
+    def measured(self) -> tuple[str, ...]:
+        """The ``<figure>_sequences`` keys this look holds values for."""
+        return tuple(key for key in (*_SEQUENCES, _KNOCKOUT_SEQUENCES) if getattr(self, key) is not None)
 
 
 _MODEL_FIGURES = {f.name: (Annotated[float, Field(ge=f.low, le=f.high)], ...) for f in figures.MODEL_FIGURES}
@@ -283,6 +310,7 @@ class Record(_Figures):
                 f"({geo.n_layers} layers x {geo.n_heads} heads)"
             )
         self._sequences_match()
+        self._looks_match(seen)
         for name in _SERIES:
             series = getattr(self, name)
             if series is not None and len(series) != 2 * self.probe.L - 1:
@@ -293,6 +321,59 @@ class Record(_Figures):
             if len(pairs) != geo.d_head:
                 raise ValueError(f"eigenvalues.{label} holds {len(pairs)} values, d_head is {geo.d_head}")
         return self
+
+    def _looks_match(self, heads: set[str]) -> None:
+        """The further looks pair with look 1 and with each other: numbered 2..K once each, in order;
+        seeded as `gate.looks.look_seed` derives from the record's seeds; each holding the figures
+        the others hold, one value per sequence (the probe's ``n``, the knockout's ``n``), for
+        figures the record has per-sequence values of, and knockout deltas of the same heads."""
+        from .looks import look_seed  # (gate.looks reads this schema)
+
+        if not self.looks:
+            return
+        numbers = [entry.look for entry in self.looks]
+        if numbers != list(range(2, len(numbers) + 2)):
+            raise ValueError(f"looks are numbered {numbers}, not 2..{len(numbers) + 1} once each in order")
+        first, heads_of_first = self.looks[0].measured(), sorted(self.looks[0].knockout_delta_sequences or {})
+        for entry in self.looks:
+            where = f"looks[{entry.look - 2}] (look {entry.look})"
+            seeds = {"probe_seed": (entry.probe_seed, self.probe.seed)}
+            if self.knockout is not None:
+                seeds["knockout_seed"] = (entry.knockout_seed, self.knockout.seed)
+            for key, (seed, root) in seeds.items():
+                if seed != look_seed(root, entry.look):
+                    raise ValueError(
+                        f"{where}.{key} is {seed}, not {look_seed(root, entry.look)}, the seed of look "
+                        f"{entry.look} of the record's seed {root}: its sequences would pair with none of the build's"
+                    )
+            if entry.measured() != first:
+                raise ValueError(
+                    f"{where} holds {', '.join(entry.measured()) or 'no values'}, look 2 {', '.join(first)}"
+                )
+            for name in figures.SAMPLED_MODEL_FIGURES:
+                values = entry.values(figures.sequences_key(name))
+                if values is None:
+                    continue
+                if getattr(self, figures.sequences_key(name)) is None:
+                    raise ValueError(f"{where} holds {figures.sequences_key(name)} but look 1 holds none")
+                if len(values) != self.probe.n:
+                    raise ValueError(
+                        f"{where}.{figures.sequences_key(name)} holds {len(values)} values but the probe has n={self.probe.n}"
+                    )
+            deltas = entry.knockout_delta_sequences
+            if deltas is None:
+                continue
+            if self.knockout is None:
+                raise ValueError(f"{where} holds {_KNOCKOUT_SEQUENCES} but the record has no knockouts")
+            if sorted(deltas) != heads_of_first:
+                raise ValueError(f"{where}.{_KNOCKOUT_SEQUENCES} names heads {sorted(deltas)}, look 2 {heads_of_first}")
+            for head, values in deltas.items():
+                if head not in heads:
+                    raise ValueError(f"{where}.{_KNOCKOUT_SEQUENCES}.{head} names a head that is not in heads")
+                if len(values) != self.knockout.n:
+                    raise ValueError(
+                        f"{where}.{_KNOCKOUT_SEQUENCES}.{head} holds {len(values)} values but the knockout has n={self.knockout.n}"
+                    )
 
     def _sequences_match(self) -> None:
         """Per-sequence figures: one per probe (or knockout) sequence, averaging to their figure;
