@@ -98,7 +98,7 @@ def test_an_own_tolerance_may_not_shadow_a_built_in():
         def compare(self, before, after, tol):
             return Comparison()
 
-    with pytest.raises(CircuitsError, match="tolerance kappa is taken"):
+    with pytest.raises(CircuitsError, match="tolerance 'kappa' is taken"):
         register(Shadow)
 
 
@@ -187,3 +187,96 @@ def test_a_record_dict_that_is_no_scan_record_is_one_line_at_the_gate():
 
     with pytest.raises(CircuitsError, match=r"^the scan record given is not valid: copy_loss: Field required; [^\n]*$"):
         gate_all({"schema_version": 1}, {"schema_version": 1}, Tolerances(), "fp32", "fp32 baseline")
+
+
+def _named(name: str, class_name: str = "Mine", **fields):
+    from pytest_circuits import Comparison, Invariant
+
+    def compare(self, before, after, tol):
+        return Comparison()
+
+    return type(class_name, (Invariant,), {"name": name, "compare": compare, **fields})
+
+
+def test_two_invariants_of_one_name_are_refused_naming_both():
+    from pytest_circuits import CircuitsError, register
+    from pytest_circuits.gate.invariants import REGISTRY
+
+    first, second = _named("twice_named", "First"), _named("twice_named", "Second")
+    register(first)
+    try:
+        register(first)  # the same class again (its module imported again): itself, replaced
+        assert isinstance(REGISTRY["twice_named"], first)
+        with pytest.raises(CircuitsError) as refused:
+            register(second)
+        line = str(refused.value)
+        assert "invariant 'twice_named' is registered twice" in line and line.count(__file__) == 2
+        assert isinstance(REGISTRY["twice_named"], first)  # the first still runs
+    finally:
+        del REGISTRY["twice_named"]
+
+
+def test_a_built_in_is_replaced_only_on_purpose():
+    from pytest_circuits import CircuitsError, register
+    from pytest_circuits.gate.invariants import REGISTRY
+
+    built_in = REGISTRY["copy_loss"]
+    with pytest.raises(CircuitsError, match=r"by pytest-circuits \(pytest_circuits.gate.builtin_invariants.CopyLoss\)"):
+        register(_named("copy_loss"))
+    assert REGISTRY["copy_loss"] is built_in
+    mine = _named("copy_loss", tolerances={"copy_loss": 0.1})  # a replacement may declare what it replaces
+    try:
+        register(replace=True)(mine)
+        assert isinstance(REGISTRY["copy_loss"], mine) and list(REGISTRY).index("copy_loss") == 3  # in its place
+    finally:
+        register(built_in, replace=True)
+    assert REGISTRY["copy_loss"] is built_in and Tolerances().copy_loss == 0.25
+    with pytest.raises(CircuitsError, match="registered with replace=True, but no invariant of that name"):
+        register(_named("nothing_to_replace"), replace=True)
+
+
+@pytest.mark.parametrize("name", ["Upper", "with-dash", "two words", "class", "9lives"])
+def test_a_tolerance_no_key_can_set_is_refused(name):
+    from pytest_circuits import CircuitsError, register
+    from pytest_circuits.gate.invariants import REGISTRY
+
+    with pytest.raises(CircuitsError, match=f"tolerance '{name}' cannot be set by --tol or an ini key"):
+        register(_named("odd_tolerance", tolerances={name: 0.5}))
+    assert "odd_tolerance" not in REGISTRY
+
+
+CLASH = """
+from pytest_circuits import Comparison, Invariant, register
+
+
+@register
+class MyCopyLoss(Invariant):
+    name = "copy_loss"
+
+    def compare(self, before, after, tol):
+        return Comparison()
+"""
+
+
+def test_a_conftest_invariant_named_like_a_built_in_is_one_line_under_pytest_and_circuits(
+    pytester, monkeypatch, capsys
+):
+    from pytest_circuits.cli import main
+    from pytest_circuits.gate.invariants import REGISTRY
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    conftest = pytester.makeconftest(CLASH)
+    pytester.makepyfile(test_gate=(ROOT / "probes" / "test_gate.py").read_text())
+    run = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    err = [line for line in run.stderr.str().splitlines() if line.strip()]
+    assert run.ret == pytest.ExitCode.USAGE_ERROR and len(err) == 1, run.stderr.str()
+    assert (
+        err[0].startswith(f"ERROR: {conftest}: invariant 'copy_loss' is registered twice") and "Traceback" not in err[0]
+    )
+    built_in = REGISTRY["copy_loss"]
+    monkeypatch.chdir(pytester.path)
+    capsys.readouterr()
+    assert main(["gate", "tiny-induction", "--build", "fp32", "--baseline", "tiny-induction--fp32"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and f"{conftest}: invariant 'copy_loss' is registered twice" in captured.err
+    assert len(captured.err.strip().splitlines()) == 1 and REGISTRY["copy_loss"] is built_in

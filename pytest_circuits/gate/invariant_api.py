@@ -16,7 +16,10 @@ A user adds one with `register` (docs/invariants.md, "Your own invariant").
 
 from __future__ import annotations
 
+import inspect
+import keyword
 import math
+import re
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -140,27 +143,79 @@ _DECLARED: dict[str, dict[str, Tolerance]] = {}  # invariant name -> the toleran
 BUILT_IN_MODULES = (f"{__package__}.builtin_invariants", f"{__package__}.swap_invariants")
 
 
-def register(invariant: Any) -> Any:
+def register(invariant: Any = None, *, replace: bool = False) -> Any:
     """Add an invariant (an instance, or a subclass to instantiate) to the gate; returns it.
 
-    Usable as a class decorator. Its ``name`` is what ``circuits_gate(name)`` runs; its
-    ``tolerances`` are declared with it (one name, one owner).
+    Usable as a class decorator (``@register``, ``@register(replace=True)``). Its ``name`` is what
+    ``circuits_gate(name)`` runs; its ``tolerances`` are declared with it (one name, one owner),
+    each a lowercase identifier (an ini key ``circuits_tol_<name>``, a ``--tol`` name, ``tol.<name>``).
+    A name another invariant holds is refused, naming both, unless ``replace`` says the replacement
+    is meant; the same class registered again (its module imported again) replaces itself.
     """
+    if invariant is None:
+        return lambda given: register(given, replace=replace)
     instance = invariant() if isinstance(invariant, type) else invariant
     if not getattr(instance, "name", ""):
         raise CircuitsError(f"invariant {type(instance).__name__} has no name; set the class field `name`")
+    held = REGISTRY.get(instance.name)
+    if held is not None and not replace and not _same_class(held, instance):
+        raise CircuitsError(
+            f"invariant {instance.name!r} is registered twice: by {source_of(held)} and by {source_of(instance)}; "
+            "rename one, or register the second with register(..., replace=True) to replace the first on purpose"
+        )
+    if held is None and replace:
+        raise CircuitsError(
+            f"invariant {instance.name!r} ({source_of(instance)}) is registered with replace=True, but no "
+            f"invariant of that name is registered; known: {', '.join(REGISTRY)}"
+        )
     declared = _declarations(instance)
     built_in = type(instance).__module__ in BUILT_IN_MODULES
+    replaced = _DECLARED.get(instance.name, {}) if held is not None else {}
     for name, tolerance in declared.items():
-        taken = (name in Tolerances.names() and not built_in) or any(
+        taken = (name in Tolerances.names() and not built_in and name not in replaced) or any(
             name in _DECLARED.get(key, {}) for key in REGISTRY if key != instance.name
         )
-        if taken or not isinstance(tolerance.default, (int, float)):
-            why = "is taken" if taken else f"needs a number or bool default, got {tolerance.default!r}"
-            raise CircuitsError(f"invariant {instance.name}: tolerance {name} {why}")
+        if not TOLERANCE_NAME.fullmatch(name) or keyword.iskeyword(name):
+            why = "cannot be set by --tol or an ini key: name it in lowercase letters, digits and _"
+        elif taken:
+            why = "is taken"
+        elif not isinstance(tolerance.default, (int, float)):
+            why = f"needs a number or bool default, got {tolerance.default!r}"
+        else:
+            continue
+        raise CircuitsError(f"invariant {instance.name} ({source_of(instance)}): tolerance {name!r} {why}")
     REGISTRY[instance.name] = instance
     _DECLARED[instance.name] = declared
     return invariant
+
+
+TOLERANCE_NAME = re.compile(r"[a-z_][a-z0-9_]*")  # an ini key (configparser lowercases), a keyword, an attribute
+
+
+def _file_of(cls: type) -> str | None:
+    """The file defining ``cls``: its module's, else its methods' (a conftest the CLI executed from a
+    spec is in no ``sys.modules``); None where no file is (a REPL)."""
+    try:
+        return inspect.getsourcefile(cls)
+    except TypeError:
+        codes = [v.__code__ for v in vars(cls).values() if inspect.isfunction(v)]
+        return codes[0].co_filename if codes else None
+
+
+def _same_class(a: Invariant, b: Invariant) -> bool:
+    """One class, or one class of one file imported again (a conftest under pytest and the CLI)."""
+    ca, cb = type(a), type(b)
+    return ca is cb or (ca.__qualname__ == cb.__qualname__ and _file_of(ca) is not None and _file_of(ca) == _file_of(cb))
+
+
+def source_of(invariant: Invariant) -> str:
+    """Where ``invariant``'s class is defined: ``module.Class (file)``, the built-in ones by module."""
+    cls = type(invariant)
+    where = f"{cls.__module__}.{cls.__qualname__}"
+    if cls.__module__ in BUILT_IN_MODULES:
+        return f"pytest-circuits ({where})"
+    file = _file_of(cls)
+    return f"{where} ({file})" if file else where
 
 
 def _declarations(instance: Invariant) -> dict[str, Tolerance]:

@@ -71,6 +71,8 @@ def load_conftests(start: Path) -> list[Path]:
         sys.path.insert(0, str(file.parent))  # its own imports resolve as under pytest (rootdir-relative)
         try:
             spec.loader.exec_module(module)
+        except CircuitsError as error:  # the registry refused what it registers: its own line
+            raise CircuitsError(f"{file}: {error}") from None
         except Exception as error:
             raise CircuitsError(
                 f"{file} failed to import: {type(error).__name__}: {error}; fix it (pytest would fail on it too), "

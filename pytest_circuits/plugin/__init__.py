@@ -77,6 +77,20 @@ def _declare_own_tolerances() -> None:
             _DECLARED.add(name)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_load_initial_conftests(early_config, parser, args):
+    """A conftest.py whose invariant the registry refuses (a name taken, a tolerance no key can set)
+    is a usage error of one line, as under ``circuits``, not pytest's import traceback."""
+    from _pytest.config import ConftestImportFailure
+
+    try:
+        return (yield)
+    except ConftestImportFailure as failure:
+        if isinstance(failure.cause, CircuitsError):
+            raise pytest.UsageError(f"{failure.path}: {failure.cause}") from None
+        raise
+
+
 def pytest_plugin_registered(plugin, manager) -> None:
     """A conftest.py just imported may have registered an invariant with tolerances of its own."""
     _declare_own_tolerances()
