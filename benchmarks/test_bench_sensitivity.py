@@ -22,9 +22,9 @@ import torch
 from pytest_circuits.gate.invariants import gate_all
 from pytest_circuits.gate.store import read_baseline
 from pytest_circuits.gate.tolerances import Tolerances
+from pytest_circuits.run.run import Run
+from pytest_circuits.run.sensitivity import Damage, Restorer, gate_record
 from pytest_circuits.rungs import kappa_method
-from pytest_circuits.sensitivity import Damage, Restorer, gate_record
-from pytest_circuits.session import CircuitsSession
 from pytest_circuits.settings import CircuitsSettings
 from pytest_circuits.testing import requires_embedded_model
 
@@ -35,10 +35,10 @@ BASELINE = Path(__file__).resolve().parent.parent / "baselines" / "tiny-inductio
 def test_one_damage_step_against_a_full_gate(benchmark):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    session = CircuitsSession(CircuitsSettings(model="tiny-induction", device="cpu"))
-    session.progress_write = lambda line: None
+    session = Run(CircuitsSettings(model="tiny-induction", device="cpu"))
+    session.loaded.progress_write = lambda line: None
     baseline, tol = read_baseline(BASELINE), Tolerances()
-    model = session.build("fp32").model
+    model = session.loaded.build("fp32").model
     restorer = Restorer(model)
     damage = Damage("ov_scale", 0.5, "L1H0")
     reference: list[float] = []
@@ -46,8 +46,8 @@ def test_one_damage_step_against_a_full_gate(benchmark):
 
     def full_gate():
         start = time.perf_counter()
-        session.forget_figures("fp32")
-        record = session.record("fp32", knockout=True, method=kappa_method.of_record(baseline))
+        session.loaded.forget_figures("fp32")
+        record = session.records.record("fp32", knockout=True, method=kappa_method.of_record(baseline))
         results = gate_all(baseline, record, tol, "fp32", "baseline")
         reference.append(time.perf_counter() - start)
         assert all(r.status != "failed" for r in results)

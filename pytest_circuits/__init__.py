@@ -32,19 +32,16 @@ _LAZY = {  # the supported names (docs/api.md), each loaded from its module on f
     "CircuitsSettings": "settings",
     "RepeatSettings": "rungs.repeat_settings",
     "build_settings": "settings",
-    "CircuitsSession": "session",
     "RepeatProbe": "rungs.probe",
     "ov_spectrum": "rungs.kappa",
     "run_repeat_probe": "rungs.probe",
     "knockout_scan": "rungs.knockout",
     # the gate, its fixture's type and its extension points
     "CircuitsGate": "plugin.fixture_types",
-    "CircuitsDeprecationWarning": "errors",
     "Comparison": "gate.invariants",
     "Invariant": "gate.invariants",
     "Row": "gate.invariants",
     "register": "gate.invariants",
-    "register_invariant": "gate.invariants",
     "within": "gate.invariants",
     "Tolerances": "gate.tolerances",
     # assertions for users' own tests
@@ -58,29 +55,15 @@ _LAZY = {  # the supported names (docs/api.md), each loaded from its module on f
     "RecipeError": "errors",
     "UnknownFamilyError": "errors",
 }
-_DEPRECATED = {  # still importable, each with a CircuitsDeprecationWarning saying what replaces it
-    "register_invariant": "use pytest_circuits.register",
-    "CircuitsSession": "the gate takes its parts (records, baselines); pytest_circuits.session.CircuitsSession still works",
-}
-__all__ = sorted(name for name in _LAZY if name not in _DEPRECATED)
+__all__ = sorted(_LAZY)
 
 
-def __dir__() -> list[str]:  # the supported names, not the deprecated ones
+def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
 
 
 def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'pytest_circuits' has no attribute {name!r}")
-    if name in _DEPRECATED:
-        import warnings
-
-        from .errors import CircuitsDeprecationWarning
-
-        warnings.warn(
-            f"pytest_circuits.{name} is deprecated and goes in 0.3; {_DEPRECATED[name]}",
-            CircuitsDeprecationWarning,
-            stacklevel=2,
-        )
     module = importlib.import_module(f".{_LAZY[name]}", __name__)
-    return getattr(module, "register" if name == "register_invariant" else name)
+    return getattr(module, name)

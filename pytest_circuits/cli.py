@@ -12,7 +12,6 @@ import sys
 try:  # Ctrl-C while the command is still importing: one line and status 130, never a traceback
     import argparse
     import contextlib
-    import math
     import typing
     from pathlib import Path
 
@@ -215,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _session(args, probe: dict | None = None, key_heads_of=(), **fixed):
     """A session from the parsed arguments; a gated baseline's probe settings fill the unset ones;
     ``key_heads_of``: records whose key heads a screened scan knocks out exactly."""
-    from .session import CircuitsSession
+    from .run.run import Run
     from .settings import build_settings
 
     raw = {option.name: getattr(args, option.dest, None) for option in OPTIONS}
@@ -225,7 +224,7 @@ def _session(args, probe: dict | None = None, key_heads_of=(), **fixed):
     raw["model"] = args.model
     raw["builds"] = args.build  # recipes and NAME=PATH external builds (model/recipes.py)
     settings = build_settings(raw, baselines=Path("baselines"), front_end="cli", **fixed)
-    return CircuitsSession(settings, key_heads_of=key_heads_of)
+    return Run(settings, key_heads_of=key_heads_of)
 
 
 def _one_build(session, command: str) -> str:
@@ -236,53 +235,6 @@ def _one_build(session, command: str) -> str:
     return builds[0]
 
 
-def _fmt(value, spec: str) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return spec.format(value)
-
-
-def head_table(record: dict) -> str:
-    """One line per head: the figures of `figures.table_figures` and the copying/suppression flag;
-    ``ov gain`` is the head's OV gain over the largest head's (idle heads sit near 0)."""
-    from .gate.invariants import ov_gains
-    from .rungs.figures import table_figures
-
-    gains = ov_gains(record)
-    largest = max(gains.values(), default=0.0)
-    heads = [
-        {**h, "ov_gain": gains[h["head"]] / largest if largest > 0 and h["head"] in gains else None}
-        for h in record["heads"]
-    ]
-    cols = [f for f in table_figures() if any(h.get(f.name) is not None for h in heads)]
-    lines = [f"{'head':<8}" + "".join(f"{f.title:>10}" for f in cols) + "  flag"]
-    for h in heads:
-        flag = "copying" if h.get("copying") else "suppression" if h.get("suppression") else ""
-        lines.append(f"{h['head']:<8}" + "".join(f"{_fmt(h.get(f.name), f.fmt):>10}" for f in cols) + f"  {flag}")
-    return "\n".join(lines)
-
-
-def model_lines(record: dict) -> list[str]:
-    from .gate.record import model_kind
-    from .model.recipes import describe_identity
-    from .rungs.figures import MODEL_FIGURES, interval_key
-
-    m, b, p = record["model"], record["build"], record["probe"]
-
-    def figure(f) -> str:
-        interval = record.get(interval_key(f.name))
-        shown = f" [{_fmt(interval[0], f.fmt)}, {_fmt(interval[1], f.fmt)}]" if interval else ""
-        return f"{f.name} {_fmt(record.get(f.name), f.fmt)}{shown}"
-
-    said = ", ".join(figure(f) for f in MODEL_FIGURES)
-    return [
-        f"model {m['name']} ({model_kind(m)}, {m['geometry']['n_layers']} layers x {m['geometry']['n_heads']} heads), "
-        f"build {b['recipe']} ({b['backend_version']}, {b['device']})",
-        *[line for line in [describe_identity(b)] if line],
-        f"probe seed {p['seed']} n {p['n']} L {p['L']}: {said} (nats; [95% t interval over the sequences])",
-    ]
-
-
 # ---------------------------------------------------------------- commands
 
 
@@ -291,13 +243,14 @@ def cmd_scan(args) -> int:
     from .gate.profile import profile, profile_line
     from .gate.store import dumps
     from .gate.tolerances import Tolerances
-    from .records import measure_record
+    from .run.records import measure_record
+    from .show import head_table, model_lines
 
     if args.json:
         check_output(args.json)  # a link or a folder ends the command now, not after the scan
     session = _session(args)
     build = _one_build(session, "scan")
-    record = measure_record(session, build, knockout=not args.no_knockout)
+    record = measure_record(session.measured, build, knockout=not args.no_knockout)
     print("\n".join(model_lines(record)))
     print(profile_line(profile(record, Tolerances().swap_induction_score)))
     print(head_table(record))
@@ -315,9 +268,9 @@ def cmd_record(args) -> int:
         raise CircuitsError("--out writes a shard's part: give --shard I/K too (or drop --out)")
     session = _session(args, update=True)  # compares with and writes to --baselines (./baselines), never the shipped
     for recipe in session.settings.builds:
-        path = session.write_baseline(recipe)
-        record = session.record(recipe, knockout=True)
-        written = any(e["event"] == "written" and e["recipe"] == recipe for e in session.events)
+        path = session.baselines.write(recipe)
+        record = session.records.record(recipe, knockout=True)
+        written = any(e["event"] == "written" and e["recipe"] == recipe for e in session.baselines.events)
         verb = "wrote" if written else "unchanged (no figure moved; --update-all rewrites it)"
         print(
             f"{verb} {path}: copy loss {record['copy_loss']:.4f}, copy gain {record['copy_gain']:.4f}, "
@@ -329,7 +282,7 @@ def cmd_record(args) -> int:
 def _record_shard(args) -> int:
     """One shard of one build's record, as its own job: ``--shard I/K --out FILE`` (`gate.shards`)."""
     from .options import parse_shard
-    from .records import write_part
+    from .run.records import write_part
 
     index, total = parse_shard(args.shard)
     if args.out is None:
@@ -337,7 +290,7 @@ def _record_shard(args) -> int:
     args.knockout_shards = str(total)
     session = _session(args)
     recipe = _one_build(session, "record --shard")
-    part = write_part(session, recipe, index, total, args.out)
+    part = write_part(session.measured, recipe, index, total, args.out)
     print(f"wrote {args.out}: shard {index}/{total} of {recipe} (layers {', '.join(map(str, part['part']['layers']))})")
     return EXIT_OK
 
@@ -417,9 +370,10 @@ def cmd_baselines(args) -> int:
 def cmd_gate(args) -> int:
     from .errors import BaselineMissing
     from .gate.fixes import file_fix_line
-    from .gate.store import baseline_file, geometry_difference, read_record
-    from .gate.verdict import gate_file
+    from .gate.schema import Record
+    from .gate.store import baseline_file, read_record
     from .model.recipes import describe_identity
+    from .run.flow import gate_file
 
     tol = _tolerances(args.tol)
     args.baseline = baseline_file(args.baseline)
@@ -431,104 +385,31 @@ def cmd_gate(args) -> int:
     key_heads_of = () if args.across_models else (baseline,)
     session = _session(args, probe=baseline.probe.model_dump(), key_heads_of=key_heads_of)
     build = _one_build(session, "gate")
-    records = session.records
-    across = args.across_models or bool(geometry_difference(baseline, records.stand_in()))
     label = f"baseline {args.baseline.name}"
-    fix = file_fix_line(session.settings, baseline, args.baseline, across)
-    candidate, notes, results = gate_file(records, build, baseline, label, tol, fix, across, not args.no_knockout)
+    fix = file_fix_line(session.settings, baseline, args.baseline, args.across_models)
+    candidate, verdicts = gate_file(
+        session.records, build, baseline, label, tol, fix, args.across_models, not args.no_knockout
+    )
     identities = [
         f"{who} {line}"
-        for who, record in (("candidate", candidate), ("baseline", baseline.data))
-        if (line := describe_identity(record["build"]))
+        for who, record in (("candidate", Record.of(candidate)), ("baseline", baseline))
+        if (line := describe_identity(record.build.model_dump(exclude_none=True)))
     ]
-    return EXIT_OK if _print_results(results, identities + notes) else EXIT_BROKEN
-
-
-def _rung1_diffed() -> tuple[str, ...]:
-    """The rung-1 figures `circuits diff` shows: the kappa frame's diffed figures and flags."""
-    from .rungs.figures import BY_NAME, diff_figures
-
-    return tuple(m for m in (*diff_figures(), "copying", "suppression") if BY_NAME[m].source == "kappa")
-
-
-def diff_rows(a: dict, b: dict, min_change: float = 0.01) -> list[tuple]:
-    """``(head, metric, before, after, change)`` for every per-head figure that moved at least
-    ``min_change``; rung-1 figures only where both records measured them alike (`kappa_pairs`)."""
-    from .gate.invariants import kappa_pairs
-    from .rungs.figures import diff_figures
-
-    rung1 = _rung1_diffed()
-    paired, _ = kappa_pairs(a, b, rung1)
-    rows = []
-    heads_b = {h["head"]: h for h in b["heads"]}
-    for ha in a["heads"]:
-        hb = heads_b.get(ha["head"])
-        if hb is None:
-            continue
-        for metric in diff_figures():
-            if metric in rung1 and metric not in paired:
-                continue
-            ma, mb = paired.get(metric, (metric, metric))
-            x, y = ha.get(ma), hb.get(mb)
-            if x is None or y is None:
-                continue
-            if abs(y - x) >= min_change:
-                rows.append((ha["head"], metric, x, y, y - x))
-        for flag in [f for f in ("copying", "suppression") if f in paired]:
-            if bool(ha.get(flag)) != bool(hb.get(flag)):
-                rows.append((ha["head"], flag, float(bool(ha.get(flag))), float(bool(hb.get(flag))), None))
-    return rows
+    return EXIT_OK if _print_results(verdicts.results, identities + verdicts.notes) else EXIT_BROKEN
 
 
 def cmd_diff(args) -> int:
-    from .gate.invariants import format_interval, gate_all, kappa_pairs, verdict
-    from .gate.stats import paired_interval
-    from .gate.store import compatibility, geometry_difference, other_model_type, read_baseline
-    from .gate.tolerances import Tolerances
-    from .rungs.figures import MODEL_FIGURES, sequences_key
+    from .show import diff_lines
 
-    a, b = read_baseline(args.file_a), read_baseline(args.file_b)
-    across = bool(geometry_difference(a, b) or other_model_type(a, b))  # two base models: no head pairs
-    for note in compatibility(a, b, f"baseline {args.file_a.name}", across=across):
-        print(note)
-    _, mismatch = kappa_pairs(a, b, _rung1_diffed())
-    if mismatch:
-        print("note: " + mismatch.format(against=f"baseline {args.file_a.name}", build=f"{args.file_b.name}"))
-    print(f"A {args.file_a}: {a['model']['name']} {a['build']['recipe']}")
-    print(f"B {args.file_b}: {b['model']['name']} {b['build']['recipe']}")
-    for figure in MODEL_FIGURES:
-        x, y = a.get(figure.name), b.get(figure.name)
-        if x is not None and y is not None:
-            xs, ys = a.get(sequences_key(figure.name)), b.get(sequences_key(figure.name))
-            same_tokens = xs is not None and ys is not None and not across  # two vocabularies: no pairs
-            paired = format_interval(paired_interval(xs, ys)) if same_tokens and xs and ys else ""
-            print(f"  {figure.name:<16} {x:10.4f} -> {y:10.4f}  ({y - x:+.4f}{' ' + paired if paired else ''})")
-    if across:  # heads do not correspond across models: the profiles instead
-        from .gate.profile import profile, profile_line
-
-        for side, record in (("A", a), ("B", b)):
-            print(f"{side} {profile_line(profile(record, Tolerances().swap_induction_score))}")
-        rows = []
-        print("per-head figures not compared: A and B are two base models (heads do not correspond)")
-    else:
-        rows = diff_rows(a, b, args.min_change)
-    if rows:
-        width = max(16, *(len(row[1]) for row in rows))  # the longest metric name (kappa_trace_uncentred) sets it
-        print(f"{'head':<8} {'metric':<{width}} {'A':>10} {'B':>10} {'change':>10}")
-        for head, metric, x, y, change in rows:
-            print(f"{head:<8} {metric:<{width}} {x:>10.4f} {y:>10.4f} {_fmt(change, '{:+.4f}'):>10}")
-    elif not across:
-        print(f"no per-head figure moved by {args.min_change} or more")
-    results = gate_all(a, b, Tolerances(), b["build"]["recipe"], f"baseline {args.file_a.name}", across=across)
-    _, line = verdict(results)
-    print(f"with default tolerances, B against A: {line}")
+    for line in diff_lines(args.file_a, args.file_b, args.min_change):
+        print(line)
     return EXIT_OK
 
 
 def cmd_sensitivity(args) -> int:
     """`sensitivity.run_command` on the build against its baseline (its probe settings)."""
     from .gate.store import baseline_file, read_baseline
-    from .sensitivity import run_command
+    from .run.sensitivity import run_command
 
     tol = _tolerances(args.tol)
     if args.heads < 1:
@@ -537,7 +418,7 @@ def cmd_sensitivity(args) -> int:
     session = _session(args, probe=None if baseline is None else baseline.get("probe"))
     build = _one_build(session, "sensitivity")
     if baseline is None:
-        baseline = session.load_baseline(build)
+        baseline = session.baselines.load(build)
     return EXIT_OK if run_command(session, baseline, tol, args.heads, build) else EXIT_BROKEN
 
 

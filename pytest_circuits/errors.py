@@ -1,11 +1,6 @@
 """User-facing errors: each carries one line that names the thing and the fix."""
 
-import functools
 import sys
-from collections.abc import Callable
-from typing import Any, TypeVar, cast
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 def first_line(error: BaseException) -> str:
@@ -73,35 +68,3 @@ def warn(text: str) -> None:
 
 class ShardError(CircuitsError):
     """A bad ``--shard``, or parts that are not one build's shards."""
-
-
-class CircuitsDeprecationWarning(DeprecationWarning):
-    """A pytest-circuits name that still works but will go (docs/api.md, "Versioning")."""
-
-
-def deprecated_keyword(where: str, old: str, new: str) -> None:
-    """Warn that the keyword ``old`` of ``where`` goes in 0.3, ``new`` replacing it (called by ``where`` itself)."""
-    import warnings
-
-    warnings.warn(
-        f"{where}({old}=...) is deprecated and goes in 0.3; use {new}=", CircuitsDeprecationWarning, stacklevel=3
-    )
-
-
-def renamed_keywords(**renames: str) -> Callable[[F], F]:
-    """Decorator: each old keyword (``old="new"``) still works, as ``new``, with `deprecated_keyword`'s warning."""
-
-    def wrap(fn: F) -> F:
-        @functools.wraps(fn)
-        def renamed(*args, **kwargs):
-            for old, new in renames.items():
-                if old in kwargs:
-                    if new in kwargs:
-                        raise TypeError(f"{fn.__qualname__}() got both {old}= and {new}= (the same argument)")
-                    deprecated_keyword(fn.__qualname__, old, new)
-                    kwargs[new] = kwargs.pop(old)
-            return fn(*args, **kwargs)
-
-        return cast(F, renamed)
-
-    return wrap

@@ -87,10 +87,10 @@ def run(args, torch) -> int:
     from pytest_circuits.gate.store import BaselineStore
     from pytest_circuits.model.named import SHIPPED_BASELINES
     from pytest_circuits.model.recipes import RECIPES, parse_builds
+    from pytest_circuits.run.run import Run
     from pytest_circuits.rungs.knockout import knockout_scan
     from pytest_circuits.rungs.plain_loops import plain_knockout_deltas
     from pytest_circuits.rungs.repeat_settings import RepeatSettings
-    from pytest_circuits.session import CircuitsSession
     from pytest_circuits.settings import CircuitsSettings
 
     device = torch.device(args.device)
@@ -111,10 +111,10 @@ def run(args, torch) -> int:
             knockout_mode=knockout.get("mode", "zero"),
             knockout_screen=knockout.get("screened"),
         )
-        session = CircuitsSession(settings)
+        session = Run(settings)
         _peak_reset(torch, device)
         start = time.perf_counter()
-        record = session.record(recipe)
+        record = session.records.record(recipe)
         seconds = time.perf_counter() - start
         results = gate_all(baseline, record, session.tolerances, recipe, "CPU baseline")
         broken = [r.invariant for r in results if r.status == "failed"]
@@ -126,8 +126,8 @@ def run(args, torch) -> int:
         del session
         torch.cuda.empty_cache()
 
-    session = CircuitsSession(CircuitsSettings(model="smollm2-135m", device=str(device)))
-    build = session.build("fp32")
+    session = Run(CircuitsSettings(model="smollm2-135m", device=str(device)))
+    build = session.loaded.build("fp32")
     held_out = RepeatSettings(**HELD_OUT)
     _peak_reset(torch, device)
     start = time.perf_counter()
@@ -206,7 +206,7 @@ def formats_rows(names: list[str], torch, device) -> tuple[list[tuple], bool]:
 
     from pytest_circuits.gate.invariants import gate_all
     from pytest_circuits.gate.tolerances import Tolerances
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.run import Run
     from pytest_circuits.settings import build_settings
 
     if os.environ.get("PYTEST_CIRCUITS_LLMCOMPRESSOR_PYTHON"):
@@ -218,10 +218,10 @@ def formats_rows(names: list[str], torch, device) -> tuple[list[tuple], bool]:
             records = {}
             for where in ("cpu", str(device)):
                 raw = {"model": "smollm2-135m", "builds": spec, "baselines": None}
-                session = CircuitsSession(build_settings(raw, Path(tmp), device=where))
+                session = Run(build_settings(raw, Path(tmp), device=where))
                 _peak_reset(torch, device)
                 start = time.perf_counter()
-                records[where] = session.record(name.strip(), knockout=False)
+                records[where] = session.records.record(name.strip(), knockout=False)
                 seconds = time.perf_counter() - start
                 del session
             results = gate_all(records["cpu"], records[str(device)], Tolerances(), name, "CPU record")
@@ -246,7 +246,7 @@ def size_row(shape: str, device, torch) -> tuple[tuple, bool]:
     import tempfile
     from pathlib import Path
 
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.run import Run
     from pytest_circuits.settings import CircuitsSettings
 
     spec = importlib.util.spec_from_file_location("measure_sizes", Path(__file__).with_name("measure_sizes.py"))
@@ -264,10 +264,10 @@ def size_row(shape: str, device, torch) -> tuple[tuple, bool]:
             knockout_screen=SIZE_SCREEN,
             knockout_screen_method="atp",
         )
-        session = CircuitsSession(settings)
+        session = Run(settings)
         _peak_reset(torch, device)
         start = time.perf_counter()
-        record = session.record("bf16")
+        record = session.records.record("bf16")
         seconds = time.perf_counter() - start
         heads = record["heads"]
         exact = sum(h.get("knockout_delta") is not None for h in heads)

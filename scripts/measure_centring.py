@@ -15,8 +15,8 @@ import time
 
 import numpy as np
 
+from pytest_circuits.run.run import Run
 from pytest_circuits.rungs.kappa import ov_spectrum
-from pytest_circuits.session import CircuitsSession
 from pytest_circuits.settings import CircuitsSettings
 
 
@@ -24,12 +24,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", help="model folder or named model")
     model = parser.parse_args().model
-    session = CircuitsSession(CircuitsSettings(model=model, device="cpu"))
-    w = session.weights("fp32")
+    session = Run(CircuitsSettings(model=model, device="cpu"))
+    w = session.loaded.weights("fp32")
     W_U, W_E = w.W_U.double(), w.W_E.double()
     shared = W_U @ W_E
     centred = (W_U - W_U.mean(dim=1, keepdim=True)) @ W_E
-    print(f"{model}: family {w.family}, tied embeddings {session.build('fp32').model.config.tie_word_embeddings}")
+    print(
+        f"{model}: family {w.family}, tied embeddings {session.loaded.build('fp32').model.config.tie_word_embeddings}"
+    )
     print(f"  mean embedding row / median row norm: {W_E.mean(0).norm() / W_E.norm(dim=1).median():.3f}")
     print(f"  share of W_U W_E that centring removes (Frobenius): {(shared - centred).norm() / shared.norm():.3f}")
     start = time.process_time()

@@ -60,9 +60,9 @@ from pytest_circuits.gate.tolerances import Tolerances
 from pytest_circuits.model.calibrated import HELD_OUT_MODULES, text_ids
 from pytest_circuits.model.quantized_cache import decode_cache_of
 from pytest_circuits.model.recipes import RECIPES
+from pytest_circuits.run.run import Run
 from pytest_circuits.rungs.figures import sequences_key
 from pytest_circuits.rungs.query_blocks import block_losses, forward_blocks
-from pytest_circuits.session import CircuitsSession
 from pytest_circuits.settings import build_settings
 
 HELD_OUT_ROWS, HELD_OUT_LENGTH = 8, 256
@@ -115,12 +115,12 @@ PLANS: dict[str, tuple[str, list[str]]] = {  # block: (page, arguments); each fa
 
 
 @torch.no_grad()
-def held_out_loss(session: CircuitsSession, name: str) -> float | None:
+def held_out_loss(session: Run, name: str) -> float | None:
     """Mean next-token cross-entropy (nats) of the build on the held-out text."""
-    ids = text_ids(session.source.folder, HELD_OUT_MODULES, HELD_OUT_ROWS, HELD_OUT_LENGTH)
+    ids = text_ids(session.loaded.source.folder, HELD_OUT_MODULES, HELD_OUT_ROWS, HELD_OUT_LENGTH)
     if ids is None:
         return None
-    model = session.build(name).model
+    model = session.loaded.build(name).model
     decode = decode_cache_of(model)
     if decode is not None:  # transformers' QuantizedCache: one token at a time through it, as the probe
         losses = []
@@ -361,30 +361,30 @@ def main(argv: list[str] | None = None) -> None:
         "knockout-screen-method": args.knockout_screen_method,
         "probe-length": args.probe_length,
     }
-    session = CircuitsSession(build_settings({k: v for k, v in raw.items() if v}, Path("baselines"), device="cpu"))
+    session = Run(build_settings({k: v for k, v in raw.items() if v}, Path("baselines"), device="cpu"))
     knockout = not args.no_knockout
 
     def record_of(name: str) -> tuple[dict, float]:
         """The build's record and the seconds it took (loading, rung 1, probe, knockouts)."""
-        if args.stored_builds and name in RECIPES and session.baseline_path(name).is_file():
-            return session.load_baseline(name), 0.0
+        if args.stored_builds and name in RECIPES and session.baselines.path(name).is_file():
+            return session.baselines.load(name), 0.0
         path = records / f"{name}{'' if knockout else '.no-knockout'}.json"
         seconds = path.with_suffix(".seconds")
         if not path.is_file():
             start = time.perf_counter()
-            record = session.record(name, knockout=knockout)
+            record = session.records.record(name, knockout=knockout)
             seconds.write_text(f"{time.perf_counter() - start:.0f}")
             path.write_text(dumps(record))
-            if args.write_baselines and knockout and name in RECIPES and not session.baseline_path(name).is_file():
-                print(f"wrote {session.store.write(session.model_name, name, record)[0]}", flush=True)
+            if args.write_baselines and knockout and name in RECIPES and not session.baselines.path(name).is_file():
+                print(f"wrote {session.baselines.store.write(session.loaded.model_name, name, record)[0]}", flush=True)
         return json.loads(path.read_text()), float(seconds.read_text())
 
-    fp32, _ = (session.load_baseline("fp32"), 0.0) if args.stored_reference else record_of("fp32")
+    fp32, _ = (session.baselines.load("fp32"), 0.0) if args.stored_reference else record_of("fp32")
     induction = key_heads(fp32, "prefix_matching", 3, 0.0)
     knocked = key_heads(fp32, "knockout_delta", 1, 0.0)
     head = {r["head"]: r for r in fp32["heads"]}
     listed = ", ".join(f"{h} {head[h]['prefix_matching']:.3f}" for h in induction)
-    where = f"stored baseline {session.baseline_path('fp32')}" if args.stored_reference else "recorded here"
+    where = f"stored baseline {session.baselines.path('fp32')}" if args.stored_reference else "recorded here"
     lines: list[str] = []
 
     def say(line: str) -> None:

@@ -20,14 +20,14 @@ import torch
 
 from pytest_circuits.gate.invariants import REGISTRY, gate_all, key_heads, negligible_heads, runnable
 from pytest_circuits.gate.tolerances import Tolerances
+from pytest_circuits.run.run import Run
 from pytest_circuits.rungs.repeat_settings import RepeatSettings
-from pytest_circuits.session import CircuitsSession
 from pytest_circuits.settings import CircuitsSettings
 from pytest_circuits.testing import add_weight_noise, flatten_head_qk, negate_head_ov
 
 
-def session_for(model: str, probe: RepeatSettings) -> CircuitsSession:
-    return CircuitsSession(CircuitsSettings(model=model, device="cpu", probe=probe))
+def session_for(model: str, probe: RepeatSettings) -> Run:
+    return Run(CircuitsSettings(model=model, device="cpu", probe=probe))
 
 
 def statistics(before: dict, after: dict, tol: Tolerances) -> dict[str, float]:
@@ -81,8 +81,8 @@ def main() -> None:
     probe = RepeatSettings(0, args.n, args.L)
     tol = Tolerances()
     base = session_for(args.model, probe)
-    reference = base.record("fp32")
-    folder = base.source.folder
+    reference = base.records.record("fp32")
+    folder = base.loaded.source.folder
     induction = key_heads(reference, "prefix_matching", 1, 0.0)[0]
     previous = key_heads(reference, "previous_token", 1, 0.0)[0]
     print(
@@ -125,7 +125,7 @@ def main() -> None:
     print("largest change per compared figure (rank corr: its value; knockout_delta: relative to its size)")
     print(f"{'case':<24}" + "".join(f"{c:>19}" for c in columns) + "  verdict")
     for name, session, recipe in cases:
-        record = session.record(recipe)
+        record = session.records.record(recipe)
         stats = statistics(reference, record, tol)
         results = gate_all(reference, record, tol, recipe, "fp32 baseline")
         broken = [r.invariant for r in results if not r.passed]

@@ -26,21 +26,21 @@ from pytest_circuits.gate.invariants import evaluate, key_heads
 from pytest_circuits.gate.record import sampled_model_figures
 from pytest_circuits.gate.store import dumps, read_baseline
 from pytest_circuits.gate.tolerances import Tolerances
+from pytest_circuits.run.run import Run
 from pytest_circuits.rungs import figures
-from pytest_circuits.session import CircuitsSession
 from pytest_circuits.settings import CircuitsSettings, RepeatSettings
 
 INVARIANTS = ("copy_loss", "knockout_deltas")
 
 
-def sampled_record(session: CircuitsSession, build_name: str, heads: list[str] | None) -> dict:
+def sampled_record(session: Run, build_name: str, heads: list[str] | None) -> dict:
     """The figures copy_loss and knockout_deltas read: model figures with their per-sequence
     values, and the knockout deltas of ``heads`` with theirs (no kappa: not needed here)."""
-    probe = session.repeat_probe(build_name)
+    probe = session.measured.repeat_probe(build_name)
     record: dict = {**probe.model_figures(), **sampled_model_figures(probe), "probe": session.settings.probe.as_dict()}
     record["heads"] = [{"head": h} for h in probe.heads["head"]]
     if heads:
-        frame = session.head_knockout(build_name, heads=heads)
+        frame = session.measured.head_knockout(build_name, heads=heads)
         record["knockout"] = {**session.settings.knockout_probe.as_dict(), "mode": session.settings.knockout_mode}
         sequences = figures.sequences_key("knockout_delta")
         by_head = {row["head"]: row for _, row in frame.iterrows()}
@@ -99,7 +99,7 @@ def main() -> None:
     ko = shipped.get("knockout") or {}
     settings = CircuitsSettings(model=args.model, device="cpu", probe=probe)
     settings = replace(settings, knockout_seed=ko.get("seed", 1), knockout_mode=ko.get("mode", "zero"))
-    session = CircuitsSession(settings)
+    session = Run(settings)
     tol = Tolerances()
     heads = None if args.no_knockout else key_heads(shipped, "knockout_delta", tol.top_k, tol.min_delta)
     out = Path(args.records)

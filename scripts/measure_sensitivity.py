@@ -3,7 +3,7 @@
 
 Per model (the fp32 build, its shipped fp32 baseline, the default tolerances):
 
-1. graded damage to each of the baseline's key heads, one at a time (`pytest_circuits.sensitivity`:
+1. graded damage to each of the baseline's key heads, one at a time (`pytest_circuits.run.sensitivity`:
    OV scaled / negated, QK logits scaled, OV rotated into the next head, noise in the head's
    layer), whole-model noise and low-rank updates, and the recipes' builds, each gated with the
    gate's own code (`sensitivity.gate_record`: `records.measure_record` measured the baseline's way, then
@@ -49,7 +49,6 @@ from scipy.stats import binomtest
 
 from pytest_circuits import sensitivity as S
 from pytest_circuits.errors import CircuitsError
-from pytest_circuits.gate.further_looks import with_looks
 from pytest_circuits.gate.invariants import gate_all, get, key_heads, per_build_invariants
 from pytest_circuits.gate.looks import SEQUENTIAL
 from pytest_circuits.gate.record import has_figures
@@ -57,7 +56,8 @@ from pytest_circuits.gate.schema import Record
 from pytest_circuits.gate.store import read_baseline
 from pytest_circuits.gate.tolerances import Tolerances
 from pytest_circuits.model.gguf_quant import cached_gguf
-from pytest_circuits.session import CircuitsSession
+from pytest_circuits.run.looks import with_looks
+from pytest_circuits.run.run import Run
 from pytest_circuits.settings import build_settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,12 +155,12 @@ def false_alarms(session, tol, seeds, recipes, write, knockout: bool = True, kee
     a split or stopped run keeps what it measured); ``knockout=False``: no knockouts
     (``knockout_deltas`` not run)."""
     trials = []
-    model = session.build("fp32").model
+    model = session.loaded.build("fp32").model
     restorer = S.Restorer(model)
     for seed in seeds:
         S.with_seeds(session, seed, KNOCKOUT_SEED_OFFSET + seed)
         torch.set_num_threads(1)
-        baseline = with_looks(session.records, "fp32", session.record("fp32", knockout=knockout), tol)
+        baseline = with_looks(session.records, "fp32", session.records.record("fp32", knockout=knockout), tol)
 
         def gated(name, build_name="fp32", threads=1, seed=seed, baseline=baseline):
             torch.set_num_threads(threads)
@@ -188,7 +188,7 @@ def false_alarms(session, tol, seeds, recipes, write, knockout: bool = True, kee
             gated("noise 1e-3")
         finally:
             restorer.restore()
-        session.forget_figures()
+        session.loaded.forget_figures()
     return trials
 
 
@@ -419,8 +419,8 @@ def measure(args, model: str, write) -> dict[str, str]:
     ggufs = {f"gguf-{t.lower()}": t for t in args.gguf.split(",") if t.strip()}
     files = {name: cached_gguf(model, t) for name, t in ggufs.items()}
     raw = {"model": model, "builds": ",".join(["fp32", *(f"{name}={path}" for name, path in files.items())])}
-    session = CircuitsSession(build_settings(raw, Path("baselines"), device="cpu"))
-    session.progress_write = lambda line: None
+    session = Run(build_settings(raw, Path("baselines"), device="cpu"))
+    session.loaded.progress_write = lambda line: None
     tol = Tolerances()
     # every look of the sequential rule: the shipped file's (`circuits record` stored them from the
     # intact fp32 build), measured only where it lacks them, and then without knockouts under --no-knockout

@@ -200,8 +200,9 @@ def cpu_seconds() -> float:
 
 def stage(args) -> dict:
     """Run one rung after loading the build; report times, peak RSS and counted FLOPs as JSON."""
+    from pytest_circuits.run.plan import screen_variant
+    from pytest_circuits.run.run import Run
     from pytest_circuits.rungs.plan import exact_flops, probe_flops, rung1_flops, screened_flops
-    from pytest_circuits.session import CircuitsSession
     from pytest_circuits.settings import CircuitsSettings, RepeatSettings
 
     probe = RepeatSettings(n=args.probe_n, L=args.probe_length)
@@ -216,27 +217,27 @@ def stage(args) -> dict:
     )
     if args.rung in ("scan", "gate"):  # the whole command, its own load included: no second copy of the build
         return command_stage(args)
-    session = CircuitsSession(settings)
+    session = Run(settings)
     wall, cpu = time.perf_counter(), cpu_seconds()
-    build = session.build(args.build)
+    build = session.loaded.build(args.build)
     out: dict = {"load_wall": time.perf_counter() - wall, "load_cpu": cpu_seconds() - cpu}
     out["load_rss"] = peak_rss_bytes()
     wall, cpu = time.perf_counter(), cpu_seconds()
     flops, dtype = 0.0, str(build.model.dtype).removeprefix("torch.")
     if args.rung == "rung1":
-        session.ov_spectrum(args.build)
+        session.measured.ov_spectrum(args.build)
         flops, dtype = rung1_flops(build.geometry, settings.kappa_method.n_rotations), "float32"
     elif args.rung == "probe":
-        session.repeat_probe(args.build)
+        session.measured.repeat_probe(args.build)
         flops = probe_flops(build, probe)
     elif args.rung == "screen":  # rung 2 as the gate plans it: the screen, then its top K exactly
-        frame = session.head_knockout(args.build)
-        top_k, probe_2 = session.screen_top_k(), settings.knockout_probe
+        frame = session.measured.head_knockout(args.build)
+        top_k, probe_2 = session.measured.screen_top_k(), settings.knockout_probe
         if top_k is None:  # 300 heads or fewer: every head exactly
             flops, method, exact = exact_flops(build, probe_2), "exact", "every head"
         else:
-            exact, method = frame.attrs["exact_heads"], session.screen_method(args.build)
-            flops = screened_flops(build, probe_2, top_k, 0, method, session.screen_variant())
+            exact, method = frame.attrs["exact_heads"], session.measured.screen_method(args.build)
+            flops = screened_flops(build, probe_2, top_k, 0, method, screen_variant(settings))
         out.update(exact_heads=exact, method=method)
     out.update(wall=time.perf_counter() - wall, cpu=cpu_seconds() - cpu, rss=peak_rss_bytes(), flops=flops, dtype=dtype)
     return out

@@ -23,18 +23,18 @@ def timed(what, rows, compute):
 
 
 def main() -> None:
+    from pytest_circuits.run.run import Run
     from pytest_circuits.rungs.knockout import knockout_scan
     from pytest_circuits.rungs.plan import knockout_flops
     from pytest_circuits.rungs.screen import screen_estimate
-    from pytest_circuits.session import CircuitsSession
     from pytest_circuits.settings import CircuitsSettings
 
     torch.set_num_threads(1)
-    session = CircuitsSession(CircuitsSettings(model="smollm2-135m", device="cpu"))
+    session = Run(CircuitsSettings(model="smollm2-135m", device="cpu"))
     rows: list[tuple[str, float, float]] = []
-    build = timed("load + self-check", rows, lambda: session.build("fp32"))
-    timed("rung 1: kappa, 32-draw t null, 270 heads", rows, lambda: session.ov_spectrum("fp32"))
-    timed("rung 1/2: repeat probe, n 8, L 64", rows, lambda: session.repeat_probe("fp32"))
+    build = timed("load + self-check", rows, lambda: session.loaded.build("fp32"))
+    timed("rung 1: kappa, 32-draw t null, 270 heads", rows, lambda: session.measured.ov_spectrum("fp32"))
+    timed("rung 1/2: repeat probe, n 8, L 64", rows, lambda: session.measured.repeat_probe("fp32"))
     settings = session.settings.knockout_probe
     from pytest_circuits.rungs.replay import attention_implementation, held_out_ids, intact_pass
 

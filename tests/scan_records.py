@@ -6,8 +6,8 @@ from __future__ import annotations
 import copy
 import math
 
-from pytest_circuits.gate.looks import look_seed
 from pytest_circuits.gate.schema import Record
+from pytest_circuits.gate.seeds import look_seed
 from pytest_circuits.rungs import figures
 
 

@@ -241,12 +241,12 @@ def test_scan_json_write_is_atomic(recorded, tmp_path, capsys, monkeypatch):
 
 def test_record_into_a_path_that_is_a_file_is_one_line(recorded, tmp_path, capsys, monkeypatch):
     """Refused before any measuring: a scan that could only end in a write error never starts."""
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.run import Run
 
     def measured(*args, **kwargs):
         raise AssertionError("the build was measured before the folder was checked")
 
-    monkeypatch.setattr(CircuitsSession, "record", measured)
+    monkeypatch.setattr(Run, "record", measured)
     model, _ = recorded
     blocker = tmp_path / "baselines"
     blocker.write_text("not a folder")

@@ -377,7 +377,7 @@ def test_a_missing_baseline_beside_one_of_the_same_geometry_offers_the_name_firs
     """A candidate in a folder of another name (``./broken``) while the baselines are ``tiny-induction--*``:
     the message offers ``--circuits-name tiny-induction`` first and says recording makes it the reference."""
     from pytest_circuits.errors import BaselineMissing
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.run import Run
     from pytest_circuits.settings import CircuitsSettings
 
     package = Path(bl.__file__).resolve().parent.parent
@@ -390,15 +390,15 @@ def test_a_missing_baseline_beside_one_of_the_same_geometry_offers_the_name_firs
     broken.mkdir()
     for path in (package / "models/tiny-induction").iterdir():
         (broken / path.name).write_bytes(path.read_bytes())
-    session = CircuitsSession(CircuitsSettings(model=str(broken), baselines=baselines, device="cpu"))
+    session = Run(CircuitsSettings(model=str(broken), baselines=baselines, device="cpu"))
     with pytest.raises(BaselineMissing) as error:
-        session.load_baseline("fp32")
+        session.baselines.load("fp32")
     text = one_line(error)
     assert "holds a baseline of the same geometry (tiny-induction--fp32.json)" in text
     assert text.index("name tiny-induction") < text.index("circuits record")
     assert "makes this build the reference every later build is gated against" in text
     # another geometry beside it: the plain message, no name to offer
-    other = CircuitsSession(CircuitsSettings(model=str(tiny_folder("gpt2")), baselines=baselines, device="cpu"))
+    other = Run(CircuitsSettings(model=str(tiny_folder("gpt2")), baselines=baselines, device="cpu"))
     with pytest.raises(BaselineMissing) as error:
         other.load_baseline("fp32")
     assert "same geometry" not in one_line(error) and "record it with: circuits record" in one_line(error)

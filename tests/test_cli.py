@@ -241,7 +241,7 @@ def test_usage_error_exit_2():
 
 
 def test_head_table_shows_each_heads_ov_gain_against_the_largest():
-    from pytest_circuits.cli import head_table
+    from pytest_circuits.show import head_table
 
     from .scan_records import complete
 
@@ -272,7 +272,7 @@ def test_diff_rows_stay_aligned_for_the_longest_metric_name(capsys):
 def test_model_line_names_the_model_type_and_its_layout():
     """A Qwen3 record says qwen3 (its model type) and llama (the layout its heads are read with),
     not "llama" alone; an older record without a model type keeps the layout's name."""
-    from pytest_circuits.cli import model_lines
+    from pytest_circuits.show import model_lines
 
     geometry = {"n_layers": 2, "n_heads": 4}
     record = {

@@ -16,7 +16,7 @@ import torch
 
 from pytest_circuits.errors import CircuitsError, RecipeError
 from pytest_circuits.model.builds import auto_device, check_device_map, check_not_offloaded, resolve_device
-from pytest_circuits.session import CircuitsSession
+from pytest_circuits.run.run import Run
 from pytest_circuits.settings import CircuitsSettings, RepeatSettings, build_settings
 from pytest_circuits.testing import requires_embedded_model, requires_smollm2
 
@@ -48,9 +48,9 @@ def test_auto_reads_the_visible_count_and_the_worker(monkeypatch):
     assert resolve_device("auto", "gw4") == torch.device("cuda:1")
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw2")
     assert resolve_device("auto") == torch.device("cuda:2")
-    session = CircuitsSession(CircuitsSettings(device="auto"))
-    session.worker = "gw5"
-    assert session.device == torch.device("cuda:2")
+    session = Run(CircuitsSettings(device="auto"))
+    session.loaded.worker = "gw5"
+    assert session.loaded.device == torch.device("cuda:2")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     assert resolve_device("auto", "gw4") == torch.device("cpu")
@@ -79,8 +79,8 @@ def test_a_placement_that_offloads_next_to_gpus_is_refused():
 
 
 def _record(device_map: str, recipe: str) -> str:
-    session = CircuitsSession(CircuitsSettings(device="cpu", device_map=device_map, probe=SMALL))
-    return json.dumps(session.record(recipe), sort_keys=True)
+    session = Run(CircuitsSettings(device="cpu", device_map=device_map, probe=SMALL))
+    return json.dumps(session.records.record(recipe), sort_keys=True)
 
 
 @requires_embedded_model()
@@ -97,8 +97,8 @@ def test_the_replay_moves_each_recorded_call_to_its_blocks_device(monkeypatch):
     exactly as they were; here every block's device is the CPU, so the moves run and change nothing."""
     from pytest_circuits.rungs import knockout, replay
 
-    session = CircuitsSession(CircuitsSettings(device="cpu", probe=SMALL))
-    build = session.build("fp32")
+    session = Run(CircuitsSettings(device="cpu", probe=SMALL))
+    build = session.loaded.build("fp32")
     plain = knockout.knockout_scan(build, SMALL, progress=False)
     moved = []
     real_moved = replay.moved
@@ -138,8 +138,10 @@ def _gate_against_cpu(session, recipe: str) -> list[str]:
     """Invariants of ``recipe`` on ``session``'s device that fail against the CPU fp32 record."""
     from pytest_circuits.gate.invariants import gate_all
 
-    cpu = CircuitsSession(CircuitsSettings(device="cpu", probe=session.settings.probe))
-    results = gate_all(cpu.record("fp32"), session.record(recipe), session.tolerances, recipe, "cpu fp32")
+    cpu = Run(CircuitsSettings(device="cpu", probe=session.settings.probe))
+    results = gate_all(
+        cpu.records.record("fp32"), session.records.record(recipe), session.tolerances, recipe, "cpu fp32"
+    )
     assert any(r.passed for r in results)  # something was compared
     return [r.invariant for r in results if r.status == "failed"]
 
@@ -147,11 +149,11 @@ def _gate_against_cpu(session, recipe: str) -> list[str]:
 @requires_embedded_model()
 def test_the_cpu_gate_helper_passes_a_benign_build_and_fails_a_broken_one():
     """`_gate_against_cpu` itself, on the CPU: the cuda test above trusts it."""
-    session = CircuitsSession(CircuitsSettings(device="cpu", probe=SMALL))
+    session = Run(CircuitsSettings(device="cpu", probe=SMALL))
     assert _gate_against_cpu(session, "rtn-int8") == []
     from pytest_circuits.testing import negate_head_ov
 
-    negate_head_ov(session.build("fp32").model, 1, 0)  # the induction head's OV reversed
+    negate_head_ov(session.loaded.build("fp32").model, 1, 0)  # the induction head's OV reversed
     assert "copying_heads" in _gate_against_cpu(session, "fp32")
 
 
@@ -161,9 +163,9 @@ def test_the_cpu_gate_helper_passes_a_benign_build_and_fails_a_broken_one():
 def test_auto_on_a_gpu_machine_puts_worker_i_on_its_gpu(monkeypatch):
     count = torch.cuda.device_count()
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
-    session = CircuitsSession(CircuitsSettings(device="auto", probe=SMALL))
-    assert session.device == torch.device(f"cuda:{1 % count}")
-    assert session.build("fp32").identity.device == f"cuda:{1 % count}"
+    session = Run(CircuitsSettings(device="auto", probe=SMALL))
+    assert session.loaded.device == torch.device(f"cuda:{1 % count}")
+    assert session.loaded.build("fp32").identity.device == f"cuda:{1 % count}"
 
 
 @cuda
@@ -171,8 +173,8 @@ def test_auto_on_a_gpu_machine_puts_worker_i_on_its_gpu(monkeypatch):
 @requires_embedded_model()
 @pytest.mark.parametrize("recipe", ["fp32", "bnb-int8", "bnb-nf4"])
 def test_builds_on_cuda_gate_against_the_cpu_record(recipe):
-    session = CircuitsSession(CircuitsSettings(device="cuda"))  # the default probe, as the baselines
-    assert session.build(recipe).device.type == "cuda"
+    session = Run(CircuitsSettings(device="cuda"))  # the default probe, as the baselines
+    assert session.loaded.build(recipe).device.type == "cuda"
     assert _gate_against_cpu(session, recipe) == []
 
 
@@ -180,9 +182,9 @@ def test_builds_on_cuda_gate_against_the_cpu_record(recipe):
 @needs_gpu
 @requires_embedded_model()
 def test_a_device_map_on_gpus_gives_the_single_gpu_figures():
-    one = CircuitsSession(CircuitsSettings(device="cuda", probe=SMALL)).record("fp32")
-    spread_session = CircuitsSession(CircuitsSettings(device="auto", device_map="balanced", probe=SMALL))
-    spread = spread_session.record("fp32")
+    one = Run(CircuitsSettings(device="cuda", probe=SMALL)).records.record("fp32")
+    spread_session = Run(CircuitsSettings(device="auto", device_map="balanced", probe=SMALL))
+    spread = spread_session.records.record("fp32")
     for a, b in zip(one["heads"], spread["heads"]):
         for key in ("kappa", "prefix_matching", "knockout_delta"):
             if isinstance(a.get(key), float) and not math.isnan(a[key]):
@@ -196,10 +198,10 @@ def test_a_model_spread_over_two_gpus_replays_on_each_blocks_device():
     from pytest_circuits.rungs.knockout import knockout_scan
     from pytest_circuits.rungs.replay import block_devices
 
-    spread = CircuitsSession(CircuitsSettings(device="auto", device_map="balanced", probe=SMALL)).build("fp32")
+    spread = Run(CircuitsSettings(device="auto", device_map="balanced", probe=SMALL)).loaded.build("fp32")
     devices = block_devices(spread.model)
     assert devices is not None and len(set(devices)) == 2
-    one = CircuitsSession(CircuitsSettings(device="cuda:0", probe=SMALL)).build("fp32")
+    one = Run(CircuitsSettings(device="cuda:0", probe=SMALL)).loaded.build("fp32")
     a = knockout_scan(one, SMALL, progress=False)["knockout_delta"]
     b = knockout_scan(spread, SMALL, progress=False)["knockout_delta"]
     assert (a - b).abs().max() < 1e-4

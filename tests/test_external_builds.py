@@ -85,24 +85,24 @@ def test_missing_path_is_one_line_before_anything_loads(tmp_path, capsys):
 
 
 def test_baseline_file_name_is_the_name(tmp_path):
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.run import Run
 
-    session = CircuitsSession(settings("fp32,q8=x.gguf", baselines=tmp_path))
-    assert session.baseline_path("q8") == tmp_path / "tiny-induction--q8.json"
-    assert "--build q8=x.gguf" in session.record_command("q8")
+    session = Run(settings("fp32,q8=x.gguf", baselines=tmp_path))
+    assert session.baselines.path("q8") == tmp_path / "tiny-induction--q8.json"
+    assert "--build q8=x.gguf" in session.baselines.record_command("q8")
 
 
 # ---------------------------------------------------------------- refusals of the file itself
 
 
 def test_other_geometry_is_refused_in_one_line(env):
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.run import Run
     from pytest_circuits.testing import make_tiny_model, write_tiny_gguf
 
     other = write_tiny_gguf(make_tiny_model("llama", seed=3), env / "other-shape.gguf")
-    session = CircuitsSession(settings(f"fp32,other={other}", device="cpu"))
+    session = Run(settings(f"fp32,other={other}", device="cpu"))
     with pytest.raises(RecipeError) as error:
-        session.build("other")
+        session.loaded.build("other")
     text = one_line(error)
     assert "geometry" in text and "tiny-induction" in text and "n_layers 2" in text
 
@@ -153,28 +153,28 @@ def test_k_quant_tensor_loads_through_dequantization(env, float_gguf):
 
 @pytest.fixture(scope="module")
 def q8_session(q8_file, tmp_path_factory):
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.run import Run
 
-    return CircuitsSession(settings(f"fp32,q8={q8_file}", device="cpu"))
+    return Run(settings(f"fp32,q8={q8_file}", device="cpu"))
 
 
 def test_q8_file_identity_is_the_file(q8_session, q8_file):
     from pytest_circuits.gate.schema import Record
 
-    record = q8_session.record("q8", knockout=False)
+    record = q8_session.records.record("q8", knockout=False)
     build = record["build"]
     assert build["recipe"] == "q8" and build["source"] == str(q8_file) and build["format"] == "gguf"
     assert build["sha256"] == hashlib.sha256(q8_file.read_bytes()).hexdigest()
     # what the file holds, read by gguf's reader: 14 projections and the embedding at Q8_0, 5 norms F32
     assert build["tensor_types"] == file_types(q8_file) == {"Q8_0": 15, "F32": 5}
     Record.model_validate(json.loads(json.dumps(record)))
-    fp32 = q8_session.record("fp32", knockout=False)["build"]
+    fp32 = q8_session.records.record("fp32", knockout=False)["build"]
     assert not set(fp32) & {"source", "format", "sha256", "tensor_types"}  # recipe builds: as before
 
 
 def test_q8_file_passes_the_gate_against_fp32(q8_session, q8_file):
     from pytest_circuits.gate.tolerances import Tolerances
-    from pytest_circuits.gate.verdict import gate_build
+    from pytest_circuits.run.flow import gate_build
 
     for invariant in INVARIANTS:
         outcome = gate_build(q8_session.records, q8_session.baselines, "q8", invariant, Tolerances(), FIXES)
@@ -182,7 +182,7 @@ def test_q8_file_passes_the_gate_against_fp32(q8_session, q8_file):
         assert [r.against for r in outcome.results] == ["fp32 baseline"]  # no own baseline shipped: drift skipped
     line = q8_session.identity_lines("q8")[0]
     assert str(q8_file) in line and "Q8_0 x15" in line and hashlib.sha256(q8_file.read_bytes()).hexdigest()[:12] in line
-    fp32, q8 = q8_session.record("fp32", knockout=False), q8_session.record("q8", knockout=False)
+    fp32, q8 = q8_session.records.record("fp32", knockout=False), q8_session.records.record("q8", knockout=False)
     assert q8["copy_loss"] != fp32["copy_loss"]  # the file's weights are really not the float ones
 
 
@@ -190,7 +190,7 @@ def test_report_shows_the_file_of_an_external_build(q8_session, q8_file, tmp_pat
     pytest.importorskip("matplotlib", reason="the report draws with matplotlib")
     from pytest_circuits.report import write_report
 
-    page = write_report(tmp_path, [q8_session.record("q8", knockout=False)]).read_text()
+    page = write_report(tmp_path, [q8_session.records.record("q8", knockout=False)]).read_text()
     assert hashlib.sha256(q8_file.read_bytes()).hexdigest() in page and str(q8_file) in page and "Q8_0" in page
 
 
@@ -209,8 +209,8 @@ def test_record_then_gate_against_an_external_reference(q8_session, q8_file, tmp
     ``--circuits-reference q8`` names the reference file in its notes."""
     from pytest_circuits.cli import main
     from pytest_circuits.gate.tolerances import Tolerances
-    from pytest_circuits.gate.verdict import gate_build
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.flow import gate_build
+    from pytest_circuits.run.run import Run
 
     assert main(["record", "tiny-induction", "--build", f"q8={q8_file}", "--baselines", str(tmp_path)]) == 0
     written = tmp_path / "tiny-induction--q8.json"
@@ -220,7 +220,7 @@ def test_record_then_gate_against_an_external_reference(q8_session, q8_file, tmp
     assert main(["gate", "tiny-induction", "--build", f"q8={q8_file}", "--baseline", str(written)]) == 0
     out = capsys.readouterr().out
     assert f"candidate external build q8 = {q8_file} (gguf" in out and f"baseline external build q8 = {q8_file}" in out
-    session = CircuitsSession(settings(f"fp32,q8={q8_file}", reference="q8", baselines=tmp_path, device="cpu"))
+    session = Run(settings(f"fp32,q8={q8_file}", reference="q8", baselines=tmp_path, device="cpu"))
     session._cache.update({k: v for k, v in q8_session._cache.items() if k[0] in ("build", "weights")})
     outcome = gate_build(session.records, session.baselines, "fp32", "copying_heads", Tolerances(), FIXES)
     assert outcome.passed and outcome.results[0].against == "q8 baseline", outcome.message()
@@ -254,19 +254,19 @@ def test_smollm2_requantized_file_keeps_its_tokenizer_and_shape(env, tensor_type
 @needs_smollm2
 def test_smollm2_q8_file_passes_the_gate_against_fp32(env):
     from pytest_circuits.gate.tolerances import Tolerances
-    from pytest_circuits.gate.verdict import gate_build
     from pytest_circuits.model.gguf_quant import cached_gguf
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.flow import gate_build
+    from pytest_circuits.run.run import Run
 
     q8 = cached_gguf("smollm2-135m", "Q8_0")
     s = build_settings(
         {"model": "smollm2-135m", "builds": f"fp32,q8={q8}", "knockout-screen": "12"}, Path("baselines"), device="cpu"
     )
-    session = CircuitsSession(s)
+    session = Run(s)
     for invariant in ("copying_heads", "copy_loss", "induction_heads"):
         outcome = gate_build(session.records, session.baselines, "q8", invariant, Tolerances(), FIXES)
         assert outcome.passed, outcome.message()
-    assert session.record("q8", knockout=False)["build"]["tensor_types"] == file_types(q8)
+    assert session.records.record("q8", knockout=False)["build"]["tensor_types"] == file_types(q8)
 
 
 # ---------------------------------------------------------------- pre-quantized checkpoints (slow)
@@ -277,17 +277,17 @@ def test_smollm2_q8_file_passes_the_gate_against_fp32(env):
 def test_bnb_serialized_checkpoint_is_the_recipe_build(tmp_path, recipe, fmt):
     """A bitsandbytes checkpoint saved with save_pretrained loads on CPU as an external build and
     gives the figures of the recipe build it was saved from (same codes, same scales)."""
+    from pytest_circuits.run.run import Run
     from pytest_circuits.rungs.probe import run_repeat_probe
-    from pytest_circuits.session import CircuitsSession
 
-    session = CircuitsSession(settings(recipe, device="cpu"))
-    session.build(recipe).model.save_pretrained(tmp_path / "saved", safe_serialization=True)
-    external = CircuitsSession(settings(f"{recipe},saved={tmp_path / 'saved'}", device="cpu"))
-    build = external.build("saved")
+    session = Run(settings(recipe, device="cpu"))
+    session.loaded.build(recipe).model.save_pretrained(tmp_path / "saved", safe_serialization=True)
+    external = Run(settings(f"{recipe},saved={tmp_path / 'saved'}", device="cpu"))
+    build = external.loaded.build("saved")
     assert build.identity.format == fmt and build.llm_int8 == (recipe == "bnb-int8")
     assert "U8" in build.identity.tensor_types  # the codes are stored quantized, not as floats
     ours = run_repeat_probe(build, session.settings.probe).model_figures()
-    theirs = session.repeat_probe(recipe).model_figures()
+    theirs = session.measured.repeat_probe(recipe).model_figures()
     for name in ("copy_loss", "first_copy_loss"):
         assert ours[name] == pytest.approx(theirs[name], abs=1e-5)
 
@@ -301,14 +301,17 @@ def test_torchao_int8_checkpoint_loads_when_torchao_is_installed(tmp_path):
     from transformers import AutoModelForCausalLM, TorchAoConfig
 
     from pytest_circuits.model.loading import resolve_model
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.run import Run
 
     config = TorchAoConfig(quant_type=Int8WeightOnlyConfig())
     folder = resolve_model("tiny-induction").folder
     net = AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, dtype=torch.float32)
     net.save_pretrained(tmp_path / "ao", safe_serialization=True)
-    session = CircuitsSession(settings(f"fp32,ao={tmp_path / 'ao'}", device="cpu"))
-    build = session.build("ao")
+    session = Run(settings(f"fp32,ao={tmp_path / 'ao'}", device="cpu"))
+    build = session.loaded.build("ao")
     assert build.identity.format == "torchao" and "I8" in build.identity.tensor_types
-    fp32, ao = session.repeat_probe("fp32").model_figures(), session.repeat_probe("ao").model_figures()
+    fp32, ao = (
+        session.measured.repeat_probe("fp32").model_figures(),
+        session.measured.repeat_probe("ao").model_figures(),
+    )
     assert ao["copy_loss"] != fp32["copy_loss"] and abs(ao["copy_loss"] - fp32["copy_loss"]) < 0.05

@@ -535,13 +535,13 @@ def test_attention_windows_are_the_masks_the_model_applies(model_type, overrides
 
 def test_probe_longer_than_a_sliding_window_is_one_line(tmp_path):
     from pytest_circuits.errors import CircuitsError
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.run import Run
     from pytest_circuits.settings import CircuitsSettings
 
     folder = save_tiny_model("gemma2", tmp_path / "gemma2", sliding_window=8)
 
     def session(L):
-        return CircuitsSession(CircuitsSettings(model=str(folder), device="cpu", probe=RepeatSettings(0, 2, L)))
+        return Run(CircuitsSettings(model=str(folder), device="cpu", probe=RepeatSettings(0, 2, L)))
 
     with pytest.raises(CircuitsError) as refused:
         session(5).preflight()

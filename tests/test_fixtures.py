@@ -1,4 +1,4 @@
-"""The plugin's fixtures: prefixed ``circuits_``, annotated, typed objects; the old names warn."""
+"""The plugin's fixtures: prefixed ``circuits_``, annotated, typed objects; the old names are gone."""
 
 from __future__ import annotations
 
@@ -44,12 +44,12 @@ def test_typed(circuits_ov_spectrum, circuits_repeat_probe, circuits_gate):
     assert circuits_gate.outcome("copying_heads").results
 
 
-def test_old_name(ov_spectrum, circuits_ov_spectrum):
-    assert ov_spectrum is circuits_ov_spectrum
+def test_old_name(ov_spectrum):
+    pass
 """
 
 
-def test_fixtures_hand_out_typed_objects_and_old_names_warn(pytester, tmp_path, monkeypatch):
+def test_fixtures_hand_out_typed_objects_and_old_names_are_gone(pytester, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", IMPORT_ROOT)  # the package under test in the subprocess
     model = save_tiny_model("gpt2", tmp_path / "m", seed=0)
     pytester.makepyfile(test_mine=TYPED)
@@ -60,7 +60,5 @@ def test_fixtures_hand_out_typed_objects_and_old_names_warn(pytester, tmp_path, 
     update = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--circuits-update", "-k", "typed")
     update.assert_outcomes(passed=1)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
-    result.assert_outcomes(passed=2)
-    result.stdout.fnmatch_lines(
-        ["*CircuitsDeprecationWarning: the fixture ov_spectrum is deprecated*circuits_ov_spectrum*"]
-    )
+    result.assert_outcomes(passed=1, errors=1)  # the pre-0.2 name is no fixture any more
+    result.stdout.fnmatch_lines(["*fixture 'ov_spectrum' not found*"])

@@ -139,9 +139,9 @@ def test_a_record_without_min_effect_was_flagged_on_q_alone():
 def test_flags_of_two_minimum_effects_are_not_compared():
     """Only the flags depend on the minimum effect: kappa, z, p and q still pair; the flags do not,
     and `circuits diff` names both methods instead of reading a flag change."""
-    from pytest_circuits.cli import diff_rows
     from pytest_circuits.gate.invariants import evaluate, kappa_pairs
     from pytest_circuits.gate.tolerances import Tolerances
+    from pytest_circuits.show import diff_rows
 
     zero, default = KappaMethod(min_effect=0.0), KappaMethod()
     for figure in ("kappa", "kappa_z", "kappa_q", "kappa_trace_z"):

@@ -54,13 +54,13 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def session(checkpoints):
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.run import Run
 
     builds = ",".join(
         ["fp32", "fp8-e4m3-dyn", "int8-w8a8", *(f"{k.lower().replace('_', '-')}={v}" for k, v in checkpoints.items())]
     )
     raw = {"builds": builds, "reference": "fp32", "baselines": None}  # the shipped fp32 baseline's probe settings
-    return CircuitsSession(build_settings(raw, Path("baselines"), device="cpu"))
+    return Run(build_settings(raw, Path("baselines"), device="cpu"))
 
 
 def build_name(scheme: str) -> str:
@@ -124,7 +124,7 @@ def test_per_head_read_is_the_formats_dequantization(session, checkpoints, schem
     from pytest_circuits.model.weights import layer_weights
 
     tensors, config = stored(checkpoints[scheme])
-    build = session.build(build_name(scheme))
+    build = session.loaded.build(build_name(scheme))
     geo = build.geometry
     for layer in range(geo.n_layers):
         attn = build.model.model.layers[layer].self_attn
@@ -141,14 +141,14 @@ def test_per_head_read_is_the_formats_dequantization(session, checkpoints, schem
         for g in range(geo.n_kv_heads):
             torch.testing.assert_close(lw.W_V[g], v[g * d : (g + 1) * d].T, rtol=0, atol=0)
         assert_W_O_read(build, layer, o)
-    fp32 = session.build("fp32").model.model.layers[0].self_attn.q_proj.weight
+    fp32 = session.loaded.build("fp32").model.model.layers[0].self_attn.q_proj.weight
     assert not torch.equal(dense_weight(build.model.model.layers[0].self_attn.q_proj), fp32)  # really quantized
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_identity_names_format_scheme_modules_and_forward(session, checkpoints, scheme):
     group, code_type, fmt = SCHEMES[scheme]
-    build = session.build(build_name(scheme)).identity.as_dict()
+    build = session.loaded.build(build_name(scheme)).identity.as_dict()
     assert build["format"] == f"compressed-tensors-{fmt}" and build["backend"] == "compressed-tensors"
     assert build["tensor_types"][code_type] == 14  # the 14 projections' codes, stored quantized
     quantization = build["quantization"]
@@ -168,7 +168,7 @@ def test_identity_names_format_scheme_modules_and_forward(session, checkpoints, 
 
 def test_fp8_dynamic_forward_quantizes_each_token_as_the_format_defines(session):
     """``Q(x) = fp8_e4m3(x / s) * s`` with ``s = max_j |x_j| / 448`` per token, then ``Q(x) W^T``."""
-    q_proj = session.build("fp8-dynamic").model.model.layers[0].self_attn.q_proj
+    q_proj = session.loaded.build("fp8-dynamic").model.model.layers[0].self_attn.q_proj
     x = torch.randn(2, 5, q_proj.in_features, generator=torch.Generator().manual_seed(0)) * 3
     s = x.abs().amax(dim=-1, keepdim=True) / torch.finfo(torch.float8_e4m3fn).max
     quantized = (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
@@ -182,7 +182,7 @@ def test_self_check_recomputes_the_activation_quantization(session):
     """The decomposition check feeds V and O what they multiply; without the quantizer it misses."""
     from pytest_circuits.model import selfcheck
 
-    build = session.build("fp8-dynamic")
+    build = session.loaded.build("fp8-dynamic")
     check = selfcheck.measure_decomposition(build)
     assert check.worst < 1e-4 and check.tolerance == selfcheck.INT8_TOLERANCE
     original = selfcheck._input_quant
@@ -201,21 +201,23 @@ def test_self_check_recomputes_the_activation_quantization(session):
 def test_recipe_is_the_checkpoint_loaded(session, recipe, scheme):
     """A recipe quantizes in memory exactly as its checkpoint, saved and loaded, reads."""
     ours, theirs = (
-        session.repeat_probe(recipe).model_figures(),
-        session.repeat_probe(build_name(scheme)).model_figures(),
+        session.measured.repeat_probe(recipe).model_figures(),
+        session.measured.repeat_probe(build_name(scheme)).model_figures(),
     )
-    assert ours["copy_loss"] == theirs["copy_loss"] != session.repeat_probe("fp32").model_figures()["copy_loss"]
-    a, b = session.build(recipe).identity, session.build(build_name(scheme)).identity
+    assert (
+        ours["copy_loss"] == theirs["copy_loss"] != session.measured.repeat_probe("fp32").model_figures()["copy_loss"]
+    )
+    a, b = session.loaded.build(recipe).identity, session.loaded.build(build_name(scheme)).identity
     assert a.quantization == b.quantization and a.backend_version.startswith("compressed-tensors ")
 
 
 def test_fp8_weight_only_recipe_rounds_weights_to_float8_per_channel(session):
     """``fp8-e4m3``: ``W = fp8(W / s) * s``, ``s = max|W_row| / 448``; the input is not quantized."""
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.run import Run
 
     s = build_settings({"builds": "fp8-e4m3", "baselines": None}, Path("baselines"), device="cpu")
-    build = CircuitsSession(s).build("fp8-e4m3")
-    w = session.build("fp32").model.model.layers[1].mlp.down_proj.weight.detach()
+    build = Run(s).loaded.build("fp8-e4m3")
+    w = session.loaded.build("fp32").model.model.layers[1].mlp.down_proj.weight.detach()
     scale = w.abs().amax(dim=1, keepdim=True) / 448
     expected = (w / scale).to(torch.float8_e4m3fn).float() * scale
     torch.testing.assert_close(build.model.model.layers[1].mlp.down_proj.weight, expected, rtol=0, atol=1e-9)
@@ -239,13 +241,13 @@ def test_compressed_release_as_the_model(checkpoints):
 def test_gate_runs_on_a_checkpoint_against_fp32(session):
     from pytest_circuits.gate.schema import Record
     from pytest_circuits.gate.tolerances import Tolerances
-    from pytest_circuits.gate.verdict import gate_build
+    from pytest_circuits.run.flow import gate_build
 
     outcome = gate_build(
         session.records, session.baselines, "fp8-dynamic", "copying_heads", Tolerances(), {"own": "F", "reference": "F"}
     )
     assert outcome.passed and outcome.results[0].against == "fp32 baseline", outcome.message()
-    record = session.record("fp8-dynamic", knockout=False)
+    record = session.records.record("fp8-dynamic", knockout=False)
     Record.model_validate(json.loads(json.dumps(record)))  # the identity's new fields validate
     assert "float-quantized" in record["build"]["quantization"]
 
@@ -355,14 +357,14 @@ def test_nvfp4_forward_quantizes_the_input_per_16_values(nvfp4):
 def test_smollm2_w4a16_checkpoint_loads_as_a_build(tmp_path):
     from pytest_circuits.model.compressed import write_checkpoint
     from pytest_circuits.model.loading import resolve_model
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.run import Run
 
     folder = write_checkpoint(resolve_model("smollm2-135m").folder, tmp_path / "w4", "W4A16", 64)
     s = build_settings(
         {"model": "smollm2-135m", "builds": f"fp32,w4={folder}", "baselines": None}, Path("baselines"), device="cpu"
     )
-    session = CircuitsSession(s)
-    build = session.build("w4")
+    session = Run(s)
+    build = session.loaded.build("w4")
     assert "int4 group 64" in build.identity.quantization and "quantized 210 Linear" in build.identity.quantization
     tensors, _ = stored(folder)
     prefix = "model.layers.7.self_attn.o_proj"
@@ -380,12 +382,12 @@ def test_smollm2_compressed_checkpoints_load_and_read_the_formats_dequantization
     read of a layer is compressed-tensors' own dequantization, bit for bit."""
     from pytest_circuits.model.compressed import write_checkpoint
     from pytest_circuits.model.loading import resolve_model
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.run import Run
 
     group, _, fmt = SCHEMES[scheme]
     folder = write_checkpoint(resolve_model("smollm2-135m").folder, tmp_path / "ct", scheme, group)
     raw = {"model": "smollm2-135m", "builds": f"fp32,ct={folder}", "baselines": None}
-    build = CircuitsSession(build_settings(raw, Path("baselines"), device="cpu")).build("ct")
+    build = Run(build_settings(raw, Path("baselines"), device="cpu")).loaded.build("ct")
     identity = build.identity.as_dict()
     assert identity["format"] == f"compressed-tensors-{fmt}" and "quantized 210 Linear" in identity["quantization"]
     tensors, config = stored(folder)
@@ -402,12 +404,12 @@ def test_smollm2_compressed_checkpoints_load_and_read_the_formats_dequantization
 def test_smollm2_nvfp4_checkpoint_reads_the_formats_dequantization(tmp_path):
     from pytest_circuits.model.compressed import write_checkpoint
     from pytest_circuits.model.loading import resolve_model
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.run import Run
 
     ids = torch.randint(0, 49152, (8, 64), generator=torch.Generator().manual_seed(0))
     folder = write_checkpoint(resolve_model("smollm2-135m").folder, tmp_path / "nv", "NVFP4", calibration=ids)
     raw = {"model": "smollm2-135m", "builds": f"fp32,nv={folder}", "baselines": None}
-    build = CircuitsSession(build_settings(raw, Path("baselines"), device="cpu")).build("nv")
+    build = Run(build_settings(raw, Path("baselines"), device="cpu")).loaded.build("nv")
     assert "quantized 210 Linear" in build.identity.quantization
     tensors, _ = stored(folder)
     assert_W_O_read(build, 7, nvfp4_by_hand(tensors, "model.layers.7.self_attn.o_proj"))
@@ -611,11 +613,11 @@ def test_compressed_checkpoint_on_cuda_matches_the_cpu(session, checkpoints, nam
     scheme = {"fp8-dynamic": "FP8_DYNAMIC", "w4a16": "W4A16"}[name]
     gpu = load_external_build(resolve_model("tiny-induction"), BuildSpec(name, str(checkpoints[scheme])), "cuda")
     assert gpu.identity.device.startswith("cuda") and "reference on cuda" in gpu.identity.forward
-    cpu = session.build(name)
+    cpu = session.loaded.build(name)
     q = "model.layers.0.self_attn.q_proj"
     assert torch.equal(gpu.model.get_submodule(q).weight.cpu(), cpu.model.get_submodule(q).weight)
     ours = run_repeat_probe(gpu, session.settings.probe).model_figures()["copy_loss"]
-    assert ours == pytest.approx(session.repeat_probe(name).model_figures()["copy_loss"], abs=1e-3)
+    assert ours == pytest.approx(session.measured.repeat_probe(name).model_figures()["copy_loss"], abs=1e-3)
 
 
 @pytest.mark.slow

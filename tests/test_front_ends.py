@@ -29,7 +29,7 @@ class FirstCopyLoss(Invariant):
 
     def compare(self, before, after, tol):
         figure = "first_copy_loss"
-        return Comparison([within("model", figure, before[figure], after[figure], tol.first_copy_loss)])
+        return Comparison([within("model", figure, getattr(before, figure), getattr(after, figure), tol.first_copy_loss)])
 '''
 
 # the pytest side: every invariant pytest would gate, through the fixture, printed as `circuits gate` prints them
@@ -153,7 +153,7 @@ def test_an_entry_point_invariant_is_registered_after_the_built_in_ones(tmp_path
     (tmp_path / "circuits_extra.py").write_text(
         INVARIANT.replace("@register\n", "")
         .replace("first_copy_loss", "extra_copy_loss")
-        .replace("before[figure], after[figure]", "before['first_copy_loss'], after['first_copy_loss']")
+        .replace("getattr(before, figure), getattr(after, figure)", "before.first_copy_loss, after.first_copy_loss")
     )
     info = tmp_path / "circuits_extra-1.0.dist-info"
     info.mkdir()
@@ -176,3 +176,103 @@ def test_an_entry_point_invariant_is_registered_after_the_built_in_ones(tmp_path
 
     with pytest.raises(CircuitsError, match="invariant plugin 'broken' .* failed to load: AttributeError"):
         load_entry_points()
+
+
+def _verdict_lines(results, label: str) -> list[str]:
+    """``STATUS invariant: first line``, as ``circuits gate`` prints each result, the baseline's label
+    (each front end names it its own way) read as ``<baseline>``."""
+    from pytest_circuits.cli import STATUS_WORDS
+
+    lines = []
+    for r in results:
+        first = r.message.removeprefix(f"{r.invariant}: ").split("\n")[0]
+        lines.append(f"{STATUS_WORDS[r.status]} {r.invariant}: {first}".replace(label, "<baseline>"))
+    return lines
+
+
+PYTEST_VERDICTS = """
+import json
+import os
+
+from pytest_circuits.gate.invariants import per_build_invariants, verdict
+
+
+def test_verdicts(circuits_gate):
+    outcome = circuits_gate.outcome(*per_build_invariants())
+    kept = [dict(invariant=r.invariant, status=r.status, message=r.message) for r in outcome.results]
+    with open(os.environ["CIRCUITS_VERDICTS"], "w") as out:
+        json.dump({"results": kept, "verdict": verdict(outcome.results)[1]}, out)
+"""
+
+
+def test_the_five_front_ends_reach_one_verdict(recorded, tmp_path):
+    """pytest, ``circuits gate``, ``circuits diff``, ``circuits report --against`` and ``circuits
+    sensitivity``'s gate give the same verdict lines on the same build against the same baseline: each
+    reaches it through the one pure gate (`gate.check.check`). diff and report read the build's record
+    from the file ``circuits record`` wrote (with its further looks); the others measure it."""
+    from types import SimpleNamespace
+
+    from pytest_circuits.gate.invariants import verdict
+    from pytest_circuits.gate.store import read_record
+    from pytest_circuits.gate.tolerances import Tolerances
+    from pytest_circuits.report.writer import gate_files
+    from pytest_circuits.run.run import Run
+    from pytest_circuits.run.sensitivity import gate_record
+    from pytest_circuits.settings import CircuitsSettings, RepeatSettings
+
+    model, baselines = recorded
+    fp32 = baselines / "m--fp32.json"
+    label = f"baseline {fp32.name}"
+    # the build's record, as a file (diff, report)
+    built = tmp_path / "built"
+    done = _circuits("record", str(model), "--build", "rtn-int8", "--baselines", str(built), *PROBE, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    record_file = built / "m--rtn-int8.json"
+    # pytest, against the fp32 baseline alone (no own baseline: one comparison, as the others make)
+    (tmp_path / "test_verdicts.py").write_text(PYTEST_VERDICTS)
+    (tmp_path / "pytest.ini").write_text(
+        f"[pytest]\ncircuits_model = {model}\ncircuits_builds = rtn-int8\ncircuits_baselines = {baselines}\n"
+        "circuits_device = cpu\ncircuits_probe_n = 4\ncircuits_probe_length = 16\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env["CIRCUITS_VERDICTS"] = str(tmp_path / "verdicts.json")
+    ran = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_verdicts.py"],
+        cwd=tmp_path, capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    by_pytest = json.loads((tmp_path / "verdicts.json").read_text())
+    pytest_results = [SimpleNamespace(**r) for r in by_pytest["results"]]
+    front_ends = {"pytest": _verdict_lines(pytest_results, "fp32 baseline") + [by_pytest["verdict"]]}
+    # circuits gate
+    gated = _circuits(
+        "gate", str(model), "--build", "rtn-int8", "--baseline", str(fp32), "--device", "cpu", cwd=tmp_path
+    )
+    assert gated.returncode in (0, 1), gated.stderr
+    front_ends["circuits gate"] = [
+        line.replace(label, "<baseline>")
+        for line in gated.stdout.splitlines()
+        if line[:5] in ("PASS ", "FAIL ", "SKIP ") or line.startswith("gate ")
+    ]
+    # circuits report --against: its results, and the verdict line it prints
+    baseline, build = read_record(fp32), read_record(record_file)
+    reported = gate_files(baseline, build, fp32.name)
+    shown = _circuits("report", str(record_file), "--against", str(fp32), "--out", str(tmp_path / "r"), cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    said = shown.stdout.splitlines()[-1]
+    assert said.startswith(f"with default tolerances, rtn-int8 against {fp32.name}: ")
+    front_ends["circuits report"] = _verdict_lines(reported, label) + [said.split(": ", 1)[1]]
+    # circuits sensitivity's gate of the build as it stands (no damage)
+    run = Run(CircuitsSettings(model=str(model), builds=("rtn-int8",), device="cpu", probe=RepeatSettings(0, 4, 16)))
+    results, _ = gate_record(run, "rtn-int8", baseline.data, Tolerances())
+    front_ends["circuits sensitivity"] = _verdict_lines(results, "baseline") + [verdict(results)[1]]
+    # circuits diff prints the verdict line alone
+    diffed = _circuits("diff", str(fp32), str(record_file), cwd=tmp_path)
+    assert diffed.returncode == 0, diffed.stderr
+    diff_line = diffed.stdout.splitlines()[-1]
+    assert diff_line.startswith("with default tolerances, B against A: ")
+    lines = front_ends["circuits gate"]
+    assert len([line for line in lines if line[:4] in ("PASS", "FAIL", "SKIP")]) == 6, lines  # every built-in
+    for name, theirs in front_ends.items():
+        assert theirs == lines, f"{name} differs from circuits gate"
+    assert diff_line.split(": ", 1)[1] == lines[-1]

@@ -12,11 +12,11 @@ import torch
 from scipy.stats import spearmanr
 
 from pytest_circuits.gate import invariants as gate
-from pytest_circuits.gate import verdict
 from pytest_circuits.gate.invariants import InvariantResult, Row, format_rows, gate_all, key_heads
 from pytest_circuits.gate.invariants import evaluate as check
 from pytest_circuits.gate.stats import spearman
 from pytest_circuits.gate.tolerances import Tolerances
+from pytest_circuits.run import flow
 from pytest_circuits.testing import (
     add_weight_noise,
     flatten_head_qk,
@@ -363,20 +363,20 @@ def embedded(tmp_path_factory):
     """The fp32 record of tiny-induction plus a maker of sabotaged copies' records."""
     from transformers import AutoModelForCausalLM
 
+    from pytest_circuits.run.run import Run
     from pytest_circuits.rungs.repeat_settings import RepeatSettings
-    from pytest_circuits.session import CircuitsSession
     from pytest_circuits.settings import CircuitsSettings
 
     probe = RepeatSettings(0, 8, 32)
 
     def session(model):
-        return CircuitsSession(CircuitsSettings(model=model, device="cpu", probe=probe))
+        return Run(CircuitsSettings(model=model, device="cpu", probe=probe))
 
     base = session("tiny-induction")
-    reference = base.record("fp32")
+    reference = base.records.record("fp32")
 
     def edited(edit):
-        model = AutoModelForCausalLM.from_pretrained(base.source.folder, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(base.loaded.source.folder, dtype=torch.float32)
         edit(model)
         folder = tmp_path_factory.mktemp("edited")
         model.save_pretrained(folder, safe_serialization=True)
@@ -453,8 +453,8 @@ class FakeSession:
 
 
 def gate_build(session, *rest):
-    """`verdict.gate_build` of a session's typed parts."""
-    return verdict.gate_build(session.records, session.baselines, *rest)
+    """`run.flow.gate_build` of a session's typed parts."""
+    return flow.gate_build(session.records, session.baselines, *rest)
 
 
 def with_model(rec, fingerprint="sha256:aa", n_heads=4):
@@ -517,17 +517,13 @@ class FirstCopyLoss(gate.Invariant):
     """A user's invariant: the first-copy loss (how unpredictable fresh tokens are) stays put."""
 
     name = "first_copy_loss"
-    tolerances = ("copy_loss",)
+    reads = ("copy_loss",)
     held = "first-copy loss of {build} holds against the {against}"
     moved = "first-copy loss of {build} moved against the {against}"
 
     def compare(self, before, after, tol):
         return gate.Comparison(
-            [
-                gate.within(
-                    "model", "first_copy_loss", before["first_copy_loss"], after["first_copy_loss"], tol.copy_loss
-                )
-            ]
+            [gate.within("model", "first_copy_loss", before.first_copy_loss, after.first_copy_loss, tol.copy_loss)]
         )
 
 

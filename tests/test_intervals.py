@@ -132,19 +132,19 @@ def embedded_records(tmp_path_factory):
     """Live fp32 records of the embedded model, of a copy with its induction head's OV negated."""
     from transformers import AutoModelForCausalLM
 
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.run import Run
     from pytest_circuits.settings import CircuitsSettings
 
     probe = RepeatSettings(0, 8, 32)
-    base = CircuitsSession(CircuitsSettings(model="tiny-induction", device="cpu", probe=probe))
-    reference = json.loads(dumps(base.record("fp32")))  # as a baseline file holds it
+    base = Run(CircuitsSettings(model="tiny-induction", device="cpu", probe=probe))
+    reference = json.loads(dumps(base.records.record("fp32")))  # as a baseline file holds it
     induction = key_heads(reference, "prefix_matching", 1, 0.0)[0]
-    model = AutoModelForCausalLM.from_pretrained(base.source.folder, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(base.loaded.source.folder, dtype=torch.float32)
     negate_head_ov(model, int(induction[1]), int(induction.split("H")[1]))
     folder = tmp_path_factory.mktemp("negated")
     model.save_pretrained(folder, safe_serialization=True)
-    edited = CircuitsSession(CircuitsSettings(model=str(folder), device="cpu", probe=probe))
-    return reference, json.loads(dumps(edited.record("fp32")))
+    edited = Run(CircuitsSettings(model=str(folder), device="cpu", probe=probe))
+    return reference, json.loads(dumps(edited.records.record("fp32")))
 
 
 @needs_embedded
@@ -279,7 +279,8 @@ def test_rows_print_change_and_interval():
 
 @needs_embedded
 def test_circuits_diff_and_scan_lines_show_the_intervals(embedded_records, tmp_path, capsys):
-    from pytest_circuits.cli import main, model_lines
+    from pytest_circuits.cli import main
+    from pytest_circuits.show import model_lines
 
     reference, negated = embedded_records
     (tmp_path / "a.json").write_text(dumps(reference))

@@ -27,17 +27,15 @@ from pytest_circuits.rungs.kappa import (
     EXTRA_COLUMNS,
     SpectrumError,
     analytic_floor,
-    benjamini_hochberg,
-    haar_rotations,
     kappa_scores,
     ov_spectrum,
     ov_spectrum_of_model,
     reduced_ov,
     shared_unembed_embed,
-    symmetric_t,
     unembed_embed_pair,
     without_attrs,
 )
+from pytest_circuits.rungs.kappa_null import benjamini_hochberg, haar_rotations, symmetric_t
 from pytest_circuits.rungs.plain_loops import plain_kappa, plain_ov_spectrum, plain_reduced_ov
 from pytest_circuits.testing import make_tiny_model, requires_embedded_model, requires_smollm2
 
@@ -380,10 +378,10 @@ def test_kappa_method_of_a_record():
 
 @pytest.fixture(scope="module")
 def tiny_induction_session():
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.run import Run
     from pytest_circuits.settings import CircuitsSettings
 
-    return CircuitsSession(CircuitsSettings(model="tiny-induction", device="cpu"))
+    return Run(CircuitsSettings(model="tiny-induction", device="cpu"))
 
 
 @requires_embedded_model()
@@ -391,7 +389,7 @@ def test_gate_measures_the_candidate_as_its_baseline_was_measured(tiny_induction
     """Against a shipped (older) baseline the candidate is uncentred with the 256-draw normal null,
     and reproduces the baseline; a new record is centred with the 32-draw t null."""
     from pytest_circuits.gate.schema import Record
-    from pytest_circuits.gate.verdict import candidate_record
+    from pytest_circuits.run.flow import candidate_record
 
     session = tiny_induction_session
     baseline = json.loads(LEGACY_BASELINE.read_text())
@@ -408,7 +406,7 @@ def test_gate_measures_the_candidate_as_its_baseline_was_measured(tiny_induction
         # 7e-6 here and kappa_z by that over the null's sd (0.056); the same 2e-5 of kappa, in z units
         assert a["kappa_z"] == pytest.approx(b["kappa_z"], rel=1e-4, abs=2e-5 / b["kappa_null_sd"])
         assert a["kappa_uncentred"] == a["kappa"]
-    new = session.record("fp32", knockout=False)
+    new = session.records.record("fp32", knockout=False)
     Record.model_validate(new)
     assert (new["rung1"]["unembedding"], new["rung1"]["n_rotations"], new["rung1"]["p_method"]) == ("centred", 32, "t")
     assert candidate_record(session.records, "fp32", new, knockout=False) is new  # new against new: centred, one scan
@@ -424,7 +422,7 @@ def test_gate_build_asks_each_baseline_for_its_own_method():
     from types import SimpleNamespace
 
     from pytest_circuits.gate.tolerances import Tolerances
-    from pytest_circuits.gate.verdict import gate_build
+    from pytest_circuits.run.flow import gate_build
     from pytest_circuits.rungs.kappa_method import LEGACY, KappaMethod
 
     old = json.loads(LEGACY_BASELINE.read_text())
@@ -454,12 +452,12 @@ def test_records_of_two_kappa_methods_pair_only_like_figures(tiny_induction_sess
     """``circuits diff`` of an older baseline and a new record: kappa and kappa_trace pair with the
     new record's uncentred twins; what the null decides (z, flags) is not compared, and the
     invariant that needs it says why (a failure), never reading the method as a change."""
-    from pytest_circuits.cli import diff_rows
     from pytest_circuits.gate.invariants import evaluate
     from pytest_circuits.gate.tolerances import Tolerances
+    from pytest_circuits.show import diff_rows
 
     old = json.loads(LEGACY_BASELINE.read_text())
-    new = tiny_induction_session.record("fp32", knockout=False)
+    new = tiny_induction_session.records.record("fp32", knockout=False)
     copying = evaluate("copying_heads", old, new, Tolerances(), "fp32", "fp32 baseline")
     assert copying.status == "passed" and copying.compared > 3
     shift = evaluate("kappa_distribution", old, new, Tolerances(), "fp32", "fp32 baseline")

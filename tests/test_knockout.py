@@ -13,6 +13,7 @@ from pytest_circuits.errors import CircuitsError
 from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.families import out_proj_module
 from pytest_circuits.model.loading import resolve_model
+from pytest_circuits.run.plan import screen_variant
 from pytest_circuits.rungs import knockout, replay
 from pytest_circuits.rungs.ablation import ablated, parse_heads
 from pytest_circuits.rungs.knockout import head_means, knockout_scan
@@ -463,13 +464,13 @@ def test_user_errors_are_one_line(fp32_builds):
 
 
 def test_session_head_knockout(tiny_folders, capsys):
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.run import Run
     from pytest_circuits.settings import CircuitsSettings
 
     settings = CircuitsSettings(
         model=str(tiny_folders["gpt2"]), builds=("fp32",), device="cpu", probe=RepeatSettings(seed=0, n=3, L=8)
     )
-    df = CircuitsSession(settings).head_knockout("fp32")
+    df = Run(settings).measured.head_knockout("fp32")
     assert df.attrs["settings"]["seed"] == settings.knockout_probe.seed != settings.probe.seed
     assert df["knockout_delta"].notna().all()
     assert capsys.readouterr().err == ""  # the progress bar stays off when stderr is not a terminal
@@ -650,12 +651,12 @@ def test_smollm2_strongest_induction_head_knockout(smollm2):
 
 
 def _session_of(folder, **settings):
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.run import Run
     from pytest_circuits.settings import CircuitsSettings
 
     probe = RepeatSettings(seed=0, n=2, L=6)
     base = dict(model=str(folder), builds=("fp32",), reference="fp32", device="cpu", probe=probe)
-    return CircuitsSession(CircuitsSettings(**{**base, **settings}))
+    return Run(CircuitsSettings(**{**base, **settings}))
 
 
 def _wide_model(tmp_path):
@@ -678,10 +679,10 @@ def test_default_plan_screens_past_300_heads_and_says_so_first(tmp_path):
 
     wide = _wide_model(tmp_path)
     session = _session_of(wide, knockout_screen_method="atp")
-    assert session.screen_top_k() == session.AUTO_SCREEN_TOP_K == 12
+    assert session.measured.screen_top_k() == session.AUTO_SCREEN_TOP_K == 12
     lines: list[str] = []
-    session.progress_write = lines.append
-    frame = session.head_knockout("fp32")
+    session.loaded.progress_write = lines.append
+    frame = session.measured.head_knockout("fp32")
     plan = [line for line in lines if line.startswith("circuits: rung 2 of")]
     assert len(plan) == 1 and "304 heads" in plan[0] and "the atp screen over every head" in plan[0]
     assert "the full exact scan only with --circuits-knockout-full" in plan[0] and "GFLOP/s" in plan[0]
@@ -692,7 +693,7 @@ def test_default_plan_screens_past_300_heads_and_says_so_first(tmp_path):
     assert "of wall time; the plan estimated" in took[0] and took[0].endswith("x)")
     assert frame.attrs["screened"] and len(frame.attrs["exact_heads"]) == 12
     assert frame["knockout_delta"].notna().sum() == 12
-    build, probe = session.build("fp32"), session.settings.knockout_probe
+    build, probe = session.loaded.build("fp32"), session.settings.knockout_probe
     assert screen_flops(build, probe, "atp") + exact_flops(build, probe, 12) < exact_flops(build, probe) / 5
     assert _session_of(wide, knockout_full=True).screen_top_k() is None
     assert _session_of(wide, knockout_screen=5).screen_top_k() == 5
@@ -712,7 +713,7 @@ def test_a_scan_planned_by_size_says_its_whole_cost_first_and_its_time_last(tmp_
     for with_knockout in (True, False):
         session = _session_of(wide, knockout_screen_method="atp")
         lines: list[str] = []
-        session.progress_write = lines.append
+        session.loaded.progress_write = lines.append
         session.records.record("fp32", knockout=with_knockout)
         said = [line for line in lines if not line.startswith(("loading ", "rung 1 (", "repeat probe ("))]
         scan = [line for line in said if line.startswith("circuits: the scan of")]
@@ -721,7 +722,7 @@ def test_a_scan_planned_by_size_says_its_whole_cost_first_and_its_time_last(tmp_
         assert said.index(scan[0]) == 0 and said.index(took[0]) == len(said) - 1, said
         assert ("and rung 2 " in scan[0]) is with_knockout and "rung 1 counts" in scan[0] and "(float32, " in scan[0]
         assert "the plan estimated" in took[0] and took[0].endswith("x)")
-        build = session.build("fp32")
+        build = session.loaded.build("fp32")
         rung1 = rung1_flops(build.geometry, session.settings.kappa_method.n_rotations)
         assert f"rung 1 counts {rung1 / 1e12:.3g} TFLOP" in scan[0]
         assert f"the probe {probe_flops(build, session.settings.probe) / 1e12:.3g}" in scan[0]
@@ -741,7 +742,7 @@ def test_automatic_screen_method_is_chosen_by_counted_cost_and_said(tmp_path, mo
     folder = save_tiny_model("llama", tmp_path / "m")
     session = _session_of(folder, knockout_screen=2)
     assert session.settings.knockout_screen_method == "auto"
-    build, probe = session.build("fp32"), session.settings.knockout_probe
+    build, probe = session.loaded.build("fp32"), session.settings.knockout_probe
     atp_star = plan.screen_flops(build, probe, "atp*")
     assert plan.screen_flops(build, probe, "atp") < atp_star
     assert plan.automatic_screen_method(build, probe) == ("atp*", "")  # a tiny model fits any budget
@@ -753,11 +754,11 @@ def test_automatic_screen_method_is_chosen_by_counted_cost_and_said(tmp_path, mo
     monkeypatch.setitem(plan.SCREEN_BUDGET_FLOP, "cpu", atp_star / 2)
 
     lines: list[str] = []
-    session.progress_write = lines.append
-    frame = session.head_knockout("fp32")
+    session.loaded.progress_write = lines.append
+    frame = session.measured.head_knockout("fp32")
     assert frame.attrs["screen_method"] == "atp"
     assert sum("screening with atp" in line for line in lines) == 1
-    record = session.record("fp32")
+    record = session.records.record("fp32")
     assert record["knockout"]["screen_method"] == "atp"
     explicit = _session_of(folder, knockout_screen=2, knockout_screen_method="atp*")
     assert explicit.head_knockout("fp32").attrs["screen_method"] == "atp*"
@@ -774,7 +775,7 @@ def test_screen_variant_reaches_the_scan_and_its_count(tmp_path, monkeypatch):
 
     folder = save_tiny_model("llama", tmp_path / "m", num_hidden_layers=4)
     session = _session_of(folder, knockout_screen=2, knockout_screen_sequences=1, knockout_screen_qk_top=1)
-    build, probe = session.build("fp32"), session.settings.knockout_probe
+    build, probe = session.loaded.build("fp32"), session.settings.knockout_probe
     today = plan.screen_flops(build, probe, "atp*")
     assert plan.screen_flops(build, probe, "atp*", ScreenVariant()) == today
     assert plan.screen_flops(build, probe, "atp*", ScreenVariant(sequences=1)) == pytest.approx(today / probe.n)
@@ -791,8 +792,8 @@ def test_screen_variant_reaches_the_scan_and_its_count(tmp_path, monkeypatch):
         return original(build, ids, L, mode, means, method, batch_size, bar, variant)
 
     monkeypatch.setattr(screen, "screen_estimate", spy)
-    session.head_knockout("fp32")
+    session.measured.head_knockout("fp32")
     assert seen == [(probe.n, ScreenVariant(sequences=1, qk_top=1))]
     default = _session_of(folder, knockout_screen=2)
-    assert default.screen_variant() == ScreenVariant(qk_top=DEFAULT_SCREEN_QK_TOP)
+    assert screen_variant(default.settings) == ScreenVariant(qk_top=DEFAULT_SCREEN_QK_TOP)
     assert not any("qk-top" in word for word in recording_words(default.settings, "cli"))

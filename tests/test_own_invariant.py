@@ -102,27 +102,6 @@ def test_an_own_tolerance_may_not_shadow_a_built_in():
         register(Shadow)
 
 
-def test_the_older_own_tolerances_spelling_still_declares_with_a_warning():
-    from pytest_circuits import CircuitsDeprecationWarning, Comparison, Invariant, register
-    from pytest_circuits.gate.invariants import REGISTRY, tolerances_of
-
-    class Older(Invariant):
-        name = "older_spelling"
-        own_tolerances = {"older_limit": 0.25}
-        tolerances = ("kappa",)  # the older meaning of a tuple: built-in tolerances it reads
-
-        def compare(self, before, after, tol):
-            return Comparison()
-
-    with pytest.warns(CircuitsDeprecationWarning, match="own_tolerances"):
-        register(Older)
-    try:
-        assert Tolerances().older_limit == 0.25
-        assert tolerances_of("older_spelling") == ("older_limit", "kappa")
-    finally:
-        del REGISTRY["older_spelling"]
-
-
 def test_every_tolerance_is_declared_by_one_invariant_and_the_table_is_generated_from_them():
     """The built-in table the plugin reads at start-up is the registry's declarations, default for
     default (the ini keys, marker keywords and --tol names all come from it)."""
@@ -136,21 +115,16 @@ def test_every_tolerance_is_declared_by_one_invariant_and_the_table_is_generated
         assert type(declared[name].default) is type(row[0]), name  # an int stays a count, a bool a flag
 
 
-def test_an_invariant_reads_typed_records_and_the_older_mapping_view_still_works_with_one_warning(monkeypatch):
-    """`compare` receives validated `Record`s: attributes are the typed way; ``record["key"]`` and
-    ``record.get("key")`` (the dicts invariants received before) still read the record dict, warning
-    `CircuitsDeprecationWarning` once a process."""
-    import warnings
-
-    from pytest_circuits import CircuitsDeprecationWarning
+def test_an_invariant_reads_typed_records_only():
+    """`compare` receives validated `Record`s read by attribute; the older mapping view is gone (#50)."""
     from pytest_circuits.gate import schema
     from pytest_circuits.gate.invariants import Comparison, Invariant, evaluate, within
-    from pytest_circuits.gate.store import read_baseline
+    from pytest_circuits.gate.store import read_record
 
     from .conftest import SHIPPED_BASELINES
 
-    baseline = read_baseline(SHIPPED_BASELINES / "tiny-induction--fp32.json")
-    build = read_baseline(SHIPPED_BASELINES / "tiny-induction--rtn-int4.json")
+    baseline = read_record(SHIPPED_BASELINES / "tiny-induction--fp32.json")
+    build = read_record(SHIPPED_BASELINES / "tiny-induction--rtn-int4.json")
     seen = {}
 
     class Typed(Invariant):
@@ -160,25 +134,12 @@ def test_an_invariant_reads_typed_records_and_the_older_mapping_view_still_works
             seen["typed"] = (type(after), after.copy_loss, after.heads[0].head, after.model.name)
             return Comparison([within("model", "copy_loss", before.copy_loss, after.copy_loss, 10.0)])
 
-    class Older(Typed):
-        name = "older_reads"
-
-        def compare(self, before, after, tol):
-            seen["older"] = (after["copy_loss"], after.get("heads")[0]["head"], "probe" in after)
-            return Comparison([within("model", "copy_loss", before["copy_loss"], after.get("copy_loss"), 10.0)])
-
-    monkeypatch.setattr(schema, "_WARNED", [])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        typed = evaluate(Typed(), baseline, build, Tolerances(), "rtn-int4", "fp32 baseline")
-        assert typed.passed and not caught  # the typed way warns nothing
-        older = [evaluate(Older(), baseline, build, Tolerances(), "rtn-int4", "fp32 baseline") for _ in range(2)]
-    assert all(r.passed for r in older) and older[0].message == older[1].message
-    assert seen["typed"] == (schema.Record, build["copy_loss"], "L0H0", "tiny-induction")
-    assert seen["older"] == (build["copy_loss"], "L0H0", True)
-    deprecations = [w for w in caught if issubclass(w.category, CircuitsDeprecationWarning)]
-    assert len(deprecations) == 1
-    assert "read its attributes" in str(deprecations[0].message)
+    typed = evaluate(Typed(), baseline, build, Tolerances(), "rtn-int4", "fp32 baseline")
+    assert typed.passed
+    assert seen["typed"] == (schema.Record, build.data["copy_loss"], "L0H0", "tiny-induction")
+    with pytest.raises(TypeError, match="not subscriptable"):
+        build["copy_loss"]  # noqa: B018
+    assert not hasattr(build, "get")
 
 
 def test_a_record_dict_that_is_no_scan_record_is_one_line_at_the_gate():

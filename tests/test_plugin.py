@@ -48,12 +48,12 @@ def warm(tmp_path_factory):
 
     (pytester drops the modules an inner run imported; torch refuses to register some twice.)
     """
+    from pytest_circuits.run.run import Run
     from pytest_circuits.rungs.repeat_settings import RepeatSettings
-    from pytest_circuits.session import CircuitsSession
     from pytest_circuits.settings import CircuitsSettings
 
     folder = save_tiny_model("gpt2", tmp_path_factory.mktemp("warm") / "m", seed=0)
-    CircuitsSession(CircuitsSettings(model=str(folder), device="cpu", probe=RepeatSettings(0, 2, 4))).record("fp32")
+    Run(CircuitsSettings(model=str(folder), device="cpu", probe=RepeatSettings(0, 2, 4))).records.record("fp32")
     for name in ("pytest_circuits.report", "matplotlib.pyplot", "pytest_circuits.cli"):
         try:
             __import__(name)
@@ -267,7 +267,7 @@ def test_an_invariant_registered_in_conftest_runs_through_circuits_gate(suite):
         @register
         class FirstCopyLoss(Invariant):
             name = "first_copy_loss"
-            tolerances = ("copy_loss",)
+            reads = ("copy_loss",)
 
             def compare(self, before, after, tol):
                 return Comparison([within("model", "first_copy_loss", before["first_copy_loss"],
@@ -391,7 +391,7 @@ def pytest_unconfigure(config):  # after the session's end, its summary and repo
     seen = {{
         "heavy": heavy,
         "plugin": config.pluginmanager.hasplugin("circuits"),
-        "session": "pytest_circuits.session" in sys.modules,
+        "session": "pytest_circuits.run.run" in sys.modules,
     }}
     (config.rootpath / "seen.json").write_text(json.dumps(seen))
 """

@@ -128,8 +128,8 @@ def test_the_screen_counts_the_chunks_it_runs_when_a_large_model_splits_them(mon
 
 
 PROGRESS_TEST = """
-def test_long_scan(circuits_session):
-    circuits_session.progress_write("knockout m:fp32: 4/8 heads, at L0H3, 10s elapsed, ETA 5s")
+def test_long_scan(circuits_run):
+    circuits_run.loaded.progress_write("knockout m:fp32: 4/8 heads, at L0H3, 10s elapsed, ETA 5s")
 """
 
 

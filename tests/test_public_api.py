@@ -42,13 +42,11 @@ def test_the_package_ships_py_typed():
         assert "pytest_circuits/py.typed" in {str(f).replace("\\", "/") for f in dist.files or ()}
 
 
-def test_the_deprecated_names_still_resolve_with_a_warning():
-    """Each name taken out of ``__all__`` still works, warning with a `CircuitsDeprecationWarning`."""
+def test_the_removed_names_are_gone():
+    """0.x removes what a redesign replaced (#50): no deprecated alias resolves."""
     import pytest
 
-    for name in pytest_circuits._DEPRECATED:
+    for name in ("register_invariant", "Run", "CircuitsDeprecationWarning"):
         assert name not in pytest_circuits.__all__
-        with pytest.warns(pytest_circuits.CircuitsDeprecationWarning, match=name):
-            assert getattr(pytest_circuits, name) is not None
-    with pytest.warns(pytest_circuits.CircuitsDeprecationWarning):
-        assert pytest_circuits.register_invariant is pytest_circuits.register
+        with pytest.raises(AttributeError):
+            getattr(pytest_circuits, name)

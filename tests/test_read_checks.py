@@ -423,7 +423,7 @@ def test_kappa_of_hand_built_copying_and_suppressing_heads(model_type, tmp_path)
     the hand-built one up to a positive scalar (the multipliers). Each fold factor the type
     declares, missed, would move that spectrum by more than 0.01 (the test's power; the norm scales
     are given mixed signs, so a missed one also moves kappa off +1)."""
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.run import Run
     from pytest_circuits.settings import CircuitsSettings
 
     model = make_tiny_model(model_type, seed=7)
@@ -437,8 +437,8 @@ def test_kappa_of_hand_built_copying_and_suppressing_heads(model_type, tmp_path)
     model.save_pretrained(tmp_path / model_type, safe_serialization=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # an assumed layout says so in a warning
-        session = CircuitsSession(CircuitsSettings(model=str(tmp_path / model_type), device="cpu"))
-        frame = session.ov_spectrum("fp32").set_index("head")
+        session = Run(CircuitsSettings(model=str(tmp_path / model_type), device="cpu"))
+        frame = session.measured.ov_spectrum("fp32").set_index("head")
     assert frame.loc[f"L{HAND_LAYER}H{COPY}", "kappa"] > 0.999
     assert frame.loc[f"L{HAND_LAYER}H{ANTI}", "kappa"] < -0.999
     assert frame.loc[f"L{HAND_LAYER}H{COPY}", "copying"] and frame.loc[f"L{HAND_LAYER}H{ANTI}", "suppression"]

@@ -563,12 +563,12 @@ def embedded_fp32():
     """tiny-induction's fp32 build scanned on a small probe (no knockouts), with its session."""
     if not has_embedded_model():
         pytest.skip("embedded model missing: python scripts/train_tiny_induction.py")
+    from pytest_circuits.run.run import Run
     from pytest_circuits.rungs.repeat_settings import RepeatSettings
-    from pytest_circuits.session import CircuitsSession
     from pytest_circuits.settings import CircuitsSettings
 
-    session = CircuitsSession(CircuitsSettings(model="tiny-induction", device="cpu", probe=RepeatSettings(3, 4, 24)))
-    return session, session.record("fp32", knockout=False)
+    session = Run(CircuitsSettings(model="tiny-induction", device="cpu", probe=RepeatSettings(3, 4, 24)))
+    return session, session.records.record("fp32", knockout=False)
 
 
 def test_position_loss_is_the_models_own_per_position_loss(embedded_fp32):
@@ -581,11 +581,11 @@ def test_position_loss_is_the_models_own_per_position_loss(embedded_fp32):
     from pytest_circuits.rungs.repeat import repeat_tokens
 
     session, record = embedded_fp32
-    L, o = 24, (0 if session.build("fp32").tokens.bos_id is None else 1)
+    L, o = 24, (0 if session.loaded.build("fp32").tokens.bos_id is None else 1)
     model = AutoModelForCausalLM.from_pretrained(
-        session.source.folder, dtype=torch.float32, attn_implementation="eager"
+        session.loaded.source.folder, dtype=torch.float32, attn_implementation="eager"
     )
-    ids = repeat_tokens(session.build("fp32").tokens, 4, L, 3)
+    ids = repeat_tokens(session.loaded.build("fp32").tokens, 4, L, 3)
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=ids).logits.double(), dim=-1)
     t = np.arange(1, 2 * L)  # CE_t: predicting position o+t from the logits at o+t-1
@@ -626,9 +626,9 @@ def test_attention_map_is_the_heads_own_pattern_with_the_induction_stripe(embedd
     assert scores[head] == max(scores.values())  # the strongest induction head
     layer, index = data.cell_of(head)
     model = AutoModelForCausalLM.from_pretrained(
-        session.source.folder, dtype=torch.float32, attn_implementation="eager"
+        session.loaded.source.folder, dtype=torch.float32, attn_implementation="eager"
     )
-    ids = repeat_tokens(session.build("fp32").tokens, 1, 24, 3)
+    ids = repeat_tokens(session.loaded.build("fp32").tokens, 1, 24, 3)
     with torch.no_grad():
         expected = model(input_ids=ids, output_attentions=True).attentions[layer][0, index].numpy()
     pattern = np.asarray(attention["pattern"])
@@ -825,9 +825,9 @@ def test_circuits_report_validates_each_file_once(tmp_path, record_validations, 
 
 
 def test_the_drawn_view_reads_a_partial_record_as_far_as_it_goes():
-    """`schema.drawn_record`: a head without its cell reads it from its label, in model order; a missing
+    """`report.drawn.drawn_record`: a head without its cell reads it from its label, in model order; a missing
     part or figure reads as None; a view is its own view."""
-    from pytest_circuits.gate.schema import drawn_record
+    from pytest_circuits.report.drawn import drawn_record
 
     partial = {
         "build": {"recipe": "int4"},

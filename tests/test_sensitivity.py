@@ -10,7 +10,7 @@ import torch
 
 from pytest_circuits.cli import main
 from pytest_circuits.model.families import geometry_of, out_proj_module
-from pytest_circuits.sensitivity import Damage, Outcome, Restorer, caught_table, gate_outcome, sweep
+from pytest_circuits.run.sensitivity import Damage, Outcome, Restorer, caught_table, gate_outcome, sweep
 from pytest_circuits.testing import make_tiny_model, requires_embedded_model, requires_smollm2
 
 from .conftest import SHIPPED_BASELINES
@@ -127,10 +127,10 @@ def embedded_gate():
     """A session on the embedded model's fp32 build and its shipped baseline."""
     from pytest_circuits.gate.store import read_baseline
     from pytest_circuits.gate.tolerances import Tolerances
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.run import Run
     from pytest_circuits.settings import CircuitsSettings
 
-    session = CircuitsSession(CircuitsSettings(model="tiny-induction", device="cpu"))
+    session = Run(CircuitsSettings(model="tiny-induction", device="cpu"))
     baseline = read_baseline(SHIPPED_BASELINES / "tiny-induction--fp32.json")
     return session, baseline, Tolerances()
 
@@ -138,7 +138,7 @@ def embedded_gate():
 @needs_embedded
 def test_negated_induction_head_is_caught_and_a_benign_scale_is_not(embedded_gate):
     session, baseline, tol = embedded_gate
-    weights = {n: p.detach().clone() for n, p in session.build("fp32").model.named_parameters()}
+    weights = {n: p.detach().clone() for n, p in session.loaded.build("fp32").model.named_parameters()}
     outcomes = sweep(session, baseline, [Damage("ov_scale", -1.0, "L1H0"), Damage("ov_scale", 0.99, "L1H0")], tol)
     intact, negated, benign = outcomes
     assert intact.passed and not intact.failed
@@ -147,7 +147,7 @@ def test_negated_induction_head_is_caught_and_a_benign_scale_is_not(embedded_gat
     assert "L1H0" in copying.message
     assert not benign.failed and benign.passed
     # every weight is back, bit for bit, and the intact build gates as before
-    for name, p in session.build("fp32").model.named_parameters():
+    for name, p in session.loaded.build("fp32").model.named_parameters():
         assert torch.equal(p, weights[name]), name
     again = gate_outcome(session, "fp32", baseline, tol)
     assert again.copy_loss == intact.copy_loss and not again.failed
@@ -173,7 +173,7 @@ def test_circuits_sensitivity_refuses_bad_input(capsys):
 def test_an_invariant_that_compared_nothing_is_not_counted_as_catching_a_damage(monkeypatch):
     """The gate fails when an invariant compared nothing, but no move was measured: the sweep must
     not read that as the damage caught (it is listed apart, and the gate column stays ``no``)."""
-    import pytest_circuits.sensitivity as S
+    import pytest_circuits.run.sensitivity as S
     from pytest_circuits.gate.invariant_api import InvariantResult
 
     results = [

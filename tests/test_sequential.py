@@ -7,8 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from pytest_circuits.gate.builtin_invariants import sampled_within
-from pytest_circuits.gate.looks import look_seed, look_values
+from pytest_circuits.gate.looks import look_values
+from pytest_circuits.gate.rows import sampled_within
+from pytest_circuits.gate.seeds import look_seed
 from pytest_circuits.gate.sequential import boundaries, decide
 from pytest_circuits.gate.tolerances import Tolerances
 

@@ -20,7 +20,7 @@ from pytest_circuits.errors import ShardError
 from pytest_circuits.gate.invariants import per_build_invariants
 from pytest_circuits.gate.shards import check_shard_job, merge_parts, read_part
 from pytest_circuits.options import parse_shard
-from pytest_circuits.session import CircuitsSession
+from pytest_circuits.run.run import Run
 from pytest_circuits.settings import build_settings
 
 from .conftest import needs_embedded
@@ -303,9 +303,9 @@ def test_pytest_shard_options_are_checked_in_one_line():
 @needs_embedded
 def test_a_shard_job_never_measures_the_whole_scan(pytest_parts):
     """In a shard job every way to the unsharded knockout scan is one line naming the merge."""
-    session = CircuitsSession(_settings(shard="1/2", **{"shard-out": "p.json"}))
+    session = Run(_settings(shard="1/2", **{"shard-out": "p.json"}))
     with pytest.raises(ShardError, match="this job measures only knockout shard 1/2 \\(--circuits-shard\\)"):
-        session.head_knockout("fp32")
+        session.measured.head_knockout("fp32")
 
 
 @needs_embedded
@@ -313,13 +313,13 @@ def test_the_merge_job_refuses_what_is_not_the_builds_parts_in_one_line(pytest_p
     gathered, _ = pytest_parts
 
     def record(pattern: str, **raw):
-        return CircuitsSession(_settings(**{"shard-parts": pattern}, **raw)).record("fp32", knockout=True)
+        return Run(_settings(**{"shard-parts": pattern}, **raw)).records.record("fp32", knockout=True)
 
     assert record(str(gathered))["heads"] == record(str(gathered / "part-*.json"))["heads"]  # a folder or a glob
     with pytest.raises(ShardError, match="--circuits-shard-parts .*nothing-\\*.json: no file matches"):
         record(str(tmp_path / "nothing-*.json"))
     with pytest.raises(ShardError, match="holds parts of fp32, not a build gated \\(bf16\\)"):
-        CircuitsSession(_settings(builds="bf16", **{"shard-parts": str(gathered)})).record("bf16")
+        Run(_settings(builds="bf16", **{"shard-parts": str(gathered)})).records.record("bf16")
     with pytest.raises(ShardError, match="measured with probe .*'n': 4.*this run asks for .*'n': 8"):
         record(str(gathered), **{"probe-n": 8})
     (tmp_path / "renamed").mkdir()
@@ -347,8 +347,8 @@ def test_a_merge_job_needs_no_memory_for_a_probe_it_does_not_run(monkeypatch):
 
     monkeypatch.setattr(repeat, "available_memory", lambda device: 0)
     with pytest.raises(CircuitsError, match="the repeat probe with n=4, L=16"):
-        CircuitsSession(_settings()).preflight()
-    assert CircuitsSession(_settings(**{"shard-parts": "parts"})).preflight().n_layers == 2
+        Run(_settings()).loaded.preflight()
+    assert Run(_settings(**{"shard-parts": "parts"})).loaded.preflight().n_layers == 2
 
 
 # ---------------------------------------------------------------- issue 38: parts that weaken the record
@@ -492,9 +492,9 @@ def test_the_merge_job_validates_its_parts_as_circuits_merge_does(parts, tmp_pat
     relabelled["part"].update(index=1, of=1, layers=[0, 1])
     (tmp_path / "parts").mkdir()
     (tmp_path / "parts" / "part-1.json").write_text(json.dumps(relabelled))
-    session = CircuitsSession(_settings(**{"shard-parts": str(tmp_path / "parts")}))
+    session = Run(_settings(**{"shard-parts": str(tmp_path / "parts")}))
     with pytest.raises(ShardError, match="part-1.json is not the part it says .*no knockout_delta for L0H0"):
-        session.record("fp32", knockout=True)
+        session.records.record("fp32", knockout=True)
 
 
 @needs_embedded

@@ -313,7 +313,7 @@ def test_circuits_gate_embedded_model_against_smollm2_compares_across_models(cap
 @pytest.fixture(scope="module")
 def random_records(tmp_path_factory):
     """Scan records of two random models of other shapes than the embedded model (default probe)."""
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.run import Run
     from pytest_circuits.settings import CircuitsSettings
 
     root = tmp_path_factory.mktemp("swaps")
@@ -321,7 +321,7 @@ def random_records(tmp_path_factory):
     records = {}
     for name, (family, overrides) in shapes.items():
         folder = save_tiny_model(family, root / name, seed=0, **overrides)
-        records[name] = CircuitsSession(CircuitsSettings(model=str(folder), device="cpu")).record("fp32")
+        records[name] = Run(CircuitsSettings(model=str(folder), device="cpu")).records.record("fp32")
     return records
 
 

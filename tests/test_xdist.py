@@ -166,10 +166,10 @@ def test_layer_shards_refuse_zero():
 
 @pytest.fixture(scope="module")
 def embedded_fp32():
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.run import Run
     from pytest_circuits.settings import CircuitsSettings, RepeatSettings
 
-    return CircuitsSession(CircuitsSettings(device="cpu", probe=RepeatSettings(0, 2, 16))).build("fp32")
+    return Run(CircuitsSettings(device="cpu", probe=RepeatSettings(0, 2, 16))).loaded.build("fp32")
 
 
 @requires_embedded_model()
@@ -214,16 +214,16 @@ def test_shards_that_overlap_or_disagree_are_refused(embedded_fp32):
 def test_a_sharded_session_records_the_same_and_a_shard_is_measured_once_per_run(tmp_path):
     """Two shards through the shared run folder: the record is the unsharded one's, byte for byte,
     and a second process of the run reads the shards' JSON instead of loading the build."""
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.run import Run
     from pytest_circuits.settings import CircuitsSettings, RepeatSettings
 
     def session(**kw):
-        return CircuitsSession(CircuitsSettings(device="cpu", probe=RepeatSettings(0, 2, 16), **kw))
+        return Run(CircuitsSettings(device="cpu", probe=RepeatSettings(0, 2, 16), **kw))
 
     plain = session()
     one = session(knockout_shards=2)
-    one.shared_dir = tmp_path
-    assert one.shards == 2 and one.shard_layers() == [[0], [1]]
+    one.loaded.shared_dir = tmp_path
+    assert one.measured.shards == 2 and one.measured.shard_layers() == [[0], [1]]
     dumps = [json.dumps(s.record("fp32"), sort_keys=True) for s in (plain, one)]
     assert dumps[0] == dumps[1]
     assert sorted(p.name for p in tmp_path.glob("*.json")) == [
@@ -238,14 +238,14 @@ def test_a_sharded_session_records_the_same_and_a_shard_is_measured_once_per_run
 def test_shards_are_automatic_only_under_xdist_for_big_models(monkeypatch):
     from types import SimpleNamespace
 
-    from pytest_circuits.session import CircuitsSession
+    from pytest_circuits.run.run import Run
     from pytest_circuits.settings import CircuitsSettings
 
     def shards(workers, n_layers, n_heads, given=None):
-        session = CircuitsSession(CircuitsSettings(knockout_shards=given))
-        session.workers = workers
+        session = Run(CircuitsSettings(knockout_shards=given))
+        session.loaded.workers = workers
         monkeypatch.setattr(session, "preflight", lambda: SimpleNamespace(n_layers=n_layers, n_heads=n_heads))
-        return session.shards
+        return session.measured.shards
 
     assert shards(1, 32, 32) == 1  # one process: nothing to spread over
     assert shards(4, 32, 32) == 4  # an 8B-sized model (1,024 heads) under -n 4
@@ -259,13 +259,13 @@ def test_shards_are_automatic_only_under_xdist_for_big_models(monkeypatch):
 def test_two_shards_of_smollm2_equal_one():
     """SmolLM2-135M, the heads of six layers across the depth, n 2, L 16: the two-shard scan
     (layer_shards(30, 2) = layers 0-8 and 9-29) merges into the one-shard scan exactly."""
+    from pytest_circuits.run.run import Run
     from pytest_circuits.rungs.knockout import knockout_scan
     from pytest_circuits.rungs.knockout_shards import layer_shards, merge_knockout_shards
     from pytest_circuits.rungs.repeat_settings import RepeatSettings
-    from pytest_circuits.session import CircuitsSession
     from pytest_circuits.settings import CircuitsSettings
 
-    build = CircuitsSession(CircuitsSettings(model="smollm2-135m", device="cpu")).build("fp32")
+    build = Run(CircuitsSettings(model="smollm2-135m", device="cpu")).loaded.build("fp32")
     heads = [f"L{layer}H{head}" for layer in (0, 5, 10, 17, 18, 29) for head in range(build.geometry.n_heads)]
     settings = RepeatSettings(1, 2, 16)
     full = knockout_scan(build, settings, heads=heads, progress=False)

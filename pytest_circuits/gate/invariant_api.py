@@ -20,12 +20,11 @@ import inspect
 import keyword
 import math
 import re
-import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-from ..errors import CircuitsDeprecationWarning, CircuitsError, did_you_mean
+from ..errors import CircuitsError, did_you_mean
 from ..options import flag
 from . import tolerances as tolerances_module
 from .record import has_figures, lacking_figures
@@ -129,7 +128,6 @@ class Invariant:
     # empty: ``test_<name>`` in ``test_registered`` (cross-model ones: all in test_base_model_swap)
     suite_test: ClassVar[str] = ""
     suite_module: ClassVar[str] = ""
-    own_tolerances: ClassVar[Mapping[str, Number]] = {}  # deprecated spelling of `tolerances`
     guards: ClassVar[str] = ""  # what it guards, in the verdict line's words (default: its name)
 
     def compare(self, before: Record, after: Record, tol: Tolerances) -> Comparison:
@@ -205,7 +203,9 @@ def _file_of(cls: type) -> str | None:
 def _same_class(a: Invariant, b: Invariant) -> bool:
     """One class, or one class of one file imported again (a conftest under pytest and the CLI)."""
     ca, cb = type(a), type(b)
-    return ca is cb or (ca.__qualname__ == cb.__qualname__ and _file_of(ca) is not None and _file_of(ca) == _file_of(cb))
+    return ca is cb or (
+        ca.__qualname__ == cb.__qualname__ and _file_of(ca) is not None and _file_of(ca) == _file_of(cb)
+    )
 
 
 def source_of(invariant: Invariant) -> str:
@@ -219,24 +219,19 @@ def source_of(invariant: Invariant) -> str:
 
 
 def _declarations(instance: Invariant) -> dict[str, Tolerance]:
-    """The tolerances ``instance`` declares. The older spellings still work: ``own_tolerances``
-    (deprecated), and ``tolerances`` as a tuple of names, which are then tolerances it reads."""
-    declared = instance.tolerances if isinstance(instance.tolerances, Mapping) else {}
-    if instance.own_tolerances:
-        warnings.warn(
-            f"invariant {instance.name}: `own_tolerances` is deprecated; declare them as `tolerances`",
-            CircuitsDeprecationWarning,
-            stacklevel=3,
+    """The tolerances ``instance`` declares (its ``tolerances``), each as a `Tolerance`."""
+    if not isinstance(instance.tolerances, Mapping):
+        raise CircuitsError(
+            f"invariant {instance.name} ({source_of(instance)}): tolerances must map each name it declares to a "
+            f"Tolerance or a default, got {instance.tolerances!r}; name the tolerances it reads of others in `reads`"
         )
-        declared = {**instance.own_tolerances, **declared}
-    return {name: Tolerance.of(value) for name, value in declared.items()}
+    return {name: Tolerance.of(value) for name, value in instance.tolerances.items()}
 
 
 def tolerances_of(invariant: Invariant | str) -> tuple[str, ...]:
     """The tolerances an invariant reads: those it declares, then the others' it reads."""
     inv = get(invariant) if isinstance(invariant, str) else invariant
-    legacy = () if isinstance(inv.tolerances, Mapping) else tuple(inv.tolerances)
-    return tuple(dict.fromkeys((*_DECLARED.get(inv.name, {}), *legacy, *inv.reads)))
+    return tuple(dict.fromkeys((*_DECLARED.get(inv.name, {}), *inv.reads)))
 
 
 def declared_tolerances() -> dict[str, Tolerance]:
@@ -273,6 +268,7 @@ class InvariantResult:
     message: str
     compared: int = 0  # figures compared
     moved: list[dict[str, Any]] = field(default_factory=list)  # broken rows (and context), as dicts
+    wants: int = 0  # the further look an undecided sampled row asks for (`gate.check.Verdicts.wants`)
 
     @property
     def passed(self) -> bool:
@@ -283,7 +279,9 @@ class InvariantResult:
         return self.status == "skipped"
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "passed": self.passed}
+        """What the reports keep: the verdict, not the run's book-keeping (``wants``)."""
+        kept = {key: value for key, value in asdict(self).items() if key != "wants"}
+        return {**kept, "passed": self.passed}
 
 
 def evaluate(
@@ -340,7 +338,8 @@ def evaluate(
     if status == "failed" and fix:
         message = f"{message}\n{fix}"
     moved = [r.as_dict() for r in comparison.broken + (comparison.context if comparison.broken else [])]
-    return InvariantResult(inv.name, build, against, status, message, len(comparison.rows), moved)
+    wants = max([0, *(r.wants for r in comparison.rows)])
+    return InvariantResult(inv.name, build, against, status, message, len(comparison.rows), moved, wants)
 
 
 def model_name(record: RecordLike) -> str:

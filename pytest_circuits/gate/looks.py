@@ -6,7 +6,7 @@ figures), each ``{"look": k, "probe_seed", "knockout_seed", "copy_loss_sequences
 "copy_gain_sequences", ..., "knockout_delta_sequences": {head: [...]}}`` with ``n`` values per
 figure. Here: the seeds of each look, the values a record holds and their pooled mean (the size
 `knockout_deltas` takes half of); when looks are measured (a baseline's once, a build's as its rows
-ask): `further_looks`.
+ask): `run.flow`.
 """
 
 from __future__ import annotations
@@ -20,14 +20,6 @@ from .schema import Record
 
 SEQUENTIAL = ("copy_loss", "knockout_deltas")  # the invariants that read further looks
 KNOCKOUT_KEY = sequences_key("knockout_delta")
-
-
-def look_seed(seed: int, look: int) -> int:
-    """The seed of look ``look`` of a probe seeded ``seed``: ``seed`` itself for look 1 (today's
-    batch), else the first 32-bit word of ``numpy.random.SeedSequence([seed, look])``."""
-    if look == 1:
-        return int(seed)
-    return int(np.random.SeedSequence([int(seed), int(look)]).generate_state(1, np.uint32)[0])
 
 
 def look_values(record: Record, metric: str, head: str | None = None) -> list[list[float]]:

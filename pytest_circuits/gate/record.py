@@ -1,6 +1,6 @@
 """The scan record: every figure of one build as a JSON-able dict (baselines, CLI JSON, report).
 
-``assemble_record`` builds it from the three rung frames (pure); `pytest_circuits.records` measures
+``assemble_record`` builds it from the three rung frames (pure); `pytest_circuits.run.records` measures
 them (the same code path for the plugin and the CLI).
 """
 
@@ -155,9 +155,13 @@ def assemble_record(
     knockout: Any = None,
     rung1: dict[str, Any],
 ) -> dict[str, Any]:
-    """The scan record from its parts (pure; see the contract in the module docstring)."""
+    """The scan record from its parts (pure; see the contract in the module docstring), its floats
+    rounded as a stored record's are (`store.round_sig`): a record measured now and the same record
+    read back from its file are one record, and every front end gates the same numbers."""
+    from .store import round_sig
+
     model_figures = probe_result.model_figures() if probe_result is not None else {}
-    return {
+    record = {
         "schema_version": SCHEMA_VERSION,
         "model": model,
         "build": build,
@@ -171,6 +175,8 @@ def assemble_record(
         "heads": head_rows(spectrum, None if probe_result is None else probe_result.heads, knockout),
         "eigenvalues": eigenvalue_map(spectrum.attrs.get("eigenvalues")),
     }
+    rounded: dict[str, Any] = round_sig(record)
+    return rounded
 
 
 def _series(probe_result: Any) -> dict[str, Any]:

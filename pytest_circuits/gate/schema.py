@@ -11,7 +11,6 @@ Unknown extra keys are allowed (a newer minor version may add figures).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -26,9 +25,10 @@ from pydantic import (
     model_validator,
 )
 
-from ..errors import CircuitsDeprecationWarning, CircuitsError
+from ..errors import CircuitsError
 from ..options import KNOCKOUT_MODES
 from ..rungs import figures, kappa_method
+from .seeds import look_seed
 
 SCHEMA_VERSION = 1
 PART_FORMAT = 1  # of a shard part's header (`PartInfo`, `gate.shards`)
@@ -129,49 +129,12 @@ _SEQUENCES = {f.name: _field(f) for f in figures.SEQUENCE_FIGURES if f.kind == "
 _KNOCKOUT_SEQUENCES = figures.sequences_key("knockout_delta")
 _HeadSequences = dict[str, Annotated[list[float], Field(min_length=1)]]  # head label -> one value per sequence
 
-if TYPE_CHECKING:  # the model built below, as mypy reads it (its fields come from the figure table)
-
-    class _LookValues(BaseModel):
-        copy_loss_sequences: list[float] | None
-        first_copy_loss_sequences: list[float] | None
-        copy_gain_sequences: list[float] | None
-        knockout_delta_sequences: dict[str, list[float]] | None
-
-else:
-    _LookValues = create_model(
-        "_LookValues",
-        __config__=ConfigDict(strict=True, extra="forbid", allow_inf_nan=False),
-        **_SEQUENCES,
-        **{_KNOCKOUT_SEQUENCES: (_HeadSequences | None, None)},
-    )
-
-
-class Look(_LookValues):
-    """One further look of the sequential rule (`gate.looks`): its number ``k`` >= 2, its seeds
-    (`gate.looks.look_seed` of the record's probe and knockout seeds, checked by the `Record`), and
-    one value per sequence of each figure it measured: ``<figure>_sequences`` (``n`` finite values in
-    the figure's range) and ``knockout_delta_sequences`` (``{head: n values}``). Nothing else: a key
-    the gate would not read is refused, not ignored."""
-
-    look: int = Field(ge=2)
-    probe_seed: int = Field(ge=0)
-    knockout_seed: int = Field(ge=0)
-
-    def values(self, key: str) -> Any:
-        """The look's ``<figure>_sequences``: a list, or ``{head: list}`` of knockout deltas; None without."""
-        return getattr(self, key, None)
-
-    def measured(self) -> tuple[str, ...]:
-        """The ``<figure>_sequences`` keys this look holds values for."""
-        return tuple(key for key in (*_SEQUENCES, _KNOCKOUT_SEQUENCES) if getattr(self, key) is not None)
-
-
 _MODEL_FIGURES = {f.name: (Annotated[float, Field(ge=f.low, le=f.high)], ...) for f in figures.MODEL_FIGURES}
 _MODEL_FIGURES.update({f.name: _field(f) for f in figures.SEQUENCE_FIGURES})  # absent in older records
 # optional per-position series (older baselines lack them): floats in range, 2L-1 of them
 _SERIES = {f.name: (list[Annotated[float, Field(ge=f.low, le=f.high)]] | None, None) for f in figures.SERIES_FIGURES}
 
-if TYPE_CHECKING:  # what mypy reads of the two models built from the figure table (tests/test_import_layers.py
+if TYPE_CHECKING:  # what mypy reads of the models built from the figure table (tests/test_import_layers.py
     # checks these declarations name the same fields, of the same types, as the built models)
 
     class HeadRow(BaseModel):
@@ -215,20 +178,50 @@ if TYPE_CHECKING:  # what mypy reads of the two models built from the figure tab
         copy_gain_interval: list[float] | None
         position_loss: list[float] | None
 
+    class _LookValues(BaseModel):
+        copy_loss_sequences: list[float] | None
+        first_copy_loss_sequences: list[float] | None
+        copy_gain_sequences: list[float] | None
+        knockout_delta_sequences: dict[str, list[float]] | None
+
 else:
     HeadRow = create_model(
         "HeadRow", __config__=_STRICT, **{f.name: _field(f) for f in figures.HEAD_FIGURES if f.stored}
     )
     _Figures = create_model("_Figures", __config__=_STRICT, **_MODEL_FIGURES, **_SERIES)
+    _LookValues = create_model(
+        "_LookValues",
+        __config__=ConfigDict(strict=True, extra="forbid", allow_inf_nan=False),
+        **_SEQUENCES,
+        **{_KNOCKOUT_SEQUENCES: (_HeadSequences | None, None)},
+    )
+
+
+class Look(_LookValues):
+    """One further look of the sequential rule (`gate.looks`): its number ``k`` >= 2, its seeds
+    (`gate.looks.look_seed` of the record's probe and knockout seeds, checked by the `Record`), and
+    one value per sequence of each figure it measured: ``<figure>_sequences`` (``n`` finite values in
+    the figure's range) and ``knockout_delta_sequences`` (``{head: n values}``). Nothing else: a key
+    the gate would not read is refused, not ignored."""
+
+    look: int = Field(ge=2)
+    probe_seed: int = Field(ge=0)
+    knockout_seed: int = Field(ge=0)
+
+    def values(self, key: str) -> Any:
+        """The look's ``<figure>_sequences``: a list, or ``{head: list}`` of knockout deltas; None without."""
+        return getattr(self, key, None)
+
+    def measured(self) -> tuple[str, ...]:
+        """The ``<figure>_sequences`` keys this look holds values for."""
+        return tuple(key for key in (*_SEQUENCES, _KNOCKOUT_SEQUENCES) if getattr(self, key) is not None)
 
 
 class Record(_Figures):
     """One scan record; `model_validator` checks the heads against the geometry.
 
     What the gate reads (`Record.of`, once where a record enters: a baseline read, a build
-    measured, parts merged); the dict it was read from is what is written (`data`). Reading it
-    as a mapping (``record["copy_loss"]``, ``record.get(...)``: the dicts invariants received
-    before) still works on that dict, with a `CircuitsDeprecationWarning`.
+    measured, parts merged); the dict it was read from is what is written (`data`).
     """
 
     schema_version: Literal[1]
@@ -264,23 +257,6 @@ class Record(_Figures):
     def data(self) -> dict[str, Any]:
         """The record dict this was validated from (what a baseline file holds)."""
         return self._data or self.model_dump(exclude_unset=True)
-
-    # the deprecated mapping view: invariants written when they received the record dict
-    def __getitem__(self, key: str) -> Any:
-        _mapping_read(f"[{key!r}]")
-        return self.data[key]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        _mapping_read(f".get({key!r})")
-        return self.data.get(key, default)
-
-    def __contains__(self, key: object) -> bool:
-        _mapping_read(f" ({key!r} in record)")
-        return key in self.data
-
-    def keys(self) -> Any:
-        _mapping_read(".keys()")
-        return self.data.keys()
 
     @model_validator(mode="after")
     def _heads_match_geometry(self) -> Record:
@@ -327,8 +303,6 @@ class Record(_Figures):
         seeded as `gate.looks.look_seed` derives from the record's seeds; each holding the figures
         the others hold, one value per sequence (the probe's ``n``, the knockout's ``n``), for
         figures the record has per-sequence values of, and knockout deltas of the same heads."""
-        from .looks import look_seed  # (gate.looks reads this schema)
-
         if not self.looks:
             return
         numbers = [entry.look for entry in self.looks]
@@ -513,23 +487,6 @@ class Identity(BaseModel):
         return cls.model_validate({key: record.get(key) for key in ("model", "probe", "build")})
 
 
-_WARNED: list[str] = []  # the mapping view warns once a process
-
-
-def _mapping_read(how: str) -> None:
-    """Warn, once, that a record was read as a mapping (``how``: the older dict API)."""
-    if _WARNED:
-        return
-    _WARNED.append(how)
-    warnings.warn(
-        f"reading a scan record as a mapping (record{how}) is deprecated: invariants "
-        "receive a typed Record; read its attributes (record.copy_loss, record.heads[0].kappa, "
-        "record.model.name; docs/invariants.md)",
-        CircuitsDeprecationWarning,
-        stacklevel=3,
-    )
-
-
 class PartInfo(BaseModel):
     """The header of a shard part (`gate.shards`): shard ``index`` of ``of``, measuring ``layers``."""
 
@@ -587,61 +544,3 @@ def problem(error: ValidationError) -> str:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
-
-
-class DrawnHead:
-    """One head row as the report draws it: its label and cell, and each figure by name (None where absent)."""
-
-    def __init__(self, row: Mapping[str, Any], layer: int, head_index: int) -> None:
-        self._row, self.layer, self.head_index = row, layer, head_index
-        self.head: Any = row.get("head")
-
-    def figure(self, name: str) -> Any:
-        """The row's ``name`` (``kappa``, ``copying``, ...); None where the row lacks it."""
-        return self._row.get(name)
-
-
-class Drawn:
-    """A lenient typed view of a record for drawing (`drawn_record`): the report reads a partial record
-    (a scan without knockouts or eigenvalues, a hand-built one) as far as it goes, so nothing is
-    required and a missing part reads as None; a `Record` is drawn the same way, from its `data`."""
-
-    def __init__(self, record: Mapping[str, Any]) -> None:
-        self._d = record
-
-    def info(self, *path: str) -> Any:
-        """The value at ``path`` (``info("model", "geometry", "n_layers")``); None where any step is missing."""
-        value: Any = self._d
-        for key in path:
-            value = value.get(key) if isinstance(value, Mapping) else None
-        return value
-
-    def figure(self, name: str) -> Any:
-        """A top-level figure or series (``copy_loss``, ``position_loss``, ``eigenvalues``); None without."""
-        return self._d.get(name)
-
-    @property
-    def build_name(self) -> str:
-        """The build's name (``build.recipe``; ``"build"`` if unnamed)."""
-        return str(self.info("build", "recipe") or "build")
-
-    @property
-    def heads(self) -> list[DrawnHead]:
-        """The head rows in model order (L0H0, L0H1, ..., L1H0, ...); a row without its cell reads it from its label."""
-        rows = []
-        for row in self._d.get("heads") or []:
-            cell: Any = (row.get("layer"), row.get("head_index"))
-            if None in cell:
-                cell = figures.parse_label(row.get("head", "")) or cell
-            rows.append((row, cell))
-        return [
-            DrawnHead(row, int(c[0]), int(c[1]))
-            for row, c in sorted(rows, key=lambda rc: (int(rc[1][0]), int(rc[1][1])))
-        ]
-
-
-def drawn_record(record: RecordLike | Drawn) -> Drawn:
-    """The `Drawn` view of a record dict, a `Record` or a view."""
-    if isinstance(record, Drawn):
-        return record
-    return Drawn(record.data if isinstance(record, Record) else record)

@@ -1,7 +1,7 @@
 """The pytest plugin: the ``circuits`` option group, the per-build fixtures and a few hooks.
 
 Thin by design: options (declared once in `options.py`) become a `CircuitsSettings`, one
-`CircuitsSession` per run computes and caches every figure, fixtures hand them out per
+`Run` per run computes and caches every figure, fixtures hand them out per
 build, and `collect.py` gathers gate results for the terminal summary and the report.
 Nothing heavy is imported here: torch, numpy and pandas load only when a fixture runs, and
 the session is made only once a circuits test is collected (or the run asks for circuits,
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from ..errors import CircuitsDeprecationWarning, CircuitsError
+from ..errors import CircuitsError
 from ..gate.tolerances import Tolerances
 from ..options import OPTIONS
 from .fixture_types import CircuitsGate
@@ -27,11 +27,11 @@ if TYPE_CHECKING:
     import pandas as pd
 
     from ..model.builds import LoadedBuild
+    from ..run.run import Run
     from ..rungs.probe import RepeatProbe
-    from ..session import CircuitsSession
     from .collect import Collected
 
-SESSION_KEY: pytest.StashKey[CircuitsSession] = pytest.StashKey()
+SESSION_KEY: pytest.StashKey[Run] = pytest.StashKey()
 COLLECTED_KEY: pytest.StashKey[Collected] = pytest.StashKey()
 
 
@@ -101,7 +101,7 @@ def default_baselines(config: pytest.Config):
     pyproject.toml, ...: the project's rootdir), else in the folder pytest was started in. Never the
     rootdir pytest guesses without an ini file: under ``--pyargs`` that is the common parent of the
     working folder and site-packages. A named model falls back to its shipped baselines
-    (`gate.baselines.RunBaselines.store`)."""
+    (`run.baselines.RunBaselines.store`)."""
     from pathlib import Path
 
     folder = config.rootpath if config.inipath is not None else config.invocation_params.dir
@@ -160,16 +160,16 @@ def pytest_configure(config: pytest.Config) -> None:
             )
 
 
-def session_of(config: pytest.Config) -> CircuitsSession:
-    """The run's `CircuitsSession`, made on first use: at configure time when the run asks for
+def session_of(config: pytest.Config) -> Run:
+    """The run's `Run`, made on first use: at configure time when the run asks for
     circuits (a circuits option on the command line or in the ini file, the packaged suite, an
     xdist run), else when a circuits test is collected, so a project without any pays nothing."""
     if SESSION_KEY not in config.stash:
-        from ..session import CircuitsSession
+        from ..run.run import Run
         from . import workers
 
-        session = CircuitsSession(settings_from_config(config))
-        session.progress_write = lambda line: _report_progress(config, line)
+        session = Run(settings_from_config(config))
+        session.loaded.progress_write = lambda line: _report_progress(config, line)
         config.stash[SESSION_KEY] = session
         workers.configure(config, session)
     return config.stash[SESSION_KEY]
@@ -209,7 +209,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         from .workers import group_mark
 
         session = session_of(metafunc.config)
-        count = session.shards
+        count = session.measured.shards
         job = session.settings.shard  # a shard job (--circuits-shard I/K): its one shard, whatever K
         indexes = [job[0] - 1] if job is not None else range(count if count > 1 else 0)
         count = count if job is None else job[1]
@@ -247,7 +247,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     if any("circuits_recipe" in getattr(item, "fixturenames", ()) for item in session.items):
         try:
-            session_of(config).preflight()
+            session_of(config).loaded.preflight()
         except CircuitsError as error:
             raise pytest.UsageError(str(error)) from None
 
@@ -270,8 +270,8 @@ def _guard(compute):
 
 
 @pytest.fixture(scope="session")
-def circuits_session(pytestconfig: pytest.Config) -> CircuitsSession:
-    """The run's `CircuitsSession`: settings plus every cached figure."""
+def circuits_run(pytestconfig: pytest.Config) -> Run:
+    """The run's `Run`: settings plus every cached figure."""
     return session_of(pytestconfig)
 
 
@@ -282,72 +282,46 @@ def circuits_recipe(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="session")
-def circuits_build(circuits_session: CircuitsSession, circuits_recipe: str) -> LoadedBuild:
+def circuits_build(circuits_run: Run, circuits_recipe: str) -> LoadedBuild:
     """The `LoadedBuild` of this test's build."""
-    return _guard(lambda: circuits_session.build(circuits_recipe))
+    return _guard(lambda: circuits_run.loaded.build(circuits_recipe))
 
 
 @pytest.fixture(scope="session")
-def circuits_ov_spectrum(circuits_session: CircuitsSession, circuits_recipe: str) -> pd.DataFrame:
+def circuits_ov_spectrum(circuits_run: Run, circuits_recipe: str) -> pd.DataFrame:
     """Rung 1 DataFrame of this build: kappa, its rotation null, z, p, BH q, copying, suppression."""
-    return _guard(lambda: circuits_session.ov_spectrum(circuits_recipe))
+    return _guard(lambda: circuits_run.measured.ov_spectrum(circuits_recipe))
 
 
 @pytest.fixture(scope="session")
-def circuits_repeat_probe(circuits_session: CircuitsSession, circuits_recipe: str) -> RepeatProbe:
+def circuits_repeat_probe(circuits_run: Run, circuits_recipe: str) -> RepeatProbe:
     """Random-repeat probe of this build: copy losses and per-head routing scores."""
-    return _guard(lambda: circuits_session.repeat_probe(circuits_recipe))
+    return _guard(lambda: circuits_run.measured.repeat_probe(circuits_recipe))
 
 
 @pytest.fixture(scope="session")
-def circuits_head_knockout(circuits_session: CircuitsSession, circuits_recipe: str) -> pd.DataFrame:
+def circuits_head_knockout(circuits_run: Run, circuits_recipe: str) -> pd.DataFrame:
     """Rung 2 DataFrame of this build: knockout delta of every head on held-out sequences."""
-    return _guard(lambda: circuits_session.head_knockout(circuits_recipe))
-
-
-def _deprecated(old: str, new: str):
-    """The fixture ``old``: ``new`` under its pre-0.2 name, with a `CircuitsDeprecationWarning`."""
-
-    def alias(request: pytest.FixtureRequest):
-        import warnings
-
-        warnings.warn(
-            f"the fixture {old} is deprecated and goes in 0.3; use {new}", CircuitsDeprecationWarning, stacklevel=2
-        )
-        return request.getfixturevalue(new)
-
-    alias.__name__ = old
-    alias.__doc__ = f"Deprecated: use ``{new}``."
-    return pytest.fixture(name=old)(alias)
-
-
-DEPRECATED_FIXTURES = {
-    "ov_spectrum": "circuits_ov_spectrum",
-    "repeat_probe": "circuits_repeat_probe",
-    "head_knockout": "circuits_head_knockout",
-}
-ov_spectrum = _deprecated("ov_spectrum", "circuits_ov_spectrum")
-repeat_probe = _deprecated("repeat_probe", "circuits_repeat_probe")
-head_knockout = _deprecated("head_knockout", "circuits_head_knockout")
+    return _guard(lambda: circuits_run.measured.head_knockout(circuits_recipe))
 
 
 @pytest.fixture(scope="session")
-def circuits_knockout_shard(request: pytest.FixtureRequest, circuits_session: CircuitsSession) -> pd.DataFrame:
-    """One knockout shard's DataFrame (`CircuitsSession.knockout_shard`), parametrized over
+def circuits_knockout_shard(request: pytest.FixtureRequest, circuits_run: Run) -> pd.DataFrame:
+    """One knockout shard's DataFrame (`Run.knockout_shard`), parametrized over
     ``(recipe, index)`` when the scan is sharded; ``attrs["layers"]`` holds its layers."""
     recipe, index = request.param
-    frame = _guard(lambda: circuits_session.knockout_shard(recipe, index))
-    if circuits_session.settings.shard is not None:  # a shard job: its part, for the job that merges
-        request.config.stash[PART_KEY] = _guard(lambda: _write_part(circuits_session, recipe))
+    frame = _guard(lambda: circuits_run.measured.knockout_shard(recipe, index))
+    if circuits_run.settings.shard is not None:  # a shard job: its part, for the job that merges
+        request.config.stash[PART_KEY] = _guard(lambda: _write_part(circuits_run, recipe))
     return frame
 
 
 PART_KEY: pytest.StashKey[dict] = pytest.StashKey()  # the part this shard job wrote (until its test reports it)
 
 
-def _write_part(session: CircuitsSession, build_name: str) -> dict:
+def _write_part(session: Run, build_name: str) -> dict:
     """``--circuits-shard I/K --circuits-shard-out FILE``: the part, by the writer ``circuits record --shard`` uses."""
-    from ..records import write_part
+    from ..run.records import write_part
 
     s = session.settings
     out = s.shard_out
@@ -355,10 +329,10 @@ def _write_part(session: CircuitsSession, build_name: str) -> dict:
     index, total = s.shard
 
     def write() -> dict:
-        meta = write_part(session, build_name, index, total, out)["part"]
+        meta = write_part(session.measured, build_name, index, total, out)["part"]
         return {"recipe": build_name, "path": str(out), "index": index, "of": total, "layers": meta["layers"]}
 
-    return session.memo(("shard_part", build_name), write)
+    return session.loaded.memo(("shard_part", build_name), write)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -369,13 +343,13 @@ def pytest_runtest_call(item: pytest.Item) -> None:
 
 
 @pytest.fixture
-def circuits_tolerances(request: pytest.FixtureRequest, circuits_session: CircuitsSession) -> Tolerances:
+def circuits_tolerances(request: pytest.FixtureRequest, circuits_run: Run) -> Tolerances:
     """Gate tolerances of this test: defaults < ini ``circuits_tol_*`` < ``@pytest.mark.circuits_tolerance``."""
     overrides = {}
     for marker in reversed(list(request.node.iter_markers("circuits_tolerance"))):
         overrides.update(marker.kwargs)
     try:
-        return circuits_session.tolerances.updated(overrides)
+        return circuits_run.tolerances.updated(overrides)
     except ValueError as error:
         problem = str(error)
     pytest.fail(f"@pytest.mark.circuits_tolerance: {problem}", pytrace=False)
@@ -384,7 +358,7 @@ def circuits_tolerances(request: pytest.FixtureRequest, circuits_session: Circui
 @pytest.fixture
 def circuits_gate(
     request: pytest.FixtureRequest,
-    circuits_session: CircuitsSession,
+    circuits_run: Run,
     circuits_recipe: str,
     circuits_tolerances: Tolerances,
 ) -> CircuitsGate:
@@ -395,9 +369,7 @@ def circuits_gate(
     from .collect import gate_for_test
 
     return CircuitsGate(
-        lambda name: _guard(
-            lambda: gate_for_test(request, circuits_session, circuits_recipe, name, circuits_tolerances)
-        )
+        lambda name: _guard(lambda: gate_for_test(request, circuits_run, circuits_recipe, name, circuits_tolerances))
     )
 
 
@@ -407,7 +379,7 @@ def _ran_circuits(config: pytest.Config) -> bool:
     session = config.stash.get(SESSION_KEY, None)
     if collected is None or session is None:  # no session: no circuits test was collected
         return False
-    return bool(collected.used or collected.loads or session.loads or session.settings.shard is not None)
+    return bool(collected.used or collected.loads or session.loaded.loads or session.settings.shard is not None)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
@@ -427,7 +399,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         finish_worker(config, config.stash[SESSION_KEY])
         return
     if not config.stash[COLLECTED_KEY].loads:  # a plain run: this process loaded the builds
-        config.stash[COLLECTED_KEY].loads.extend(config.stash[SESSION_KEY].loads)
+        config.stash[COLLECTED_KEY].loads.extend(config.stash[SESSION_KEY].loaded.loads)
     from .collect import missing_part
 
     missing = missing_part(config.stash[SESSION_KEY], config.stash[COLLECTED_KEY])

@@ -65,7 +65,7 @@ def gate_for_test(request, session, build_name: str, invariant: str, tol):
     """`gate_build` for one pytest item; results travel as user properties (pytest-xdist safe)."""
     from ..gate.fixes import fix_lines, update_command
     from ..gate.invariants import get
-    from ..gate.verdict import gate_build
+    from ..run.flow import gate_build
 
     props = request.node.user_properties
     # a shard job measured one knockout shard: its rung-2 invariants are skipped saying so, never passed
@@ -74,7 +74,7 @@ def gate_for_test(request, session, build_name: str, invariant: str, tol):
         props.append(("circuits_results", [error_row(build_name, invariant, why, status="skipped")]))
         pytest.skip(why)
     if session.settings.update:  # record own baseline first: the reference's owner takes its lock before anyone waits
-        session.write_baseline(build_name)
+        session.baselines.write(build_name)
     try:
         fixes = fix_lines(session.settings, build_name, update_command(request.config))
         outcome = gate_build(session.records, session.baselines, build_name, invariant, tol, fixes)
@@ -87,22 +87,22 @@ def gate_for_test(request, session, build_name: str, invariant: str, tol):
         outcome.notes.insert(0, f"gated the record merged from the shard parts {parts} (the build was not loaded)")
     rows = [r.as_dict() for r in outcome.results] + [error_row(build_name, invariant, p) for p in outcome.problems]
     props.append(("circuits_results", rows))
-    props.append(("circuits_events", list(session.events)))
+    props.append(("circuits_events", list(session.baselines.events)))
     props.append(("circuits_notes", [f"{build_name}: {n}" for n in outcome.notes]))
     props.append(("circuits_problems", list(outcome.problems)))
     if session.settings.report is not None:
         from ..gate.invariants import get
         from ..gate.store import geometry_difference
-        from ..gate.verdict import candidate_record
+        from ..run.flow import candidate_record
 
         knockout = "knockout" in get(invariant).needs
         try:
-            reference = session.load_baseline(session.settings.reference)
+            reference = session.baselines.load(session.settings.reference)
         except Exception:
             reference = None
         # the report draws the build beside the reference: measured its way when there is one
         if reference is None:
-            record = session.record(build_name, knockout=knockout)
+            record = session.records.record(build_name, knockout=knockout)
         else:
             record = candidate_record(session.records, build_name, reference, knockout)
         props.append(("circuits_record", (build_name, record)))
@@ -120,14 +120,14 @@ def attention_for_report(session, build_name: str, reference: dict | None) -> di
 
     if session.settings.shard_parts is not None:
         return {"note": "no attention map: the build was gated from its shard parts, not loaded"}
-    record = session.record(build_name, knockout=False)
+    record = session.records.record(build_name, knockout=False)
     label = strongest_induction_head(reference or {}) or strongest_induction_head(record)
     if label is None:
         return {"note": "no head has a prefix-matching score: no attention map"}
     try:
-        return session.memo(
+        return session.loaded.memo(
             ("report_attention", build_name, label),
-            lambda: head_attention(session.build(build_name), session.settings.probe, label),
+            lambda: head_attention(session.loaded.build(build_name), session.settings.probe, label),
         )
     except Exception as error:  # the gate's verdict stands without the picture
         return {"note": f"the attention map of {label} could not be computed: {type(error).__name__}: {error}"}
@@ -198,10 +198,10 @@ def baseline_lines(session, collected: Collected, verbosity: int = 0) -> list[st
             lines.append(f"baselines {verb}: {', '.join(paths)}")
     missing = sorted({e["recipe"] for e in collected.events if e["event"] == "missing"})
     for recipe in missing:
-        lines.append(f"  {recipe}: {session.missing_message(recipe, session.baseline_path(recipe))}")
+        lines.append(f"  {recipe}: {session.baselines.missing_message(recipe, session.baselines.path(recipe))}")
     try:
         used = set(session.settings.builds) | {session.settings.reference}
-        orphaned = session.store.orphans(session.model_name, used)
+        orphaned = session.baselines.store.orphans(session.loaded.model_name, used)
     except Exception:  # the model did not resolve: the tests already said why
         orphaned = []
     if orphaned and verbosity > 0:
@@ -253,7 +253,7 @@ def write_report(session, collected: Collected) -> None:
         from ..progress import phase
         from ..report import write_report as write
 
-        with phase(f"writing the report to {out}", session.progress_write):
+        with phase(f"writing the report to {out}", session.loaded.progress_write):
             collected.report_path = write(
                 out,
                 list(collected.records.values()),

@@ -10,10 +10,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from ..errors import CircuitsDeprecationWarning  # noqa: F401 (its older home)
-
 if TYPE_CHECKING:
-    from ..gate.verdict import GateOutcome
+    from ..gate.check import GateOutcome
 
 
 class CircuitsGate:
@@ -29,7 +27,7 @@ class CircuitsGate:
 
     def outcome(self, *invariants: str) -> GateOutcome:
         """The merged verdict of ``invariants`` without failing or skipping the test."""
-        from ..gate.verdict import GateOutcome
+        from ..gate.check import GateOutcome
 
         return GateOutcome.merged(self._gate_one(name) for name in invariants)
 

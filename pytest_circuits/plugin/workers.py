@@ -101,12 +101,12 @@ def configure(config: pytest.Config, session) -> None:
         if config.workerinput.get(LOADGROUP_KEY):
             config.option.loadgroup = True  # xdist's worker reads this to tag nodeids with groups
         shared = config.workerinput.get(SHARED_KEY)
-        session.shared_dir = Path(shared) if shared else None
-        session.worker = worker_id(config)
-        session.workers = int(config.workerinput.get("workercount", 1))
+        session.loaded.shared_dir = Path(shared) if shared else None
+        session.loaded.worker = worker_id(config)
+        session.loaded.workers = int(config.workerinput.get("workercount", 1))
     elif distributing(config):
-        session.shared_dir = Path(tempfile.mkdtemp(prefix="circuits-run-"))
-        config.stash[_OWNED_KEY] = session.shared_dir
+        session.loaded.shared_dir = Path(tempfile.mkdtemp(prefix="circuits-run-"))
+        config.stash[_OWNED_KEY] = session.loaded.shared_dir
 
 
 _OWNED_KEY: pytest.StashKey[Path] = pytest.StashKey()
@@ -127,7 +127,9 @@ class XdistHooks:
     def pytest_configure_node(self, node) -> None:
         dist = getattr(self.config.option, "dist", "no")
         node.workerinput[LOADGROUP_KEY] = dist in GROUPED_DISTS
-        node.workerinput[SHARED_KEY] = None if self.session.shared_dir is None else str(self.session.shared_dir)
+        node.workerinput[SHARED_KEY] = (
+            None if self.session.loaded.shared_dir is None else str(self.session.loaded.shared_dir)
+        )
         self.collected.dist = dist
 
     @pytest.hookimpl(optionalhook=True)
@@ -151,7 +153,7 @@ def carry_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
 def finish_worker(config: pytest.Config, session) -> None:
     """A worker's build loads travel to the controller as plain data."""
     if hasattr(config, "workeroutput"):
-        config.workeroutput[LOADS_KEY] = list(session.loads)
+        config.workeroutput[LOADS_KEY] = list(session.loaded.loads)
 
 
 def load_lines(loads: list[dict], dist: str | None) -> list[str]:

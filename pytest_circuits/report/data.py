@@ -1,6 +1,6 @@
 """Read scan records and gate results into grids and rankings (numpy only, no plotting).
 
-A scan record (a dict, a `Record`) is read through its lenient typed view (`gate.schema.Drawn`):
+A scan record (a dict, a `Record`) is read through its lenient typed view (`report.drawn.Drawn`):
 missing or ``None`` fields read as NaN, so a scan without knockouts still draws.
 """
 
@@ -14,10 +14,11 @@ from typing import Any
 import numpy as np
 
 from ..gate.record import record_eigenvalues
-from ..gate.schema import Drawn, DrawnHead, Record, drawn_record
+from ..gate.schema import Record
 from ..gate.store import UNCHANGED_ABS, UNCHANGED_REL
 from ..model.families import head_label
 from ..rungs import figures
+from .drawn import Drawn, DrawnHead, drawn_record
 
 # (column, title, kind): "diverging" maps are centred on 0, "score" maps run over [0, 1]
 HEATMAP_METRICS = figures.heatmap_figures()

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from html import escape
 
 from ..gate.invariants import guarded
-from ..gate.schema import drawn_record
 from . import data
+from .drawn import drawn_record
 from .sections import FOLD_MAX_HEADS, Figure, Section
 
 STYLE = """

@@ -15,8 +15,8 @@ from typing import Any, Literal
 import numpy as np
 
 from ..errors import CircuitsError
-from ..gate.schema import DrawnHead, drawn_record
 from . import data
+from .drawn import DrawnHead, drawn_record
 
 COPYING, SUPPRESSION, REFERENCE = "#1a9850", "#d73027", "#9e9e9e"
 UNMEASURED: dict[str, Any] = dict(facecolor="#eeeeee", edgecolor="#9a9a9a", hatch="////", linewidth=0)  # never as 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CircuitsError
 from ..fsio import atomic_write_bytes, atomic_write_text, ensure_dir, fs_error
@@ -15,6 +15,9 @@ from . import data, html, markdown, plots
 from .arguments import report_parser
 from .sections import build_section, failing_first, overview_figures
 from .summary import REPORT_PAGE, SUMMARY_PAGE, summary_lines
+
+if TYPE_CHECKING:
+    from ..gate.check import Verdicts
 
 
 def write_report(
@@ -89,13 +92,19 @@ def _report_of(
 
 
 def gate_files(baseline: RecordLike, record: RecordLike, against_name: str) -> list:
-    """The gate of ``record`` against ``baseline`` with the default tolerances: the one gate flow
-    (`gate.invariants.gate_all`), labelled as ``circuits diff`` labels it (``baseline NAME``)."""
-    from ..gate.invariants import gate_all
+    """The gate of ``record`` against ``baseline`` with the default tolerances (`gate.check.check`, the one
+    verdict), labelled as ``circuits diff`` labels it (``baseline NAME``)."""
+    return _checked(baseline, record, against_name).results
+
+
+def _checked(baseline: RecordLike, record: RecordLike, against_name: str) -> Verdicts:
+    from ..gate.check import check
     from ..gate.tolerances import Tolerances
 
     typed = Record.of(record)
-    return gate_all(baseline, typed, Tolerances(), data.build_name_of(typed.data), f"baseline {against_name}")
+    return check(
+        baseline, typed, Tolerances(), build_name=data.build_name_of(typed.data), label=f"baseline {against_name}"
+    )
 
 
 def report_command(argv: Sequence[str] | None = None) -> int:
@@ -114,12 +123,11 @@ def report_command(argv: Sequence[str] | None = None) -> int:
         baseline = None
         against_name = Path(args.against).name if args.against else ""
         if args.against:
-            from ..gate.store import compatibility
-
             baseline = read_record(args.against)
-            for note in compatibility(baseline, record, f"baseline {against_name}"):
+            verdicts = _checked(baseline, record, against_name)
+            for note in verdicts.notes:
                 print(note)
-            results = gate_files(baseline, record, against_name)
+            results = verdicts.results
         page = _report_of(args.out, record, baseline, against_name, results)
     except OSError as error:  # a write outside fsio (matplotlib's font cache, ...): still one line
         print(f"circuits report: {fs_error(error, error.filename or args.out, 'write')}", file=sys.stderr)

@@ -28,7 +28,7 @@ import warnings
 import pandas as pd
 import torch
 
-from ..errors import CircuitsError, deprecated_keyword
+from ..errors import CircuitsError
 from ..model.builds import LoadedBuild
 from ..model.families import flattens_batch_with_heads, head_label
 from ..model.quantized_cache import refuse_decode_only
@@ -119,8 +119,6 @@ def knockout_scan(
     layers=None,
     trace_bytes: int | None = None,
     screen_variant=None,
-    cached: bool | None = None,
-    record_bytes: int | None = None,
 ) -> pd.DataFrame:
     """Knockout delta of every head (or of ``heads``) on the held-out repeat sequences of ``settings``.
 
@@ -142,18 +140,11 @@ def knockout_scan(
     joins the shards into the unsharded scan.
     ``trace_bytes``: the most the traced block inputs may hold (default `TRACE_SHARE` of the
     memory available; `trace_stride`); fewer kept inputs only add recomputed blocks, same figures.
-    ``screen_variant``: a `screen.ScreenVariant` (cheaper screens; default today's). ``cached`` and
-    ``record_bytes``: the deprecated names of ``replay`` and ``trace_bytes`` (each warns; they go in 0.3).
+    ``screen_variant``: a `screen.ScreenVariant` (cheaper screens; default today's).
     ``df.attrs``: ``copy_loss`` (intact), ``mode``, ``settings`` (dict), ``screened``,
-    ``screen_top_k``, ``screen_method``, ``exact_heads``, ``replayed`` (whether the replay ran; also under its deprecated key ``cached``),
+    ``screen_top_k``, ``screen_method``, ``exact_heads``, ``replayed`` (whether the replay ran),
     ``layers`` (the shard's layers, None for the whole model).
     """
-    if cached is not None:
-        deprecated_keyword("knockout_scan", "cached", "replay")
-        replay = cached
-    if record_bytes is not None:
-        deprecated_keyword("knockout_scan", "record_bytes", "trace_bytes")
-        trace_bytes = record_bytes
     refuse_decode_only(build, "the knockout scan")
     T = 2 * settings.L + (build.tokens.bos_id is not None)
     if query_block(build.geometry, min(batch_size, settings.n), T) < T:  # a long probe: preflight left this out
@@ -241,7 +232,6 @@ def knockout_scan(
         screen_method=screen_method if screen else None,
         exact_heads=[head_label(*p) for p in exact],
         replayed=replay,
-        cached=replay,  # the deprecated key of replayed (goes in 0.3)
         layers=shard,
     )
     return df

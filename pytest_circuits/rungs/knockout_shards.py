@@ -71,7 +71,6 @@ def merge_knockout_shards(frames: list[pd.DataFrame]) -> pd.DataFrame:
         **first.attrs,
         "exact_heads": exact,
         "replayed": all(frame.attrs.get("replayed") for frame in frames),
-        "cached": all(frame.attrs.get("replayed") for frame in frames),  # the deprecated key (goes in 0.3)
         "layers": None,
     }
     return merged

@@ -23,9 +23,9 @@ from .kappa import (
     N_ROTATIONS,
     check_settings,
     check_unembedding,
-    layer_rotations,
     spectrum_frame,
 )
+from .kappa_null import layer_rotations
 from .repeat import bos_offset
 from .repeat_settings import RepeatSettings
 from .replay import (

@@ -1,6 +1,6 @@
 """Where one run's scan records come from, chosen by kind (as pytest-benchmark chooses its storage):
 measured from the build (`MeasuredRecords`) or merged from shard parts (`ShardPartRecords`,
-``--circuits-shard-parts``: the build is not loaded). Both are a `gate.record_source.RecordSource`,
+``--circuits-shard-parts``: the build is not loaded). Both are a `run.record_source.RecordSource`,
 which is all the gate reads. Also the writer of one shard's part (`write_part`)."""
 
 from __future__ import annotations
@@ -8,9 +8,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .errors import renamed_keywords
-from .measurement import BuildMeasurement
-from .options import flag
+from ..options import flag
+from .measure import BuildMeasurement
 
 
 def measure_record(
@@ -19,12 +18,12 @@ def measure_record(
     """The scan record of one build, computed (and memoised) through ``m``; kappa measured by
     ``method`` (a `KappaMethod`, default the settings'); ``knockout_frame``: these knockouts (one
     shard's) instead of the run's scan."""
-    from .gate.record import assemble_record, model_info, rung1_info
-    from .rungs.plan import took_line
+    from ..gate.record import assemble_record, model_info, rung1_info
+    from ..rungs.plan import took_line
 
-    s = m.settings
+    s = m.loaded.settings
     method = s.kappa_method if method is None else method
-    build = m.build(build_name)
+    build = m.loaded.build(build_name)
     knockout = knockout and not build.identity.engine  # llama.cpp has no head to knock out (llama_engine.NOT_MEASURED)
     planned, started = m.scan_plan(build_name, knockout and knockout_frame is None, method), time.perf_counter()
     spectrum = m.ov_spectrum(build_name, method)
@@ -39,9 +38,9 @@ def measure_record(
             "screen_method": m.screen_method(build_name) if m.screen_top_k() is not None else None,
         }
     if planned is not None:  # and after it, its wall time beside the estimate
-        m.say(took_line(build, planned, time.perf_counter() - started, "the scan"))
+        m.loaded.say(took_line(build, planned, time.perf_counter() - started, "the scan"))
     return assemble_record(
-        model=model_info(m.model_name, m.source, build),
+        model=model_info(m.loaded.model_name, m.loaded.source, build),
         build=build.identity.as_dict(),
         probe={
             **s.probe.as_dict(),
@@ -63,38 +62,38 @@ class MeasuredRecords:
     def __init__(self, measurement: BuildMeasurement):
         self.measurement = measurement
 
-    @renamed_keywords(recipe="build_name")
     def record(self, build_name: str, knockout: bool = True, method=None) -> dict:
         m = self.measurement
-        method = m.settings.kappa_method if method is None else method
-        full = m.memoised(("record", build_name, True, method))
+        method = m.loaded.settings.kappa_method if method is None else method
+        full = m.loaded.memoised(("record", build_name, True, method))
         if not knockout and full is not None:  # the full record serves too
             return full
-        return m.memo(("record", build_name, knockout, method), lambda: measure_record(m, build_name, knockout, method))
+        return m.loaded.memo(
+            ("record", build_name, knockout, method), lambda: measure_record(m, build_name, knockout, method)
+        )
 
     def stand_in(self) -> dict:
-        from .gate.store import geometry_record
+        from ..gate.store import geometry_record
 
         m = self.measurement
-        return geometry_record(m.preflight().__dict__, probe=m.settings.probe.as_dict())
+        return geometry_record(m.loaded.preflight().__dict__, probe=m.loaded.settings.probe.as_dict())
 
-    @renamed_keywords(recipe="build_name")
     def identity(self, build_name: str) -> dict:
-        return self.measurement.build(build_name).identity.as_dict()
+        return self.measurement.loaded.build(build_name).identity.as_dict()
 
-    @renamed_keywords(recipe="build_name")
     def look(self, build_name: str, k: int, probe_seed: int, knockout_seed: int, heads, mode) -> dict | None:
-        m, s = self.measurement, self.measurement.settings
+        m, s = self.measurement, self.measurement.loaded.settings
 
         def measure() -> dict:
             from dataclasses import replace
 
-            from .gate.looks import KNOCKOUT_KEY
-            from .rungs.knockout import knockout_scan
-            from .rungs.probe import run_repeat_probe
+            from ..gate.looks import KNOCKOUT_KEY
+            from ..gate.store import round_sig
+            from ..rungs.knockout import knockout_scan
+            from ..rungs.probe import run_repeat_probe
 
-            build = m.build(build_name)
-            with m._phase(f"look {k} (n={s.probe.n}) {m.model_name}:{build_name}"):
+            build = m.loaded.build(build_name)
+            with m.loaded.phase(f"look {k} (n={s.probe.n}) {m.loaded.model_name}:{build_name}"):
                 probe = run_repeat_probe(build, replace(s.probe, seed=probe_seed), batch_size=s.batch_size)
                 entry: dict = {"look": k, "probe_seed": probe_seed, "knockout_seed": knockout_seed}
                 entry.update(probe.sequence_figures())
@@ -112,9 +111,10 @@ class MeasuredRecords:
                         for _, r in frame.iterrows()
                         if isinstance(r.get(KNOCKOUT_KEY), list)
                     }
-            return entry
+            rounded: dict = round_sig(entry)  # as a stored look is (`gate.record.assemble_record`)
+            return rounded
 
-        return m.memo(("look", build_name, k, probe_seed, knockout_seed, tuple(heads or ()), mode), measure)
+        return m.loaded.memo(("look", build_name, k, probe_seed, knockout_seed, tuple(heads or ()), mode), measure)
 
 
 class ShardPartRecords(MeasuredRecords):
@@ -122,20 +122,19 @@ class ShardPartRecords(MeasuredRecords):
     (`gate.shards.merged_by_build`), read once; no build is loaded. Parts of a build not gated, a
     build without parts, or parts measured otherwise than asked are one line each."""
 
-    @renamed_keywords(recipe="build_name")
     def record(self, build_name: str, knockout: bool = True, method=None) -> dict:
-        from .errors import ShardError
-        from .rungs.kappa_method import of_record
+        from ..errors import ShardError
+        from ..rungs.kappa_method import of_record
 
         m = self.measurement
-        merged = m.memo(("shard_parts",), self._read)
+        merged = m.loaded.memo(("shard_parts",), self._read)
         if build_name not in merged:
             raise ShardError(
-                f"{flag('shard-parts')} {m.settings.shard_parts} holds no part of build {build_name}: "
+                f"{flag('shard-parts')} {m.loaded.settings.shard_parts} holds no part of build {build_name}: "
                 "gate only the builds whose parts are there, or add them"
             )
         record = merged[build_name]
-        method = m.settings.kappa_method if method is None else method
+        method = m.loaded.settings.kappa_method if method is None else method
         if of_record(record) != method:
             raise ShardError(
                 f"the parts of {build_name} measured kappa with {of_record(record).describe()}, the baseline asks for "
@@ -143,19 +142,17 @@ class ShardPartRecords(MeasuredRecords):
             )
         return record
 
-    @renamed_keywords(recipe="build_name")
     def identity(self, build_name: str) -> dict:
         return self.record(build_name)["build"]
 
-    @renamed_keywords(recipe="build_name")
     def look(self, build_name: str, k: int, probe_seed: int, knockout_seed: int, heads, mode) -> dict | None:
         return None  # a merge loads no build: an undecided row keeps the fixed rule
 
     def _read(self) -> dict[str, dict]:
-        from .errors import ShardError
-        from .gate.shards import merged_by_build, part_paths
+        from ..errors import ShardError
+        from ..gate.shards import merged_by_build, part_paths
 
-        s, said = self.measurement.settings, flag("shard-parts")
+        s, said = self.measurement.loaded.settings, flag("shard-parts")
         pattern = str(s.shard_parts)
         merged = merged_by_build(part_paths(pattern, said))
         strays = sorted(set(merged) - set(s.builds))
@@ -164,7 +161,7 @@ class ShardPartRecords(MeasuredRecords):
                 f"{said} {pattern} holds parts of {', '.join(strays)}, not a build gated "
                 f"({', '.join(s.builds)}): name only the parts of the builds gated"
             )
-        name = self.measurement.model_name
+        name = self.measurement.loaded.model_name
         for record in merged.values():
             if record["model"]["name"] != name:
                 raise ShardError(
@@ -182,16 +179,16 @@ class ShardPartRecords(MeasuredRecords):
 
 def record_source(measurement: BuildMeasurement) -> MeasuredRecords:
     """The run's records by kind: merged from shard parts when the settings name them, else measured."""
-    kind = MeasuredRecords if measurement.settings.shard_parts is None else ShardPartRecords
+    kind = MeasuredRecords if measurement.loaded.settings.shard_parts is None else ShardPartRecords
     return kind(measurement)
 
 
 def part_of(m: BuildMeasurement, build_name: str, index: int, total: int) -> dict:
     """Shard ``index`` of ``total`` (1-based) of the scan of ``build_name``: the part a job writes."""
-    from .errors import ShardError
-    from .gate.schema import PART_FORMAT
+    from ..errors import ShardError
+    from ..gate.schema import PART_FORMAT
 
-    n_layers = m.preflight().n_layers
+    n_layers = m.loaded.preflight().n_layers
     if total > n_layers:
         raise ShardError(
             f"{flag('shard')} {index}/{total}: the model has {n_layers} layers, so at most {n_layers} shards; "
@@ -209,8 +206,8 @@ def part_of(m: BuildMeasurement, build_name: str, index: int, total: int) -> dic
 def write_part(m: BuildMeasurement, build_name: str, index: int, total: int, path: Path) -> dict:
     """Measure shard ``index`` of ``total`` of ``build_name`` (`part_of`) and write its part to ``path``
     atomically: the one writer of parts (``circuits record --shard``, pytest ``--circuits-shard``)."""
-    from .fsio import atomic_write_text, check_output
-    from .gate.shards import dumps_part
+    from ..fsio import atomic_write_text, check_output
+    from ..gate.shards import dumps_part
 
     check_output(path)  # a link or a folder ends the job before the scan, not after
     part = part_of(m, build_name, index, total)

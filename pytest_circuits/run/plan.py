@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import CircuitsError
-from .options import flag
-from .settings import CircuitsSettings
+from ..errors import CircuitsError
+from ..options import flag
+from ..settings import CircuitsSettings
 
 AUTO_SCREEN_HEADS = 300  # above this many heads the default rung-2 plan screens (SmolLM2-135M: 270, exact)
 AUTO_SCREEN_TOP_K = 12  # ... and knocks out the screen's top 12 exactly, plus the baselines' key heads
@@ -72,3 +72,15 @@ def shard_count(settings: CircuitsSettings, workers: int, geometry: Callable) ->
     except Exception:  # the model cannot be gated: its tests say why
         return 1
     return workers if g.n_layers * g.n_heads >= AUTO_SHARD_HEADS else 1
+
+
+def screen_variant(settings: CircuitsSettings):
+    """The screen's knobs (`rungs.screen.ScreenVariant`) from the settings."""
+    from ..rungs.screen import ScreenVariant
+
+    return ScreenVariant(
+        sequences=settings.knockout_screen_sequences,
+        qk_top=settings.knockout_screen_qk_top,
+        grad_drop_layers=settings.knockout_screen_grad_drop_layers,
+        ablation=settings.knockout_screen_ablation,
+    )

@@ -3,8 +3,8 @@ preflight check, loading one build, rung 1's kappa scan, and a knockout frame to
 
 from __future__ import annotations
 
-from .options import flag
-from .settings import CircuitsSettings
+from ..options import flag
+from ..settings import CircuitsSettings
 
 
 def preflight(settings: CircuitsSettings, source, device: str):
@@ -13,16 +13,16 @@ def preflight(settings: CircuitsSettings, source, device: str):
     Reads the config and the tokenizer only (no weights): an unknown family, or a probe that does
     not fit the model's context, is refused in seconds, not after a scan.
     """
-    from .model.families import check_geometry, family_and_geometry
-    from .model.kv_formats import check_window_fits
-    from .model.loading import read_config
-    from .model.vocab import token_info
-    from .rungs.repeat import bos_offset, check_fits, check_probe_memory, check_vocabulary
+    from ..model.families import check_geometry, family_and_geometry
+    from ..model.kv_formats import check_window_fits
+    from ..model.loading import read_config
+    from ..model.vocab import token_info
+    from ..rungs.repeat import bos_offset, check_fits, check_probe_memory, check_vocabulary
 
     s = settings
     config = read_config(source.folder, s.trust_remote_code, s.model)
     for spec in s.external:  # a NAME=PATH whose PATH is nowhere: one line now, not per test
-        from .model.external import check_external_path
+        from ..model.external import check_external_path
 
         check_external_path(spec)
     tokens = token_info(source.folder, config, s.trust_remote_code)
@@ -34,7 +34,7 @@ def preflight(settings: CircuitsSettings, source, device: str):
     _, geometry = family_and_geometry(config)
     check_geometry(s.model, geometry)
     if s.shard_parts is None:  # a merge job runs no probe: it gates the parts' figures
-        from .rungs.query_blocks import query_block
+        from ..rungs.query_blocks import query_block
 
         T = 2 * s.probe.L + bos_offset(tokens)  # a probe run in blocks: its knockout pass checked as it starts
         knockout = query_block(geometry, min(s.batch_size, s.probe.n), T) >= T
@@ -46,19 +46,19 @@ def load_spec(settings: CircuitsSettings, source, spec, device):
     """Load the build ``spec`` (a recipe or an external build) of ``source``, with its KV cache."""
     weights = spec.weights  # the build's weights; a KV cache is put in their attention after
     if weights.external:
-        from .model.external import load_external_build
+        from ..model.external import load_external_build
 
         build = load_external_build(source, weights, device, settings.trust_remote_code)
     else:
-        from .model.builds import load_build
+        from ..model.builds import load_build
 
         build = load_build(source, weights.name, device, settings.trust_remote_code, device_map=settings.device_map)
     if settings.engine == "llama.cpp":  # llama.cpp runs the probe with its own cache; torch reads the weights only
-        from .model.llama_engine import served_by_llama
+        from ..model.llama_engine import served_by_llama
 
         build = served_by_llama(build, spec, settings.model)
     elif spec.kv is not None:
-        from .model.kv_cache import attach_kv_cache
+        from ..model.kv_cache import attach_kv_cache
 
         build = attach_kv_cache(build, spec.kv)
     return build
@@ -70,7 +70,7 @@ def engine_files(settings: CircuitsSettings) -> dict:
     llama-cpp-python installed); ``{}`` with torch."""
     if settings.engine != "llama.cpp":
         return {}
-    from .model.llama_engine import gguf_path, require_llama_cpp
+    from ..model.llama_engine import gguf_path, require_llama_cpp
 
     files = {name: gguf_path(settings.spec(name), settings.model) for name in settings.builds}
     require_llama_cpp()
@@ -82,8 +82,8 @@ def measure_spectrum(model, method, fdr_q: float):
     (a `KappaMethod` without a minimum effect), one layer's weights at a time."""
     import torch
 
-    from .model.weights import StreamedWeights
-    from .rungs.kappa import ov_spectrum
+    from ..model.weights import StreamedWeights
+    from ..rungs.kappa import ov_spectrum
 
     return ov_spectrum(
         StreamedWeights.of(model),  # one layer at a time: nothing held after

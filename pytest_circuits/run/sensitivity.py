@@ -31,9 +31,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .errors import CircuitsError
-from .model.dense import float_weight, head_columns, is_conv1d
-from .model.families import (
+from ..errors import CircuitsError
+from ..model.dense import float_weight, head_columns, is_conv1d
+from ..model.families import (
     attention_module,
     family_of,
     geometry_of,
@@ -270,36 +270,37 @@ class Outcome:
         return "; ".join(words) or "pass"
 
 
-def gate_record(session, build_name: str, baseline: dict, tol, knockout: bool = True) -> tuple[list, dict]:
-    """``(results, record)``: ``build_name`` as the session holds it now, measured the baseline's way
-    (`gate.verdict.candidate_record`'s rule) and gated with `gate_all`. Knockouts run on the
-    baseline's key heads only: the only ones `knockout_deltas` compares, so the verdict is the
-    full scan's. ``knockout=False``: no knockouts, so `knockout_deltas` is not run (not passed)."""
-    from .gate.further_looks import extend
-    from .gate.invariants import gate_all, key_heads
-    from .gate.record import has_figures
+def gate_record(run, build_name: str, baseline: dict, tol, knockout: bool = True) -> tuple[list, dict]:
+    """``(results, record)``: ``build_name`` as the run holds it now, measured the baseline's way
+    (`run.flow.candidate_record`'s rule) and settled against it by the run's one flow (`run.flow.settle`:
+    the compatibility checks, the further looks, `gate.check.check`). Knockouts run on the baseline's
+    key heads only: the only ones `knockout_deltas` compares, so the verdict is the full scan's.
+    ``knockout=False``: no knockouts, so `knockout_deltas` is not run (not passed)."""
+    from ..gate.invariants import key_heads
+    from ..gate.record import has_figures
+    from ..rungs import kappa_method
+    from .flow import settle
     from .records import measure_record
-    from .rungs import kappa_method
 
-    session.forget_figures(build_name)
+    run.loaded.forget_figures(build_name)
     knockout = knockout and has_figures(baseline, "knockout")
     frame = None
     if knockout:
         keys = key_heads(baseline, "knockout_delta", tol.top_k, tol.min_delta)
-        frame = session.head_knockout(build_name, heads=keys or None)
+        frame = run.measured.head_knockout(build_name, heads=keys or None)
     record = measure_record(
-        session, build_name, knockout=knockout, method=kappa_method.of_record(baseline), knockout_frame=frame
+        run.measured, build_name, knockout=knockout, method=kappa_method.of_record(baseline), knockout_frame=frame
     )
-    record = extend(session.records, build_name, baseline, record, tol)  # the further looks an undecided row needs
-    return gate_all(baseline, record, tol, build_name, "baseline"), record
+    verdicts = settle(run.records, build_name, baseline, record, tol, label="baseline", across=False)
+    return verdicts.results, record
 
 
 def gate_outcome(
-    session, build_name, baseline, tol, damage=None, label="", text_loss=None, knockout: bool = True
+    run, build_name, baseline, tol, damage=None, label="", text_loss=None, knockout: bool = True
 ) -> Outcome:
-    """`gate_record` of the build as it stands, summarised; ``text_loss(session, build_name)``: held-out loss."""
+    """`gate_record` of the build as it stands, summarised; ``text_loss(run, build_name)``: held-out loss."""
     start = time.perf_counter()
-    results, record = gate_record(session, build_name, baseline, tol, knockout)
+    results, record = gate_record(run, build_name, baseline, tol, knockout)
     return Outcome(
         damage,
         label or (damage.describe() if damage else build_name),
@@ -308,7 +309,7 @@ def gate_outcome(
         float(record["copy_loss"]),
         float(record["first_copy_loss"]),
         time.perf_counter() - start,
-        None if text_loss is None else text_loss(session, build_name),
+        None if text_loss is None else text_loss(run, build_name),
         results,
         record,
         [r.invariant for r in results if r.status == "failed" and not r.compared],
@@ -316,26 +317,24 @@ def gate_outcome(
 
 
 def sweep(
-    session, baseline: dict, damages, tol, build_name: str = "fp32", text_loss=None, write=None, knockout: bool = True
+    run, baseline: dict, damages, tol, build_name: str = "fp32", text_loss=None, write=None, knockout: bool = True
 ) -> list[Outcome]:
     """Gate the intact build, then each damage of it, undoing each exactly before the next."""
-    model = session.build(build_name).model
+    model = run.loaded.build(build_name).model
     restorer = Restorer(model)
-    outcomes = [
-        gate_outcome(session, build_name, baseline, tol, label="intact", text_loss=text_loss, knockout=knockout)
-    ]
+    outcomes = [gate_outcome(run, build_name, baseline, tol, label="intact", text_loss=text_loss, knockout=knockout)]
     for damage in damages:
         try:
             damage.apply(model)
             outcomes.append(
-                gate_outcome(session, build_name, baseline, tol, damage, text_loss=text_loss, knockout=knockout)
+                gate_outcome(run, build_name, baseline, tol, damage, text_loss=text_loss, knockout=knockout)
             )
         finally:
             restorer.restore()
         if write is not None:
             o = outcomes[-1]
             write(f"{o.label}: {o.verdict()} ({o.seconds:.1f} s)")
-    session.forget_figures(build_name)
+    run.loaded.forget_figures(build_name)
     return outcomes
 
 
@@ -404,21 +403,21 @@ def caught_table(outcomes: list[Outcome], invariants) -> list[str]:
 
 def damaged_heads(baseline: dict, tol, count: int) -> list[str]:
     """The baseline's top ``count`` key heads: by knockout delta, then the top induction head."""
-    from .gate.invariants import key_heads
+    from ..gate.invariants import key_heads
 
     heads = key_heads(baseline, "knockout_delta", 0, tol.min_delta)[:count]
     induction = key_heads(baseline, "prefix_matching", 1, tol.min_score)
     return list(dict.fromkeys(heads + induction)) if heads or induction else []
 
 
-def run_command(session, baseline: dict, tol, count: int, build_name: str, write=print) -> bool:
+def run_command(run, baseline: dict, tol, count: int, build_name: str, write=print) -> bool:
     """The reduced sweep of ``circuits sensitivity``: OV and QK scales of the top key heads;
     prints each verdict and the mildest damage each invariant catches. False when the intact
     build does not pass against the baseline (nothing it then catches means anything)."""
-    from .gate.invariants import per_build_invariants
-    from .gate.store import geometry_difference, geometry_record
+    from ..gate.invariants import per_build_invariants
+    from ..gate.store import geometry_difference, geometry_record
 
-    other = geometry_difference(baseline, geometry_record(session.preflight().__dict__))
+    other = geometry_difference(baseline, geometry_record(run.loaded.preflight().__dict__))
     if other:  # before any work: its key heads name heads of another model
         raise CircuitsError(
             f"the baseline is of another model (geometry {other}): its key heads are not this model's; "
@@ -428,9 +427,9 @@ def run_command(session, baseline: dict, tol, count: int, build_name: str, write
     if not heads:
         raise CircuitsError("the baseline has no key head (knockout delta or prefix matching): nothing to damage")
     damages = head_damages(heads, rotations=(), noise=())
-    check_damageable(session.build(build_name).model, damages, build_name)
+    check_damageable(run.loaded.build(build_name).model, damages, build_name)
     write(f"damaging {', '.join(heads)} of {build_name}: {len(damages)} damages, each gated against the baseline")
-    outcomes = sweep(session, baseline, damages, tol, build_name, write=write)
+    outcomes = sweep(run, baseline, damages, tol, build_name, write=write)
     intact = outcomes[0]
     if intact.failed or intact.empty or not intact.passed:
         write(f"the intact {build_name} build fails against the baseline ({intact.verdict()}): fix that first")
@@ -442,8 +441,8 @@ def run_command(session, baseline: dict, tol, count: int, build_name: str, write
     return True
 
 
-def with_seeds(session, probe_seed: int, knockout_seed: int) -> None:
-    """Point the session at other probe and knockout sequences (figures measured again)."""
-    s = session.settings
-    session.settings = replace(s, probe=replace(s.probe, seed=probe_seed), knockout_seed=knockout_seed)
-    session.forget_figures()
+def with_seeds(run, probe_seed: int, knockout_seed: int) -> None:
+    """Point the run at other probe and knockout sequences (figures measured again)."""
+    s = run.settings
+    run.loaded.settings = replace(s, probe=replace(s.probe, seed=probe_seed), knockout_seed=knockout_seed)
+    run.loaded.forget_figures()

@@ -13,17 +13,17 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import BaselineCorrupt, BaselineError, BaselineMissing, renamed_keywords
+from ..errors import BaselineCorrupt, BaselineError, BaselineMissing
+from ..gate.fixes import record_command
+from ..gate.invariants import key_heads
+from ..gate.schema import Record, RecordLike
+from ..gate.store import BaselineStore, geometry_difference, geometry_record, same_geometry
 from ..options import flag
-from .fixes import record_command
-from .invariants import key_heads
 from .record_source import RecordSource
-from .schema import Record, RecordLike
-from .store import BaselineStore, geometry_difference, geometry_record, same_geometry
 
 if TYPE_CHECKING:
+    from ..gate.tolerances import Tolerances
     from ..settings import CircuitsSettings
-    from .tolerances import Tolerances
 
 Memo = Callable[[tuple[Any, ...], Callable[[], Any]], Any]
 
@@ -67,18 +67,15 @@ class RunBaselines:
         shipped = BaselineStore(SHIPPED_BASELINES)
         return shipped if shipped.builds(self.model_name) else store
 
-    @renamed_keywords(recipe="build_name")
     def path(self, build_name: str) -> Path:
         """Where the baseline of ``build_name`` for this model lives."""
         return self.store.path(self.model_name, build_name)
 
-    @renamed_keywords(recipe="build_name")
     def record_command(self, build_name: str) -> str:
         """The shell command that (re)records the baseline of ``build_name``, with every setting it was gated with."""
         s = self.settings
         return record_command(s, str(s.spec(build_name)), s.baselines)
 
-    @renamed_keywords(recipe="build_name")
     def write(self, build_name: str) -> Path:
         """Record ``build_name`` (with knockouts) and write its baseline atomically, once per run.
 
@@ -89,7 +86,7 @@ class RunBaselines:
 
         def write() -> Path:
             self.store.check_writable(self.path(build_name))  # a path it cannot write ends here, not after the scan
-            from .further_looks import with_looks  # every look of the sequential rule, measured once
+            from .looks import with_looks  # every look of the sequential rule, measured once
 
             record = with_looks(
                 self.records, build_name, self.records.record(build_name, knockout=True), self._tolerances()
@@ -108,7 +105,6 @@ class RunBaselines:
 
         return Path(self.memo(("written", build_name), write_once))
 
-    @renamed_keywords(recipe="build_name")
     def load(self, build_name: str) -> Record:
         """The baseline record of ``build_name``, validated once (`store.read_record`): written first
         under ``update``; a typed BaselineError (`BaselineMissing`, `BaselineCorrupt`) if there is none
@@ -133,7 +129,6 @@ class RunBaselines:
         loaded: Record = self.memo(("baseline", build_name), load)
         return loaded
 
-    @renamed_keywords(recipe="build_name")
     def missing_message(self, build_name: str, path: Path) -> str:
         """Why ``build_name`` has no baseline, and what to do: gate against a baseline of the same
         geometry in the folder (``--circuits-name``) first, when there is one; recording makes this

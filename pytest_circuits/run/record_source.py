@@ -1,5 +1,5 @@
 """What the gate reads a build's figures from: a `RecordSource` (typed, so gate functions take it
-instead of a session). The front ends pass one of `pytest_circuits.records`: the build measured
+instead of a session). The front ends pass one of `pytest_circuits.run.records`: the build measured
 (`MeasuredRecords`) or the record merged from shard parts (`ShardPartRecords`)."""
 
 from __future__ import annotations

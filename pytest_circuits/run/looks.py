@@ -1,0 +1,57 @@
+"""The further looks of the sequential rule, measured (`gate.looks` reads them, `gate.seeds` seeds them).
+
+A baseline is recorded with every look once (`with_looks`): the baseline's build need not be loaded
+when a build is gated against it; a build measures look ``k`` on the baseline's seeds of look ``k``
+only when a verdict asks for it (`measure_looks`), so both sides pair on the same sequences. A merge
+of shard parts measures none (its `RecordSource.look` gives None): its undecided rows keep the fixed
+rule, said."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..gate import invariants
+from ..gate.looks import KNOCKOUT_KEY
+from ..gate.schema import Record
+from ..gate.seeds import look_seed
+from ..gate.tolerances import Tolerances
+from .record_source import RecordSource
+
+
+def measure_looks(
+    records: RecordSource, build_name: str, baseline: Record, candidate: dict[str, Any], wanted: int
+) -> bool:
+    """Measure the candidate's looks after those it holds, up to ``wanted``, each on the baseline's
+    seeds of that look (with the knockouts of the heads the baseline's look knocked out); False when
+    none could be (a merge of shard parts, or a look the baseline does not hold)."""
+    stored = {entry.look: entry for entry in baseline.looks or []}
+    have = 1 + len(candidate.get("looks") or [])
+    if wanted <= have or any(k not in stored for k in range(have + 1, wanted + 1)):
+        return False
+    mode = baseline.knockout.mode if baseline.knockout else None
+    for k in range(have + 1, wanted + 1):
+        entry = stored[k]
+        heads = sorted(entry.values(KNOCKOUT_KEY) or {}) if candidate.get("knockout") else []
+        look = records.look(build_name, k, entry.probe_seed, entry.knockout_seed, heads, mode)
+        if look is None:
+            return False
+        candidate.setdefault("looks", []).append(look)
+    return True
+
+
+def with_looks(records: RecordSource, build_name: str, record: dict[str, Any], tol: Tolerances) -> dict[str, Any]:
+    """``record`` (a record of ``build_name`` measured now, the dict written) with its looks 2 ..
+    ``tol.looks`` (a baseline's: measured once, with the knockouts of its key heads when it has
+    knockouts)."""
+    typed = Record.of(record)
+    knocked = typed.knockout
+    heads = invariants.key_heads(typed, "knockout_delta", int(tol.top_k), float(tol.min_delta)) if knocked else []
+    mode = knocked.mode if knocked else None
+    probe_seed, knockout_seed = typed.probe.seed, knocked.seed if knocked else 0
+    entries = [
+        records.look(build_name, k, look_seed(probe_seed, k), look_seed(knockout_seed, k), heads, mode)
+        for k in range(2, int(tol.looks) + 1)
+    ]
+    if any(entry is None for entry in entries):  # a source that measures nothing (merged shard parts)
+        return record
+    return {**record, "looks": entries}

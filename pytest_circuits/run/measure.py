@@ -1,0 +1,215 @@
+"""What one run measures of its builds, each figure once (in the run's memo, `loaded.LoadedBuilds`):
+rung 1, the repeat probe, and the knockouts under the run's rung-2 plan (`plan`).
+
+Light at import (the plugin may create one in any run): each method imports the layer it needs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from functools import cached_property
+
+from ..options import flag
+from . import plan as rung2_plan
+from .loaded import LoadedBuilds
+
+
+class BuildMeasurement:
+    """Per build: its rung 1, probe and knockout figures (under the run's `plan`), memoised in ``loaded``;
+    ``key_heads``: the heads a screened scan always knocks out exactly (the baselines')."""
+
+    def __init__(self, loaded: LoadedBuilds, key_heads: Callable[[], Sequence[str]] = tuple):
+        self.loaded = loaded
+        self.key_heads = key_heads
+
+    def ov_spectrum(self, build_name: str, method=None):
+        """Rung 1: kappa of every head against the rotation null (DataFrame), measured by ``method``
+        (a `rungs.kappa_method.KappaMethod`; default: the settings')."""
+        from .steps import measure_spectrum
+
+        m = self.loaded.settings.kappa_method if method is None else method
+        if m != m.null:  # flagged with a minimum effect: the scan without one, flagged again (no second null)
+            from ..rungs.kappa import reflagged
+
+            return self.loaded.memo(
+                ("ov_spectrum", build_name, m), lambda: reflagged(self.ov_spectrum(build_name, m.null), m.min_effect)
+            )
+
+        def measure():
+            model = self.loaded.build(build_name).model
+            with self.loaded.phase(f"rung 1 (kappa, {m.n_rotations} rotations) {self.loaded.model_name}:{build_name}"):
+                return measure_spectrum(model, m, self.loaded.settings.fdr_q)
+
+        return self.loaded.memo(("ov_spectrum", build_name, m), measure)
+
+    def repeat_probe(self, build_name: str):
+        """Rung 1/2: copy losses and per-head routing scores on the seeded repeat probe."""
+        from ..rungs.probe import run_repeat_probe
+
+        s = self.loaded.settings
+
+        def measure():
+            build = self.loaded.build(build_name)
+            with self.loaded.phase(
+                f"repeat probe (n={s.probe.n}, L={s.probe.L}) {self.loaded.model_name}:{build_name}"
+            ):
+                if s.engine == "llama.cpp":
+                    from ..model.llama_engine import gguf_path, threads
+                    from ..rungs.llama_probe import llama_repeat_probe
+
+                    spec = s.spec(build_name)  # preflight (`measure_steps.engine_files`) checked every build's file
+                    path, kv = gguf_path(spec, s.model), spec.kv
+                    return llama_repeat_probe(path, build.tokens, build.geometry, s.probe, kv, threads())
+                return run_repeat_probe(build, s.probe, batch_size=s.batch_size)
+
+        return self.loaded.memo(("repeat_probe", build_name), measure)
+
+    def head_knockout(self, build_name: str, heads=None):
+        """Rung 2: knockout delta of every head (or of ``heads``) on held-out repeat sequences (DataFrame).
+        Screened, the key heads (`key_heads`) are always knocked out exactly; with shards (`shards`),
+        the scan of every head is the merge of its layer shards."""
+        chosen = None if heads is None else tuple(sorted(heads))
+        if chosen is None and self.loaded.settings.shard is not None:
+            from ..errors import ShardError
+
+            i, k = self.loaded.settings.shard
+            raise ShardError(
+                f"this job measures only knockout shard {i}/{k} ({flag('shard')}): the whole scan of {build_name} "
+                f"is the merge of every part ({flag('shard-parts')})"
+            )
+        if chosen is None and self.shards > 1:
+            from ..rungs.knockout_shards import merge_knockout_shards
+
+            return self.loaded.memo(
+                ("head_knockout", build_name, None),
+                lambda: merge_knockout_shards([self.knockout_shard(build_name, i) for i in range(self.shards)]),
+            )
+        return self.loaded.memo(
+            ("head_knockout", build_name, chosen), lambda: self._knockout_scan(build_name, chosen, None)
+        )
+
+    def scan_plan(self, build_name: str, knockout: bool, method) -> float | None:
+        """Before a build's whole scan under a rung-2 plan chosen by size (and one process doing all of
+        it): say its counted cost and time (`rungs.plan.scan_estimate`) and return the seconds; else None."""
+        from ..rungs.plan import scan_estimate, screened_flops
+
+        s = self.loaded.settings
+        measured = self.loaded.memoised(("ov_spectrum", build_name, method.null)) is not None
+        if s.shard is not None or self.shards > 1 or measured:
+            return None  # a shard's scan, or rung 1 already measured: not the whole scan's time
+        chosen = rung2_plan.plan(s, self.loaded.preflight, lambda: list(self.key_heads()))
+        if not chosen.by_size:
+            return None
+        build, rung2 = self.loaded.build(build_name), None
+        if knockout:
+            assert chosen.top_k is not None
+            method_2 = self.screen_method(build_name)
+            rung2 = screened_flops(
+                build,
+                s.knockout_probe,
+                chosen.top_k,
+                len(chosen.must_include),
+                method_2,
+                rung2_plan.screen_variant(self.loaded.settings),
+            )
+        line, seconds = scan_estimate(build, s.probe, method.n_rotations, rung2)
+        self.loaded.say(line)
+        return seconds
+
+    def screen_top_k(self) -> int | None:
+        """The rung-2 plan's K (`rung2_plan.screen_top_k`): None scans every head exactly."""
+        return rung2_plan.screen_top_k(self.loaded.settings, self.loaded.preflight)
+
+    def screen_method(self, build_name: str) -> str:
+        """How the screen ranks heads: ``--knockout-screen-method``, or by default (``auto``) atp*
+        unless its counted cost passes the device's budget, then atp, said in one line."""
+        if self.loaded.settings.knockout_screen_method != "auto":
+            return self.loaded.settings.knockout_screen_method
+
+        def choose():
+            from ..rungs.plan import automatic_screen_method
+
+            method, why = automatic_screen_method(
+                self.loaded.build(build_name),
+                self.loaded.settings.knockout_probe,
+                rung2_plan.screen_variant(self.loaded.settings),
+            )
+            if why:
+                self.loaded.say(why)
+            return method
+
+        return self.loaded.memo(("screen_method", build_name), choose)
+
+    def _knockout_scan(self, build_name: str, heads, layers):
+        from ..rungs.knockout import knockout_scan
+        from ..rungs.plan import plan_estimate, took_line
+
+        s = self.loaded.settings
+        say = self.loaded.say
+        chosen = rung2_plan.plan(s, self.loaded.preflight, lambda: list(self.key_heads()))
+        planned = None
+        if chosen.by_size and heads is None:  # said before it starts, with its counted cost
+            assert chosen.top_k is not None
+            line, planned = plan_estimate(
+                self.loaded.build(build_name),
+                s.knockout_probe,
+                chosen.top_k,
+                len(chosen.must_include),
+                self.screen_method(build_name),
+                rung2_plan.screen_variant(self.loaded.settings),
+            )
+            say(f"{line}; the full exact scan only with {flag('knockout-full')}")
+        started = time.perf_counter()
+        frame = knockout_scan(
+            self.loaded.build(build_name),
+            s.knockout_probe,
+            mode=s.knockout_mode,
+            heads=None if heads is None else list(heads),
+            screen_top_k=chosen.top_k,
+            screen_method=self.screen_method(build_name),
+            must_include=chosen.must_include,
+            batch_size=s.batch_size,
+            write=self.loaded.progress_write,
+            layers=layers,
+            screen_variant=rung2_plan.screen_variant(self.loaded.settings),
+        )
+        if planned is not None:  # and after it, its wall time beside the estimate
+            say(took_line(self.loaded.build(build_name), planned, time.perf_counter() - started))
+        return frame
+
+    @cached_property
+    def shards(self) -> int:
+        """Layer shards of a full knockout scan (`rung2_plan.shard_count`)."""
+        return rung2_plan.shard_count(self.loaded.settings, self.loaded.workers, self.loaded.preflight)
+
+    def shard_layers(self) -> list[list[int]]:
+        """The layers of each shard (`rungs.knockout_shards.layer_shards`), from the model's config alone."""
+        from ..rungs.knockout_shards import layer_shards  # noqa: I001 (light at import)
+
+        return layer_shards(self.loaded.preflight().n_layers, self.shards)
+
+    def knockout_shard(self, build_name: str, index: int):
+        """Shard ``index`` of the knockout scan of ``build_name`` (its intact pass and its layers' knockouts).
+        Under pytest-xdist measured once per run: under a file lock in the shared run folder, the first
+        process that needs it measures it and writes it there as JSON (exact floats), the others read it."""
+        from ..gate.store import baseline_path
+        from .steps import frame_json, json_frame
+
+        layers = self.shard_layers()[index]
+
+        def measure():
+            before, self.loaded.loading_for = self.loaded.loading_for, f"knockout shard {index + 1}/{self.shards}"
+            try:
+                return self._knockout_scan(build_name, None, layers)
+            finally:
+                self.loaded.loading_for = before
+
+        def once():
+            if self.loaded.run_folder is None:
+                return measure()
+            stem = baseline_path(".", self.loaded.model_name, build_name).stem
+            name = f"{stem}.knockout-{index + 1}-of-{self.shards}.json"
+            return self.loaded.run_folder.once(name, measure, dump=frame_json, load=json_frame)
+
+        return self.loaded.memo(("knockout_shard", build_name, index), once)
