@@ -256,7 +256,7 @@ def cmd_scan(args) -> int:
     print(head_table(record))
     if args.json:
         remove_stale_temps(args.json.parent, target=args.json.name)  # what a killed scan left beside it
-        atomic_write_text(args.json, dumps(record))
+        atomic_write_text(args.json, dumps(record.data))
         print(f"wrote {args.json}")
     return EXIT_OK
 
@@ -270,11 +270,11 @@ def cmd_record(args) -> int:
     for recipe in session.settings.builds:
         path = session.baselines.write(recipe)
         record = session.records.record(recipe, knockout=True)
-        written = any(e["event"] == "written" and e["recipe"] == recipe for e in session.baselines.events)
+        written = any(event["event"] == "written" and event["recipe"] == recipe for event in session.baselines.events)
         verb = "wrote" if written else "unchanged (no figure moved; --update-all rewrites it)"
         print(
-            f"{verb} {path}: copy loss {record['copy_loss']:.4f}, copy gain {record['copy_gain']:.4f}, "
-            f"{sum(bool(h.get('copying')) for h in record['heads'])} copying heads"
+            f"{verb} {path}: copy loss {record.copy_loss:.4f}, copy gain {record.copy_gain:.4f}, "
+            f"{sum(h.copying for h in record.heads)} copying heads"
         )
     return EXIT_OK
 
@@ -370,7 +370,6 @@ def cmd_baselines(args) -> int:
 def cmd_gate(args) -> int:
     from .errors import BaselineMissing
     from .gate.fixes import file_fix_line
-    from .gate.schema import Record
     from .gate.store import baseline_file, read_record
     from .model.recipes import describe_identity
     from .run.flow import gate_file
@@ -392,7 +391,7 @@ def cmd_gate(args) -> int:
     )
     identities = [
         f"{who} {line}"
-        for who, record in (("candidate", Record.of(candidate)), ("baseline", baseline))
+        for who, record in (("candidate", candidate), ("baseline", baseline))
         if (line := describe_identity(record.build.model_dump(exclude_none=True)))
     ]
     return EXIT_OK if _print_results(verdicts.results, identities + verdicts.notes) else EXIT_BROKEN
@@ -408,18 +407,18 @@ def cmd_diff(args) -> int:
 
 def cmd_sensitivity(args) -> int:
     """`sensitivity.run_command` on the build against its baseline (its probe settings)."""
-    from .gate.store import baseline_file, read_baseline
+    from .gate.store import baseline_file, read_record
     from .run.sensitivity import run_command
 
     tol = _tolerances(args.tol)
     if args.heads < 1:
         raise CircuitsError(f"--heads {args.heads}: damage at least 1 head")
-    baseline = read_baseline(baseline_file(args.baseline)) if args.baseline is not None else None
-    session = _session(args, probe=None if baseline is None else baseline.get("probe"))
+    baseline = read_record(baseline_file(args.baseline)) if args.baseline is not None else None
+    session = _session(args, probe=None if baseline is None else baseline.probe.model_dump())
     build = _one_build(session, "sensitivity")
     if baseline is None:
         baseline = session.baselines.load(build)
-    return EXIT_OK if run_command(session, baseline, tol, args.heads, build) else EXIT_BROKEN
+    return EXIT_OK if run_command(session, baseline.data, tol, args.heads, build) else EXIT_BROKEN
 
 
 COMMANDS = {

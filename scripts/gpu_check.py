@@ -267,7 +267,7 @@ def size_row(shape: str, device, torch) -> tuple[tuple, bool]:
         session = Run(settings)
         _peak_reset(torch, device)
         start = time.perf_counter()
-        record = session.records.record("bf16")
+        record = session.records.record("bf16").data
         seconds = time.perf_counter() - start
         heads = record["heads"]
         exact = sum(h.get("knockout_delta") is not None for h in heads)

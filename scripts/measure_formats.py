@@ -367,19 +367,19 @@ def main(argv: list[str] | None = None) -> None:
     def record_of(name: str) -> tuple[dict, float]:
         """The build's record and the seconds it took (loading, rung 1, probe, knockouts)."""
         if args.stored_builds and name in RECIPES and session.baselines.path(name).is_file():
-            return session.baselines.load(name), 0.0
+            return session.baselines.load(name).data, 0.0
         path = records / f"{name}{'' if knockout else '.no-knockout'}.json"
         seconds = path.with_suffix(".seconds")
         if not path.is_file():
             start = time.perf_counter()
-            record = session.records.record(name, knockout=knockout)
+            record = session.records.record(name, knockout=knockout).data
             seconds.write_text(f"{time.perf_counter() - start:.0f}")
             path.write_text(dumps(record))
             if args.write_baselines and knockout and name in RECIPES and not session.baselines.path(name).is_file():
                 print(f"wrote {session.baselines.store.write(session.loaded.model_name, name, record)[0]}", flush=True)
         return json.loads(path.read_text()), float(seconds.read_text())
 
-    fp32, _ = (session.baselines.load("fp32"), 0.0) if args.stored_reference else record_of("fp32")
+    fp32, _ = (session.baselines.load("fp32").data, 0.0) if args.stored_reference else record_of("fp32")
     induction = key_heads(fp32, "prefix_matching", 3, 0.0)
     knocked = key_heads(fp32, "knockout_delta", 1, 0.0)
     head = {r["head"]: r for r in fp32["heads"]}

@@ -81,7 +81,7 @@ def main() -> None:
     probe = RepeatSettings(0, args.n, args.L)
     tol = Tolerances()
     base = session_for(args.model, probe)
-    reference = base.records.record("fp32")
+    reference = base.records.record("fp32").data
     folder = base.loaded.source.folder
     induction = key_heads(reference, "prefix_matching", 1, 0.0)[0]
     previous = key_heads(reference, "previous_token", 1, 0.0)[0]
@@ -125,7 +125,7 @@ def main() -> None:
     print("largest change per compared figure (rank corr: its value; knockout_delta: relative to its size)")
     print(f"{'case':<24}" + "".join(f"{c:>19}" for c in columns) + "  verdict")
     for name, session, recipe in cases:
-        record = session.records.record(recipe)
+        record = session.records.record(recipe).data
         stats = statistics(reference, record, tol)
         results = gate_all(reference, record, tol, recipe, "fp32 baseline")
         broken = [r.invariant for r in results if not r.passed]

@@ -47,7 +47,6 @@ import torch
 from measure_formats import held_out_loss, write_blocks
 from scipy.stats import binomtest
 
-from pytest_circuits import sensitivity as S
 from pytest_circuits.errors import CircuitsError
 from pytest_circuits.gate.invariants import gate_all, get, key_heads, per_build_invariants
 from pytest_circuits.gate.looks import SEQUENTIAL
@@ -56,6 +55,7 @@ from pytest_circuits.gate.schema import Record
 from pytest_circuits.gate.store import read_baseline
 from pytest_circuits.gate.tolerances import Tolerances
 from pytest_circuits.model.gguf_quant import cached_gguf
+from pytest_circuits.run import sensitivity as S
 from pytest_circuits.run.looks import with_looks
 from pytest_circuits.run.run import Run
 from pytest_circuits.settings import build_settings
@@ -160,7 +160,7 @@ def false_alarms(session, tol, seeds, recipes, write, knockout: bool = True, kee
     for seed in seeds:
         S.with_seeds(session, seed, KNOCKOUT_SEED_OFFSET + seed)
         torch.set_num_threads(1)
-        baseline = with_looks(session.records, "fp32", session.records.record("fp32", knockout=knockout), tol)
+        baseline = with_looks(session.records, "fp32", session.records.record("fp32", knockout=knockout), tol).data
 
         def gated(name, build_name="fp32", threads=1, seed=seed, baseline=baseline):
             torch.set_num_threads(threads)
@@ -428,7 +428,7 @@ def measure(args, model: str, write) -> dict[str, str]:
     baseline = shipped
     if len(shipped.get("looks") or []) < int(tol.looks) - 1:
         probed = {**shipped, "knockout": None} if args.no_knockout else shipped  # no key heads: the probe's looks
-        baseline = {**shipped, "looks": with_looks(session.records, "fp32", probed, tol).get("looks")}
+        baseline = {**shipped, "looks": with_looks(session.records, "fp32", Record.of(probed), tol).data.get("looks")}
     keys = key_heads(baseline, "knockout_delta", tol.top_k, tol.min_delta)
     heads = S.damaged_heads(baseline, tol, args.heads if args.heads else len(keys))
 

@@ -168,19 +168,28 @@ def test_probe_longer_than_the_context_is_refused_before_the_scan(recorded, caps
     assert "needs 200 positions but the model's context is 128" in line and "--probe-length 64" in line
 
 
-def test_other_geometry_is_gated_across_models_not_refused(recorded, tmp_path, capsys):
-    """Another geometry is another base model (issue 13): compared on the swap invariants, the
-    per-head ones skipped saying why; other probe settings are still refused (exit 2)."""
+def test_another_models_baseline_is_refused_unless_a_swap_is_asked_for(recorded, tmp_path, capsys, monkeypatch):
+    """A baseline of another geometry is another base model (#51 item 2): refused in one line before any
+    figure is measured, unless ``--across-models`` asks for the swap, which is then compared on the swap
+    invariants, the per-head ones skipped saying why; other probe settings are refused either way."""
+    from pytest_circuits.run.records import MeasuredRecords
+
     _, good = recorded
     other = save_tiny_model("gpt2", tmp_path / "wide", seed=0, n_embd=32)
-    code, out, err = run(capsys, ["gate", str(other), "--build", "fp32", "--baseline", str(good), "--device", "cpu"])
+    gate = ["gate", str(other), "--build", "fp32", "--baseline", str(good), "--device", "cpu"]
+    with monkeypatch.context() as patched:  # refused before the build is measured
+        patched.setattr(MeasuredRecords, "record", lambda *a, **k: pytest.fail("measured before refusing"))
+        code, out, err = run(capsys, gate)
+    line = one_line(err)
+    assert code == 2 and "gate passed" not in out
+    assert f"baseline {good.name} is of another model (geometry d_model 64 vs 32, d_head 16 vs 8" in line
+    assert "ask for a base-model swap (circuits gate --across-models" in line
+    code, out, err = run(capsys, [*gate, "--across-models"])
     assert code in (0, 1) and beyond_progress(err) == []
     assert "per-head invariants were not compared (geometry d_model 64 vs 32, d_head 16 vs 8" in out
     assert "SKIP copying_heads: per-head invariants are not compared across models (geometry d_model 64 vs 32" in out
     assert "swap_copy: wide fp32 " in out and "against m (the baseline m--fp32.json)" in out
-    code, _, err = run(
-        capsys, [*["gate", str(other), "--build", "fp32", "--baseline", str(good)], *SMALL[:2], "--probe-n", "5"]
-    )
+    code, _, err = run(capsys, [*gate[:6], *SMALL[:2], "--probe-n", "5", "--across-models"])
     assert code == 2 and "recorded with other probe settings (n=4 vs 5)" in one_line(err)
 
 
@@ -241,12 +250,12 @@ def test_scan_json_write_is_atomic(recorded, tmp_path, capsys, monkeypatch):
 
 def test_record_into_a_path_that_is_a_file_is_one_line(recorded, tmp_path, capsys, monkeypatch):
     """Refused before any measuring: a scan that could only end in a write error never starts."""
-    from pytest_circuits.run.run import Run
+    from pytest_circuits.run.records import MeasuredRecords
 
     def measured(*args, **kwargs):
         raise AssertionError("the build was measured before the folder was checked")
 
-    monkeypatch.setattr(Run, "record", measured)
+    monkeypatch.setattr(MeasuredRecords, "record", measured)
     model, _ = recorded
     blocker = tmp_path / "baselines"
     blocker.write_text("not a folder")
@@ -742,8 +751,8 @@ def test_a_baseline_of_another_model_type_is_another_model(recorded, tmp_path, c
 def test_sensitivity_refuses_what_it_cannot_damage_before_any_work(recorded, capsys, monkeypatch):
     """``circuits sensitivity --build bnb-int8`` tracebacked after the intact gate (~100 s); a baseline of
     another geometry was reported after all 20 damages. Both are one line before any gate runs."""
-    from pytest_circuits import sensitivity
     from pytest_circuits.model.named import SHIPPED_BASELINES
+    from pytest_circuits.run import sensitivity
 
     model, _ = recorded
     gated = []

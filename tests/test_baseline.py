@@ -400,7 +400,7 @@ def test_a_missing_baseline_beside_one_of_the_same_geometry_offers_the_name_firs
     # another geometry beside it: the plain message, no name to offer
     other = Run(CircuitsSettings(model=str(tiny_folder("gpt2")), baselines=baselines, device="cpu"))
     with pytest.raises(BaselineMissing) as error:
-        other.load_baseline("fp32")
+        other.baselines.load("fp32")
     assert "same geometry" not in one_line(error) and "record it with: circuits record" in one_line(error)
 
 

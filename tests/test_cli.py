@@ -243,16 +243,16 @@ def test_usage_error_exit_2():
 def test_head_table_shows_each_heads_ov_gain_against_the_largest():
     from pytest_circuits.show import head_table
 
-    from .scan_records import complete
+    from .scan_records import typed
 
     heads = [
         {"head": f"L{layer}H{head}", "layer": layer, "head_index": head, "kappa": 0.5, "ov_gain": gain}
         for layer, head, gain in ((0, 0, 8.0), (0, 1, 2.0), (1, 0, 0.04), (1, 1, 1.0))
     ]
-    lines = head_table(complete({"heads": heads}, n_layers=2, n_heads=2)).splitlines()
+    lines = head_table(typed({"heads": heads}, n_layers=2, n_heads=2)).splitlines()
     assert lines[0].split()[-3:] == ["ov", "gain", "flag"]
     assert [line.split()[-1] for line in lines[1:]] == ["1.000", "0.250", "0.005", "0.125"]
-    no_gain = head_table(complete({"heads": [{"head": "L0H0", "kappa": 0.5}]}))
+    no_gain = head_table(typed({"heads": [{"head": "L0H0", "kappa": 0.5}]}))
     assert "ov gain" not in no_gain  # records without gains or eigenvalues: no column
 
 
@@ -272,16 +272,15 @@ def test_diff_rows_stay_aligned_for_the_longest_metric_name(capsys):
 def test_model_line_names_the_model_type_and_its_layout():
     """A Qwen3 record says qwen3 (its model type) and llama (the layout its heads are read with),
     not "llama" alone; an older record without a model type keeps the layout's name."""
+    from pytest_circuits.gate.schema import Record
     from pytest_circuits.show import model_lines
 
-    geometry = {"n_layers": 2, "n_heads": 4}
-    record = {
-        "model": {"name": "q", "family": "llama", "model_type": "qwen3", "geometry": geometry},
-        "build": {"recipe": "fp32", "backend_version": "torch", "device": "cpu"},
-        "probe": {"seed": 0, "n": 4, "L": 16},
-    }
-    assert model_lines(record)[0].startswith("model q (qwen3, llama layout, 2 layers x 4 heads)")
+    from .scan_records import complete
+
+    heads = [{"head": f"L{l}H{h}", "layer": l, "head_index": h} for l in range(2) for h in range(4)]
+    record = complete({"model": {"name": "q", "family": "llama", "model_type": "qwen3"}, "heads": heads})
+    assert model_lines(Record.of(record))[0].startswith("model q (qwen3, llama layout, 2 layers x 4 heads)")
     record["model"]["model_type"] = "llama"
-    assert model_lines(record)[0].startswith("model q (llama, 2 layers x 4 heads)")
+    assert model_lines(Record.of(record))[0].startswith("model q (llama, 2 layers x 4 heads)")
     del record["model"]["model_type"]
-    assert model_lines(record)[0].startswith("model q (llama, 2 layers x 4 heads)")
+    assert model_lines(Record.of(record))[0].startswith("model q (llama, 2 layers x 4 heads)")

@@ -80,7 +80,7 @@ def test_a_placement_that_offloads_next_to_gpus_is_refused():
 
 def _record(device_map: str, recipe: str) -> str:
     session = Run(CircuitsSettings(device="cpu", device_map=device_map, probe=SMALL))
-    return json.dumps(session.records.record(recipe), sort_keys=True)
+    return json.dumps(session.records.record(recipe).data, sort_keys=True)
 
 
 @requires_embedded_model()
@@ -182,9 +182,9 @@ def test_builds_on_cuda_gate_against_the_cpu_record(recipe):
 @needs_gpu
 @requires_embedded_model()
 def test_a_device_map_on_gpus_gives_the_single_gpu_figures():
-    one = Run(CircuitsSettings(device="cuda", probe=SMALL)).records.record("fp32")
+    one = Run(CircuitsSettings(device="cuda", probe=SMALL)).records.record("fp32").data
     spread_session = Run(CircuitsSettings(device="auto", device_map="balanced", probe=SMALL))
-    spread = spread_session.records.record("fp32")
+    spread = spread_session.records.record("fp32").data
     for a, b in zip(one["heads"], spread["heads"]):
         for key in ("kappa", "prefix_matching", "knockout_delta"):
             if isinstance(a.get(key), float) and not math.isnan(a[key]):

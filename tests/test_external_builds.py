@@ -161,14 +161,14 @@ def q8_session(q8_file, tmp_path_factory):
 def test_q8_file_identity_is_the_file(q8_session, q8_file):
     from pytest_circuits.gate.schema import Record
 
-    record = q8_session.records.record("q8", knockout=False)
+    record = q8_session.records.record("q8", knockout=False).data
     build = record["build"]
     assert build["recipe"] == "q8" and build["source"] == str(q8_file) and build["format"] == "gguf"
     assert build["sha256"] == hashlib.sha256(q8_file.read_bytes()).hexdigest()
     # what the file holds, read by gguf's reader: 14 projections and the embedding at Q8_0, 5 norms F32
     assert build["tensor_types"] == file_types(q8_file) == {"Q8_0": 15, "F32": 5}
     Record.model_validate(json.loads(json.dumps(record)))
-    fp32 = q8_session.records.record("fp32", knockout=False)["build"]
+    fp32 = q8_session.records.record("fp32", knockout=False).data["build"]
     assert not set(fp32) & {"source", "format", "sha256", "tensor_types"}  # recipe builds: as before
 
 
@@ -182,7 +182,10 @@ def test_q8_file_passes_the_gate_against_fp32(q8_session, q8_file):
         assert [r.against for r in outcome.results] == ["fp32 baseline"]  # no own baseline shipped: drift skipped
     line = q8_session.identity_lines("q8")[0]
     assert str(q8_file) in line and "Q8_0 x15" in line and hashlib.sha256(q8_file.read_bytes()).hexdigest()[:12] in line
-    fp32, q8 = q8_session.records.record("fp32", knockout=False), q8_session.records.record("q8", knockout=False)
+    fp32, q8 = (
+        q8_session.records.record("fp32", knockout=False).data,
+        q8_session.records.record("q8", knockout=False).data,
+    )
     assert q8["copy_loss"] != fp32["copy_loss"]  # the file's weights are really not the float ones
 
 
@@ -190,7 +193,7 @@ def test_report_shows_the_file_of_an_external_build(q8_session, q8_file, tmp_pat
     pytest.importorskip("matplotlib", reason="the report draws with matplotlib")
     from pytest_circuits.report import write_report
 
-    page = write_report(tmp_path, [q8_session.records.record("q8", knockout=False)]).read_text()
+    page = write_report(tmp_path, [q8_session.records.record("q8", knockout=False).data]).read_text()
     assert hashlib.sha256(q8_file.read_bytes()).hexdigest() in page and str(q8_file) in page and "Q8_0" in page
 
 
@@ -266,7 +269,7 @@ def test_smollm2_q8_file_passes_the_gate_against_fp32(env):
     for invariant in ("copying_heads", "copy_loss", "induction_heads"):
         outcome = gate_build(session.records, session.baselines, "q8", invariant, Tolerances(), FIXES)
         assert outcome.passed, outcome.message()
-    assert session.records.record("q8", knockout=False)["build"]["tensor_types"] == file_types(q8)
+    assert session.records.record("q8", knockout=False).data["build"]["tensor_types"] == file_types(q8)
 
 
 # ---------------------------------------------------------------- pre-quantized checkpoints (slow)

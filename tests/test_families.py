@@ -550,8 +550,8 @@ def test_probe_longer_than_a_sliding_window_is_one_line(tmp_path):
         "8 positions; use --circuits-probe-length 4 or less, so that every layer sees the whole probe"
     )
     fits = session(4)
-    fits.preflight()
-    assert math.isfinite(fits.repeat_probe("fp32").copy_loss)
+    fits.loaded.preflight()
+    assert math.isfinite(fits.measured.repeat_probe("fp32").copy_loss)
 
 
 # ---------------------------------------------------------------- the front ends on every type

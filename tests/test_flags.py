@@ -140,6 +140,7 @@ def test_flags_of_two_minimum_effects_are_not_compared():
     """Only the flags depend on the minimum effect: kappa, z, p and q still pair; the flags do not,
     and `circuits diff` names both methods instead of reading a flag change."""
     from pytest_circuits.gate.invariants import evaluate, kappa_pairs
+    from pytest_circuits.gate.schema import Record
     from pytest_circuits.gate.tolerances import Tolerances
     from pytest_circuits.show import diff_rows
 
@@ -152,9 +153,10 @@ def test_flags_of_two_minimum_effects_are_not_compared():
     before, after = _record(None), _record(0.05, flip="L0H3")
     _, why = kappa_pairs(before, after, ("copying", "suppression"))
     assert "min effect 0," in why and "min effect 0.05" in why
-    assert not [r for r in diff_rows(before, after) if r[1] in ("copying", "suppression")]
-    alike = _record(0.05)
-    assert [r[:2] for r in diff_rows(alike, after) if r[1] == "copying"] == [("L0H3", "copying")]
+    typed_before, typed_after = Record.of(before), Record.of(after)
+    assert not [r for r in diff_rows(typed_before, typed_after) if r[1] in ("copying", "suppression")]
+    alike = Record.of(_record(0.05))
+    assert [r[:2] for r in diff_rows(alike, typed_after) if r[1] == "copying"] == [("L0H3", "copying")]
     for name in ("copying_heads", "kappa_distribution"):  # kappa and z pair: these still compare
         assert evaluate(name, before, after, Tolerances(), "fp32", "fp32 baseline").status == "passed"
     swap = evaluate("swap_kappa", before, after, Tolerances(), "fp32", "fp32 baseline", across=True)

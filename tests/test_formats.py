@@ -247,7 +247,7 @@ def test_gate_runs_on_a_checkpoint_against_fp32(session):
         session.records, session.baselines, "fp8-dynamic", "copying_heads", Tolerances(), {"own": "F", "reference": "F"}
     )
     assert outcome.passed and outcome.results[0].against == "fp32 baseline", outcome.message()
-    record = session.records.record("fp8-dynamic", knockout=False)
+    record = session.records.record("fp8-dynamic", knockout=False).data
     Record.model_validate(json.loads(json.dumps(record)))  # the identity's new fields validate
     assert "float-quantized" in record["build"]["quantization"]
 

@@ -137,14 +137,14 @@ def embedded_records(tmp_path_factory):
 
     probe = RepeatSettings(0, 8, 32)
     base = Run(CircuitsSettings(model="tiny-induction", device="cpu", probe=probe))
-    reference = json.loads(dumps(base.records.record("fp32")))  # as a baseline file holds it
+    reference = json.loads(dumps(base.records.record("fp32").data))  # as a baseline file holds it
     induction = key_heads(reference, "prefix_matching", 1, 0.0)[0]
     model = AutoModelForCausalLM.from_pretrained(base.loaded.source.folder, dtype=torch.float32)
     negate_head_ov(model, int(induction[1]), int(induction.split("H")[1]))
     folder = tmp_path_factory.mktemp("negated")
     model.save_pretrained(folder, safe_serialization=True)
     edited = Run(CircuitsSettings(model=str(folder), device="cpu", probe=probe))
-    return reference, json.loads(dumps(edited.records.record("fp32")))
+    return reference, json.loads(dumps(edited.records.record("fp32").data))
 
 
 @needs_embedded
@@ -280,6 +280,7 @@ def test_rows_print_change_and_interval():
 @needs_embedded
 def test_circuits_diff_and_scan_lines_show_the_intervals(embedded_records, tmp_path, capsys):
     from pytest_circuits.cli import main
+    from pytest_circuits.gate.schema import Record
     from pytest_circuits.show import model_lines
 
     reference, negated = embedded_records
@@ -295,7 +296,7 @@ def test_circuits_diff_and_scan_lines_show_the_intervals(embedded_records, tmp_p
     assert main(["diff", str(tmp_path / "old.json"), str(tmp_path / "b.json")]) == 0
     assert "[" not in next(line for line in capsys.readouterr().out.splitlines() if "copy_loss " in line)
     low, high = reference["copy_loss_interval"]
-    assert f"copy_loss {reference['copy_loss']:.4f} [{low:.4f}, {high:.4f}]" in model_lines(reference)[1]
+    assert f"copy_loss {reference['copy_loss']:.4f} [{low:.4f}, {high:.4f}]" in model_lines(Record.of(reference))[1]
 
 
 @needs_embedded

@@ -393,7 +393,7 @@ def test_gate_measures_the_candidate_as_its_baseline_was_measured(tiny_induction
 
     session = tiny_induction_session
     baseline = json.loads(LEGACY_BASELINE.read_text())
-    old_way = candidate_record(session.records, "fp32", baseline, knockout=False)
+    old_way = candidate_record(session.records, "fp32", baseline, knockout=False).data
     assert {k: old_way["rung1"][k] for k in ("unembedding", "n_rotations", "p_method", "null_dtype")} == {
         "unembedding": "uncentred",
         "n_rotations": 256,
@@ -406,10 +406,11 @@ def test_gate_measures_the_candidate_as_its_baseline_was_measured(tiny_induction
         # 7e-6 here and kappa_z by that over the null's sd (0.056); the same 2e-5 of kappa, in z units
         assert a["kappa_z"] == pytest.approx(b["kappa_z"], rel=1e-4, abs=2e-5 / b["kappa_null_sd"])
         assert a["kappa_uncentred"] == a["kappa"]
-    new = session.records.record("fp32", knockout=False)
-    Record.model_validate(new)
+    typed = session.records.record("fp32", knockout=False)
+    new = typed.data
+    assert isinstance(typed, Record)
     assert (new["rung1"]["unembedding"], new["rung1"]["n_rotations"], new["rung1"]["p_method"]) == ("centred", 32, "t")
-    assert candidate_record(session.records, "fp32", new, knockout=False) is new  # new against new: centred, one scan
+    assert candidate_record(session.records, "fp32", typed, knockout=False) is typed  # new against new: one scan
     kappa_new = np.array([h["kappa"] for h in new["heads"]])
     kappa_old = np.array([h["kappa"] for h in baseline["heads"]])
     np.testing.assert_allclose([h["kappa_uncentred"] for h in new["heads"]], kappa_old, atol=2e-5)
@@ -453,11 +454,13 @@ def test_records_of_two_kappa_methods_pair_only_like_figures(tiny_induction_sess
     new record's uncentred twins; what the null decides (z, flags) is not compared, and the
     invariant that needs it says why (a failure), never reading the method as a change."""
     from pytest_circuits.gate.invariants import evaluate
+    from pytest_circuits.gate.schema import Record
     from pytest_circuits.gate.tolerances import Tolerances
     from pytest_circuits.show import diff_rows
 
     old = json.loads(LEGACY_BASELINE.read_text())
     new = tiny_induction_session.records.record("fp32", knockout=False)
+    old = Record.of(old)
     copying = evaluate("copying_heads", old, new, Tolerances(), "fp32", "fp32 baseline")
     assert copying.status == "passed" and copying.compared > 3
     shift = evaluate("kappa_distribution", old, new, Tolerances(), "fp32", "fp32 baseline")
@@ -468,7 +471,7 @@ def test_records_of_two_kappa_methods_pair_only_like_figures(tiny_induction_sess
         "are not compared"
     )
     assert [r for r in diff_rows(old, new) if r[1].startswith("kappa") or r[1] in ("copying", "suppression")] == []
-    moved = {h["head"] for h, b in zip(new["heads"], old["heads"]) if abs(h["kappa_trace"] - b["kappa_trace"]) > 0.5}
+    moved = {h.head for h, b in zip(new.heads, old.heads) if abs(h.kappa_trace - b.kappa_trace) > 0.5}
     assert moved >= {"L1H1", "L1H2", "L1H3"}  # what a naive diff would have called a change
     for name in ("copying_heads", "kappa_distribution"):
         assert evaluate(name, new, new, Tolerances(), "fp32", "fp32 baseline").status == "passed"

@@ -728,7 +728,7 @@ def test_a_scan_planned_by_size_says_its_whole_cost_first_and_its_time_last(tmp_
         assert f"the probe {probe_flops(build, session.settings.probe) / 1e12:.3g}" in scan[0]
     narrow = _session_of(save_tiny_model("llama", tmp_path / "narrow"))
     lines = []
-    narrow.progress_write = lines.append
+    narrow.loaded.progress_write = lines.append
     narrow.records.record("fp32")
     assert not [line for line in lines if "the scan" in line]
 
@@ -759,9 +759,9 @@ def test_automatic_screen_method_is_chosen_by_counted_cost_and_said(tmp_path, mo
     assert frame.attrs["screen_method"] == "atp"
     assert sum("screening with atp" in line for line in lines) == 1
     record = session.records.record("fp32")
-    assert record["knockout"]["screen_method"] == "atp"
+    assert record.knockout.model_extra["screen_method"] == "atp"
     explicit = _session_of(folder, knockout_screen=2, knockout_screen_method="atp*")
-    assert explicit.head_knockout("fp32").attrs["screen_method"] == "atp*"
+    assert explicit.measured.head_knockout("fp32").attrs["screen_method"] == "atp*"
 
 
 def test_screen_variant_reaches_the_scan_and_its_count(tmp_path, monkeypatch):

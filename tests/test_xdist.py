@@ -231,8 +231,10 @@ def test_a_sharded_session_records_the_same_and_a_shard_is_measured_once_per_run
         "tiny-induction--fp32.knockout-2-of-2.json",
     ]
     other = session(knockout_shards=2)
-    other.shared_dir = tmp_path
-    assert other.head_knockout("fp32").equals(plain.head_knockout("fp32")) and other.loads == []
+    other.loaded.shared_dir = tmp_path
+    assert (
+        other.measured.head_knockout("fp32").equals(plain.measured.head_knockout("fp32")) and other.loaded.loads == []
+    )
 
 
 def test_shards_are_automatic_only_under_xdist_for_big_models(monkeypatch):
@@ -244,7 +246,7 @@ def test_shards_are_automatic_only_under_xdist_for_big_models(monkeypatch):
     def shards(workers, n_layers, n_heads, given=None):
         session = Run(CircuitsSettings(knockout_shards=given))
         session.loaded.workers = workers
-        monkeypatch.setattr(session, "preflight", lambda: SimpleNamespace(n_layers=n_layers, n_heads=n_heads))
+        monkeypatch.setattr(session.loaded, "preflight", lambda: SimpleNamespace(n_layers=n_layers, n_heads=n_heads))
         return session.measured.shards
 
     assert shards(1, 32, 32) == 1  # one process: nothing to spread over

@@ -54,15 +54,7 @@ def check(
     its name) and refuses a same-shape model of another type. ``own``: the build's own baseline (drift), which must be of the
     same engine. ``invariants_checked``: default every registered one the candidate has figures for."""
     baseline, candidate = Record.of(baseline), Record.of(candidate)
-    other = geometry_difference(baseline, candidate)  # (a same-shape model of another type: `compatibility`)
-    if across is None:
-        across = bool(other)
-    elif other and not across:
-        raise ForeignBaseline(
-            f"{label} is of another model ({_other_model(baseline, candidate)}), not a build of this one; gate "
-            "against this model's baseline, or ask for a base-model swap (circuits gate --across-models; "
-            f"pytest {flag('swap-baseline', 'pytest')} FILE)"
-        )
+    across = swap_asked(baseline, candidate, label, across)
     notes = compatibility(baseline, candidate, label, across=across)
     if own and engine_of(baseline) != engine_of(candidate):  # drift is measured on one engine
         raise ForeignBaseline(
@@ -81,7 +73,23 @@ def check(
     return Verdicts(results, notes, wants, across)
 
 
-def _other_model(baseline: Record, candidate: Record) -> str:
+def swap_asked(baseline: RecordLike, candidate: RecordLike, label: str, across: bool | None) -> bool:
+    """Whether ``baseline`` and ``candidate`` are compared as two base models: ``across`` when given,
+    where a baseline of another geometry is refused unless it is True (`ForeignBaseline`, one line;
+    a same-shape model of another type is `compatibility`'s to refuse); None: another geometry is."""
+    other = geometry_difference(baseline, candidate)
+    if across is None:
+        return bool(other)
+    if other and not across:
+        raise ForeignBaseline(
+            f"{label} is of another model ({_other_model(baseline, candidate)}), not a build of this one; gate "
+            "against this model's baseline, or ask for a base-model swap (circuits gate --across-models; "
+            f"pytest {flag('swap-baseline', 'pytest')} FILE)"
+        )
+    return across
+
+
+def _other_model(baseline: RecordLike, candidate: RecordLike) -> str:
     """``"model type gpt2 vs llama; geometry n_layers 2 vs 4, ..."``: how the two records' models differ."""
     kinds, shape = other_model_type(baseline, candidate), geometry_difference(baseline, candidate)
     return "; ".join(

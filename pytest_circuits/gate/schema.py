@@ -258,6 +258,10 @@ class Record(_Figures):
         """The record dict this was validated from (what a baseline file holds)."""
         return self._data or self.model_dump(exclude_unset=True)
 
+    def with_looks(self, entries: list[dict[str, Any]]) -> Record:
+        """This record with ``entries`` (look dicts, as measured) after the looks it holds, validated."""
+        return Record.of({**self.data, "looks": [*(self.data.get("looks") or []), *entries]})
+
     @model_validator(mode="after")
     def _heads_match_geometry(self) -> Record:
         geo = self.model.geometry

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from ..errors import CircuitsError
 from ..options import flag
+
+if TYPE_CHECKING:
+    from ..gate.schema import Record
 
 
 @dataclass
@@ -105,15 +109,15 @@ def gate_for_test(request, session, build_name: str, invariant: str, tol):
             record = session.records.record(build_name, knockout=knockout)
         else:
             record = candidate_record(session.records, build_name, reference, knockout)
-        props.append(("circuits_record", (build_name, record)))
+        props.append(("circuits_record", (build_name, record.data)))  # user properties travel as JSON (xdist)
         if reference is not None and geometry_difference(reference, record):
             reference = None  # another base model: its heads are not this model's, no per-head differences
-        props.append(("circuits_reference", (build_name, reference)))
+        props.append(("circuits_reference", (build_name, None if reference is None else reference.data)))
         props.append(("circuits_attention", (build_name, attention_for_report(session, build_name, reference))))
     return outcome
 
 
-def attention_for_report(session, build_name: str, reference: dict | None) -> dict | None:
+def attention_for_report(session, build_name: str, reference: Record | None) -> dict | None:
     """The report's attention map: the reference's strongest induction head (the same head in every
     build), on probe sequence 0 of this build; a dict with ``note`` instead when it cannot be drawn."""
     from ..report.live import head_attention, strongest_induction_head
@@ -121,7 +125,7 @@ def attention_for_report(session, build_name: str, reference: dict | None) -> di
     if session.settings.shard_parts is not None:
         return {"note": "no attention map: the build was gated from its shard parts, not loaded"}
     record = session.records.record(build_name, knockout=False)
-    label = strongest_induction_head(reference or {}) or strongest_induction_head(record)
+    label = (reference and strongest_induction_head(reference.data)) or strongest_induction_head(record.data)
     if label is None:
         return {"note": "no head has a prefix-matching score: no attention map"}
     try:
@@ -163,9 +167,9 @@ def shard_lines(session, collected: Collected) -> list[str]:
     if s.shard is None:
         return []
     lines = [
-        f"shard {p['index']}/{p['of']} of {p['recipe']}: wrote {p['path']} (knockouts of layers "
-        f"{', '.join(map(str, p['layers']))} only)"
-        for p in collected.parts
+        f"shard {part['index']}/{part['of']} of {part['recipe']}: wrote {part['path']} (knockouts of layers "
+        f"{', '.join(map(str, part['layers']))} only)"
+        for part in collected.parts
     ]
     return lines + ([missing_part(session, collected)] if not collected.parts else []) + [f"NOTE {shard_job_skip(s)}"]
 
@@ -196,7 +200,7 @@ def baseline_lines(session, collected: Collected, verbosity: int = 0) -> list[st
         paths = sorted({e["path"] for e in collected.events if e["event"] == event})
         if paths:
             lines.append(f"baselines {verb}: {', '.join(paths)}")
-    missing = sorted({e["recipe"] for e in collected.events if e["event"] == "missing"})
+    missing = sorted({event["recipe"] for event in collected.events if event["event"] == "missing"})
     for recipe in missing:
         lines.append(f"  {recipe}: {session.baselines.missing_message(recipe, session.baselines.path(recipe))}")
     try:

@@ -91,7 +91,7 @@ class RunBaselines:
             record = with_looks(
                 self.records, build_name, self.records.record(build_name, knockout=True), self._tolerances()
             )
-            path, written = self.store.write(self.model_name, build_name, record, force=self.settings.update_all)
+            path, written = self.store.write(self.model_name, build_name, record.data, force=self.settings.update_all)
             self.events.append(
                 {"event": "written" if written else "unchanged", "recipe": build_name, "path": str(path)}
             )

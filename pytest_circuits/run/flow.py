@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import BaselineError, BaselineMissing
 from ..gate import invariants
-from ..gate.check import OWN, GateOutcome, Verdicts, check, comparisons
+from ..gate.check import OWN, GateOutcome, Verdicts, check, comparisons, swap_asked
 from ..gate.record import has_figures
 from ..gate.schema import Record, RecordLike
 from ..gate.store import compatibility, geometry_difference, read_record
@@ -23,7 +23,7 @@ from .looks import measure_looks
 from .record_source import RecordSource
 
 
-def candidate_record(records: RecordSource, build_name: str, baseline: RecordLike, knockout: bool) -> dict[str, Any]:
+def candidate_record(records: RecordSource, build_name: str, baseline: RecordLike, knockout: bool) -> Record:
     """The record of build ``build_name`` measured the way ``baseline`` was: kappa on the same
     unembedding, against the same rotation null (`kappa_method.of_record`; a baseline that does
     not say is an older one: uncentred, 256 float64 draws, normal p). The gate's one rule for
@@ -35,19 +35,23 @@ def settle(
     records: RecordSource,
     build_name: str,
     baseline: RecordLike,
-    candidate: dict[str, Any],
+    candidate: Record,
     tol: Tolerances,
     **how: Any,
-) -> Verdicts:
-    """`check` ``candidate`` against ``baseline`` (``how``: its keywords), measuring the further looks
-    a verdict asks for (`Verdicts.wants`) on the baseline's seeds, in look order, until every row is
-    decided or no look can be measured. The looks are added to ``candidate`` in place: the run's
-    record of the build keeps them for its other invariants."""
+) -> tuple[Record, Verdicts]:
+    """``(candidate with its further looks, verdicts)``: `check` ``candidate`` against ``baseline``
+    (``how``: its keywords), measuring the further looks a verdict asks for (`Verdicts.wants`) on the
+    baseline's seeds, in look order, until every row is decided or no look can be measured (each
+    look is measured once a run: the run's other invariants ask for it again at no cost)."""
     typed_baseline = Record.of(baseline)
     while True:
         verdicts = check(typed_baseline, candidate, tol, build_name=build_name, **how)
-        if not verdicts.wants or not measure_looks(records, build_name, typed_baseline, candidate, verdicts.wants):
-            return verdicts
+        extended = (
+            measure_looks(records, build_name, typed_baseline, candidate, verdicts.wants) if verdicts.wants else None
+        )
+        if extended is None:
+            return candidate, verdicts
+        candidate = extended
 
 
 def gate_against(
@@ -61,17 +65,19 @@ def gate_against(
     invariant: invariants.Invariant | str | None = None,
     across: bool | None = None,
     knockout: bool | None = None,
-) -> tuple[dict[str, Any], Verdicts]:
+) -> tuple[Record, Verdicts]:
     """The run's one flow against one baseline: ``(candidate, verdicts)``. Other probe settings are
     refused before any figure is measured (`store.compatibility` on the run's stand-in, a
     `BaselineError`); the candidate is then measured the baseline's way (`candidate_record`) and
     settled against it (`settle`): ``invariant``, or every one the candidate has figures for."""
-    compatibility(baseline, records.stand_in(), label, across=True)  # the probe only: nothing measured yet
+    stand_in = records.stand_in()  # before anything is measured: another probe, or an unasked swap, is refused
+    compatibility(baseline, stand_in, label, across=True)
+    swap_asked(baseline, stand_in, label, across)
     inv = None if invariant is None else invariants.get(invariant) if isinstance(invariant, str) else invariant
     if knockout is None:  # measure knockouts when the invariant needs them, or the baseline has them
         knockout = "knockout" in inv.needs if inv is not None else has_figures(Record.of(baseline), "knockout")
     candidate = candidate_record(records, build_name, baseline, knockout=knockout)
-    verdicts = settle(
+    return settle(
         records,
         build_name,
         baseline,
@@ -83,7 +89,6 @@ def gate_against(
         across=across,
         own=label == OWN,
     )
-    return candidate, verdicts
 
 
 def gate_build(
@@ -136,7 +141,7 @@ def gate_file(
     fix: str,
     across: bool,
     knockout: bool = True,
-) -> tuple[dict[str, Any], Verdicts]:
+) -> tuple[Record, Verdicts]:
     """``circuits gate``: `gate_against` one baseline file with every invariant; a baseline of another
     model is refused unless ``across`` (``--across-models``) asks for the swap. ``knockout=False``
     (``--no-knockout``): no knockouts measured, so the invariants that need them are not run (the

@@ -8,8 +8,6 @@ rule, said."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..gate import invariants
 from ..gate.looks import KNOCKOUT_KEY
 from ..gate.schema import Record
@@ -19,31 +17,32 @@ from .record_source import RecordSource
 
 
 def measure_looks(
-    records: RecordSource, build_name: str, baseline: Record, candidate: dict[str, Any], wanted: int
-) -> bool:
-    """Measure the candidate's looks after those it holds, up to ``wanted``, each on the baseline's
-    seeds of that look (with the knockouts of the heads the baseline's look knocked out); False when
-    none could be (a merge of shard parts, or a look the baseline does not hold)."""
+    records: RecordSource, build_name: str, baseline: Record, candidate: Record, wanted: int
+) -> Record | None:
+    """The candidate with its looks after those it holds, up to ``wanted``, each measured on the
+    baseline's seeds of that look (with the knockouts of the heads the baseline's look knocked out,
+    each look measured once a run: `RecordSource.look`); None when none can be (a merge of shard
+    parts, or a look the baseline does not hold)."""
     stored = {entry.look: entry for entry in baseline.looks or []}
-    have = 1 + len(candidate.get("looks") or [])
+    have = 1 + len(candidate.looks or [])
     if wanted <= have or any(k not in stored for k in range(have + 1, wanted + 1)):
-        return False
+        return None
     mode = baseline.knockout.mode if baseline.knockout else None
+    entries = []
     for k in range(have + 1, wanted + 1):
         entry = stored[k]
-        heads = sorted(entry.values(KNOCKOUT_KEY) or {}) if candidate.get("knockout") else []
+        heads = sorted(entry.values(KNOCKOUT_KEY) or {}) if candidate.knockout else []
         look = records.look(build_name, k, entry.probe_seed, entry.knockout_seed, heads, mode)
         if look is None:
-            return False
-        candidate.setdefault("looks", []).append(look)
-    return True
+            return None
+        entries.append(look)
+    return candidate.with_looks(entries)
 
 
-def with_looks(records: RecordSource, build_name: str, record: dict[str, Any], tol: Tolerances) -> dict[str, Any]:
-    """``record`` (a record of ``build_name`` measured now, the dict written) with its looks 2 ..
-    ``tol.looks`` (a baseline's: measured once, with the knockouts of its key heads when it has
-    knockouts)."""
-    typed = Record.of(record)
+def with_looks(records: RecordSource, build_name: str, record: Record, tol: Tolerances) -> Record:
+    """``record`` (a record of ``build_name`` measured now) with its looks 2 .. ``tol.looks`` (a
+    baseline's: measured once, with the knockouts of its key heads when it has knockouts)."""
+    typed = record
     knocked = typed.knockout
     heads = invariants.key_heads(typed, "knockout_delta", int(tol.top_k), float(tol.min_delta)) if knocked else []
     mode = knocked.mode if knocked else None
@@ -54,4 +53,4 @@ def with_looks(records: RecordSource, build_name: str, record: dict[str, Any], t
     ]
     if any(entry is None for entry in entries):  # a source that measures nothing (merged shard parts)
         return record
-    return {**record, "looks": entries}
+    return record.with_looks([entry for entry in entries if entry is not None])

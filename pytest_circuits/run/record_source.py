@@ -5,13 +5,16 @@ instead of a session). The front ends pass one of `pytest_circuits.run.records`:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from ..gate.schema import Record
 
 
 class RecordSource(Protocol):
     """The scan records of one run's builds."""
 
-    def record(self, build_name: str, knockout: bool = True, method: Any = None) -> dict[str, Any]:
+    def record(self, build_name: str, knockout: bool = True, method: Any = None) -> Record:
         """The scan record of build ``build_name``, knockouts optional, kappa measured by ``method``
         (a `KappaMethod`; None: the run's)."""
         ...

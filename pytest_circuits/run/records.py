@@ -8,14 +8,15 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from ..gate.schema import Record
 from ..options import flag
 from .measure import BuildMeasurement
 
 
 def measure_record(
     m: BuildMeasurement, build_name: str, knockout: bool = True, method=None, knockout_frame=None
-) -> dict:
-    """The scan record of one build, computed (and memoised) through ``m``; kappa measured by
+) -> Record:
+    """The scan record of one build (validated once, here), computed (and memoised) through ``m``; kappa measured by
     ``method`` (a `KappaMethod`, default the settings'); ``knockout_frame``: these knockouts (one
     shard's) instead of the run's scan."""
     from ..gate.record import assemble_record, model_info, rung1_info
@@ -39,7 +40,7 @@ def measure_record(
         }
     if planned is not None:  # and after it, its wall time beside the estimate
         m.loaded.say(took_line(build, planned, time.perf_counter() - started, "the scan"))
-    return assemble_record(
+    record = assemble_record(
         model=model_info(m.loaded.model_name, m.loaded.source, build),
         build=build.identity.as_dict(),
         probe={
@@ -54,6 +55,7 @@ def measure_record(
         knockout=ko_frame,
         rung1=rung1_info(spectrum, s, folded=True, method=method),
     )
+    return Record.of(record)
 
 
 class MeasuredRecords:
@@ -62,7 +64,7 @@ class MeasuredRecords:
     def __init__(self, measurement: BuildMeasurement):
         self.measurement = measurement
 
-    def record(self, build_name: str, knockout: bool = True, method=None) -> dict:
+    def record(self, build_name: str, knockout: bool = True, method=None) -> Record:
         m = self.measurement
         method = m.loaded.settings.kappa_method if method is None else method
         full = m.loaded.memoised(("record", build_name, True, method))
@@ -122,7 +124,7 @@ class ShardPartRecords(MeasuredRecords):
     (`gate.shards.merged_by_build`), read once; no build is loaded. Parts of a build not gated, a
     build without parts, or parts measured otherwise than asked are one line each."""
 
-    def record(self, build_name: str, knockout: bool = True, method=None) -> dict:
+    def record(self, build_name: str, knockout: bool = True, method=None) -> Record:
         from ..errors import ShardError
         from ..rungs.kappa_method import of_record
 
@@ -143,12 +145,12 @@ class ShardPartRecords(MeasuredRecords):
         return record
 
     def identity(self, build_name: str) -> dict:
-        return self.record(build_name)["build"]
+        return self.record(build_name).build.model_dump(exclude_none=True)
 
     def look(self, build_name: str, k: int, probe_seed: int, knockout_seed: int, heads, mode) -> dict | None:
         return None  # a merge loads no build: an undecided row keeps the fixed rule
 
-    def _read(self) -> dict[str, dict]:
+    def _read(self) -> dict[str, Record]:
         from ..errors import ShardError
         from ..gate.shards import merged_by_build, part_paths
 
@@ -162,19 +164,20 @@ class ShardPartRecords(MeasuredRecords):
                 f"({', '.join(s.builds)}): name only the parts of the builds gated"
             )
         name = self.measurement.loaded.model_name
-        for record in merged.values():
-            if record["model"]["name"] != name:
+        typed = {build_name: Record.of(record) for build_name, record in merged.items()}
+        for record in typed.values():
+            if record.model.name != name:
                 raise ShardError(
-                    f"{said} {pattern}: the parts are of model {record['model']['name']}, this run gates "
+                    f"{said} {pattern}: the parts are of model {record.model.name}, this run gates "
                     f"{name}: name the parts of this model"
                 )
-            asked, theirs = s.probe.as_dict(), {k: record["probe"].get(k) for k in ("seed", "n", "L")}
+            asked, theirs = s.probe.as_dict(), {k: getattr(record.probe, k) for k in ("seed", "n", "L")}
             if theirs != asked:
                 raise ShardError(
                     f"{said} {pattern}: the parts were measured with probe {theirs}, this run asks for {asked}; "
                     "give this run the shard jobs' probe options"
                 )
-        return merged
+        return typed
 
 
 def record_source(measurement: BuildMeasurement) -> MeasuredRecords:
@@ -200,7 +203,7 @@ def part_of(m: BuildMeasurement, build_name: str, index: int, total: int) -> dic
     frame = m.knockout_shard(build_name, index - 1)
     record = measure_record(m, build_name, knockout=True, knockout_frame=frame)
     meta = {"format": PART_FORMAT, "index": index, "of": total, "layers": layers[index - 1]}
-    return {"part": meta, "record": record}
+    return {"part": meta, "record": record.data}
 
 
 def write_part(m: BuildMeasurement, build_name: str, index: int, total: int, path: Path) -> dict:

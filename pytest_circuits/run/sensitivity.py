@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..errors import CircuitsError
+from ..gate.schema import Record
 from ..model.dense import float_weight, head_columns, is_conv1d
 from ..model.families import (
     attention_module,
@@ -270,7 +271,7 @@ class Outcome:
         return "; ".join(words) or "pass"
 
 
-def gate_record(run, build_name: str, baseline: dict, tol, knockout: bool = True) -> tuple[list, dict]:
+def gate_record(run, build_name: str, baseline: dict, tol, knockout: bool = True) -> tuple[list, Record]:
     """``(results, record)``: ``build_name`` as the run holds it now, measured the baseline's way
     (`run.flow.candidate_record`'s rule) and settled against it by the run's one flow (`run.flow.settle`:
     the compatibility checks, the further looks, `gate.check.check`). Knockouts run on the baseline's
@@ -291,7 +292,7 @@ def gate_record(run, build_name: str, baseline: dict, tol, knockout: bool = True
     record = measure_record(
         run.measured, build_name, knockout=knockout, method=kappa_method.of_record(baseline), knockout_frame=frame
     )
-    verdicts = settle(run.records, build_name, baseline, record, tol, label="baseline", across=False)
+    record, verdicts = settle(run.records, build_name, baseline, record, tol, label="baseline", across=False)
     return verdicts.results, record
 
 
@@ -306,12 +307,12 @@ def gate_outcome(
         label or (damage.describe() if damage else build_name),
         [r.invariant for r in results if r.status == "failed" and r.compared],
         [r.invariant for r in results if r.status == "passed"],
-        float(record["copy_loss"]),
-        float(record["first_copy_loss"]),
+        float(record.copy_loss),
+        float(record.first_copy_loss),
         time.perf_counter() - start,
         None if text_loss is None else text_loss(run, build_name),
         results,
-        record,
+        record.data,
         [r.invariant for r in results if r.status == "failed" and not r.compared],
     )
 
