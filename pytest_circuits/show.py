@@ -119,7 +119,7 @@ def diff_lines(file_a: Path, file_b: Path, min_change: float) -> list[str]:
     for figure in MODEL_FIGURES:
         x, y = getattr(a, figure.name), getattr(b, figure.name)
         if x is not None and y is not None:
-            xs, ys = getattr(a, sequences_key(figure.name)), getattr(b, sequences_key(figure.name))
+            xs, ys = getattr(a, sequences_key(figure.name), None), getattr(b, sequences_key(figure.name), None)
             same_tokens = xs is not None and ys is not None and not across  # two vocabularies: no pairs
             paired = format_interval(paired_interval(xs, ys)) if same_tokens and xs and ys else ""
             out.append(f"  {figure.name:<16} {x:10.4f} -> {y:10.4f}  ({y - x:+.4f}{' ' + paired if paired else ''})")

@@ -224,7 +224,7 @@ def test_record_then_gate_against_an_external_reference(q8_session, q8_file, tmp
     out = capsys.readouterr().out
     assert f"candidate external build q8 = {q8_file} (gguf" in out and f"baseline external build q8 = {q8_file}" in out
     session = Run(settings(f"fp32,q8={q8_file}", reference="q8", baselines=tmp_path, device="cpu"))
-    session._cache.update({k: v for k, v in q8_session._cache.items() if k[0] in ("build", "weights")})
+    session.loaded._cache.update({k: v for k, v in q8_session.loaded._cache.items() if k[0] in ("build", "weights")})
     outcome = gate_build(session.records, session.baselines, "fp32", "copying_heads", Tolerances(), FIXES)
     assert outcome.passed and outcome.results[0].against == "q8 baseline", outcome.message()
     assert any(line.startswith("reference external build q8 = ") for line in session.identity_lines("fp32"))

@@ -544,7 +544,7 @@ def test_probe_longer_than_a_sliding_window_is_one_line(tmp_path):
         return Run(CircuitsSettings(model=str(folder), device="cpu", probe=RepeatSettings(0, 2, L)))
 
     with pytest.raises(CircuitsError) as refused:
-        session(5).preflight()
+        session(5).loaded.preflight()
     assert str(refused.value) == (
         "probe length L=5 needs 10 positions but layer(s) 0 of this model attend within a sliding window of "
         "8 positions; use --circuits-probe-length 4 or less, so that every layer sees the whole probe"

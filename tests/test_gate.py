@@ -380,7 +380,7 @@ def embedded(tmp_path_factory):
         edit(model)
         folder = tmp_path_factory.mktemp("edited")
         model.save_pretrained(folder, safe_serialization=True)
-        return session(str(folder)).record("fp32")
+        return session(str(folder)).records.record("fp32")
 
     return reference, edited, base
 

@@ -675,11 +675,12 @@ def _wide_model(tmp_path):
 def test_default_plan_screens_past_300_heads_and_says_so_first(tmp_path):
     """More than 300 heads: rung 2 screens by default (top 12 exact), printing the plan and its
     counted time before it starts; --knockout-full asks for every head; 300 or fewer stay exact."""
+    from pytest_circuits.run.plan import AUTO_SCREEN_TOP_K
     from pytest_circuits.rungs.plan import exact_flops, screen_flops
 
     wide = _wide_model(tmp_path)
     session = _session_of(wide, knockout_screen_method="atp")
-    assert session.measured.screen_top_k() == session.AUTO_SCREEN_TOP_K == 12
+    assert session.measured.screen_top_k() == AUTO_SCREEN_TOP_K == 12
     lines: list[str] = []
     session.loaded.progress_write = lines.append
     frame = session.measured.head_knockout("fp32")
@@ -695,12 +696,12 @@ def test_default_plan_screens_past_300_heads_and_says_so_first(tmp_path):
     assert frame["knockout_delta"].notna().sum() == 12
     build, probe = session.loaded.build("fp32"), session.settings.knockout_probe
     assert screen_flops(build, probe, "atp") + exact_flops(build, probe, 12) < exact_flops(build, probe) / 5
-    assert _session_of(wide, knockout_full=True).screen_top_k() is None
-    assert _session_of(wide, knockout_screen=5).screen_top_k() == 5
+    assert _session_of(wide, knockout_full=True).measured.screen_top_k() is None
+    assert _session_of(wide, knockout_screen=5).measured.screen_top_k() == 5
     with pytest.raises(CircuitsError, match="contradict each other; give one"):
-        _session_of(wide, knockout_full=True, knockout_screen=5).screen_top_k()
+        _session_of(wide, knockout_full=True, knockout_screen=5).measured.screen_top_k()
     narrow = save_tiny_model("llama", tmp_path / "narrow")
-    assert _session_of(narrow).screen_top_k() is None  # the embedded model, SmolLM2: every head exactly
+    assert _session_of(narrow).measured.screen_top_k() is None  # the embedded model, SmolLM2: every head exactly
 
 
 def test_a_scan_planned_by_size_says_its_whole_cost_first_and_its_time_last(tmp_path):

@@ -27,7 +27,7 @@ class FirstCopyLoss(Invariant):
 
     def compare(self, before, after, tol):
         return Comparison(
-            [within("model", "first_copy_loss", before["first_copy_loss"], after["first_copy_loss"], tol.first_copy_loss)]
+            [within("model", "first_copy_loss", before.first_copy_loss, after.first_copy_loss, tol.first_copy_loss)]
         )
 '''
 

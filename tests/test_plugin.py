@@ -270,8 +270,8 @@ def test_an_invariant_registered_in_conftest_runs_through_circuits_gate(suite):
             reads = ("copy_loss",)
 
             def compare(self, before, after, tol):
-                return Comparison([within("model", "first_copy_loss", before["first_copy_loss"],
-                                          after["first_copy_loss"], tol.copy_loss)])
+                return Comparison([within("model", "first_copy_loss", before.first_copy_loss,
+                                          after.first_copy_loss, tol.copy_loss)])
     """)
     pytester.makepyfile(
         test_mine="""

@@ -169,8 +169,11 @@ def test_key_knockout_heads_are_picked_by_their_delta_over_every_sequence():
     assert not compared.rows and "no head with knockout delta >= 0.1" in compared.nothing
 
 
-def test_extend_measures_only_the_looks_an_undecided_row_needs():
-    from pytest_circuits.gate import further_looks as L
+def test_the_run_measures_only_the_looks_an_undecided_row_asks_for():
+    """The pure gate says which look an undecided row wants (`Verdicts.wants`); the run's flow
+    (`run.flow.settle`) measures it on the baseline's seeds and asks again, until decided."""
+    from pytest_circuits.gate.schema import Record
+    from pytest_circuits.run.flow import settle
 
     rng = np.random.default_rng(9)
     base = rng.normal(1.0, 0.2, size=(4, 16))
@@ -206,18 +209,19 @@ def test_extend_measures_only_the_looks_an_undecided_row_needs():
             for k, v in enumerate(base[1:], start=2)
         ],
     }
-    candidate = {**record_dict(build[0]), "copy_gain": 0.0, "copy_gain_sequences": [0.0] * 16}
+    candidate = Record.of({**record_dict(build[0]), "copy_gain": 0.0, "copy_gain_sequences": [0.0] * 16})
+    how = dict(label="fp32 baseline", invariants_checked=["copy_loss"], across=False)
     source = Source()
-    out = L.extend(source, "fp32", baseline, candidate, Tolerances())
+    out, verdicts = settle(source, "fp32", baseline, candidate, Tolerances(), **how)
     measured = source.asked
-    assert out is candidate and [k for k, _ in measured] == list(range(2, 2 + len(measured)))
-    assert 1 < len(measured) < 4 and L.wanted(baseline, out, Tolerances()) == 0  # decided before the last look
+    assert [k for k, _ in measured] == list(range(2, 2 + len(measured))) and len(out.looks) == len(measured)
+    assert 1 < len(measured) < 4 and verdicts.wants == 0  # decided before the last look
     again = Source()
-    L.extend(again, "fp32", baseline, out, Tolerances())
-    assert again.asked == []  # nothing measured twice
-    merged = {**record_dict(build[0]), "copy_gain": 0.0, "copy_gain_sequences": [0.0] * 16}
-    L.extend(MergedParts(), "fp32", baseline, merged, Tolerances())
-    assert "looks" not in merged  # a merge job loads no build
+    _, repeated = settle(again, "fp32", baseline, out, Tolerances(), **how)
+    assert again.asked == [] and repeated.results[0].message == verdicts.results[0].message  # nothing measured twice
+    merged, fixed = settle(MergedParts(), "fp32", baseline, candidate, Tolerances(), **how)
+    assert merged.looks is None and fixed.wants == 2  # a merge job loads no build: the fixed rule, said
+    assert "decided on 16 sequences (fixed rule)" in fixed.results[0].message
 
 
 def test_looks_below_one_is_refused_in_one_line():

@@ -287,7 +287,10 @@ def test_circuits_gate_embedded_model_against_smollm2_compares_across_models(cap
     SmolLM2 scan) is compared on the swap invariants, exit 0/1, per-head ones said not compared."""
     from pytest_circuits.cli import main
 
-    code = main(["gate", "tiny-induction", "--build", "fp32", "--baseline", str(SMOLLM2_FP32), "--device", "cpu"])
+    argv = ["gate", "tiny-induction", "--build", "fp32", "--baseline", str(SMOLLM2_FP32), "--device", "cpu"]
+    assert main(argv) == 2  # another model: refused unless the swap is asked for
+    assert "ask for a base-model swap (circuits gate --across-models" in capsys.readouterr().err
+    code = main([*argv, "--across-models"])
     out, err = capsys.readouterr()
     assert beyond_progress(err) == [] and code == 1
     assert "per-head invariants were not compared (geometry n_layers 30 vs 2" in out

@@ -224,7 +224,7 @@ def test_a_sharded_session_records_the_same_and_a_shard_is_measured_once_per_run
     one = session(knockout_shards=2)
     one.loaded.shared_dir = tmp_path
     assert one.measured.shards == 2 and one.measured.shard_layers() == [[0], [1]]
-    dumps = [json.dumps(s.record("fp32"), sort_keys=True) for s in (plain, one)]
+    dumps = [json.dumps(s.records.record("fp32").data, sort_keys=True) for s in (plain, one)]
     assert dumps[0] == dumps[1]
     assert sorted(p.name for p in tmp_path.glob("*.json")) == [
         "tiny-induction--fp32.knockout-1-of-2.json",
