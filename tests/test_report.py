@@ -568,7 +568,7 @@ def embedded_fp32():
     from pytest_circuits.settings import CircuitsSettings
 
     session = Run(CircuitsSettings(model="tiny-induction", device="cpu", probe=RepeatSettings(3, 4, 24)))
-    return session, session.records.record("fp32", knockout=False)
+    return session, session.records.record("fp32", knockout=False).data
 
 
 def test_position_loss_is_the_models_own_per_position_loss(embedded_fp32):

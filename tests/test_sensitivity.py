@@ -176,11 +176,13 @@ def test_an_invariant_that_compared_nothing_is_not_counted_as_catching_a_damage(
     import pytest_circuits.run.sensitivity as S
     from pytest_circuits.gate.invariant_api import InvariantResult
 
+    from .scan_records import typed
+
     results = [
         InvariantResult("copy_loss", "fp32", "baseline", "passed", "held", compared=1),
         InvariantResult("knockout_deltas", "fp32", "baseline", "failed", "compared nothing", compared=0),
     ]
-    record = {"copy_loss": 1.0, "first_copy_loss": 2.0}
+    record = typed({"copy_loss": 1.0, "first_copy_loss": 2.0, "copy_gain": 1.0})
     monkeypatch.setattr(S, "gate_record", lambda *a, **k: (results, record))
     damage = Damage("ov_scale", 0.5, "L1H0")
     outcome = S.gate_outcome(None, "fp32", {}, None, damage)
