@@ -30,7 +30,6 @@ class Verdicts:
     results: list[invariants.InvariantResult]
     notes: list[str]
     wants: int = 0
-    across: bool = False
 
 
 def check(
@@ -70,7 +69,7 @@ def check(
             for inv in invariants_checked
         ]
     wants = 0 if across else max([0, *(r.wants for r in results)])
-    return Verdicts(results, notes, wants, across)
+    return Verdicts(results, notes, wants)
 
 
 def swap_asked(baseline: RecordLike, candidate: RecordLike, label: str, across: bool | None) -> bool:

@@ -46,10 +46,8 @@ def settle(
     typed_baseline = Record.of(baseline)
     while True:
         verdicts = check(typed_baseline, candidate, tol, build_name=build_name, **how)
-        extended = (
-            measure_looks(records, build_name, typed_baseline, candidate, verdicts.wants) if verdicts.wants else None
-        )
-        if extended is None:
+        extended = measure_looks(records, build_name, typed_baseline, candidate, verdicts.wants)
+        if extended is None:  # every row decided, or no look to measure
             return candidate, verdicts
         candidate = extended
 
