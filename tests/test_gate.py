@@ -437,7 +437,9 @@ class FakeSession:
         self.records = self.baselines = self  # the record source and the baselines, both typed inputs of the gate
 
     def record(self, build_name, knockout=True, method=None):
-        return self.candidate
+        from pytest_circuits.gate.schema import Record
+
+        return Record.of(self.candidate)  # a `RecordSource` gives typed records
 
     def stand_in(self):
         return {"model": dict(self.candidate.get("model") or {}), "probe": self.candidate.get("probe")}

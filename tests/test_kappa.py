@@ -422,6 +422,7 @@ def test_gate_build_asks_each_baseline_for_its_own_method():
     reference baseline's (uncentred, 256 normal draws) and the newer own baseline's (centred, t)."""
     from types import SimpleNamespace
 
+    from pytest_circuits.gate.schema import Record
     from pytest_circuits.gate.tolerances import Tolerances
     from pytest_circuits.run.flow import gate_build
     from pytest_circuits.rungs.kappa_method import LEGACY, KappaMethod
@@ -438,7 +439,7 @@ def test_gate_build_asks_each_baseline_for_its_own_method():
 
         def record(self, build_name, knockout=True, method=None):
             asked.append(method)
-            return old if method == LEGACY else new
+            return Record.of(old if method == LEGACY else new)  # a `RecordSource` gives typed records
 
         def stand_in(self):
             return {"model": new["model"], "probe": new["probe"]}
