@@ -100,8 +100,23 @@ class Option:
                 )
             return choice
         if self.kind == "path":
-            return Path(str(raw)).expanduser()
+            path = Path(str(raw)).expanduser()
+            if _link_loop(path):
+                raise OptionError(f"{said} {str(path)!r} is a symbolic link loop (or a path through one); fix the link")
+            return path
         return str(raw).strip()
+
+
+def _link_loop(path: Path) -> bool:
+    """Whether ``path`` cannot be followed because its links go round (ELOOP)."""
+    import errno
+    import os
+
+    try:
+        os.stat(path)
+    except OSError as error:
+        return error.errno == errno.ELOOP
+    return False
 
 
 _SCAN_LIKE = ("scan", "record", "gate")
