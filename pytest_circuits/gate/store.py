@@ -140,6 +140,8 @@ def read_record(path: str | Path) -> Record:
             fix = "pass a baseline .json file"
         elif "link loop" in error.reason:
             fix = "fix or remove the link"
+        elif "longer than the system allows" in error.reason:
+            fix = "shorten it"
         elif error.reason.startswith("cannot be read"):
             fix = "check its permissions"
         elif named_like_one:
@@ -315,12 +317,20 @@ def baseline_file(text: str | Path) -> Path:
     ``.json``) is the file of that name here when there is one, else the shipped baseline of that name
     (`shipped_baselines`); anything else is returned as typed (reading it says why not)."""
     path = Path(text)
-    if path.exists() or len(path.parts) != 1:
+    if _exists(path) or len(path.parts) != 1:
         return path
     here = path.with_name(path.name.removesuffix(SUFFIX) + SUFFIX)
-    if here.exists():
+    if _exists(here):
         return here
     return shipped_baselines().get(path.name.removesuffix(SUFFIX), path)
+
+
+def _exists(path: Path) -> bool:
+    """`Path.exists`, False where the system cannot even look (a name too long): reading it says why."""
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
 
 
 def baseline_line(path: Path) -> str:

@@ -198,7 +198,9 @@ def _shown(value: object) -> str:
 
 
 def _elided(text: str, most: int = 80) -> str:
-    text = one_line(ValueError(text))
+    """``text`` as typed (its ``repr`` when blanks around it or unprintable characters would hide
+    something), elided past ``most`` characters."""
+    text = text if text.isprintable() and text.strip() == text else repr(text)
     return text if len(text) <= most else f"{text[: most - 3]}..."
 
 
@@ -227,8 +229,8 @@ def _register_named(value: Any, said: str) -> None:
             continue
         try:
             register(item)
-        except CircuitsError:
-            raise
+        except CircuitsError as error:  # the registry refused it: its line, after what named it
+            raise CircuitsError(f"{said}: {error}") from None
         except Exception as error:  # the class cannot be made (its __init__ takes arguments, say)
             raise CircuitsError(
                 f"{said}: registering {_shown(item)} failed: {type(error).__name__}: {one_line(error)}"
