@@ -181,9 +181,12 @@ def check_window_fits(spec, positions: int, length_flag: str) -> None:
 def decode_only(build: str, cache: str, what: str) -> RecipeError:
     """The one line refusing ``what`` (one forward over whole sequences) on a build whose ``cache`` is
     read in decode mode only (transformers' ``QuantizedCache``)."""
+    from ..options import FRONT_END
+
+    alone = "--no-knockout" if FRONT_END.get() == "cli" else "pytest: deselect its knockout test, -k 'not knockout'"
     return RecipeError(
         f"build {build}: {what} runs one forward over whole sequences, but its {cache} cache "
-        "(transformers' QuantizedCache) is read in decode mode only; run the probe alone (--no-knockout) or "
+        f"(transformers' QuantizedCache) is read in decode mode only; run the probe alone ({alone}) or "
         "use a simulated cache (+kv-int4, +kv-q4_0)"
     )
 
