@@ -338,9 +338,9 @@ def baseline_line(path: Path) -> str:
     that takes the place of the shipped baseline of its name (`baseline_file`'s rule)."""
     shipped = shipped_baselines().get(path.name.removesuffix(SUFFIX))
     if shipped is not None and _same_file(shipped, path):
-        return f"baseline {shipped} (shipped with pytest-circuits)"
+        return f"baseline {shipped.name}, shipped with pytest-circuits (circuits baselines lists its file)"
     if shipped is not None:
-        return f"baseline {path.absolute()} (not the shipped baseline of that name, {shipped})"
+        return f"baseline {path.absolute()}, not the shipped baseline of that name"
     return f"baseline {path.absolute()}"
 
 
