@@ -273,14 +273,14 @@ def test_a_build_that_cannot_be_made_is_a_usage_error_under_pytest(tmp_path, bui
 
 def test_knockouts_of_a_decode_only_cache_are_refused_before_any_work(tmp_path, monkeypatch, capsys):
     """``+kv-quanto-int4-r32`` with knockouts was refused only after its decode-mode probe ran."""
-    from pytest_circuits import measure_steps
+    from pytest_circuits.run import steps
 
     monkeypatch.chdir(tmp_path)
 
     def no_load(*args, **kwargs):
         raise AssertionError("a build was loaded before the refusal")
 
-    monkeypatch.setattr(measure_steps, "load_spec", no_load)
+    monkeypatch.setattr(steps, "load_spec", no_load)
     build = "fp32+kv-quanto-int4-r32"
     for args in (
         ["gate", "tiny-induction", "--build", build, "--baseline", SHIPPED],

@@ -1,4 +1,4 @@
-"""What a build needs beyond the core install, checked before any work (`measure_steps.preflight`).
+"""What a build needs beyond the core install, checked before any work (`run.steps.preflight`).
 
 A recipe of the ``formats`` extra (``fp8-e4m3``, ``fp8-e4m3-dyn``, ``int8-w8a8``: compressed-tensors),
 one made in another environment (``gptq-int4``, ``awq-int4``: llm-compressor, `calibrated`), the
