@@ -136,6 +136,40 @@ def test_an_invariants_module_never_shadows_an_installed_package(tmp_path):
     assert not (tmp_path / "safetensors-RAN").exists()
 
 
+def test_the_folders_own_package_installed_editable_is_imported_as_installed(
+    tmp_path, monkeypatch, capsys, registry_restored
+):
+    """Run from a project's root, ``--invariants mypkg.checks`` names the package both in the folder
+    and installed editable (a finder mapping it to that same folder, as setuptools' does): the same
+    files, so it is imported, not refused as a clash."""
+    import importlib.util
+
+    from pytest_circuits.gate.invariants import REGISTRY
+
+    package = tmp_path / "editable_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "checks.py").write_text(VALID.format(decorator="@register\n", name="editable_check", body=""))
+
+    class EditableFinder:  # setuptools' editable finder, reduced to the one package
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if name == "editable_pkg":
+                return importlib.util.spec_from_file_location(
+                    name, package / "__init__.py", submodule_search_locations=[str(package)]
+                )
+            return None
+
+    monkeypatch.setattr(sys, "meta_path", [*sys.meta_path, EditableFinder])
+    monkeypatch.chdir(tmp_path)
+    argv = ["gate", "no-such-model", "--build", "fp32", "--baseline", "no-such-baseline"]
+    assert main([*argv, "--invariants", "editable_pkg.checks"]) == 2
+    assert "baseline no-such-baseline does not exist" in one_line(capsys.readouterr().err)
+    assert type(REGISTRY["editable_check"]).__module__ == "editable_pkg.checks"
+    sys.modules.pop("editable_pkg.checks", None)
+    sys.modules.pop("editable_pkg", None)
+
+
 # ---------------------------------------------------------------- 3. what an --invariants module names
 
 

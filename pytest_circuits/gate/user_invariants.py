@@ -103,12 +103,15 @@ def load_module(name: str) -> None:
     folder = Path.cwd()
     top = module_name.partition(".")[0]
     spec = importlib.machinery.PathFinder.find_spec(top, [str(folder)])
-    if spec is not None and _installed(top, folder):
-        where = spec.origin if spec.has_location else f"the folder {folder / top}"
-        raise CircuitsError(
-            f"{said}: {where} is named like the installed module {top}, and importing it would replace that "
-            "module for the whole run; rename it"
-        )
+    installed = None if spec is None else _installed(top, folder)
+    if spec is not None and installed is not None:
+        if not _places(installed) & _places(spec):
+            where = spec.origin if spec.has_location else f"the folder {folder / top}"
+            raise CircuitsError(
+                f"{said}: {where} is named like the installed module {top}, and importing it would replace that "
+                "module for the whole run; rename it"
+            )
+        spec = None  # this folder's own package, installed (editable): imported as installed
     try:
         with _on_path_last(folder if spec is not None else None):
             module = _import(module_name, spec)
@@ -148,21 +151,32 @@ def _import(module_name: str, spec: ModuleSpec | None) -> ModuleType:
         raise
 
 
-def _installed(top: str, folder: Path) -> bool:
-    """Whether ``top`` is importable other than from ``folder``: a built-in or standard-library module,
-    one already imported from elsewhere, or one on ``sys.path`` without the folder."""
-    if top in sys.builtin_module_names or top in sys.stdlib_module_names:
-        return True
-    if top in sys.modules:
-        return top not in _ours
+def _installed(top: str, folder: Path) -> ModuleSpec | None:
+    """The spec of ``top`` as Python finds it without ``folder`` (a built-in, standard-library or
+    installed module, or one already imported from elsewhere), or None when only the folder has it."""
+    known = sys.modules.get(top)
+    if known is not None:
+        return None if top in _ours else getattr(known, "__spec__", None) or ModuleSpec(top, None)
     saved = sys.path[:]
     sys.path[:] = [entry for entry in saved if not _is_folder(entry, folder)]
     try:
-        return importlib.util.find_spec(top) is not None
+        return importlib.util.find_spec(top)
     except (ImportError, ValueError):
-        return False
+        return None
     finally:
         sys.path[:] = saved
+
+
+def _places(spec: ModuleSpec) -> set[Path]:
+    """The file and folders a module of ``spec`` is loaded from (none for a built-in or frozen one)."""
+    where = [spec.origin] if spec.has_location and spec.origin else []
+    found = set()
+    for place in [*where, *(spec.submodule_search_locations or ())]:
+        try:
+            found.add(Path(place).resolve())
+        except (OSError, RuntimeError):
+            continue
+    return found
 
 
 def _is_folder(entry: str, folder: Path) -> bool:
