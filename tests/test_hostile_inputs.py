@@ -305,6 +305,32 @@ def test_a_build_that_cannot_be_made_is_a_usage_error_under_pytest(tmp_path, bui
     assert said in line, line
 
 
+@pytest.mark.parametrize(
+    "quantization, extra_file, blocked, said",
+    [
+        ({"quant_method": "compressed-tensors"}, None, "compressed_tensors", "(a compressed-tensors checkpoint) needs compressed-tensors"),
+        ({"quant_method": "torchao"}, None, "torchao", "(a torchao checkpoint) needs torchao"),
+        (None, "quanto_qmap.json", "optimum.quanto", "(an optimum-quanto checkpoint) needs optimum-quanto"),
+    ],
+    ids=["compressed-tensors", "torchao", "optimum-quanto"],
+)  # fmt: skip
+def test_an_external_checkpoint_whose_package_is_missing_is_a_usage_error(
+    tmp_path, quantization, extra_file, blocked, said
+):
+    from pytest_circuits.model.named import EMBEDDED_DIR
+
+    checkpoint = shutil.copytree(EMBEDDED_DIR / "tiny-induction", tmp_path / "checkpoint")
+    if quantization is not None:
+        config = json.loads((checkpoint / "config.json").read_text())
+        config["quantization_config"] = quantization
+        (checkpoint / "config.json").write_text(json.dumps(config))
+    if extra_file is not None:
+        (checkpoint / extra_file).write_text("{}")
+    project = probes_project(tmp_path / "project", (blocked,))
+    line = usage_error(pytest_run(["--circuits-builds", f"fp32,ext={checkpoint}"], project))
+    assert f"external build ext={checkpoint} {said}" in line, line
+
+
 def test_knockouts_of_a_decode_only_cache_are_refused_before_any_work(tmp_path, monkeypatch, capsys):
     """``+kv-quanto-int4-r32`` with knockouts was refused only after its decode-mode probe ran."""
     from pytest_circuits.run import steps
