@@ -15,7 +15,7 @@ try:  # Ctrl-C while the command is still importing: one line and status 130, ne
     import typing
     from pathlib import Path
 
-    from .errors import CircuitsError
+    from .errors import CircuitsError, line_of
     from .options import FRONT_END, OPTIONS
 except KeyboardInterrupt:
     print("circuits: interrupted", file=sys.stderr)
@@ -83,8 +83,18 @@ def _user_invariants(args) -> None:
 class _Parser(argparse.ArgumentParser):
     """argparse that adds "did you mean" to a mistyped option or command (its subcommands are of this class)."""
 
+    typed: tuple[str, ...] = ()  # the words parsed: which command an unknown option was given to
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.typed = tuple(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> typing.NoReturn:
         super().error(message + _suggestion(self, message))
+
+
+NOT_TAKEN = {("record", "--no-knockout"): "a baseline holds every rung (the gate's knockout invariants read it)"}
+"""Why a command does not take an option its neighbours do (said when it is given one)."""
 
 
 def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
@@ -106,11 +116,30 @@ def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
     unknown = re.search(r"unrecognized arguments: (.*)", message)
     if unknown:
         flags = [w.split("=")[0] for w in unknown.group(1).split() if w.startswith("--")]
-        return "".join(did_you_mean(flag, _option_strings(parser)) for flag in flags)
+        return "".join(_other_commands(parser, flag) or did_you_mean(flag, _option_strings(parser)) for flag in flags)
     invalid = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
     if invalid:
         return did_you_mean(invalid.group(1), re.findall(r"'([^']*)'", invalid.group(2)))
     return ""
+
+
+def _other_commands(parser: argparse.ArgumentParser, flag: str) -> str:
+    """``" (--no-knockout is an option of circuits scan, gate, not of record: ...)"`` for an option the
+    command typed does not take but others do, else "" (a mistyped option: `did_you_mean`)."""
+    commands = {
+        name: sub
+        for action in parser._actions
+        if isinstance(action, argparse._SubParsersAction)
+        for name, sub in action.choices.items()
+    }
+    command = next((word for word in getattr(parser, "typed", ()) if word in commands), None)
+    if command is None or flag in _option_strings(commands[command]):
+        return ""
+    takers = [name for name, sub in commands.items() if flag in _option_strings(sub)]
+    if not takers:
+        return ""
+    why = NOT_TAKEN.get((command, flag))
+    return f" ({flag} is an option of circuits {', '.join(takers)}, not of {command}{': ' + why if why else ''})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -243,6 +272,7 @@ def cmd_scan(args) -> int:
     from .gate.profile import profile, profile_line
     from .gate.store import dumps
     from .gate.tolerances import Tolerances
+    from .model.kv_formats import refuse_decode_knockouts
     from .run.records import measure_record
     from .show import head_table, model_lines
 
@@ -250,6 +280,8 @@ def cmd_scan(args) -> int:
         check_output(args.json)  # a link or a folder ends the command now, not after the scan
     session = _session(args)
     build = _one_build(session, "scan")
+    if not args.no_knockout:
+        refuse_decode_knockouts(session.settings.spec(build))
     record = measure_record(session.measured, build, knockout=not args.no_knockout)
     print("\n".join(model_lines(record)))
     print(profile_line(profile(record, Tolerances().swap_induction_score)))
@@ -266,7 +298,11 @@ def cmd_record(args) -> int:
         return _record_shard(args)
     if args.out is not None:
         raise CircuitsError("--out writes a shard's part: give --shard I/K too (or drop --out)")
+    from .model.kv_formats import refuse_decode_knockouts
+
     session = _session(args, update=True)  # compares with and writes to --baselines (./baselines), never the shipped
+    for recipe in session.settings.builds:
+        refuse_decode_knockouts(session.settings.spec(recipe))  # a baseline holds knockouts: before any work
     for recipe in session.settings.builds:
         path = session.baselines.write(recipe)
         record = session.records.record(recipe, knockout=True)
@@ -334,6 +370,7 @@ def _print_results(results, notes=()) -> bool:
 def _missing_baseline(args) -> str:
     """`circuits gate`'s line for a baseline file that does not exist: the complete command that records it
     (a file named MODEL--RECIPE.json: that very file; another name: the reference build into its folder)."""
+    from .errors import closest
     from .gate.fixes import file_record_command, record_command
     from .gate.store import SEPARATOR, SUFFIX, shipped_baselines
 
@@ -346,8 +383,10 @@ def _missing_baseline(args) -> str:
             f"record one with: {record_command(settings, settings.reference, path.parent)} and pass the file it writes"
         )
     stem = path.name.removesuffix(SUFFIX)
-    if stem in shipped_baselines():
-        shipped = f"; or gate against the shipped baseline of that name: --baseline {stem}"
+    near = stem if stem in shipped_baselines() else closest(stem, shipped_baselines())
+    if near:
+        said = "of that name" if near == stem else "named like it"
+        shipped = f"; or gate against the shipped baseline {said}: --baseline {near}"
     else:
         shipped = "; or gate against a shipped baseline by name (circuits baselines lists them)"
     return f"baseline {path} does not exist; {how}{shipped}"
@@ -370,7 +409,8 @@ def cmd_baselines(args) -> int:
 def cmd_gate(args) -> int:
     from .errors import BaselineMissing
     from .gate.fixes import file_fix_line
-    from .gate.store import baseline_file, read_record
+    from .gate.store import baseline_file, baseline_line, read_record
+    from .model.kv_formats import refuse_decode_knockouts
     from .model.recipes import describe_identity
     from .run.flow import gate_file
 
@@ -384,6 +424,8 @@ def cmd_gate(args) -> int:
     key_heads_of = () if args.across_models else (baseline,)
     session = _session(args, probe=baseline.probe.model_dump(), key_heads_of=key_heads_of)
     build = _one_build(session, "gate")
+    if not args.no_knockout:
+        refuse_decode_knockouts(session.settings.spec(build))
     label = f"baseline {args.baseline.name}"
     fix = file_fix_line(session.settings, baseline, args.baseline, args.across_models)
     candidate, verdicts = gate_file(
@@ -394,7 +436,8 @@ def cmd_gate(args) -> int:
         for who, record in (("candidate", candidate), ("baseline", baseline))
         if (line := describe_identity(record.build.model_dump(exclude_none=True)))
     ]
-    return EXIT_OK if _print_results(verdicts.results, identities + verdicts.notes) else EXIT_BROKEN
+    notes = [baseline_line(args.baseline), *identities, *verdicts.notes]
+    return EXIT_OK if _print_results(verdicts.results, notes) else EXIT_BROKEN
 
 
 def cmd_diff(args) -> int:
@@ -466,9 +509,11 @@ def _run(argv: list[str]) -> int:
         try:
             if hasattr(args, "invariants"):  # a command that gates: the same invariants as pytest
                 _user_invariants(args)
+            elif args.command in ("scan", "record"):  # the entry points' invariants: a broken one before any work
+                from .gate import invariants  # noqa: F401
             return COMMANDS[args.command](args)
         except CircuitsError as error:
-            print(f"circuits {args.command}: {error}", file=sys.stderr)
+            print(f"circuits {args.command}: {line_of(error)}", file=sys.stderr)
             return EXIT_USAGE
     finally:
         FRONT_END.reset(token)
@@ -501,7 +546,7 @@ def _report(argv) -> int:
     try:
         return int(report_command(argv) or 0)
     except CircuitsError as error:
-        print(f"circuits report: {error}", file=sys.stderr)
+        print(f"circuits report: {line_of(error)}", file=sys.stderr)
         return EXIT_USAGE
 
 

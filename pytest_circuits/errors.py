@@ -14,12 +14,24 @@ def one_line(error: BaseException) -> str:
     return " ".join(str(error).split()) or type(error).__name__
 
 
-def did_you_mean(word: object, choices) -> str:
-    """``" (did you mean 'X'?)"`` for the choice closest to a mistyped ``word`` (difflib), else ""."""
+def closest(word: object, choices) -> str | None:
+    """The choice closest to a mistyped ``word`` (difflib, ratio 0.6 or more), else None."""
     import difflib
 
     close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    return close[0] if close else None
+
+
+def line_of(error: BaseException) -> str:
+    """A `CircuitsError`'s text as printed: one line, whatever a name in it holds (a newline in a path
+    typed is shown as ``\\n``)."""
+    return str(error).replace("\r", "\\r").replace("\n", "\\n")
+
+
+def did_you_mean(word: object, choices) -> str:
+    """``" (did you mean 'X'?)"`` for the choice closest to a mistyped ``word`` (`closest`), else ""."""
+    close = closest(word, choices)
+    return f" (did you mean {close!r}?)" if close else ""
 
 
 class CircuitsError(Exception):

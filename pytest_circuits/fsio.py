@@ -349,6 +349,10 @@ def read_json(path: str | os.PathLike, max_bytes: int = JSON_MAX_BYTES) -> Any:
     except IsADirectoryError:
         raise JsonUnreadable(path, "is a folder, not a file") from None
     except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise JsonUnreadable(path, "is a symbolic link loop (or a path through one)") from None
+        if error.errno == errno.ENAMETOOLONG:
+            raise JsonUnreadable(path, "has a name longer than the system allows") from None
         raise JsonUnreadable(path, f"cannot be read ({error.strerror or type(error).__name__})") from None
     info = os.fstat(fd)  # before fdopen, which raises IsADirectoryError on a folder
     if stat.S_ISDIR(info.st_mode):

@@ -100,8 +100,36 @@ class Option:
                 )
             return choice
         if self.kind == "path":
-            return Path(str(raw)).expanduser()
+            path = Path(str(raw)).expanduser()
+            problem = _unusable(path)
+            if problem:
+                raise OptionError(f"{said} {_elided(str(path))} {problem}")
+            return path
         return str(raw).strip()
+
+
+def _unusable(path: Path) -> str:
+    """Why no file can be at ``path`` whatever is done (its links go round, its name is too long),
+    in words that end a sentence naming it; "" when it may be used."""
+    import errno
+    import os
+
+    try:
+        os.stat(path)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return "is a symbolic link loop (or a path through one); fix the link"
+        if error.errno == errno.ENAMETOOLONG:
+            return "is longer than the system allows for a file name; shorten it"
+    except ValueError:  # an embedded NUL
+        return "holds a NUL character; no file has such a name"
+    return ""
+
+
+def _elided(text: str, most: int = 80) -> str:
+    """``repr(text)``, its middle elided past ``most`` characters."""
+    said = repr(text)
+    return said if len(said) <= most else f"{said[: most // 2]}...{said[-most // 4 :]} ({len(text)} characters)"
 
 
 _SCAN_LIKE = ("scan", "record", "gate")

@@ -130,6 +130,7 @@ def read_record(path: str | Path) -> Record:
     """The validated `Record` in ``path`` (`fsio.read_json`, validated once); a missing or corrupt
     file is a one-line BaselineError."""
     path = Path(path)
+    named_like_one = path.name.endswith(SUFFIX) and SEPARATOR in path.name  # MODEL--BUILD.json
     try:
         record = read_json(path)
     except JsonUnreadable as error:
@@ -137,12 +138,27 @@ def read_record(path: str | Path) -> Record:
             raise BaselineMissing(f"baseline {path} does not exist; {_fix().replace(' again', '')}") from None
         if "folder" in error.reason or "regular file" in error.reason:
             fix = "pass a baseline .json file"
+        elif "link loop" in error.reason:
+            fix = "fix or remove the link"
+        elif "longer than the system allows" in error.reason:
+            fix = "shorten it"
         elif error.reason.startswith("cannot be read"):
             fix = "check its permissions"
-        else:
+        elif named_like_one:
             fix = f"delete it and {_fix()}"
+        else:  # never advise deleting a file that may be anything
+            raise _not_a_baseline(path, f"it {error.reason}") from None
         raise BaselineCorrupt(f"baseline {path} {error.reason}; {fix}") from None
+    if not named_like_one and not (isinstance(record, dict) and "schema_version" in record):
+        raise _not_a_baseline(path, "it holds no schema_version")
     return validate(record, f"baseline {path}")
+
+
+def _not_a_baseline(path: Path, why: str) -> BaselineCorrupt:
+    return BaselineCorrupt(
+        f"{path} is not a pytest-circuits baseline ({why}); pass a baseline file, MODEL--BUILD.json as "
+        "circuits record writes it (circuits baselines lists the shipped ones)"
+    )
 
 
 def _geometry(record: Seen) -> dict[str, Any]:
@@ -285,10 +301,7 @@ def is_shipped(folder: str | Path) -> bool:
     """True for the installed package's own baselines folder (`model.named.SHIPPED_BASELINES`)."""
     from ..model import named
 
-    try:
-        return Path(folder).resolve() == Path(named.SHIPPED_BASELINES).resolve()
-    except OSError:
-        return False
+    return _same_file(Path(folder), Path(named.SHIPPED_BASELINES))
 
 
 def shipped_baselines() -> dict[str, Path]:
@@ -299,13 +312,43 @@ def shipped_baselines() -> dict[str, Path]:
 
 
 def baseline_file(text: str | Path) -> Path:
-    """The baseline file a user typed: the path itself when it exists or names a folder; a bare name
-    (``tiny-induction--fp32``, with or without ``.json``) that is no file here is the shipped baseline
-    of that name (`shipped_baselines`); anything else is returned as typed (reading it says why not)."""
+    """The baseline file a user typed, by one rule: a file here first, then a shipped one. The path
+    itself when it exists or names a folder; a bare name (``tiny-induction--fp32``, with or without
+    ``.json``) is the file of that name here when there is one, else the shipped baseline of that name
+    (`shipped_baselines`); anything else is returned as typed (reading it says why not)."""
     path = Path(text)
-    if path.exists() or len(path.parts) != 1:
+    if _exists(path) or len(path.parts) != 1:
         return path
+    here = path.with_name(path.name.removesuffix(SUFFIX) + SUFFIX)
+    if _exists(here):
+        return here
     return shipped_baselines().get(path.name.removesuffix(SUFFIX), path)
+
+
+def _exists(path: Path) -> bool:
+    """`Path.exists`, False where the system cannot even look (a name too long): reading it says why."""
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
+
+
+def baseline_line(path: Path) -> str:
+    """The gate's first line: the baseline file used, and whether it is a shipped one or a file here
+    that takes the place of the shipped baseline of its name (`baseline_file`'s rule)."""
+    shipped = shipped_baselines().get(path.name.removesuffix(SUFFIX))
+    if shipped is not None and _same_file(shipped, path):
+        return f"baseline {shipped.name}, shipped with pytest-circuits (circuits baselines lists its file)"
+    if shipped is not None:
+        return f"baseline {path.absolute()}, not the shipped baseline of that name"
+    return f"baseline {path.absolute()}"
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except (OSError, RuntimeError):
+        return False
 
 
 def same_geometry(folder: str | Path, build_name: str, geometry: dict[str, Any], exclude: str) -> dict[str, Path]:

@@ -133,10 +133,8 @@ def resolve_device(spec: str = "auto", worker: str | None = None) -> torch.devic
     return device
 
 
-def _bnb_config(recipe: Recipe):
-    # before the import: on AVX512-BF16 CPUs bitsandbytes' CPU backend logs, at import, that it
-    # could not fetch a kernel from the Hub (we never download); int8 matmuls warn on every cast
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+def require_bitsandbytes(recipe_name: str) -> None:
+    """Import bitsandbytes, or refuse the recipe in one line naming the install."""
     try:
         with warnings.catch_warnings():  # bitsandbytes decorates with torch.jit.script_method (deprecated in torch)
             warnings.filterwarnings(
@@ -144,7 +142,14 @@ def _bnb_config(recipe: Recipe):
             )
             import bitsandbytes  # noqa: F401
     except ImportError:
-        raise RecipeError(f"recipe {recipe.name} needs bitsandbytes: pip install bitsandbytes") from None
+        raise RecipeError(f"recipe {recipe_name} needs bitsandbytes: pip install bitsandbytes") from None
+
+
+def _bnb_config(recipe: Recipe):
+    # before the import: on AVX512-BF16 CPUs bitsandbytes' CPU backend logs, at import, that it
+    # could not fetch a kernel from the Hub (we never download); int8 matmuls warn on every cast
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    require_bitsandbytes(recipe.name)
     from transformers import BitsAndBytesConfig
 
     if recipe.bits == 8:

@@ -22,6 +22,7 @@ The build's identity records what was used and its sha256.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -114,6 +115,7 @@ def llmc_python(recipe_name: str) -> str:
     return python
 
 
+@functools.cache  # asked before any work (`requirements`) and again where the build is made
 def llmc_version(python: str) -> str:
     """``llmcompressor 0.14.0.1`` as installed in ``python``'s environment."""
     code = "import importlib.metadata as m; print(m.version('llmcompressor'))"

@@ -79,6 +79,12 @@ def read_scales(folder: Path, layers_path: str, n_layers: int, what: str) -> tup
                         )
                     found[match.group(2)][int(match.group(1))] = value.reshape(())
     for name, scales in found.items():
+        beyond = sorted(layer for layer in scales if layer >= n_layers)
+        if beyond:
+            raise RecipeError(
+                f"{what}: it holds a {name} for layers {beyond[:8]}, but the model has {n_layers} layers "
+                f"(0..{n_layers - 1}); re-save the checkpoint with the scales of its own layers"
+            )
         missing = [layer for layer in range(n_layers) if layer not in scales]
         if missing:
             raise RecipeError(

@@ -120,22 +120,39 @@ def known_formats() -> str:
     return "; ".join(f"{f.name} ({f.summary})" for f in KV_FORMATS.values())
 
 
+MAX_WINDOW_DIGITS = 9  # a window of a billion tokens is past any probe; more digits is a typo (or worse)
+
+
+def shown(text: str, most: int = 60) -> str:
+    """``repr(text)``, its middle elided past ``most`` characters: a 5000-digit window stays readable."""
+    said = repr(text)
+    return said if len(said) <= most else f"{said[: most // 2]}...{said[-most // 4 :]} ({len(text)} characters)"
+
+
 def parse_kv(text: str, build: str = "") -> KvSpec:
     """``"q4_0-r128"`` -> `KvSpec`; one-line errors naming the build typed and the known formats."""
-    where = f"build {build!r}: " if build else ""
+    where = f"build {shown(build)}: " if build else ""
     match = _SPEC.fullmatch(text.strip())
     kv_format = KV_FORMATS.get(match.group("format")) if match else None
     if match is None or kv_format is None:
         raise RecipeError(
-            f"{where}unknown KV-cache precision {text!r}; write BUILD+kv-FORMAT[-dyn][-rN] with FORMAT one of: "
+            f"{where}unknown KV-cache precision {shown(text)}; write BUILD+kv-FORMAT[-dyn][-rN] with FORMAT one of: "
             f"{known_formats()}"
         )
     dynamic = match.group("dyn") is not None
     if dynamic and kv_format.layout != "fp8":
-        raise RecipeError(f"{where}'-dyn' (scales from each sequence) applies to the fp8 caches only, not {text!r}")
-    window = int(match.group("window") or 0)
-    if match.group("window") is not None and window < 1:
-        raise RecipeError(f"{where}the full-precision window of {text!r} must be at least 1 token, e.g. -r128")
+        raise RecipeError(
+            f"{where}'-dyn' (scales from each sequence) applies to the fp8 caches only, not {shown(text)}"
+        )
+    digits = match.group("window")
+    if digits is not None and len(digits.lstrip("0")) > MAX_WINDOW_DIGITS:
+        raise RecipeError(
+            f"{where}the full-precision window of {shown(text)} has {len(digits)} digits, past any probe; "
+            "give tokens before each query, e.g. -r128"
+        )
+    window = int(digits or 0)
+    if digits is not None and window < 1:
+        raise RecipeError(f"{where}the full-precision window of {shown(text)} must be at least 1 token, e.g. -r128")
     return KvSpec(kv_format, dynamic, window)
 
 
@@ -145,7 +162,7 @@ def split_kv(name: str) -> tuple[str, KvSpec | None]:
     if not sep:
         return name, None
     if not base:
-        raise RecipeError(f"build {name!r} names a cache but no weights; write e.g. bf16{KV_SEPARATOR}{kv}")
+        raise RecipeError(f"build {shown(name)} names a cache but no weights; write e.g. bf16{KV_SEPARATOR}{kv[:40]}")
     return base, parse_kv(kv, name)
 
 
@@ -159,3 +176,24 @@ def check_window_fits(spec, positions: int, length_flag: str) -> None:
             f"probe ({positions} tokens), so nothing would be read from the cache; use -r{max(1, positions // 4)} "
             f"or a longer probe ({length_flag})"
         )
+
+
+def decode_only(build: str, cache: str, what: str) -> RecipeError:
+    """The one line refusing ``what`` (one forward over whole sequences) on a build whose ``cache`` is
+    read in decode mode only (transformers' ``QuantizedCache``)."""
+    from ..options import FRONT_END
+
+    alone = "--no-knockout" if FRONT_END.get() == "cli" else "pytest: deselect its knockout test, -k 'not knockout'"
+    return RecipeError(
+        f"build {build}: {what} runs one forward over whole sequences, but its {cache} cache "
+        f"(transformers' QuantizedCache) is read in decode mode only; run the probe alone ({alone}) or "
+        "use a simulated cache (+kv-int4, +kv-q4_0)"
+    )
+
+
+def refuse_decode_knockouts(spec) -> None:
+    """Refuse the knockouts of a build (`recipes.BuildSpec`) with a decode-only cache before any work:
+    the probe alone takes minutes in decode mode, and the knockout scan would refuse it after."""
+    kv: KvSpec | None = getattr(spec, "kv", None)
+    if kv is not None and kv.decode:
+        raise decode_only(spec.name, kv.name, "the knockout scan")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ..errors import ModelLoadError, first_line, one_line
+from ..errors import ModelLoadError, did_you_mean, first_line, one_line
 from ..errors import warn as warn
 from ..fsio import (
     JsonUnreadable,
@@ -261,7 +261,7 @@ def resolve_model(spec: str | os.PathLike) -> ModelSource:
     from .named import NAMED_MODELS
 
     raise ModelLoadError(
-        f"model {text!r} not found: not a folder, a .gguf file, a named model "
+        f"model {text!r} not found{did_you_mean(text, NAMED_MODELS)}: not a folder, a .gguf file, a named model "
         f"({', '.join(NAMED_MODELS)}), or an id in the local Hugging Face cache"
     )
 

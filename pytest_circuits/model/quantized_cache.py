@@ -22,7 +22,7 @@ from importlib import metadata
 import torch
 
 from ..errors import RecipeError
-from .kv_formats import KvSpec
+from .kv_formats import KvSpec, decode_only
 
 DECODE_ATTR = "_circuits_decode_cache"  # on the model: its `DecodeCache`
 BACKEND_PACKAGES = {"quanto": ("optimum-quanto", "optimum.quanto"), "hqq": ("hqq", "hqq")}
@@ -37,19 +37,25 @@ def _installed(module: str) -> bool:
         return False
 
 
+def require_backend(spec: KvSpec) -> str:
+    """The package of a decode-mode cache's backend (``optimum-quanto``, ``hqq``), or a one-line
+    `RecipeError` naming the install when it is missing."""
+    backend = spec.format.backend or ""
+    package, module = BACKEND_PACKAGES[backend]
+    if not _installed(module):
+        raise RecipeError(
+            f"the {spec.name} cache runs transformers' QuantizedCache with its {backend} backend, which needs "
+            f"the {package} package; install it (pip install {package}) or use another cache"
+        )
+    return package
+
+
 class DecodeCache:
     """A build's ``QuantizedCache``: makes a fresh one per batch (`new`) and says what it is (`describe`)."""
 
     def __init__(self, spec: KvSpec, config):
         self.spec, self.config = spec, config
-        backend = spec.format.backend or ""
-        package, module = BACKEND_PACKAGES[backend]
-        if not _installed(module):
-            raise RecipeError(
-                f"the {spec.name} cache runs transformers' QuantizedCache with its {backend} backend, which needs "
-                f"the {package} package; install it (pip install {package}) or use another cache"
-            )
-        self.package_version = metadata.version(package)
+        self.package_version = metadata.version(require_backend(spec))
 
     def new(self):
         """An empty ``QuantizedCache`` for one batch of sequences."""
@@ -94,11 +100,7 @@ def refuse_decode_only(build, what: str) -> None:
     """One line instead of running ``what`` (one forward over whole sequences) without the build's cache."""
     cache = decode_cache_of(build.model)
     if cache is not None:
-        raise RecipeError(
-            f"build {build.recipe}: {what} runs one forward over whole sequences, but its {cache.spec.name} cache "
-            "(transformers' QuantizedCache) is read in decode mode only; run the probe alone (--no-knockout) or "
-            "use a simulated cache (+kv-int4, +kv-q4_0)"
-        )
+        raise decode_only(build.recipe, cache.spec.name, what)
 
 
 @torch.no_grad()

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import RecipeError, did_you_mean
-from .kv_formats import KV_SEPARATOR, KvSpec, split_kv
+from .kv_formats import KV_SEPARATOR, MAX_WINDOW_DIGITS, KvSpec, shown, split_kv
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,8 @@ def get_recipe(name: str) -> Recipe:
     calibrated = CALIBRATED.fullmatch(name.strip())
     if recipe is None and calibrated and calibrated.group(2):
         base = RECIPES[f"{calibrated.group(1)}-int4"]
+        if len(calibrated.group(2).lstrip("0")) > MAX_WINDOW_DIGITS:
+            raise RecipeError(f"recipe {shown(name)}: the group size has {len(calibrated.group(2))} digits; e.g. -g64")
         group = int(calibrated.group(2))
         if group < 1:
             raise RecipeError(f"recipe {name!r}: the group size must be a positive number of columns, e.g. -g64")
@@ -101,10 +103,18 @@ def get_recipe(name: str) -> Recipe:
     if recipe is None:
         known = "; ".join(f"{r.name} ({r.summary})" for r in RECIPES.values())
         raise RecipeError(
-            f"unknown build recipe {name!r}{did_you_mean(name, RECIPES)}; known recipes: {known}; "
+            f"unknown build recipe {shown(name)}{_kv_hint(name) or did_you_mean(name, RECIPES)}; known recipes: {known}; "
             "or an external build NAME=PATH (a .gguf file or folder)"
         )
     return recipe
+
+
+def _kv_hint(name: str) -> str:
+    """``" (did you mean 'bf16+kv-q4_0'?)"`` for a cache written without its ``+`` (``bf16-kv-q4_0``), else ""."""
+    base, sep, cache = name.strip().partition(KV_SEPARATOR.replace("+", "-"))
+    if not sep or not (base in RECIPES or CALIBRATED.fullmatch(base)):
+        return ""
+    return f" (did you mean {base + KV_SEPARATOR + cache!r}? a KV cache follows {KV_SEPARATOR})"
 
 
 BUILD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+]*(?:-[A-Za-z0-9._+]+)*")

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import ModelLoadError, RecipeError, first_line
 from .checkpoint_keys import check_loading_info
-from .compressed import FORMATS_EXTRA
+from .compressed import require
 
 QUANTO_MAP = "quanto_qmap.json"
 
@@ -80,16 +80,19 @@ def quanto_fields(model: torch.nn.Module, qmap: dict) -> dict[str, str]:
     }
 
 
+def require_quanto(what: str) -> None:
+    """Import optimum-quanto, or refuse the checkpoint ``what`` in one line naming the extra."""
+    require("optimum.quanto", "optimum-quanto", f"{what} (an optimum-quanto checkpoint)")
+
+
 def load_quanto(folder: Path, what: str) -> torch.nn.Module:
     """An optimum-quanto folder as quanto reloads it (``requantize``), eager attention, on the CPU."""
     from ..fsio import JsonUnreadable, read_json
     from .loading import read_config
 
-    try:
-        from optimum.quanto import requantize
-    except ImportError:
-        raise RecipeError(f"{what} (an optimum-quanto checkpoint) needs optimum-quanto: {FORMATS_EXTRA}") from None
+    require_quanto(what)
     from accelerate import init_empty_weights
+    from optimum.quanto import requantize
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 

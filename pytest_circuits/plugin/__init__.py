@@ -168,6 +168,10 @@ def session_of(config: pytest.Config) -> Run:
         from ..run.run import Run
         from . import workers
 
+        try:  # the installed packages' invariants: a broken entry point is one line (exit 4), before any test
+            from ..gate import invariants  # noqa: F401
+        except CircuitsError as error:
+            raise pytest.UsageError(str(error)) from None
         session = Run(settings_from_config(config))
         session.loaded.progress_write = lambda line: _report_progress(config, line)
         config.stash[SESSION_KEY] = session

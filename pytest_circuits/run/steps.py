@@ -10,12 +10,14 @@ from ..settings import CircuitsSettings
 def preflight(settings: CircuitsSettings, source, device: str):
     """Check the model and the probe settings before any figure is computed; the `Geometry`.
 
-    Reads the config and the tokenizer only (no weights): an unknown family, or a probe that does
-    not fit the model's context, is refused in seconds, not after a scan.
+    Reads the config and the tokenizer only (no weights): an unknown family, a probe that does not
+    fit the model's context, or a build whose package or environment is missing
+    (`model.requirements`) is refused in seconds, not after a scan.
     """
     from ..model.families import check_geometry, family_and_geometry
     from ..model.kv_formats import check_window_fits
     from ..model.loading import read_config
+    from ..model.requirements import check_build_needs
     from ..model.vocab import token_info
     from ..rungs.repeat import bos_offset, check_fits, check_probe_memory, check_vocabulary
 
@@ -30,6 +32,7 @@ def preflight(settings: CircuitsSettings, source, device: str):
     check_fits(config, tokens, s.probe.L)
     for name in dict.fromkeys((*s.builds, s.reference)):  # a cache window the probe cannot exceed
         check_window_fits(s.spec(name), 2 * s.probe.L + bos_offset(tokens), flag("probe-length"))
+        check_build_needs(s.spec(name))  # a package or environment the build needs: one line now, not per test
     engine_files(s)
     _, geometry = family_and_geometry(config)
     check_geometry(s.model, geometry)
