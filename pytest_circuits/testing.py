@@ -49,6 +49,18 @@ _BASE: dict[str, Any] = dict(
     tie_word_embeddings=False,
 )
 _EXPERTS: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+_LATENT: dict[str, Any] = dict(  # multi-head latent attention: q and kv latents, decoupled RoPE keys
+    num_key_value_heads=4,
+    q_lora_rank=24,
+    kv_lora_rank=20,
+    qk_nope_head_dim=12,
+    qk_rope_head_dim=8,
+    head_dim=8,  # the RoPE part: transformers sizes the rotary tables by head_dim
+    v_head_dim=16,
+    moe_intermediate_size=32,
+    num_experts_per_tok=2,
+    topk_group=1,
+)
 TINY_TYPE_SHAPES: dict[str, dict[str, Any]] = {
     "gpt_neo": dict(num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]], window_size=32),
     "gptj": dict(n_layer=2, n_head=4, n_embd=64, rotary_dim=8, n_positions=128),
@@ -75,6 +87,14 @@ TINY_TYPE_SHAPES: dict[str, dict[str, Any]] = {
         attention_multiplier=0.2,
     ),
     "nanochat": dict(final_logit_softcapping=0.5),
+    **{
+        t: dict(_LATENT, **extra)
+        for t, extra in (
+            ("deepseek_v2", dict(first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1)),
+            ("deepseek_v3", dict(first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1, n_group=1)),
+            ("glm4_moe_lite", dict(mlp_layer_types=["dense", "sparse"], n_routed_experts=4, n_shared_experts=1)),
+        )
+    },
 }
 """Per model type: what differs from the shared tiny shape (config names, experts, windows, multipliers)."""
 

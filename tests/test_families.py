@@ -50,6 +50,7 @@ from pytest_circuits.testing import (
 )
 
 from .conftest import read_v_heads_rolled
+from .test_latent_attention import mla_values
 
 TYPES = tiny_model_types()
 ISSUE_TYPES = (
@@ -58,7 +59,7 @@ ISSUE_TYPES = (
     "smollm3 helium glm internlm3 gpt_oss"
 ).split()
 SETTINGS = RepeatSettings(seed=1, n=3, L=8)
-DEFAULT_RUN = ("gpt2", "bloom", "gemma2", "gpt_oss", "granite", "olmo2", "falcon-new-decoder", "gpt_bigcode")
+DEFAULT_RUN = ("gpt2", "bloom", "gemma2", "gpt_oss", "granite", "olmo2", "falcon-new-decoder", "gpt_bigcode", "deepseek_v3")
 """Types whose probe and knockout run in the default suite: one per mechanism (learned positions,
 ALiBi, sandwich norm + soft cap + sliding window, sinks + MoE, multipliers, no pre-norm, grouped
 fused QKV, multi-query); the others run with --run-slow."""
@@ -143,8 +144,9 @@ def _loop_attention_output(model, layer: int, ids: torch.Tensor):
             handle.remove()
     x, pattern = seen["x"][0].double(), out.attentions[layer][0].double()
     total = torch.zeros(x.shape[0], geo.d_model, dtype=torch.float64)
+    latent = mla_values(attn, model.config, x) if fam.latent_norm else None  # tests/test_latent_attention.py
     for h in range(geo.n_heads):
-        v = x @ weights.W_V_of(layer, h).double()
+        v = x @ weights.W_V_of(layer, h).double() if latent is None else latent[h]
         if lw.b_V is not None:
             v = v + lw.b_V[geo.kv_group(h)].double()
         total += pattern[h] @ v @ lw.W_O[h].double()
@@ -342,7 +344,7 @@ def test_no_per_head_ov_types_get_one_line():
         family_for_config(CONFIG_MAPPING["mamba"](hidden_size=16, num_hidden_layers=2, vocab_size=32))
     assert "state-space" in _one_line(error)
     with pytest.raises(UnknownFamilyError) as error:
-        family_for_config(CONFIG_MAPPING["deepseek_v3"]())
+        family_for_config(CONFIG_MAPPING["longcat_flash"]())
     assert "latent attention" in _one_line(error)
 
 
@@ -557,7 +559,7 @@ def test_probe_longer_than_a_sliding_window_is_one_line(tmp_path):
 # ---------------------------------------------------------------- the front ends on every type
 
 FRONT_PROBE = {"probe-n": "2", "probe-length": "4"}
-PYTEST_RUN = ("bloom", "gemma2", "gpt_oss", "falcon-new-decoder")
+PYTEST_RUN = ("bloom", "gemma2", "gpt_oss", "falcon-new-decoder", "deepseek_v3")
 """Types that `pytest probes` records and gates in the default suite (ALiBi with a fused per-head
 QKV; sandwich norm, soft caps and sliding window; sinks and MoE; grouped fused QKV); the others
 run with --run-slow (gpt2 runs in tests/test_plugin.py)."""

@@ -195,7 +195,13 @@ def _layouts() -> list[Family]:
             family.attn_norm,
             family.final_norm,
         )
-        if key not in seen and not family.when and not family.unsupported and family.attn_norm is not None:
+        if (
+            key not in seen
+            and not family.when
+            and not family.unsupported
+            and family.attn_norm is not None
+            and family.latent_norm is None
+        ):
             seen.add(key)
             out.append(dataclasses.replace(family, **_QUIRK_FREE))
     return out
@@ -294,7 +300,7 @@ def geometry_for(config, family: Family) -> Geometry:
     else:
         n_kv = getattr(config, family.n_kv_heads_attr, None) if family.n_kv_heads_attr else None
     d_model = getattr(config, family.d_model_attr)
-    d_head = getattr(config, "head_dim", None) or d_model // n_heads
+    d_head = getattr(config, family.d_head_attr, None) or d_model // n_heads
     return Geometry(
         n_layers=getattr(config, family.n_layers_attr),
         n_heads=n_heads,

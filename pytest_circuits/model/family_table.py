@@ -69,6 +69,7 @@ class Family:
     n_kv_heads_attr: str | None = "num_key_value_heads"
     d_model_attr: str = "hidden_size"
     n_layers_attr: str = "num_hidden_layers"
+    d_head_attr: str = "head_dim"  # config attribute of the width of a head's value (and of W_O's rows)
     multi_query_attr: str | None = None  # config flag: one K/V head for all query heads
     norm_weight_offset: float = 0.0
     norm_eps: float | None = None  # eps of norms that keep it hard-coded (no attribute): OLMo's 1e-5
@@ -88,6 +89,7 @@ class Family:
     resid_mid: str = "post_attention_layernorm"
     parallel: bool | str = False
     mlp_out: str = "mlp"
+    latent_norm: str | None = None  # multi-head latent attention: the norm on the latent c (inside attn)
 
     def matches(self, config) -> bool:
         """True when every ``when`` condition holds on ``config``."""
@@ -134,6 +136,12 @@ QUIRKS = {
     "nonparametric_norm": "LayerNorm without weight or bias: g = 1",
     "no_norm_bias": "LayerNorm without bias (centres, scales by w)",
     "attn_output_residual": "the attention module adds the residual to its own output (BLOOM); the self-check subtracts it",
+    "latent_attention": (
+        "multi-head latent attention: c = norm(x W_DKV), v_h = c W_UV^h, so W_OV = W_DKV diag(g_c) W_UV^h W_O^h "
+        "(the latent norm's weight g_c folded, its per-position divisor a positive factor like the pre-attention "
+        "norm's); keys c W_UK^h plus a RoPE part shared by the heads, queries through their own low-rank norm: "
+        "change A only; no W_Q, W_K as one linear map"
+    ),
 }
 
 
@@ -457,15 +465,27 @@ FAMILIES: tuple[Family, ...] = (
         "gpt_oss",
         quirks=("grouped_query", "qkv_bias", "rotary", "sliding_window", "attention_sinks", "moe"),
     ),
+    *(
+        LLAMA.for_type(
+            model_type,
+            name="latent",
+            qkv=("kv_a_proj_with_mqa", "kv_b_proj"),
+            qkv_layout="latent",
+            latent_norm="kv_a_layernorm",
+            n_kv_heads_attr=None,
+            d_head_attr="v_head_dim",
+            when=(("attention_bias", False),),
+            unsupported="",
+            quirks=("latent_attention", "rotary", "moe"),
+        )
+        for model_type in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+    ),
 )
 
 NO_PER_HEAD_OV = {
-    "deepseek_v2": "multi-head latent attention: values come from a shared low-rank latent, no per-head W_V",
-    "deepseek_v3": "multi-head latent attention: values come from a shared low-rank latent, no per-head W_V",
-    "deepseek_v32": "multi-head latent attention with sparse selection: no per-head W_V",
-    "minicpm3": "multi-head latent attention: no per-head W_V",
-    "longcat_flash": "multi-head latent attention: no per-head W_V",
-    "glm4_moe_lite": "multi-head latent attention: no per-head W_V",
+    "deepseek_v32": "latent attention whose keys an indexer selects per query (sparse attention): not read yet",
+    "minicpm3": "latent attention with depth and embedding multipliers: not read yet",
+    "longcat_flash": "two latent attention sublayers per block and zero-compute experts: not read yet",
     "mamba": "state-space layers: no attention pattern, no per-head OV map",
     "mamba2": "state-space layers: no attention pattern, no per-head OV map",
     "falcon_mamba": "state-space layers: no attention pattern, no per-head OV map",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UnknownFamilyError
 from .family_table import Geometry
 
 # ---------------------------------------------------------------- per-head slicing of Q/K/V
@@ -13,8 +14,14 @@ def split_qkv(layout: str, weights: list[torch.Tensor], geo: Geometry):
     """Split dense ``(out, in)`` projection weights (or biases, 1-D) into per-head Q, K, V.
 
     Returns ``(q, k, v)`` with leading head axes: weights ``(heads, d_head, in)``,
-    biases ``(heads, d_head)``; ``k`` and ``v`` have ``n_kv_heads`` heads.
+    biases ``(heads, d_head)``; ``k`` and ``v`` have ``n_kv_heads`` heads. The ``latent`` layout (`latent.py`)
+    has no per-head rows of one projection: refused in one line.
     """
+    if layout not in QKV_LAYOUTS:
+        raise UnknownFamilyError(
+            f"the {layout!r} Q/K/V layout has no per-head rows of a Q/K/V projection (multi-head latent attention: "
+            "queries and keys pass through low-rank norms); this operation is not defined for it"
+        )
     return QKV_LAYOUTS[layout](weights, geo)
 
 

@@ -8,6 +8,9 @@ it used (eager attention returns it) and its output ``Y``. From the weights as
     Y_hat = sum_h A_h (X W_V^{g(h)} + b_V^{g(h)}) W_O^h + b_O  (+ the residual, where the
     family's attention module adds it: BLOOM)
 
+(latent attention: ``v_h = norm_c(X W_DKV) W_UV^h``, the latent norm recomputed with the ``g_c``
+and ``eps`` the read folds, `latent.py`)
+
 in float64 and compares ``||Y_hat - Y|| / ||Y||`` (Frobenius, per layer) with a tolerance set
 by the build's compute dtype. It also checks the norm scales the fold uses: the pre-attention
 norm's output against ``(r - mean r) / sqrt(var r + eps) * g + b`` (LayerNorm) or
@@ -229,7 +232,8 @@ def _relative_after_add(expected: torch.Tensor, actual: torch.Tensor, total: tor
 def _head_sum(
     lw, geo, x: torch.Tensor, pattern: torch.Tensor, v_int8: Int8Layer | None = None, o_int8: Int8Layer | None = None
 ) -> torch.Tensor:
-    """``sum_h A_h (X W_V^{g(h)} + b_V) W_O^h + b_O`` in float64: ``(batch, T, d_model)``.
+    """``sum_h A_h (X W_V^{g(h)} + b_V) W_O^h + b_O`` in float64: ``(batch, T, d_model)``; for latent
+    attention ``A_h norm_c(X W_DKV) W_UV^h W_O^h`` (`latent.LatentRead.values`).
 
     ``v_int8`` / ``o_int8``: the V (or fused QKV) / output projection is LLM.int8(). ``X``, and
     the heads' outputs ``z = [z_0 | ... | z_{H-1}]`` concatenated per token, are then split into
@@ -240,7 +244,11 @@ def _head_sum(
     W_V, W_O = lw.W_V.double().to(device), lw.W_O.double().to(device)
     b_V = None if lw.b_V is None else lw.b_V.double().to(device)[None, :, None, :]
     b_O = None if lw.b_O is None else lw.b_O.double().to(device)
-    if v_int8 is None:
+    if lw.latent is not None:  # v_h = norm_c(x W_DKV) W_UV^h: the latent norm's divisor applied (latent.py)
+        if v_int8 is not None:
+            raise ValueError("a latent attention whose projections quantize their input is not recomputed yet")
+        values = lw.latent.values(x)
+    elif v_int8 is None:
         values = torch.einsum("btd,gde->bgte", x.double(), W_V)  # per K/V group
         values = values if b_V is None else values + b_V
     else:

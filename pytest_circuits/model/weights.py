@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .dense import dense_bias, dense_rows, dense_weight, weight_of
+from .latent import LatentRead, read_latent
 from .families import (
     Family,
     Geometry,
@@ -42,8 +43,8 @@ from .families import (
 class LayerWeights:
     """One attention layer, per head. K and V have ``n_kv_heads`` heads."""
 
-    W_Q: torch.Tensor | None  # (n_heads, d_model, d_head); None when read with qk=False (the self-check)
-    W_K: torch.Tensor | None  # (n_kv_heads, d_model, d_head); None when read with qk=False
+    W_Q: torch.Tensor | None  # (n_heads, d_model, d_head); None when read with qk=False (the self-check), or latent
+    W_K: torch.Tensor | None  # (n_kv_heads, d_model, d_head); None when read with qk=False, or latent
     W_V: torch.Tensor  # (n_kv_heads, d_model, d_head)
     W_O: torch.Tensor  # (n_heads, d_head, d_model)
     b_Q: torch.Tensor | None  # (n_heads, d_head)
@@ -53,6 +54,7 @@ class LayerWeights:
     norm_scale: torch.Tensor  # (d_model,) pre-attention norm weight g (ones where there is none)
     post_norm_scale: torch.Tensor | None = None  # (d_model,) sandwich norm weight g_post, folded into W_O
     out_multiplier: float = 1.0  # attention-output multiplier, folded into W_O
+    latent: LatentRead | None = None  # multi-head latent attention: W_V = W_DKV diag(g_c) W_UV^h (latent.py)
 
 
 @dataclass
@@ -74,7 +76,7 @@ class ModelWeights:
     def W_K_of(self, layer: int, head: int) -> torch.Tensor:
         """``W_K`` of query head ``head``: its key/value group's."""
         W_K = self.layers[layer].W_K
-        assert W_K is not None, "extract_weights reads W_K of every layer (qk=True)"
+        assert W_K is not None, "extract_weights reads W_K of every layer (qk=True) but a latent attention's"
         return W_K[self.geometry.kv_group(head)]
 
     def W_OV(self, layer: int, head: int) -> torch.Tensor:
@@ -84,7 +86,7 @@ class ModelWeights:
     def W_QK(self, layer: int, head: int) -> torch.Tensor:
         """``W_QK = W_Q W_K^T`` (d_model x d_model)."""
         W_Q = self.layers[layer].W_Q
-        assert W_Q is not None, "extract_weights reads W_Q of every layer (qk=True)"
+        assert W_Q is not None, "extract_weights reads W_Q of every layer (qk=True) but a latent attention's"
         return W_Q[head] @ self.W_K_of(layer, head).T
 
     def W_V_per_query_head(self, layer: int) -> torch.Tensor:
@@ -196,13 +198,18 @@ def block_weights(block, fam: Family, geo: Geometry, fold: bool, config, device=
     """One block's per-head weights; ``qk=False`` skips ``W_Q``/``W_K`` (None), for the self-check."""
     device = torch.device("cpu") if device is None else device
     attn = get_module(block, fam.attn)
-    projs = [get_module(attn, name) for name in fam.qkv]
-    q, k, v = split_qkv(fam.qkv_layout, [dense_weight(p).to(device) for p in projs], geo)
-    biases = [b for b in (dense_bias(p) for p in projs) if b is not None]
-    if len(biases) != len(projs):
-        b_q = b_k = b_v = None
+    latent = read_latent(attn, fam, geo, device) if fam.latent_norm is not None else None
+    if latent is not None:  # no W_Q, W_K as one linear map; W_V through the latent (latent.py)
+        q = k = b_q = b_k = b_v = None
+        v = latent.W_V().transpose(1, 2)
     else:
-        b_q, b_k, b_v = split_qkv(fam.qkv_layout, [b.to(device) for b in biases], geo)
+        projs = [get_module(attn, name) for name in fam.qkv]
+        q, k, v = split_qkv(fam.qkv_layout, [dense_weight(p).to(device) for p in projs], geo)
+        biases = [b for b in (dense_bias(p) for p in projs) if b is not None]
+        if len(biases) != len(projs):
+            b_q = b_k = b_v = None
+        else:
+            b_q, b_k, b_v = split_qkv(fam.qkv_layout, [b.to(device) for b in biases], geo)
     out = get_module(attn, fam.out_proj)
     w_o = dense_weight(out).to(device)  # (d_model, n_heads * d_head)
     W_O = w_o.T.reshape(geo.n_heads, geo.d_head, geo.d_model)
@@ -213,8 +220,8 @@ def block_weights(block, fam: Family, geo: Geometry, fold: bool, config, device=
     post_scale = None if post_norm is None else norm_scale(post_norm, geo.d_model, fam.norm_weight_offset)
     multiplier = float(getattr(config, fam.attn_out_multiplier, 1.0)) if fam.attn_out_multiplier else 1.0
     # (heads, d_head, d_model) -> (heads, d_model, d_head): row-vector convention
-    W_Q = q.transpose(1, 2).contiguous() if qk else None
-    W_K = k.transpose(1, 2).contiguous() if qk else None
+    W_Q = q.transpose(1, 2).contiguous() if qk and q is not None else None
+    W_K = k.transpose(1, 2).contiguous() if qk and k is not None else None
     W_V = v.transpose(1, 2).contiguous()
     if fold:
         kind = fam.norm_kind if pre_norm is not None else "none"
@@ -236,6 +243,7 @@ def block_weights(block, fam: Family, geo: Geometry, fold: bool, config, device=
         norm_scale=scale,
         post_norm_scale=post_scale,
         out_multiplier=multiplier,
+        latent=latent,
     )
 
 
