@@ -23,6 +23,7 @@ from pytest_circuits.model import families, family_resolution, family_table
 from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.families import (
     LLAMA,
+    attention_block,
     families_markdown,
     family_for_config,
     family_of,
@@ -123,7 +124,7 @@ def _loop_attention_output(model, layer: int, ids: torch.Tensor):
     fam, geo = family_of(model), geometry_of(model)
     weights = extract_weights(model, fold=False)
     lw = weights.layers[layer]
-    block = layer_modules(model)[layer]
+    block = attention_block(model, layer)
     attn = get_module(block, fam.attn)
     seen = {}
 
@@ -194,7 +195,7 @@ def _expected_fold(model, layer: int) -> torch.Tensor:
     from the read: the norm that receives the output projection's output (a sandwich or post norm;
     its scale ``offset + w`` read off its output on a large constant input), else ones; times the
     config's ``residual_multiplier`` where it has one (the attention output's multiplier)."""
-    block, proj = layer_modules(model)[layer], out_proj_module(model, layer)
+    block, proj = attention_block(model, layer), out_proj_module(model, layer)
     produced: list[int] = []
     receivers: list[torch.nn.Module] = []
 

@@ -222,7 +222,10 @@ def model_info(name: str, source: Any, build: Any) -> dict[str, Any]:
         "model_type": str(getattr(config, "model_type", "")),
         "quirks": active_quirks(build.family, config),
         "fingerprint": weight_fingerprint(source.folder),  # exactly the files loaded
-        "geometry": {k: getattr(geo, k) for k in ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "vocab")},
+        "geometry": {
+            **{k: getattr(geo, k) for k in ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "vocab")},
+            **({} if geo.attention_layers is None else {"attention_layers": list(geo.attention_layers)}),
+        },
     }
 
 

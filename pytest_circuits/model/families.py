@@ -9,6 +9,7 @@ from __future__ import annotations
 from .family_modules import (
     SLIDING_LAYER_TYPES,
     active_quirks,
+    attention_block,
     attention_module,
     attention_windows,
     embed_scale_of,
@@ -20,6 +21,7 @@ from .family_modules import (
 )
 from .family_resolution import (
     all_families,
+    attention_blocks,
     bind_family,
     check_geometry,
     family_and_geometry,
@@ -73,6 +75,8 @@ __all__ = [
     "SLIDING_LAYER_TYPES",
     "active_quirks",
     "all_families",
+    "attention_block",
+    "attention_blocks",
     "attention_module",
     "attention_windows",
     "attn_norm_module",

@@ -301,14 +301,32 @@ def geometry_for(config, family: Family) -> Geometry:
         n_kv = getattr(config, family.n_kv_heads_attr, None) if family.n_kv_heads_attr else None
     d_model = getattr(config, family.d_model_attr)
     d_head = getattr(config, family.d_head_attr, None) or d_model // n_heads
+    attention = attention_blocks(config, family)
     return Geometry(
-        n_layers=getattr(config, family.n_layers_attr),
+        n_layers=getattr(config, family.n_layers_attr) if attention is None else len(attention),
+        attention_layers=attention,
         n_heads=n_heads,
         n_kv_heads=n_kv or n_heads,
         d_model=d_model,
         d_head=d_head,
         vocab=config.vocab_size,
     )
+
+
+def attention_blocks(config, family: Family) -> tuple[int, ...] | None:
+    """The blocks of a hybrid stack that hold softmax attention (``config.layer_types`` entries equal to
+    ``family.attention_blocks``); None for a stack of attention blocks only. A stack with none is refused."""
+    if family.attention_blocks is None:
+        return None
+    kinds = list(getattr(config, "layer_types", None) or [])
+    found = tuple(i for i, kind in enumerate(kinds) if kind == family.attention_blocks)
+    if not found:
+        raise UnknownFamilyError(
+            f"model family {config.model_type!r}: this config has no {family.attention_blocks} layer (layer_types: "
+            f"{sorted(set(map(str, kinds)))}); a stack of linear attention, state-space or convolution layers only "
+            "has no softmax heads, so no per-head OV map or routing to gate"
+        )
+    return found
 
 
 def family_and_geometry(config) -> tuple[Family, Geometry]:
@@ -335,7 +353,7 @@ def geometry_of(model) -> Geometry:
 
 def check_geometry(model: str, geometry: Geometry) -> None:
     """Refuse, in one line, a config with no layers, heads, width or vocabulary (``num_hidden_layers: 0``)."""
-    empty = [f"{name} {value}" for name, value in vars(geometry).items() if not value > 0]
+    empty = [f"{name} {value}" for name, value in vars(geometry).items() if isinstance(value, int) and not value > 0]
     if empty:
         raise ModelLoadError(
             f"model {model!r}: its config gives {', '.join(empty)} (num_hidden_layers, num_attention_heads, ...); "

@@ -50,7 +50,8 @@ class Family:
     variant needs), ``requires_equal`` (config attribute pairs that must be equal, else the
     variant is refused with ``unsupported``). The block around the attention, for the
     self-check of what it writes into the residual stream: ``resid_mid`` (a block submodule whose
-    input is the residual after the attention sublayer: the pre-MLP norm, or the MLP itself),
+    input is the residual after the attention sublayer: the pre-MLP norm, or the MLP itself; None:
+    the block's own output, where a block holds the attention alone: Nemotron-H),
     ``parallel`` (True, or a config flag that makes it so: attention and MLP both read the
     block's input, and ``resid_out = resid_pre + attention write + output of mlp_out``).
     """
@@ -86,10 +87,11 @@ class Family:
     requires_equal: tuple[tuple[str, str], ...] = ()
     unsupported: str = ""
     assumed: bool = False  # recognised by `infer_family`, not listed
-    resid_mid: str = "post_attention_layernorm"
+    resid_mid: str | None = "post_attention_layernorm"  # None: the block's output (a block of attention alone)
     parallel: bool | str = False
     mlp_out: str = "mlp"
     latent_norm: str | None = None  # multi-head latent attention: the norm on the latent c (inside attn)
+    attention_blocks: str | None = None  # hybrid stack: the config.layer_types entry of blocks with attention
 
     def matches(self, config) -> bool:
         """True when every ``when`` condition holds on ``config``."""
@@ -136,6 +138,11 @@ QUIRKS = {
     "nonparametric_norm": "LayerNorm without weight or bias: g = 1",
     "no_norm_bias": "LayerNorm without bias (centres, scales by w)",
     "attn_output_residual": "the attention module adds the residual to its own output (BLOOM); the self-check subtracts it",
+    "hybrid": (
+        "attention in some blocks only (config.layer_types): their heads are L0, L1, ... in block order "
+        "(geometry.attention_layers gives each one's block); Mamba, gated DeltaNet or convolution blocks are the "
+        "rest of the stack, as MLPs are"
+    ),
     "latent_attention": (
         "multi-head latent attention: c = norm(x W_DKV), v_h = c W_UV^h, so W_OV = W_DKV diag(g_c) W_UV^h W_O^h "
         "(the latent norm's weight g_c folded, its per-position divisor a positive factor like the pre-attention "
@@ -468,6 +475,42 @@ FAMILIES: tuple[Family, ...] = (
     *(
         LLAMA.for_type(
             model_type,
+            final_norm="model.final_layernorm",
+            resid_mid="pre_ff_layernorm",
+            attention_blocks="full_attention",
+            quirks=("hybrid", "grouped_query", *quirks),
+        )
+        for model_type, quirks in (("bamba", ("partial_rotary",)), ("jamba", ("moe",)))
+    ),
+    LLAMA.for_type(
+        "granitemoehybrid",
+        embed_scale="embedding_multiplier",
+        attn_out_multiplier="residual_multiplier",
+        logit_divisor="logits_scaling",
+        attention_blocks="full_attention",
+        quirks=("hybrid", "grouped_query", "rotary", "multipliers", "moe"),
+    ),
+    LLAMA.for_type(
+        "lfm2",
+        out_proj="out_proj",
+        attn_norm="operator_norm",
+        resid_mid="ffn_norm",
+        final_norm="model.embedding_norm",
+        attention_blocks="full_attention",
+        quirks=("hybrid", "grouped_query", "rotary", "qk_norm"),
+    ),
+    LLAMA.for_type(
+        "nemotron_h",
+        attn="mixer",
+        attn_norm="norm",
+        resid_mid=None,
+        final_norm="model.norm_f",
+        attention_blocks="full_attention",
+        quirks=("hybrid", "grouped_query", "nope_layers", "moe"),
+    ),
+    *(
+        LLAMA.for_type(
+            model_type,
             name="latent",
             qkv=("kv_a_proj_with_mqa", "kv_b_proj"),
             qkv_layout="latent",
@@ -510,7 +553,12 @@ HYBRID_LAYER_ATTRS = ("layer_types", "layers_block_type", "block_types")
 
 @dataclass(frozen=True)
 class Geometry:
-    """Shape of a model: what a baseline must match before any figure is compared."""
+    """Shape of a model: what a baseline must match before any figure is compared.
+
+    ``n_layers`` counts attention layers: every block, or on a hybrid stack the blocks with softmax
+    attention, ``attention_layers`` (block indices; L2 is the third attention layer). The other
+    blocks (Mamba, gated DeltaNet, short convolutions) are the rest of the stack, as MLPs are.
+    """
 
     n_layers: int
     n_heads: int
@@ -518,6 +566,11 @@ class Geometry:
     d_model: int
     d_head: int
     vocab: int
+    attention_layers: tuple[int, ...] | None = None  # hybrid stack: the block of each attention layer L0, L1, ...
+
+    def block(self, layer: int) -> int:
+        """The decoder block of attention layer ``layer`` (itself, unless the stack is a hybrid)."""
+        return layer if self.attention_layers is None else self.attention_layers[layer]
 
     @property
     def group_size(self) -> int:

@@ -81,7 +81,7 @@ from .hooks import Hook, hooked
 from .llm_int8 import Int8Layer, int8_layer
 from .serialized import torchao_activation_quant
 from .unembedding import row_major_unembedding
-from .weights import block_weights, embedding_matrix, norm_scale
+from .weights import attention_blocks_of, block_weights, embedding_matrix, norm_scale
 
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 TF32_TOLERANCE = 5e-3
@@ -319,6 +319,8 @@ def _hooks(block, fam: Family, parallel: bool, seen: _Captured) -> list[Hook]:
     if parallel:
         hooks.append((block, "forward_kwargs", saver("out", "output")))
         hooks.append((get_module(block, fam.mlp_out), "forward_kwargs", saver("mlp", "output")))
+    elif fam.resid_mid is None:  # a block of attention alone: its output is the residual after it
+        hooks.append((block, "forward_kwargs", saver("mid", "output")))
     else:
         hooks.append((get_module(block, fam.resid_mid), "pre_kwargs", saver("mid", "input")))
     norm = attn_norm_module(block, fam)
@@ -419,7 +421,7 @@ def measure_decomposition(
     fam = family or family_of(model)
     geo = geometry_of(model) if family is None else _geometry(model, fam)
     model_type = str(getattr(model.config, "model_type", "?"))
-    blocks = modules_at(model, fam.layers)
+    blocks = attention_blocks_of(model, fam, geo)  # on a hybrid stack, the attention layers' blocks
     if fam.assumed:
         unread = unread_module(blocks[0], fam)
         if unread is not None:

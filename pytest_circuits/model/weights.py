@@ -145,7 +145,7 @@ class StreamedWeights:
     @torch.no_grad()
     def layer(self, layer: int) -> LayerWeights:
         """Layer ``layer``'s ``W_V``, ``W_O`` and biases (``W_Q``, ``W_K``: None)."""
-        block = modules_at(self.model, self.family_table.layers)[layer]
+        block = modules_at(self.model, self.family_table.layers)[self.geometry.block(layer)]
         return block_weights(block, self.family_table, self.geometry, self.folded, self.model.config, qk=False)
 
     def default_rows(self) -> int:
@@ -250,9 +250,15 @@ def block_weights(block, fam: Family, geo: Geometry, fold: bool, config, device=
 @torch.no_grad()
 def layer_weights(model, layer: int, fold: bool = False, device=None) -> LayerWeights:
     """One layer's per-head weights (float32, dequantized) on ``device`` (default CPU); unfolded by default."""
-    fam = family_of(model)
-    block = modules_at(model, fam.layers)[layer]
-    return block_weights(block, fam, geometry_of(model), fold, model.config, device)
+    fam, geo = family_of(model), geometry_of(model)
+    block = modules_at(model, fam.layers)[geo.block(layer)]
+    return block_weights(block, fam, geo, fold, model.config, device)
+
+
+def attention_blocks_of(model, fam: Family, geo: Geometry) -> list[torch.nn.Module]:
+    """The decoder blocks of attention layers 0 .. n_layers - 1 (every block, unless the stack is a hybrid)."""
+    blocks = modules_at(model, fam.layers)
+    return [blocks[geo.block(layer)] for layer in range(geo.n_layers)]
 
 
 def weight_of_embedding(model) -> torch.Tensor:
@@ -306,7 +312,7 @@ def extract_weights(model, fold: bool = True) -> ModelWeights:
     """
     fam = family_of(model)
     geo = geometry_of(model)
-    blocks = modules_at(model, fam.layers)
+    blocks = attention_blocks_of(model, fam, geo)
     layers = [block_weights(block, fam, geo, fold, model.config) for block in blocks]
     W_E = embedding_matrix(model, fam)  # (vocab, d_model)
     W_U = _unembedding_columns(model, fam, 0, int(weight_of(model.get_output_embeddings()).shape[0]))

@@ -195,8 +195,10 @@ def traced_hidden(args, kwargs) -> torch.Tensor:
 
 @torch.no_grad()
 def replay_chunk(build, chunk: Chunk, layer: int, k: int, L: int) -> torch.Tensor:
-    """Copy loss per sequence of ``k`` stacked copies of ``chunk``, run from block ``layer`` on: ``(k, s)``."""
+    """Copy loss per sequence of ``k`` stacked copies of ``chunk``, run from attention layer ``layer``'s block
+    on (on a hybrid stack `Geometry.block`; the blocks between are the rest of the stack): ``(k, s)``."""
     blocks = layer_modules(build.model)
+    layer = build.geometry.block(layer)
     devices = block_devices(build.model)
     rows = chunk.ids.shape[0]
     memo: dict = {}
