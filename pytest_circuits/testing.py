@@ -116,6 +116,19 @@ TINY_TYPE_SHAPES: dict[str, dict[str, Any]] = {
         mamba_dt_rank=8,
     ),
     "lfm2": dict(num_hidden_layers=4, full_attn_idxs=[1, 3]),
+    "lfm2_moe": dict(
+        _EXPERTS, num_hidden_layers=4, num_dense_layers=1, layer_types=["conv", "full_attention", "conv", "full_attention"]
+    ),
+    "qwen3_next": dict(
+        _EXPERTS,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        shared_expert_intermediate_size=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+    ),
     "nemotron_h": dict(
         num_hidden_layers=6,
         layers_block_type=["mamba", "attention", "mlp", "mamba", "attention", "moe"],

@@ -68,11 +68,17 @@ def _candidates(model_type: str | None) -> list[Family]:
     return [f for f in all_families() if model_type in f.model_types]
 
 
+def _softmax_kind(kind: str) -> bool:
+    """A layer kind with softmax attention: ``attention``, ``full_attention``, ``sliding_attention`` (not
+    ``linear_attention``: Mamba, DeltaNet), or ``hybrid`` (attention beside Mamba in one block)."""
+    return ("attention" in kind and "linear" not in kind) or kind == "hybrid"
+
+
 def _hybrid_layers(config) -> str:
     for attr in HYBRID_LAYER_ATTRS:
         kinds = getattr(config, attr, None)
         if isinstance(kinds, (list, tuple)) and kinds:
-            attention = [i for i, k in enumerate(kinds) if "attention" in str(k).lower()]
+            attention = [i for i, k in enumerate(kinds) if _softmax_kind(str(k).lower())]
             other = [i for i, k in enumerate(kinds) if i not in attention]
             if attention and other:
                 return f"; attention layers {attention}, other layers {other}"

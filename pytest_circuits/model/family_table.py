@@ -143,6 +143,10 @@ QUIRKS = {
         "(geometry.attention_layers gives each one's block); Mamba, gated DeltaNet or convolution blocks are the "
         "rest of the stack, as MLPs are"
     ),
+    "output_gate": (
+        "each head's output times sigmoid(x W_G^h) per channel and query (Qwen3-Next): kappa and ov_gain read the "
+        "ungated W_V^h W_O^h (equal gates); the self-check, routing scores, copy loss and knockouts see the gate"
+    ),
     "latent_attention": (
         "multi-head latent attention: c = norm(x W_DKV), v_h = c W_UV^h, so W_OV = W_DKV diag(g_c) W_UV^h W_O^h "
         "(the latent norm's weight g_c folded, its per-position divisor a positive factor like the pre-attention "
@@ -491,13 +495,23 @@ FAMILIES: tuple[Family, ...] = (
         quirks=("hybrid", "grouped_query", "rotary", "multipliers", "moe"),
     ),
     LLAMA.for_type(
-        "lfm2",
-        out_proj="out_proj",
-        attn_norm="operator_norm",
-        resid_mid="ffn_norm",
-        final_norm="model.embedding_norm",
+        "qwen3_next",
+        qkv_layout="separate_gated",
         attention_blocks="full_attention",
-        quirks=("hybrid", "grouped_query", "rotary", "qk_norm"),
+        quirks=("hybrid", "grouped_query", "partial_rotary", "qk_norm", "output_gate", "norm_offset", "moe"),
+        norm_weight_offset=1.0,
+    ),
+    *(
+        LLAMA.for_type(
+            model_type,
+            out_proj="out_proj",
+            attn_norm="operator_norm",
+            resid_mid="ffn_norm",
+            final_norm="model.embedding_norm",
+            attention_blocks="full_attention",
+            quirks=("hybrid", "grouped_query", "rotary", "qk_norm", *moe),
+        )
+        for model_type, moe in (("lfm2", ()), ("lfm2_moe", ("moe",)))
     ),
     LLAMA.for_type(
         "nemotron_h",
@@ -536,16 +550,9 @@ NO_PER_HEAD_OV = {
     "xlstm": "recurrent xLSTM cells: no attention pattern",
     "kimi_linear": "hybrid of linear attention and latent attention: no per-head OV map",
     "recurrent_gemma": "hybrid of RG-LRU recurrences and local attention (hybrid stacks are not covered yet)",
-    "jamba": "hybrid of Mamba and attention layers (hybrid stacks are not covered yet)",
     "zamba": "hybrid of Mamba and shared attention layers (hybrid stacks are not covered yet)",
     "zamba2": "hybrid of Mamba and shared attention layers (hybrid stacks are not covered yet)",
-    "bamba": "hybrid of Mamba and attention layers (hybrid stacks are not covered yet)",
     "falcon_h1": "each layer runs Mamba beside attention (hybrid stacks are not covered yet)",
-    "granitemoehybrid": "hybrid of Mamba and attention layers (hybrid stacks are not covered yet)",
-    "nemotron_h": "hybrid of Mamba and attention layers (hybrid stacks are not covered yet)",
-    "lfm2": "hybrid of short convolutions and attention layers (hybrid stacks are not covered yet)",
-    "lfm2_moe": "hybrid of short convolutions and attention layers (hybrid stacks are not covered yet)",
-    "qwen3_next": "hybrid of gated linear attention and gated attention layers (hybrid stacks are not covered yet)",
     "minimax": "hybrid of lightning (linear) attention and softmax attention layers (hybrid stacks are not covered yet)",
 }
 HYBRID_LAYER_ATTRS = ("layer_types", "layers_block_type", "block_types")

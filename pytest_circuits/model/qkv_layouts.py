@@ -63,7 +63,22 @@ def _separate(weights, geo):
     )
 
 
+def _separate_gated(weights, geo):
+    """Qwen3-Next's gated attention: q_proj rows per head ``[q_h | g_h]`` (its output gate's rows after
+    the query's), then k_proj, v_proj as `_separate`; the query halves here, the gate's in `split_gate`."""
+    wq, wk, wv = weights
+    per_head = wq.reshape(geo.n_heads, 2, geo.d_head, *wq.shape[1:])
+    _, k, v = _separate([wq[: geo.n_heads * geo.d_head], wk, wv], geo)
+    return per_head[:, 0], k, v
+
+
+def split_gate(weight: torch.Tensor, geo) -> torch.Tensor:
+    """The output gate's rows of a ``separate_gated`` q_proj weight (or bias): ``(n_heads, d_head, ...)``."""
+    return weight.reshape(geo.n_heads, 2, geo.d_head, *weight.shape[1:])[:, 1]
+
+
 QKV_LAYOUTS = {
+    "separate_gated": _separate_gated,
     "fused_split": _fused_split,
     "fused_per_head": _fused_per_head,
     "fused_grouped": _fused_grouped,
@@ -76,8 +91,9 @@ def qkv_rows(layout: str, geo: Geometry) -> tuple[list[list[int]], list[list[int
 
     Derived by splitting an index vector with the layout itself, so it cannot disagree with `split_qkv`.
     """
-    if layout == "separate":
-        sizes = [geo.n_heads * geo.d_head, geo.n_kv_heads * geo.d_head, geo.n_kv_heads * geo.d_head]
+    if layout in ("separate", "separate_gated"):
+        q_rows = geo.n_heads * geo.d_head * (2 if layout == "separate_gated" else 1)
+        sizes = [q_rows, geo.n_kv_heads * geo.d_head, geo.n_kv_heads * geo.d_head]
         parts = [torch.arange(s) for s in sizes]
     else:
         total = geo.n_heads * geo.d_head + 2 * geo.n_kv_heads * geo.d_head

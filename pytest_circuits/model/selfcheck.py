@@ -261,6 +261,10 @@ def _head_sum(
         )
     values = values.repeat_interleave(geo.group_size, dim=1)  # query head h reads group h // group_size
     z = torch.einsum("bhts,bhse->bhte", pattern.double().to(device), values)
+    if lw.W_G is not None:  # Qwen3-Next's output gate: each query's head output times sigmoid(x W_G^h + b_G^h)
+        gate = torch.einsum("btd,hde->bhte", x.double(), lw.W_G.double().to(device))
+        gate = gate if lw.b_G is None else gate + lw.b_G.double().to(device)[None, :, None, :]
+        z = z * torch.sigmoid(gate)
     if o_int8 is None:
         out = torch.einsum("bhte,hed->btd", z, W_O)
         return out if b_O is None else out + b_O

@@ -37,6 +37,7 @@ from .families import (
     post_attn_norm_module,
     split_qkv,
 )
+from .qkv_layouts import split_gate
 
 
 @dataclass
@@ -55,6 +56,8 @@ class LayerWeights:
     post_norm_scale: torch.Tensor | None = None  # (d_model,) sandwich norm weight g_post, folded into W_O
     out_multiplier: float = 1.0  # attention-output multiplier, folded into W_O
     latent: LatentRead | None = None  # multi-head latent attention: W_V = W_DKV diag(g_c) W_UV^h (latent.py)
+    W_G: torch.Tensor | None = None  # (n_heads, d_model, d_head): output gate, z_h *= sigmoid(x W_G^h + b_G^h)
+    b_G: torch.Tensor | None = None  # (n_heads, d_head)
 
 
 @dataclass
@@ -199,17 +202,22 @@ def block_weights(block, fam: Family, geo: Geometry, fold: bool, config, device=
     device = torch.device("cpu") if device is None else device
     attn = get_module(block, fam.attn)
     latent = read_latent(attn, fam, geo, device) if fam.latent_norm is not None else None
+    W_G = b_G = None
     if latent is not None:  # no W_Q, W_K as one linear map; W_V through the latent (latent.py)
         q = k = b_q = b_k = b_v = None
         v = latent.W_V().transpose(1, 2)
     else:
         projs = [get_module(attn, name) for name in fam.qkv]
-        q, k, v = split_qkv(fam.qkv_layout, [dense_weight(p).to(device) for p in projs], geo)
+        dense = [dense_weight(p).to(device) for p in projs]
+        q, k, v = split_qkv(fam.qkv_layout, dense, geo)
         biases = [b for b in (dense_bias(p) for p in projs) if b is not None]
         if len(biases) != len(projs):
             b_q = b_k = b_v = None
         else:
             b_q, b_k, b_v = split_qkv(fam.qkv_layout, [b.to(device) for b in biases], geo)
+        if fam.qkv_layout == "separate_gated":  # the gate reads the normed input, as W_Q does
+            W_G = split_gate(dense[0], geo).transpose(1, 2).contiguous()
+            b_G = None if b_q is None else split_gate(biases[0].to(device), geo)
     out = get_module(attn, fam.out_proj)
     w_o = dense_weight(out).to(device)  # (d_model, n_heads * d_head)
     W_O = w_o.T.reshape(geo.n_heads, geo.d_head, geo.d_model)
@@ -228,6 +236,7 @@ def block_weights(block, fam: Family, geo: Geometry, fold: bool, config, device=
         W_Q = None if W_Q is None else folded_read(scale, kind, W_Q)
         W_K = None if W_K is None else folded_read(scale, kind, W_K)
         W_V = folded_read(scale, kind, W_V)
+        W_G = None if W_G is None else folded_read(scale, kind, W_G)
         if post_scale is not None:
             W_O = W_O * post_scale.to(device)
         W_O = W_O * multiplier
@@ -244,6 +253,8 @@ def block_weights(block, fam: Family, geo: Geometry, fold: bool, config, device=
         post_norm_scale=post_scale,
         out_multiplier=multiplier,
         latent=latent,
+        W_G=W_G,
+        b_G=b_G,
     )
 
 
