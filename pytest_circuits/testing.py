@@ -115,6 +115,16 @@ TINY_TYPE_SHAPES: dict[str, dict[str, Any]] = {
         mamba_expand=1,
         mamba_dt_rank=8,
     ),
+    "falcon_h1": dict(
+        _MAMBA2,
+        mamba_d_ssm=64,
+        embedding_multiplier=2.0,
+        attention_in_multiplier=0.7,
+        attention_out_multiplier=0.5,
+        ssm_out_multiplier=0.3,
+        key_multiplier=1.5,
+        lm_head_multiplier=0.25,
+    ),
     "lfm2": dict(num_hidden_layers=4, full_attn_idxs=[1, 3]),
     "lfm2_moe": dict(
         _EXPERTS, num_hidden_layers=4, num_dense_layers=1, layer_types=["conv", "full_attention", "conv", "full_attention"]

@@ -197,17 +197,18 @@ def _expected_fold(model, layer: int) -> torch.Tensor:
     """What folding must multiply each output column of ``W_O`` by, found from the running model, not
     from the read: the norm that receives the output projection's output (a sandwich or post norm;
     its scale ``offset + w`` read off its output on a large constant input), else ones; times the
-    config's ``residual_multiplier`` where it has one (the attention output's multiplier)."""
+    config's ``residual_multiplier`` or ``attention_out_multiplier`` where it has one (the attention
+    output's multiplier)."""
     block, proj = attention_block(model, layer), out_proj_module(model, layer)
-    produced: list[int] = []
+    produced: list[torch.Tensor] = []
     receivers: list[torch.nn.Module] = []
 
     def keep(module, args, out):
-        produced.append(out.data_ptr())
+        produced.append(out)  # kept alive: its memory is not reused by a later module's input
 
     def check(module, args, kwargs):
         first = args[0] if args else next(iter(kwargs.values()), None)
-        if torch.is_tensor(first) and produced and first.data_ptr() == produced[-1]:
+        if torch.is_tensor(first) and produced and first.data_ptr() == produced[-1].data_ptr():
             receivers.append(module)
 
     handles = [proj.register_forward_hook(keep)]
@@ -225,7 +226,8 @@ def _expected_fold(model, layer: int) -> torch.Tensor:
         c = 1e3  # RMSNorm(c 1) = g c / sqrt(c^2 + eps): g to float round-off
         with torch.no_grad():
             scale = norms[0](torch.full((1, 1, d_model), c)).reshape(-1).double()
-    return scale * float(getattr(model.config, "residual_multiplier", None) or 1.0)
+    config = model.config
+    return scale * float(getattr(config, "residual_multiplier", None) or getattr(config, "attention_out_multiplier", 1.0))
 
 
 def _copying_head(model, layer: int, head: int) -> None:

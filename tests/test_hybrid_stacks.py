@@ -254,3 +254,43 @@ def test_circuits_errors_are_one_line_for_the_atp_star_screen_on_a_hybrid(hybrid
     with pytest.raises(CircuitsError) as error:
         atp_star(build, torch.zeros(1, 4, dtype=torch.long), 2, "zero", None, 1)
     assert "\n" not in str(error.value) and "hybrid" in str(error.value)
+
+
+def test_falcon_h1_block_writes_attention_heads_plus_mamba():
+    """Falcon-H1: every block runs Mamba beside attention on the same normed input. What a block adds
+    before its MLP, ``mid - pre``, is ``m_out sum_h A_h (m_in norm(x) W_V) W_O^h + m_ssm mamba(norm(x))``,
+    the heads' terms from the modules' weights; the read's heads are every block's."""
+    model = make_tiny_model("falcon_h1", seed=3)
+    config = model.config
+    assert geometry_of(model).attention_layers is None and geometry_of(model).n_layers == config.num_hidden_layers
+    seen: dict[str, torch.Tensor] = {}
+    block = model.model.layers[1]
+
+    def keep(key: str, value: torch.Tensor) -> None:
+        seen.setdefault(key, value[0])
+
+    hooks = [
+        block.register_forward_pre_hook(lambda m, a, k: keep("pre", a[0] if a else k["hidden_states"]), with_kwargs=True),
+        block.input_layernorm.register_forward_hook(lambda m, a, out: keep("normed", out)),
+        block.mamba.register_forward_hook(lambda m, a, out: keep("mamba", out)),
+        block.pre_ff_layernorm.register_forward_pre_hook(lambda m, a: keep("mid", a[0])),
+    ]
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            pattern = model(input_ids=ids, output_attentions=True, use_cache=False).attentions[1][0]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    x = seen["normed"].double() * config.attention_in_multiplier
+    attn, d, group = block.self_attn, config.head_dim, config.num_attention_heads // config.num_key_value_heads
+    values = (x @ attn.v_proj.weight.double().T).reshape(12, -1, d).transpose(0, 1)
+    W_O = attn.o_proj.weight.double()
+    heads = sum(
+        pattern[h].double() @ values[h // group] @ W_O[:, h * d : (h + 1) * d].T
+        for h in range(config.num_attention_heads)
+    )
+    write = heads * config.attention_out_multiplier + seen["mamba"].double() * config.ssm_out_multiplier
+    got = seen["mid"].double() - seen["pre"].double()
+    torch.testing.assert_close(write, got, rtol=0, atol=1e-5 * got.abs().max().item())
+    assert float(seen["mamba"].abs().max()) > 0 and check_decomposition(model).worst < 1e-4

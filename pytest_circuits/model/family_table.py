@@ -51,7 +51,10 @@ class Family:
     variant is refused with ``unsupported``). The block around the attention, for the
     self-check of what it writes into the residual stream: ``resid_mid`` (a block submodule whose
     input is the residual after the attention sublayer: the pre-MLP norm, or the MLP itself; None:
-    the block's own output, where a block holds the attention alone: Nemotron-H),
+    the block's own output, where a block holds the attention alone: Nemotron-H), ``beside`` (a block
+    submodule beside the attention whose output, times the config's ``beside_multiplier``, joins the
+    attention's write before ``resid_mid``: Falcon-H1's Mamba), ``attn_in_multiplier`` (config attribute:
+    the attention reads the normed input times it, folded into ``W_Q, W_K, W_V``),
     ``parallel`` (True, or a config flag that makes it so: attention and MLP both read the
     block's input, and ``resid_out = resid_pre + attention write + output of mlp_out``).
     """
@@ -92,6 +95,9 @@ class Family:
     mlp_out: str = "mlp"
     latent_norm: str | None = None  # multi-head latent attention: the norm on the latent c (inside attn)
     attention_blocks: str | None = None  # hybrid stack: the config.layer_types entry of blocks with attention
+    attn_in_multiplier: str | None = None  # config attribute scaling the normed input the attention reads
+    beside: str | None = None  # block submodule whose output joins the attention's write (Falcon-H1's Mamba)
+    beside_multiplier: str | None = None  # config attribute scaling that output
 
     def matches(self, config) -> bool:
         """True when every ``when`` condition holds on ``config``."""
@@ -142,6 +148,11 @@ QUIRKS = {
         "attention in some blocks only (config.layer_types): their heads are L0, L1, ... in block order "
         "(geometry.attention_layers gives each one's block); Mamba, gated DeltaNet or convolution blocks are the "
         "rest of the stack, as MLPs are"
+    ),
+    "mamba_beside": (
+        "a Mamba-2 mixer beside the attention in every block, reading the same normed input; its output joins "
+        "the residual write (the rest of the stack, as an MLP is); the attention reads the normed input times a "
+        "multiplier, folded into W_V"
     ),
     "output_gate": (
         "each head's output times sigmoid(x W_G^h) per channel and query (Qwen3-Next): kappa and ov_gain read the "
@@ -495,6 +506,18 @@ FAMILIES: tuple[Family, ...] = (
         quirks=("hybrid", "grouped_query", "rotary", "multipliers", "moe"),
     ),
     LLAMA.for_type(
+        "falcon_h1",
+        final_norm="model.final_layernorm",
+        resid_mid="pre_ff_layernorm",
+        embed_scale="embedding_multiplier",
+        attn_in_multiplier="attention_in_multiplier",
+        attn_out_multiplier="attention_out_multiplier",
+        logit_scale="lm_head_multiplier",
+        beside="mamba",
+        beside_multiplier="ssm_out_multiplier",
+        quirks=("mamba_beside", "grouped_query", "rotary", "multipliers"),
+    ),
+    LLAMA.for_type(
         "qwen3_next",
         qkv_layout="separate_gated",
         attention_blocks="full_attention",
@@ -552,7 +575,6 @@ NO_PER_HEAD_OV = {
     "recurrent_gemma": "hybrid of RG-LRU recurrences and local attention (hybrid stacks are not covered yet)",
     "zamba": "hybrid of Mamba and shared attention layers (hybrid stacks are not covered yet)",
     "zamba2": "hybrid of Mamba and shared attention layers (hybrid stacks are not covered yet)",
-    "falcon_h1": "each layer runs Mamba beside attention (hybrid stacks are not covered yet)",
     "minimax": "hybrid of lightning (linear) attention and softmax attention layers (hybrid stacks are not covered yet)",
 }
 HYBRID_LAYER_ATTRS = ("layer_types", "layers_block_type", "block_types")

@@ -327,6 +327,8 @@ def _hooks(block, fam: Family, parallel: bool, seen: _Captured) -> list[Hook]:
         hooks.append((block, "forward_kwargs", saver("mid", "output")))
     else:
         hooks.append((get_module(block, fam.resid_mid), "pre_kwargs", saver("mid", "input")))
+    if fam.beside is not None:
+        hooks.append((get_module(block, fam.beside), "forward_kwargs", saver("beside", "output")))
     norm = attn_norm_module(block, fam)
     if norm is not None:
 
@@ -353,7 +355,7 @@ def unread_module(block, fam: Family) -> str | None:
     counts as unread too.
     """
     names = (fam.attn_norm,) if isinstance(fam.attn_norm, str) else (fam.attn_norm or ())
-    known = {fam.attn, fam.post_attn_norm, fam.resid_mid, fam.mlp_out, *names, *MLP_NAMES}
+    known = {fam.attn, fam.post_attn_norm, fam.resid_mid, fam.mlp_out, fam.beside, *names, *MLP_NAMES}
     for name, _ in block.named_parameters(recurse=False):
         return f"{name} (a parameter of {type(block).__name__})"
     for name, child in block.named_children():
@@ -492,7 +494,7 @@ def _check_layer(check: DecompositionCheck, layer: int, block, seen, fam: Family
     if "norm" in seen:
         norm_in, norm_out = seen["norm"]
         # the norm must be what the attention reads (a post-norm model has its "ln_1" after it) ...
-        feeds = _relative(norm_out.double(), x)
+        feeds = _relative(norm_out.double() * _config_factor(config, fam.attn_in_multiplier), x)
         # ... and must scale by the g the fold uses
         check.norm_errors.append(
             max(feeds, _norm_error(attn_norm_module(block, fam), fam, lw.norm_scale, norm_in, norm_out))
@@ -513,7 +515,14 @@ def _check_layer(check: DecompositionCheck, layer: int, block, seen, fam: Family
     write = write * lw.out_multiplier
     total = seen["out"] if parallel else seen["mid"]
     actual = total.double() - seen["pre"].double() - (seen["mlp"].double() if parallel else 0.0)
+    if fam.beside is not None:  # what the module beside the attention adds (Falcon-H1's Mamba, times its multiplier)
+        actual = actual - seen["beside"].double() * _config_factor(config, fam.beside_multiplier)
     check.write_errors.append(_relative_after_add(write, actual, total, adds=2 if parallel else 1))
+
+
+def _config_factor(config, attr: str | None) -> float:
+    """The positive scalar a config attribute holds (1 without one)."""
+    return float(getattr(config, attr, 1.0)) if attr else 1.0
 
 
 def _input_quant(module):

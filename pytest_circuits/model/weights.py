@@ -227,16 +227,18 @@ def block_weights(block, fam: Family, geo: Geometry, fold: bool, config, device=
     post_norm = post_attn_norm_module(block, fam)
     post_scale = None if post_norm is None else norm_scale(post_norm, geo.d_model, fam.norm_weight_offset)
     multiplier = float(getattr(config, fam.attn_out_multiplier, 1.0)) if fam.attn_out_multiplier else 1.0
+    in_multiplier = float(getattr(config, fam.attn_in_multiplier, 1.0)) if fam.attn_in_multiplier else 1.0
     # (heads, d_head, d_model) -> (heads, d_model, d_head): row-vector convention
     W_Q = q.transpose(1, 2).contiguous() if qk and q is not None else None
     W_K = k.transpose(1, 2).contiguous() if qk and k is not None else None
     W_V = v.transpose(1, 2).contiguous()
     if fold:
         kind = fam.norm_kind if pre_norm is not None else "none"
-        W_Q = None if W_Q is None else folded_read(scale, kind, W_Q)
-        W_K = None if W_K is None else folded_read(scale, kind, W_K)
-        W_V = folded_read(scale, kind, W_V)
-        W_G = None if W_G is None else folded_read(scale, kind, W_G)
+        read = scale * in_multiplier  # the attention reads the normed input times it (Falcon-H1)
+        W_Q = None if W_Q is None else folded_read(read, kind, W_Q)
+        W_K = None if W_K is None else folded_read(read, kind, W_K)
+        W_V = folded_read(read, kind, W_V)
+        W_G = None if W_G is None else folded_read(read, kind, W_G)
         if post_scale is not None:
             W_O = W_O * post_scale.to(device)
         W_O = W_O * multiplier

@@ -252,10 +252,11 @@ def atp_star(
     and the score heads are ranked by (GradDrop's ``mean_j |.|``, or ``|estimate|``). ``bar``: a
     `progress.Progress` told of each chunk of ``batch_size`` sequences. ``qk_heads``: the
     ``(layer, head)`` pairs the QK fix runs on (None: every head); ``drop_sample``: `grad_drop_blocks`."""
-    if build.geometry.attention_layers is not None:  # its QK fix and GradDrop walk the blocks as attention layers
+    if build.geometry.attention_layers is not None or build.family.beside is not None:
+        # its QK fix and GradDrop rerun each block's attention on its norm's output, and nothing else
         raise CircuitsError(
-            "the atp* screens are not defined on a hybrid stack yet (blocks without attention between the heads); "
-            "use --circuits-knockout-screen-method atp, or knock out every head exactly"
+            "the atp* screens are not defined on a hybrid stack yet (blocks without attention, or Mamba beside "
+            "it); use --circuits-knockout-screen-method atp, or knock out every head exactly"
         )
     _register()
     model, geo, n = build.model, build.geometry, ids.shape[0]
