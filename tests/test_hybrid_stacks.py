@@ -190,7 +190,7 @@ def test_knockout_delta_is_a_plain_forward_with_the_attention_blocks_head_zeroed
         assert scan.loc[f"L{layer}H{head}", "knockout_delta"] == pytest.approx(expected, abs=1e-5)
 
 
-def test_the_record_names_the_attention_blocks(tmp_path):
+def test_the_record_names_the_attention_blocks(tmp_path, capsys):
     """`circuits scan --json` of a hybrid: geometry.attention_layers lists the attention blocks, its heads
     are those blocks' (n_layers = their count), and the record validates."""
     from pytest_circuits.cli import main
@@ -205,6 +205,7 @@ def test_the_record_names_the_attention_blocks(tmp_path):
     assert geometry["attention_layers"] == attention_blocks(tiny_config("nemotron_h")) == [1, 4]
     assert geometry["n_layers"] == 2 and len(record["heads"]) == 2 * geometry["n_heads"]
     assert "hybrid" in record["model"]["quirks"]
+    assert "hybrid: L0-L1 are blocks [1, 4], the other blocks no attention" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("blocks", [[1], [3, 1], [-1, 2]])

@@ -458,6 +458,7 @@ class _SomeGeometry(BaseModel):
     d_model: int | None = None
     d_head: int | None = None
     vocab: int | None = None
+    attention_layers: list[int] | None = None
 
 
 class _SomeModel(BaseModel):
