@@ -127,7 +127,10 @@ TINY_TYPE_SHAPES: dict[str, dict[str, Any]] = {
     ),
     "lfm2": dict(num_hidden_layers=4, full_attn_idxs=[1, 3]),
     "lfm2_moe": dict(
-        _EXPERTS, num_hidden_layers=4, num_dense_layers=1, layer_types=["conv", "full_attention", "conv", "full_attention"]
+        _EXPERTS,
+        num_hidden_layers=4,
+        num_dense_layers=1,
+        layer_types=["conv", "full_attention", "conv", "full_attention"],
     ),
     "qwen3_next": dict(
         _EXPERTS,

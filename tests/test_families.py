@@ -61,7 +61,17 @@ ISSUE_TYPES = (
     "smollm3 helium glm internlm3 gpt_oss"
 ).split()
 SETTINGS = RepeatSettings(seed=1, n=3, L=8)
-DEFAULT_RUN = ("gpt2", "bloom", "gemma2", "gpt_oss", "granite", "olmo2", "falcon-new-decoder", "gpt_bigcode", "deepseek_v3")
+DEFAULT_RUN = (
+    "gpt2",
+    "bloom",
+    "gemma2",
+    "gpt_oss",
+    "granite",
+    "olmo2",
+    "falcon-new-decoder",
+    "gpt_bigcode",
+    "deepseek_v3",
+)
 """Types whose probe and knockout run in the default suite: one per mechanism (learned positions,
 ALiBi, sandwich norm + soft cap + sliding window, sinks + MoE, multipliers, no pre-norm, grouped
 fused QKV, multi-query); the others run with --run-slow."""
@@ -227,7 +237,9 @@ def _expected_fold(model, layer: int) -> torch.Tensor:
         with torch.no_grad():
             scale = norms[0](torch.full((1, 1, d_model), c)).reshape(-1).double()
     config = model.config
-    return scale * float(getattr(config, "residual_multiplier", None) or getattr(config, "attention_out_multiplier", 1.0))
+    return scale * float(
+        getattr(config, "residual_multiplier", None) or getattr(config, "attention_out_multiplier", 1.0)
+    )
 
 
 def _copying_head(model, layer: int, head: int) -> None:

@@ -160,16 +160,16 @@ def hybrid_builds(tmp_path_factory):
 
     def make(model_type: str):
         if model_type not in made:
-            folder = save_tiny_model(model_type, tmp_path_factory.mktemp(model_type) / "m", seed=2, initializer_range=0.2)
+            folder = save_tiny_model(
+                model_type, tmp_path_factory.mktemp(model_type) / "m", seed=2, initializer_range=0.2
+            )
             made[model_type] = load_build(resolve_model(str(folder)), "fp32", "cpu")
         return made[model_type]
 
     return make
 
 
-@pytest.mark.parametrize(
-    "model_type", ["nemotron_h", "qwen3_next", pytest.param("bamba", marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("model_type", ["nemotron_h", "qwen3_next", pytest.param("bamba", marks=pytest.mark.slow)])
 def test_knockout_delta_is_a_plain_forward_with_the_attention_blocks_head_zeroed(hybrid_builds, model_type):
     """knockout_scan's L{i}H{h} is head h of the i-th attention block: its delta equals the copy loss of a
     copy whose output projection in that block has head h's columns zeroed, less the intact one."""
@@ -198,7 +198,9 @@ def test_the_record_names_the_attention_blocks(tmp_path, capsys):
 
     folder = save_tiny_model("nemotron_h", tmp_path / "m", seed=2, initializer_range=0.2)
     out = tmp_path / "scan.json"
-    assert main(["scan", str(folder), "--device", "cpu", "--probe-n", "2", "--probe-length", "4", "--json", str(out)]) == 0
+    assert (
+        main(["scan", str(folder), "--device", "cpu", "--probe-n", "2", "--probe-length", "4", "--json", str(out)]) == 0
+    )
     record = json.loads(out.read_text())
     Record.model_validate(record)
     geometry = record["model"]["geometry"]
@@ -271,7 +273,9 @@ def test_falcon_h1_block_writes_attention_heads_plus_mamba():
         seen.setdefault(key, value[0])
 
     hooks = [
-        block.register_forward_pre_hook(lambda m, a, k: keep("pre", a[0] if a else k["hidden_states"]), with_kwargs=True),
+        block.register_forward_pre_hook(
+            lambda m, a, k: keep("pre", a[0] if a else k["hidden_states"]), with_kwargs=True
+        ),
         block.input_layernorm.register_forward_hook(lambda m, a, out: keep("normed", out)),
         block.mamba.register_forward_hook(lambda m, a, out: keep("mamba", out)),
         block.pre_ff_layernorm.register_forward_pre_hook(lambda m, a: keep("mid", a[0])),

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .dense import dense_bias, dense_weight
+from .dense import dense_bias, dense_weight, weight_of
 from .family_table import Family, Geometry
 from .module_paths import get_module
 
@@ -52,7 +52,7 @@ def read_latent(attn: torch.nn.Module, fam: Family, geo: Geometry, device: torch
         raise ValueError(f"{type(down).__name__} {fam.qkv[0]} has a bias; the latent read assumes none")
     assert fam.latent_norm is not None, "a latent family names its latent norm"
     norm = get_module(attn, fam.latent_norm)
-    g_c = norm.weight.detach().float().to(device) + fam.norm_weight_offset
+    g_c = weight_of(norm).detach().float().to(device) + fam.norm_weight_offset
     r = g_c.shape[0]
     W_DKV = dense_weight(down).to(device)[:r].T  # (d_model, r): the latent rows, not the RoPE key rows
     W_B = dense_weight(up).to(device).reshape(geo.n_heads, -1, r)  # per head: d_nope key rows, then d_v value rows

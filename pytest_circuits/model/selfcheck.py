@@ -73,7 +73,6 @@ from .families import (
     geometry_of,
     get_module,
     logit_factor_of,
-    modules_at,
     post_attn_norm_module,
 )
 from .family_table import ADD_FAMILY

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 
 from .dense import dense_bias, dense_rows, dense_weight, weight_of
-from .latent import LatentRead, read_latent
 from .families import (
     Family,
     Geometry,
@@ -37,6 +36,7 @@ from .families import (
     post_attn_norm_module,
     split_qkv,
 )
+from .latent import LatentRead, read_latent
 from .qkv_layouts import split_gate
 
 
