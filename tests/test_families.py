@@ -51,8 +51,8 @@ from pytest_circuits.testing import (
 )
 
 from .conftest import read_v_heads_rolled
-from .test_hybrid_stacks import _gate
-from .test_latent_attention import mla_values
+from .test_hybrid_stacks import HYBRIDS, _gate
+from .test_latent_attention import LATENT_TYPES, mla_values
 
 TYPES = tiny_model_types()
 ISSUE_TYPES = (
@@ -74,8 +74,14 @@ DEFAULT_RUN = (
 )
 """Types whose probe and knockout run in the default suite: one per mechanism (learned positions,
 ALiBi, sandwich norm + soft cap + sliding window, sinks + MoE, multipliers, no pre-norm, grouped
-fused QKV, multi-query); the others run with --run-slow."""
+fused QKV, multi-query, latent attention; hybrid stacks' knockouts: tests/test_hybrid_stacks.py);
+the others run with --run-slow."""
 PROBE_TYPES = [t if t in DEFAULT_RUN else pytest.param(t, marks=pytest.mark.slow) for t in TYPES]
+OWN_REFERENCE = {*LATENT_TYPES, *HYBRIDS, "falcon_h1"}
+"""Types whose attention output is reproduced from the equations in their own test file
+(tests/test_latent_attention.py, tests/test_hybrid_stacks.py), self-check included: the loop below
+runs them with --run-slow."""
+LOOP_TYPES = [pytest.param(t, marks=pytest.mark.slow) if t in OWN_REFERENCE else t for t in TYPES]
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +177,7 @@ def _loop_attention_output(model, layer: int, ids: torch.Tensor):
     return total, seen["y"][0].double()
 
 
-@pytest.mark.parametrize("model_type", TYPES)
+@pytest.mark.parametrize("model_type", LOOP_TYPES)
 def test_heads_sum_to_attention_output(model_type):
     model = make_tiny_model(model_type, seed=3)
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -575,10 +581,10 @@ def test_probe_longer_than_a_sliding_window_is_one_line(tmp_path):
 # ---------------------------------------------------------------- the front ends on every type
 
 FRONT_PROBE = {"probe-n": "2", "probe-length": "4"}
-PYTEST_RUN = ("bloom", "gemma2", "gpt_oss", "falcon-new-decoder", "deepseek_v3")
+PYTEST_RUN = ("bloom", "gemma2", "gpt_oss", "falcon-new-decoder", "deepseek_v3", "nemotron_h")
 """Types that `pytest probes` records and gates in the default suite (ALiBi with a fused per-head
-QKV; sandwich norm, soft caps and sliding window; sinks and MoE; grouped fused QKV); the others
-run with --run-slow (gpt2 runs in tests/test_plugin.py)."""
+QKV; sandwich norm, soft caps and sliding window; sinks and MoE; grouped fused QKV; latent
+attention; a hybrid stack); the others run with --run-slow (gpt2 runs in tests/test_plugin.py)."""
 PYTEST_TYPES = [t if t in PYTEST_RUN else pytest.param(t, marks=pytest.mark.slow) for t in TYPES]
 
 

@@ -30,6 +30,7 @@ from pytest_circuits.rungs.repeat import bos_offset, repeat_tokens
 from pytest_circuits.rungs.repeat_settings import RepeatSettings
 from pytest_circuits.testing import make_tiny_model, save_tiny_model, tiny_config
 
+from .conftest import attention_io
 from .test_knockout import own_copy_loss
 
 SETTINGS = RepeatSettings(seed=1, n=3, L=8)
@@ -85,27 +86,12 @@ def test_attention_blocks_are_the_heads_layers_and_reproduce_their_output(model_
     geo = geometry_of(model)
     assert geo.attention_layers == tuple(blocks) and geo.n_layers == len(blocks)
     attn_name = HYBRIDS[model_type][0]
-    seen: dict[int, tuple] = {}
-
-    def keeper(block: int):
-        def keep(module, args, kwargs, out) -> None:
-            seen.setdefault(block, (kwargs["hidden_states"][0].double(), out[0][0].double()))
-
-        return keep
-
-    handles = [
-        getattr(model.model.layers[b], attn_name).register_forward_hook(keeper(b), with_kwargs=True) for b in blocks
-    ]
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
-    try:
-        with torch.no_grad():
-            patterns = model(input_ids=ids, output_attentions=True, use_cache=False).attentions
-    finally:
-        for handle in handles:
-            handle.remove()
+    modules = [getattr(model.model.layers[b], attn_name) for b in blocks]
+    seen, patterns = attention_io(model, modules, ids)
     assert len(patterns) == len(blocks)  # one pattern per attention block, in block order
     for layer, block in enumerate(blocks):
-        x, y = seen[block]
+        x, y = seen[layer]
         terms = per_head_outputs(model, model_type, block, x, patterns[layer][0])
         torch.testing.assert_close(terms.sum(0), y, rtol=0, atol=1e-5 * y.abs().max().item())
     assert check_decomposition(model).worst < 1e-5
@@ -144,7 +130,9 @@ def reference_kappa(model, model_type: str, layer: int, head: int) -> float:
     return float(np.mean(lam.real / np.abs(lam)))
 
 
-@pytest.mark.parametrize("model_type", ["bamba", "nemotron_h", "qwen3_next"])
+@pytest.mark.parametrize(
+    "model_type", ["nemotron_h", "qwen3_next", *(pytest.param(t, marks=pytest.mark.slow) for t in ("bamba", "lfm2"))]
+)
 def test_kappa_of_each_attention_head_is_the_definition(model_type):
     model = make_tiny_model(model_type, seed=4)
     weights = extract_weights(model)

@@ -28,6 +28,7 @@ from pytest_circuits.rungs.repeat import bos_offset, repeat_tokens
 from pytest_circuits.rungs.repeat_settings import RepeatSettings
 from pytest_circuits.testing import make_tiny_model, save_tiny_model, tiny_config
 
+from .conftest import attention_io
 from .test_knockout import own_copy_loss
 
 LATENT_TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite")
@@ -79,23 +80,7 @@ def test_heads_reproduce_the_latent_attention_output(model_type):
     model = make_tiny_model(model_type, seed=3)
     config = model.config
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
-    seen: dict[int, tuple] = {}
-
-    def keeper(layer: int):
-        def keep(module, args, kwargs, out) -> None:
-            seen.setdefault(layer, (kwargs["hidden_states"][0], out[0][0]))
-
-        return keep
-
-    handles = [
-        block.self_attn.register_forward_hook(keeper(i), with_kwargs=True) for i, block in enumerate(model.model.layers)
-    ]
-    try:
-        with torch.no_grad():
-            patterns = model(input_ids=ids, output_attentions=True, use_cache=False).attentions
-    finally:
-        for handle in handles:
-            handle.remove()
+    seen, patterns = attention_io(model, [block.self_attn for block in model.model.layers], ids)
     v = config.v_head_dim
     for layer, block in enumerate(model.model.layers):
         x, y = seen[layer]
