@@ -169,7 +169,7 @@ def test_kv_cache_build_of_latent_attention_is_refused(latent_build, cache):
 
 def test_qk_damage_of_a_latent_head_is_refused():
     """The sensitivity scan's QK damage scales rows of W_Q: a latent attention has none (one line)."""
-    from pytest_circuits.sensitivity import scale_head_qk
+    from pytest_circuits.run.sensitivity import scale_head_qk
 
     model = make_tiny_model("deepseek_v3", seed=1)
     with pytest.raises(CircuitsError) as error:
