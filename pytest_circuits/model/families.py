@@ -1,4 +1,5 @@
-"""Model families: the declarative table (`family_table.py`), which family a model is
+"""Model families: the declarative table (`family_table.py`; its quirk tags `quirks.py`, its documented
+table `family_docs.py`), which family a model is
 (`family_resolution.py`), its modules by path and by family (`module_paths.py`,
 `family_modules.py`: blocks, attention, norms, the tail maths) and the Q/K/V packings
 (`qkv_layouts.py`). Import them from here or from their own module.
@@ -6,6 +7,7 @@
 
 from __future__ import annotations
 
+from .family_docs import families_markdown
 from .family_modules import (
     SLIDING_LAYER_TYPES,
     active_quirks,
@@ -41,10 +43,8 @@ from .family_table import (
     HYBRID_LAYER_ATTRS,
     LLAMA,
     NO_PER_HEAD_OV,
-    QUIRKS,
     Family,
     Geometry,
-    families_markdown,
     head_label,
 )
 from .module_paths import (
@@ -59,6 +59,7 @@ from .qkv_layouts import (
     qkv_rows,
     split_qkv,
 )
+from .quirks import QUIRKS
 
 __all__ = [
     "ENTRY_POINT_GROUP",
