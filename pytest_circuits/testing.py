@@ -49,6 +49,21 @@ _BASE: dict[str, Any] = dict(
     tie_word_embeddings=False,
 )
 _EXPERTS: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+_LATENT: dict[str, Any] = dict(  # multi-head latent attention: q and kv latents, decoupled RoPE keys
+    num_key_value_heads=4,
+    q_lora_rank=24,
+    kv_lora_rank=20,
+    qk_nope_head_dim=12,
+    qk_rope_head_dim=8,
+    head_dim=8,  # the RoPE part: transformers sizes the rotary tables by head_dim
+    v_head_dim=16,
+    moe_intermediate_size=32,
+    num_experts_per_tok=2,
+    topk_group=1,
+)
+_MAMBA2: dict[str, Any] = dict(  # a small Mamba-2 mixer: 4 heads of 16 (expand 1), state 8, chunks of 8
+    mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_expand=1, mamba_chunk_size=8
+)
 TINY_TYPE_SHAPES: dict[str, dict[str, Any]] = {
     "gpt_neo": dict(num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]], window_size=32),
     "gptj": dict(n_layer=2, n_head=4, n_embd=64, rotary_dim=8, n_positions=128),
@@ -75,6 +90,78 @@ TINY_TYPE_SHAPES: dict[str, dict[str, Any]] = {
         attention_multiplier=0.2,
     ),
     "nanochat": dict(final_logit_softcapping=0.5),
+    "bamba": dict(_MAMBA2, num_hidden_layers=4, attn_layer_indices=[1, 3]),
+    "granitemoehybrid": dict(
+        _MAMBA2,
+        num_hidden_layers=4,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+        position_embedding_type="rope",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=64,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        logits_scaling=4.0,
+        attention_multiplier=0.2,
+    ),
+    "jamba": dict(
+        num_hidden_layers=4,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        mamba_d_state=8,
+        mamba_expand=1,
+        mamba_dt_rank=8,
+    ),
+    "falcon_h1": dict(
+        _MAMBA2,
+        mamba_d_ssm=64,
+        embedding_multiplier=2.0,
+        attention_in_multiplier=0.7,
+        attention_out_multiplier=0.5,
+        ssm_out_multiplier=0.3,
+        key_multiplier=1.5,
+        lm_head_multiplier=0.25,
+    ),
+    "lfm2": dict(num_hidden_layers=4, full_attn_idxs=[1, 3]),
+    "lfm2_moe": dict(
+        _EXPERTS,
+        num_hidden_layers=4,
+        num_dense_layers=1,
+        layer_types=["conv", "full_attention", "conv", "full_attention"],
+    ),
+    "qwen3_next": dict(
+        _EXPERTS,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        shared_expert_intermediate_size=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+    ),
+    "nemotron_h": dict(
+        num_hidden_layers=6,
+        layers_block_type=["mamba", "attention", "mlp", "mamba", "attention", "moe"],
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        ssm_state_size=8,
+        n_groups=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32,
+    ),
+    **{
+        t: dict(_LATENT, **extra)
+        for t, extra in (
+            ("deepseek_v2", dict(first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1)),
+            ("deepseek_v3", dict(first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1, n_group=1)),
+            ("glm4_moe_lite", dict(mlp_layer_types=["dense", "sparse"], n_routed_experts=4, n_shared_experts=1)),
+        )
+    },
 }
 """Per model type: what differs from the shared tiny shape (config names, experts, windows, multipliers)."""
 

@@ -118,3 +118,26 @@ def record_validations(monkeypatch):
 
     monkeypatch.setattr(schema.Record, "model_validate", classmethod(counted))
     return validations
+
+
+def attention_io(model, modules: list, ids) -> tuple[list[tuple], tuple]:
+    """One forward of ``ids`` (batch 1): each attention module's ``(input, output)`` of sequence 0
+    (float64, its first call) and the patterns the model returns (``output_attentions``)."""
+    import torch
+
+    seen: dict[int, tuple] = {}
+
+    def keeper(index: int):
+        def keep(module, args, kwargs, out) -> None:
+            seen.setdefault(index, (kwargs["hidden_states"][0].double(), out[0][0].double()))
+
+        return keep
+
+    handles = [module.register_forward_hook(keeper(i), with_kwargs=True) for i, module in enumerate(modules)]
+    try:
+        with torch.no_grad():
+            patterns = model(input_ids=ids, output_attentions=True, use_cache=False).attentions
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [seen[i] for i in range(len(modules))], patterns

@@ -23,6 +23,7 @@ from pytest_circuits.model import families, family_resolution, family_table
 from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.families import (
     LLAMA,
+    attention_block,
     families_markdown,
     family_for_config,
     family_of,
@@ -50,6 +51,8 @@ from pytest_circuits.testing import (
 )
 
 from .conftest import read_v_heads_rolled
+from .test_hybrid_stacks import HYBRIDS, _gate
+from .test_latent_attention import LATENT_TYPES, mla_values
 
 TYPES = tiny_model_types()
 ISSUE_TYPES = (
@@ -58,11 +61,27 @@ ISSUE_TYPES = (
     "smollm3 helium glm internlm3 gpt_oss"
 ).split()
 SETTINGS = RepeatSettings(seed=1, n=3, L=8)
-DEFAULT_RUN = ("gpt2", "bloom", "gemma2", "gpt_oss", "granite", "olmo2", "falcon-new-decoder", "gpt_bigcode")
+DEFAULT_RUN = (
+    "gpt2",
+    "bloom",
+    "gemma2",
+    "gpt_oss",
+    "granite",
+    "olmo2",
+    "falcon-new-decoder",
+    "gpt_bigcode",
+    "deepseek_v3",
+)
 """Types whose probe and knockout run in the default suite: one per mechanism (learned positions,
 ALiBi, sandwich norm + soft cap + sliding window, sinks + MoE, multipliers, no pre-norm, grouped
-fused QKV, multi-query); the others run with --run-slow."""
+fused QKV, multi-query, latent attention; hybrid stacks' knockouts: tests/test_hybrid_stacks.py);
+the others run with --run-slow."""
 PROBE_TYPES = [t if t in DEFAULT_RUN else pytest.param(t, marks=pytest.mark.slow) for t in TYPES]
+OWN_REFERENCE = {*LATENT_TYPES, *HYBRIDS, "falcon_h1"}
+"""Types whose attention output is reproduced from the equations in their own test file
+(tests/test_latent_attention.py, tests/test_hybrid_stacks.py), self-check included: the loop below
+runs them with --run-slow."""
+LOOP_TYPES = [pytest.param(t, marks=pytest.mark.slow) if t in OWN_REFERENCE else t for t in TYPES]
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +141,7 @@ def _loop_attention_output(model, layer: int, ids: torch.Tensor):
     fam, geo = family_of(model), geometry_of(model)
     weights = extract_weights(model, fold=False)
     lw = weights.layers[layer]
-    block = layer_modules(model)[layer]
+    block = attention_block(model, layer)
     attn = get_module(block, fam.attn)
     seen = {}
 
@@ -143,11 +162,14 @@ def _loop_attention_output(model, layer: int, ids: torch.Tensor):
             handle.remove()
     x, pattern = seen["x"][0].double(), out.attentions[layer][0].double()
     total = torch.zeros(x.shape[0], geo.d_model, dtype=torch.float64)
+    latent = mla_values(attn, model.config, x) if fam.latent_norm else None  # tests/test_latent_attention.py
+    gate = _gate(attn, model.config, x)  # Qwen3-Next's output gate (tests/test_hybrid_stacks.py)
     for h in range(geo.n_heads):
-        v = x @ weights.W_V_of(layer, h).double()
+        v = x @ weights.W_V_of(layer, h).double() if latent is None else latent[h]
         if lw.b_V is not None:
             v = v + lw.b_V[geo.kv_group(h)].double()
-        total += pattern[h] @ v @ lw.W_O[h].double()
+        z = pattern[h] @ v
+        total += (z if gate is None else z * gate[h]) @ lw.W_O[h].double()
     if lw.b_O is not None:
         total += lw.b_O.double()
     if fam.attn_adds_residual:
@@ -155,7 +177,7 @@ def _loop_attention_output(model, layer: int, ids: torch.Tensor):
     return total, seen["y"][0].double()
 
 
-@pytest.mark.parametrize("model_type", TYPES)
+@pytest.mark.parametrize("model_type", LOOP_TYPES)
 def test_heads_sum_to_attention_output(model_type):
     model = make_tiny_model(model_type, seed=3)
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
@@ -191,17 +213,18 @@ def _expected_fold(model, layer: int) -> torch.Tensor:
     """What folding must multiply each output column of ``W_O`` by, found from the running model, not
     from the read: the norm that receives the output projection's output (a sandwich or post norm;
     its scale ``offset + w`` read off its output on a large constant input), else ones; times the
-    config's ``residual_multiplier`` where it has one (the attention output's multiplier)."""
-    block, proj = layer_modules(model)[layer], out_proj_module(model, layer)
-    produced: list[int] = []
+    config's ``residual_multiplier`` or ``attention_out_multiplier`` where it has one (the attention
+    output's multiplier)."""
+    block, proj = attention_block(model, layer), out_proj_module(model, layer)
+    produced: list[torch.Tensor] = []
     receivers: list[torch.nn.Module] = []
 
     def keep(module, args, out):
-        produced.append(out.data_ptr())
+        produced.append(out)  # kept alive: its memory is not reused by a later module's input
 
     def check(module, args, kwargs):
         first = args[0] if args else next(iter(kwargs.values()), None)
-        if torch.is_tensor(first) and produced and first.data_ptr() == produced[-1]:
+        if torch.is_tensor(first) and produced and first.data_ptr() == produced[-1].data_ptr():
             receivers.append(module)
 
     handles = [proj.register_forward_hook(keep)]
@@ -219,7 +242,10 @@ def _expected_fold(model, layer: int) -> torch.Tensor:
         c = 1e3  # RMSNorm(c 1) = g c / sqrt(c^2 + eps): g to float round-off
         with torch.no_grad():
             scale = norms[0](torch.full((1, 1, d_model), c)).reshape(-1).double()
-    return scale * float(getattr(model.config, "residual_multiplier", None) or 1.0)
+    config = model.config
+    return scale * float(
+        getattr(config, "residual_multiplier", None) or getattr(config, "attention_out_multiplier", 1.0)
+    )
 
 
 def _copying_head(model, layer: int, head: int) -> None:
@@ -342,7 +368,7 @@ def test_no_per_head_ov_types_get_one_line():
         family_for_config(CONFIG_MAPPING["mamba"](hidden_size=16, num_hidden_layers=2, vocab_size=32))
     assert "state-space" in _one_line(error)
     with pytest.raises(UnknownFamilyError) as error:
-        family_for_config(CONFIG_MAPPING["deepseek_v3"]())
+        family_for_config(CONFIG_MAPPING["longcat_flash"]())
     assert "latent attention" in _one_line(error)
 
 
@@ -350,9 +376,7 @@ def test_hybrid_stack_names_its_attention_layers():
     from transformers import CONFIG_MAPPING
 
     config = CONFIG_MAPPING["jamba"](num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1)
-    with pytest.raises(UnknownFamilyError) as error:
-        family_for_config(config)
-    assert "attention layers [1, 3]" in _one_line(error)
+    assert families.family_and_geometry(config)[1].attention_layers == (1, 3)
 
 
 def test_unlisted_type_with_a_known_layout_is_recognised():
@@ -557,10 +581,10 @@ def test_probe_longer_than_a_sliding_window_is_one_line(tmp_path):
 # ---------------------------------------------------------------- the front ends on every type
 
 FRONT_PROBE = {"probe-n": "2", "probe-length": "4"}
-PYTEST_RUN = ("bloom", "gemma2", "gpt_oss", "falcon-new-decoder")
+PYTEST_RUN = ("bloom", "gemma2", "gpt_oss", "falcon-new-decoder", "deepseek_v3", "nemotron_h")
 """Types that `pytest probes` records and gates in the default suite (ALiBi with a fused per-head
-QKV; sandwich norm, soft caps and sliding window; sinks and MoE; grouped fused QKV); the others
-run with --run-slow (gpt2 runs in tests/test_plugin.py)."""
+QKV; sandwich norm, soft caps and sliding window; sinks and MoE; grouped fused QKV; latent
+attention; a hybrid stack); the others run with --run-slow (gpt2 runs in tests/test_plugin.py)."""
 PYTEST_TYPES = [t if t in PYTEST_RUN else pytest.param(t, marks=pytest.mark.slow) for t in TYPES]
 
 

@@ -239,6 +239,10 @@ def mutations(family: Family, config) -> list[tuple[str, dict]]:
     for field in (
         "embed_norm",
         "attn_out_multiplier",
+        "attn_in_multiplier",
+        "beside",
+        "beside_multiplier",
+        "attention_blocks",
         "logit_scale",
         "logit_divisor",
         "logit_softcap",
@@ -254,9 +258,14 @@ def mutations(family: Family, config) -> list[tuple[str, dict]]:
             for other in _FUSED
             if other != family.qkv_layout and _rows_of(other, geo) != same
         ]
+    elif family.latent_norm is not None:  # W_B's rows per head: d_nope key rows, then d_v value rows
+        found.append(("read the latent's key columns as values", dict(d_head_attr="qk_nope_head_dim")))
+        found.append(("read the query latent's norm as the kv latent's", dict(latent_norm="q_a_layernorm")))
     else:
         q, k, v = family.qkv
         found.append(("read V from the K projection", dict(qkv=(q, v, k))))
+    if family.qkv_layout == "separate_gated":
+        found.append(("drop the output gate", dict(qkv_layout="separate")))
     if family.multi_query_attr and geo.n_kv_heads == 1:
         found.append(("drop the multi-query flag", dict(multi_query_attr=None)))
     if family.n_kv_heads_attr and geo.n_kv_heads < geo.n_heads:
@@ -290,6 +299,7 @@ def _entries() -> list[tuple[str, str]]:
 MUTATED_BY_DEFAULT = {
     *("gpt2", "gptj", "bloom", "falcon-new-decoder", "gpt_bigcode", "gemma2", "olmo2", "granite", "cohere"),
     *("glm4", "nemotron", "exaone4", "hyperclovax", "nanochat"),
+    *("deepseek_v3", "qwen3_next", "falcon_h1", "nemotron_h"),
 }
 """Entries mutated in the default suite (one per mechanism, and the added types); all with --run-slow."""
 

@@ -222,15 +222,20 @@ def model_info(name: str, source: Any, build: Any) -> dict[str, Any]:
         "model_type": str(getattr(config, "model_type", "")),
         "quirks": active_quirks(build.family, config),
         "fingerprint": weight_fingerprint(source.folder),  # exactly the files loaded
-        "geometry": {k: getattr(geo, k) for k in ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "vocab")},
+        "geometry": {
+            **{k: getattr(geo, k) for k in ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "vocab")},
+            **({} if geo.attention_layers is None else {"attention_layers": list(geo.attention_layers)}),
+        },
     }
 
 
 def model_kind(model: ModelInfo | Mapping[str, Any]) -> str:
     """How a record's model (its `ModelInfo`, or the dict of one, parts missing) is named to a reader: its
     model type and, where it differs, the layout its heads are read with (``qwen3, llama layout``); an older
-    record's layout alone."""
+    record's layout alone. A hybrid stack's says which blocks its attention layers are."""
     typed = model if isinstance(model, ModelInfo) else Identity.of({"model": model}).model
     family = typed.family if typed is not None else None
     kind = (typed.model_type if typed is not None else None) or str(family or "")
-    return kind + (f", {family} layout" if family and family != kind else "")
+    blocks = typed.geometry.attention_layers if typed is not None and typed.geometry is not None else None
+    hybrid = f", hybrid: L0-L{len(blocks) - 1} are blocks {blocks}, the other blocks no attention" if blocks else ""
+    return kind + (f", {family} layout" if family and family != kind else "") + hybrid

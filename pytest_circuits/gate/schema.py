@@ -60,6 +60,20 @@ class Geometry(BaseModel):
     d_model: int = Field(ge=1)
     d_head: int = Field(ge=1)
     vocab: int = Field(ge=2)
+    attention_layers: list[int] | None = None  # a hybrid stack: the block of each attention layer L0, L1, ...
+
+    @model_validator(mode="after")
+    def _attention_blocks(self) -> Geometry:
+        """On a hybrid stack, one increasing block index per attention layer (the heads' layers)."""
+        blocks = self.attention_layers
+        if blocks is not None and (
+            len(blocks) != self.n_layers or blocks[0] < 0 or any(a >= b for a, b in zip(blocks, blocks[1:]))
+        ):
+            raise ValueError(
+                f"geometry.attention_layers {blocks} is not one increasing block index per attention layer "
+                f"(n_layers {self.n_layers})"
+            )
+        return self
 
 
 class ModelInfo(BaseModel):
@@ -448,6 +462,7 @@ class _SomeGeometry(BaseModel):
     d_model: int | None = None
     d_head: int | None = None
     vocab: int | None = None
+    attention_layers: list[int] | None = None
 
 
 class _SomeModel(BaseModel):

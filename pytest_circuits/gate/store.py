@@ -28,7 +28,7 @@ from .schema import Identity, Record, RecordLike, typed_record
 SIG_DIGITS = 6
 SUFFIX = ".json"
 SEPARATOR = "--"
-GEOMETRY_KEYS = ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "vocab")
+GEOMETRY_KEYS = ("n_layers", "n_heads", "n_kv_heads", "d_model", "d_head", "vocab", "attention_layers")
 PROBE_KEYS = ("seed", "n", "L")
 Seen = RecordLike | Identity  # what the comparisons read: a record, typed or not, or a stand-in (`geometry_record`)
 
@@ -36,6 +36,7 @@ Seen = RecordLike | Identity  # what the comparisons read: a record, typed or no
 def geometry_record(geometry: dict[str, Any], probe: dict[str, Any] | None = None) -> dict[str, Any]:
     """A stand-in record that holds only a model's geometry (and ``probe``): what `compatibility` and
     `geometry_difference` read of a build that has not been measured yet."""
+    geometry = {k: list(v) if isinstance(v, tuple) else v for k, v in geometry.items() if v is not None}
     return {"model": {"geometry": geometry}} | ({} if probe is None else {"probe": probe})
 
 

@@ -1,4 +1,5 @@
-"""Model families: the declarative table (`family_table.py`), which family a model is
+"""Model families: the declarative table (`family_table.py`; its quirk tags `quirks.py`, its documented
+table `family_docs.py`), which family a model is
 (`family_resolution.py`), its modules by path and by family (`module_paths.py`,
 `family_modules.py`: blocks, attention, norms, the tail maths) and the Q/K/V packings
 (`qkv_layouts.py`). Import them from here or from their own module.
@@ -6,9 +7,11 @@
 
 from __future__ import annotations
 
+from .family_docs import families_markdown
 from .family_modules import (
     SLIDING_LAYER_TYPES,
     active_quirks,
+    attention_block,
     attention_module,
     attention_windows,
     embed_scale_of,
@@ -20,6 +23,7 @@ from .family_modules import (
 )
 from .family_resolution import (
     all_families,
+    attention_blocks,
     bind_family,
     check_geometry,
     family_and_geometry,
@@ -39,10 +43,8 @@ from .family_table import (
     HYBRID_LAYER_ATTRS,
     LLAMA,
     NO_PER_HEAD_OV,
-    QUIRKS,
     Family,
     Geometry,
-    families_markdown,
     head_label,
 )
 from .module_paths import (
@@ -57,6 +59,7 @@ from .qkv_layouts import (
     qkv_rows,
     split_qkv,
 )
+from .quirks import QUIRKS
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -73,6 +76,8 @@ __all__ = [
     "SLIDING_LAYER_TYPES",
     "active_quirks",
     "all_families",
+    "attention_block",
+    "attention_blocks",
     "attention_module",
     "attention_windows",
     "attn_norm_module",

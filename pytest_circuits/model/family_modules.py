@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from .family_resolution import family_of
+from .family_resolution import family_of, geometry_of
 from .family_table import Family
 from .module_paths import final_norm_module, get_module, modules_at
 
@@ -17,10 +17,14 @@ def layer_modules(model) -> list[torch.nn.Module]:
     return modules_at(model, family_of(model).layers)
 
 
+def attention_block(model, layer: int) -> torch.nn.Module:
+    """The decoder block of attention layer ``layer`` (on a hybrid stack, `Geometry.block`)."""
+    return layer_modules(model)[geometry_of(model).block(layer)]
+
+
 def attention_module(model, layer: int) -> torch.nn.Module:
-    """The attention module of block ``layer``."""
-    fam = family_of(model)
-    return get_module(layer_modules(model)[layer], fam.attn)
+    """The attention module of attention layer ``layer``."""
+    return get_module(attention_block(model, layer), family_of(model).attn)
 
 
 def out_proj_module(model, layer: int) -> torch.nn.Module:

@@ -68,11 +68,17 @@ def _candidates(model_type: str | None) -> list[Family]:
     return [f for f in all_families() if model_type in f.model_types]
 
 
+def _softmax_kind(kind: str) -> bool:
+    """A layer kind with softmax attention: ``attention``, ``full_attention``, ``sliding_attention`` (not
+    ``linear_attention``: Mamba, DeltaNet), or ``hybrid`` (attention beside Mamba in one block)."""
+    return ("attention" in kind and "linear" not in kind) or kind == "hybrid"
+
+
 def _hybrid_layers(config) -> str:
     for attr in HYBRID_LAYER_ATTRS:
         kinds = getattr(config, attr, None)
         if isinstance(kinds, (list, tuple)) and kinds:
-            attention = [i for i, k in enumerate(kinds) if "attention" in str(k).lower()]
+            attention = [i for i, k in enumerate(kinds) if _softmax_kind(str(k).lower())]
             other = [i for i, k in enumerate(kinds) if i not in attention]
             if attention and other:
                 return f"; attention layers {attention}, other layers {other}"
@@ -195,7 +201,13 @@ def _layouts() -> list[Family]:
             family.attn_norm,
             family.final_norm,
         )
-        if key not in seen and not family.when and not family.unsupported and family.attn_norm is not None:
+        if (
+            key not in seen
+            and not family.when
+            and not family.unsupported
+            and family.attn_norm is not None
+            and family.latent_norm is None
+        ):
             seen.add(key)
             out.append(dataclasses.replace(family, **_QUIRK_FREE))
     return out
@@ -294,15 +306,33 @@ def geometry_for(config, family: Family) -> Geometry:
     else:
         n_kv = getattr(config, family.n_kv_heads_attr, None) if family.n_kv_heads_attr else None
     d_model = getattr(config, family.d_model_attr)
-    d_head = getattr(config, "head_dim", None) or d_model // n_heads
+    d_head = getattr(config, family.d_head_attr, None) or d_model // n_heads
+    attention = attention_blocks(config, family)
     return Geometry(
-        n_layers=getattr(config, family.n_layers_attr),
+        n_layers=getattr(config, family.n_layers_attr) if attention is None else len(attention),
+        attention_layers=attention,
         n_heads=n_heads,
         n_kv_heads=n_kv or n_heads,
         d_model=d_model,
         d_head=d_head,
         vocab=config.vocab_size,
     )
+
+
+def attention_blocks(config, family: Family) -> tuple[int, ...] | None:
+    """The blocks of a hybrid stack that hold softmax attention (``config.layer_types`` entries equal to
+    ``family.attention_blocks``); None for a stack of attention blocks only. A stack with none is refused."""
+    if family.attention_blocks is None:
+        return None
+    kinds = list(getattr(config, "layer_types", None) or [])
+    found = tuple(i for i, kind in enumerate(kinds) if kind == family.attention_blocks)
+    if not found:
+        raise UnknownFamilyError(
+            f"model family {config.model_type!r}: this config has no {family.attention_blocks} layer (layer_types: "
+            f"{sorted(set(map(str, kinds)))}); a stack of linear attention, state-space or convolution layers only "
+            "has no softmax heads, so no per-head OV map or routing to gate"
+        )
+    return found
 
 
 def family_and_geometry(config) -> tuple[Family, Geometry]:
@@ -329,7 +359,7 @@ def geometry_of(model) -> Geometry:
 
 def check_geometry(model: str, geometry: Geometry) -> None:
     """Refuse, in one line, a config with no layers, heads, width or vocabulary (``num_hidden_layers: 0``)."""
-    empty = [f"{name} {value}" for name, value in vars(geometry).items() if not value > 0]
+    empty = [f"{name} {value}" for name, value in vars(geometry).items() if isinstance(value, int) and not value > 0]
     if empty:
         raise ModelLoadError(
             f"model {model!r}: its config gives {', '.join(empty)} (num_hidden_layers, num_attention_heads, ...); "

@@ -46,11 +46,15 @@ class Family:
     output: BLOOM), ``attn_out_multiplier`` (config attribute scaling the attention output
     in the block: Granite), ``logit_scale`` / ``logit_divisor`` / ``logit_softcap`` (config
     attributes of the tail: ``logits = cap * tanh(scale * l / div / cap)``), ``quirks``
-    (tags of `QUIRKS`, shown in the table), ``when`` (config ``(attribute, value)`` pairs this
+    (tags of `quirks.QUIRKS`, shown in the table), ``when`` (config ``(attribute, value)`` pairs this
     variant needs), ``requires_equal`` (config attribute pairs that must be equal, else the
     variant is refused with ``unsupported``). The block around the attention, for the
     self-check of what it writes into the residual stream: ``resid_mid`` (a block submodule whose
-    input is the residual after the attention sublayer: the pre-MLP norm, or the MLP itself),
+    input is the residual after the attention sublayer: the pre-MLP norm, or the MLP itself; None:
+    the block's own output, where a block holds the attention alone: Nemotron-H), ``beside`` (a block
+    submodule beside the attention whose output, times the config's ``beside_multiplier``, joins the
+    attention's write before ``resid_mid``: Falcon-H1's Mamba), ``attn_in_multiplier`` (config attribute:
+    the attention reads the normed input times it, folded into ``W_Q, W_K, W_V``),
     ``parallel`` (True, or a config flag that makes it so: attention and MLP both read the
     block's input, and ``resid_out = resid_pre + attention write + output of mlp_out``).
     """
@@ -69,6 +73,7 @@ class Family:
     n_kv_heads_attr: str | None = "num_key_value_heads"
     d_model_attr: str = "hidden_size"
     n_layers_attr: str = "num_hidden_layers"
+    d_head_attr: str = "head_dim"  # config attribute of the width of a head's value (and of W_O's rows)
     multi_query_attr: str | None = None  # config flag: one K/V head for all query heads
     norm_weight_offset: float = 0.0
     norm_eps: float | None = None  # eps of norms that keep it hard-coded (no attribute): OLMo's 1e-5
@@ -85,9 +90,14 @@ class Family:
     requires_equal: tuple[tuple[str, str], ...] = ()
     unsupported: str = ""
     assumed: bool = False  # recognised by `infer_family`, not listed
-    resid_mid: str = "post_attention_layernorm"
+    resid_mid: str | None = "post_attention_layernorm"  # None: the block's output (a block of attention alone)
     parallel: bool | str = False
     mlp_out: str = "mlp"
+    latent_norm: str | None = None  # multi-head latent attention: the norm on the latent c (inside attn)
+    attention_blocks: str | None = None  # hybrid stack: the config.layer_types entry of blocks with attention
+    attn_in_multiplier: str | None = None  # config attribute scaling the normed input the attention reads
+    beside: str | None = None  # block submodule whose output joins the attention's write (Falcon-H1's Mamba)
+    beside_multiplier: str | None = None  # config attribute scaling that output
 
     def matches(self, config) -> bool:
         """True when every ``when`` condition holds on ``config``."""
@@ -100,41 +110,6 @@ class Family:
     def for_type(self, model_type: str, **changes) -> Family:
         """This layout for another model type (one table entry)."""
         return dataclasses.replace(self, model_types=(model_type,), **changes)
-
-
-QUIRKS = {
-    "fused_qkv": "one projection holds Q, K and V; split by the layout named in the table",
-    "conv1d": "projections stored (in, out) (GPT-2 Conv1D); read transposed",
-    "multi_query": "one K/V head shared by every query head; W_OV = W_V[0] W_O[h]",
-    "grouped_query": "K/V heads shared by groups of query heads; W_OV = W_V[h // group] W_O[h]",
-    "qkv_bias": "biases on Q/K/V (b_V enters the attention output, not W_OV)",
-    "learned_positions": "learned absolute position embeddings added to the residual",
-    "rotary": "rotary positions on Q and K: change A only, not W_OV",
-    "partial_rotary": "rotary on part of each head's Q/K only: changes A only",
-    "alibi": "ALiBi position bias added to the scores: changes A only (the self-check uses the A used)",
-    "parallel_block": "attention and MLP read the same normed residual; the attention read is unchanged",
-    "qk_norm": "a norm on each head's Q and K: changes A only",
-    "qk_norm_full": "a norm across all heads of Q and of K (OLMo 2): changes A only",
-    "sandwich_norm": "a norm on the attention output: per position one positive factor for all heads, its weight folds into W_O",
-    "post_norm_only": "no pre-attention norm: heads read the raw residual, nothing folds on the read side",
-    "norm_offset": "the norm scales by (1 + w), w stored (Gemma's RMSNorm, Nemotron's LayerNorm1P): the fold uses g = 1 + w",
-    "embed_scale": "embedding multiplied by a positive scalar (sqrt(d_model) or a multiplier): kappa unchanged, W_E carries it",
-    "embed_norm": "a LayerNorm on the embedding: W_E is read through it row by row (exact, per token)",
-    "sliding_window": "some or all layers attend within a window; a probe longer than it is refused in one line",
-    "local_attention": "alternate layers attend within a local window; a probe longer than it is refused",
-    "no_score_scaling": "scores not divided by sqrt(d_head): changes A only",
-    "attn_softcap": "attention logits soft-capped: changes A only",
-    "logit_softcap": "final logits soft-capped (monotone per token); kappa reads the logits before the cap",
-    "logit_scale": "logits multiplied or divided by a positive scalar: kappa unchanged, W_U carries it",
-    "multipliers": "embedding, attention, residual and logit multipliers (positive scalars): kappa unchanged",
-    "attention_sinks": "a learned per-head sink logit joins each softmax: rows of A sum to < 1; W_OV unchanged",
-    "moe": "mixture-of-experts MLP: not part of the OV read; routing is replayed per call in knockouts",
-    "nope_layers": "some layers use no positional encoding: changes A only",
-    "lm_head_bias": "the unembedding has a bias: a constant per token, outside W_U",
-    "nonparametric_norm": "LayerNorm without weight or bias: g = 1",
-    "no_norm_bias": "LayerNorm without bias (centres, scales by w)",
-    "attn_output_residual": "the attention module adds the residual to its own output (BLOOM); the self-check subtracts it",
-}
 
 
 def _split_qkv(**kw) -> Family:
@@ -457,15 +432,85 @@ FAMILIES: tuple[Family, ...] = (
         "gpt_oss",
         quirks=("grouped_query", "qkv_bias", "rotary", "sliding_window", "attention_sinks", "moe"),
     ),
+    *(
+        LLAMA.for_type(
+            model_type,
+            final_norm="model.final_layernorm",
+            resid_mid="pre_ff_layernorm",
+            attention_blocks="full_attention",
+            quirks=("hybrid", "grouped_query", *quirks),
+        )
+        for model_type, quirks in (("bamba", ("partial_rotary",)), ("jamba", ("moe",)))
+    ),
+    LLAMA.for_type(
+        "granitemoehybrid",
+        embed_scale="embedding_multiplier",
+        attn_out_multiplier="residual_multiplier",
+        logit_divisor="logits_scaling",
+        attention_blocks="full_attention",
+        quirks=("hybrid", "grouped_query", "rotary", "multipliers", "moe"),
+    ),
+    LLAMA.for_type(
+        "falcon_h1",
+        final_norm="model.final_layernorm",
+        resid_mid="pre_ff_layernorm",
+        embed_scale="embedding_multiplier",
+        attn_in_multiplier="attention_in_multiplier",
+        attn_out_multiplier="attention_out_multiplier",
+        logit_scale="lm_head_multiplier",
+        beside="mamba",
+        beside_multiplier="ssm_out_multiplier",
+        quirks=("mamba_beside", "grouped_query", "rotary", "multipliers"),
+    ),
+    LLAMA.for_type(
+        "qwen3_next",
+        qkv_layout="separate_gated",
+        attention_blocks="full_attention",
+        quirks=("hybrid", "grouped_query", "partial_rotary", "qk_norm", "output_gate", "norm_offset", "moe"),
+        norm_weight_offset=1.0,
+    ),
+    *(
+        LLAMA.for_type(
+            model_type,
+            out_proj="out_proj",
+            attn_norm="operator_norm",
+            resid_mid="ffn_norm",
+            final_norm="model.embedding_norm",
+            attention_blocks="full_attention",
+            quirks=("hybrid", "grouped_query", "rotary", "qk_norm", *moe),
+        )
+        for model_type, moe in (("lfm2", ()), ("lfm2_moe", ("moe",)))
+    ),
+    LLAMA.for_type(
+        "nemotron_h",
+        attn="mixer",
+        attn_norm="norm",
+        resid_mid=None,
+        final_norm="model.norm_f",
+        attention_blocks="full_attention",
+        quirks=("hybrid", "grouped_query", "nope_layers", "moe"),
+    ),
+    *(
+        LLAMA.for_type(
+            model_type,
+            name="latent",
+            qkv=("kv_a_proj_with_mqa", "kv_b_proj"),
+            qkv_layout="latent",
+            latent_norm="kv_a_layernorm",
+            n_kv_heads_attr=None,
+            d_head_attr="v_head_dim",
+            when=(("attention_bias", False),),
+            unsupported="",
+            quirks=("latent_attention", "rotary", "moe"),
+        )
+        for model_type in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+    ),
 )
 
 NO_PER_HEAD_OV = {
-    "deepseek_v2": "multi-head latent attention: values come from a shared low-rank latent, no per-head W_V",
-    "deepseek_v3": "multi-head latent attention: values come from a shared low-rank latent, no per-head W_V",
-    "deepseek_v32": "multi-head latent attention with sparse selection: no per-head W_V",
-    "minicpm3": "multi-head latent attention: no per-head W_V",
-    "longcat_flash": "multi-head latent attention: no per-head W_V",
-    "glm4_moe_lite": "multi-head latent attention: no per-head W_V",
+    "deepseek_v32": "latent attention whose keys an indexer selects per query (sparse attention): not read yet",
+    "minicpm3": "latent attention with depth and embedding multipliers: not read yet",
+    "longcat_flash": "two latent attention sublayers per block and zero-compute experts: not read yet",
     "mamba": "state-space layers: no attention pattern, no per-head OV map",
     "mamba2": "state-space layers: no attention pattern, no per-head OV map",
     "falcon_mamba": "state-space layers: no attention pattern, no per-head OV map",
@@ -473,16 +518,8 @@ NO_PER_HEAD_OV = {
     "xlstm": "recurrent xLSTM cells: no attention pattern",
     "kimi_linear": "hybrid of linear attention and latent attention: no per-head OV map",
     "recurrent_gemma": "hybrid of RG-LRU recurrences and local attention (hybrid stacks are not covered yet)",
-    "jamba": "hybrid of Mamba and attention layers (hybrid stacks are not covered yet)",
     "zamba": "hybrid of Mamba and shared attention layers (hybrid stacks are not covered yet)",
     "zamba2": "hybrid of Mamba and shared attention layers (hybrid stacks are not covered yet)",
-    "bamba": "hybrid of Mamba and attention layers (hybrid stacks are not covered yet)",
-    "falcon_h1": "each layer runs Mamba beside attention (hybrid stacks are not covered yet)",
-    "granitemoehybrid": "hybrid of Mamba and attention layers (hybrid stacks are not covered yet)",
-    "nemotron_h": "hybrid of Mamba and attention layers (hybrid stacks are not covered yet)",
-    "lfm2": "hybrid of short convolutions and attention layers (hybrid stacks are not covered yet)",
-    "lfm2_moe": "hybrid of short convolutions and attention layers (hybrid stacks are not covered yet)",
-    "qwen3_next": "hybrid of gated linear attention and gated attention layers (hybrid stacks are not covered yet)",
     "minimax": "hybrid of lightning (linear) attention and softmax attention layers (hybrid stacks are not covered yet)",
 }
 HYBRID_LAYER_ATTRS = ("layer_types", "layers_block_type", "block_types")
@@ -490,7 +527,12 @@ HYBRID_LAYER_ATTRS = ("layer_types", "layers_block_type", "block_types")
 
 @dataclass(frozen=True)
 class Geometry:
-    """Shape of a model: what a baseline must match before any figure is compared."""
+    """Shape of a model: what a baseline must match before any figure is compared.
+
+    ``n_layers`` counts attention layers: every block, or on a hybrid stack the blocks with softmax
+    attention, ``attention_layers`` (block indices; L2 is the third attention layer). The other
+    blocks (Mamba, gated DeltaNet, short convolutions) are the rest of the stack, as MLPs are.
+    """
 
     n_layers: int
     n_heads: int
@@ -498,6 +540,11 @@ class Geometry:
     d_model: int
     d_head: int
     vocab: int
+    attention_layers: tuple[int, ...] | None = None  # hybrid stack: the block of each attention layer L0, L1, ...
+
+    def block(self, layer: int) -> int:
+        """The decoder block of attention layer ``layer`` (itself, unless the stack is a hybrid)."""
+        return layer if self.attention_layers is None else self.attention_layers[layer]
 
     @property
     def group_size(self) -> int:
@@ -512,39 +559,3 @@ class Geometry:
 def head_label(layer: int, head: int) -> str:
     """``L{layer}H{head}``, zero-based."""
     return f"L{layer}H{head}"
-
-
-# ---------------------------------------------------------------- the documented table
-
-
-def _tag_cell(family: Family, tag: str) -> str:
-    """A quirk tag, marked ``(if set)`` where only a config value enables it (`active_quirks`)."""
-    return f"{tag} (if set)" if tag in ("sliding_window", "attn_softcap", "logit_softcap") else tag
-
-
-def _cell(family: Family) -> str:
-    norm = family.norm_kind if family.attn_norm is not None else f"{family.norm_kind} (none before attention)"
-    when = ", ".join(f"{a}={v}" for a, v in family.when)
-    return (
-        f"| `{', '.join(family.model_types)}`{f' ({when})' if when else ''} | {family.name} | "
-        f"`{family.layers}.N.{family.attn}` | {family.qkv_layout} (`{'`, `'.join(family.qkv)}`) | {norm} | "
-        f"{', '.join(_tag_cell(family, tag) for tag in family.quirks) or '-'} |"
-    )
-
-
-def families_markdown() -> str:
-    """The table of supported model types and their quirks (docs/families.md embeds it verbatim)."""
-    lines = [
-        "| model type | layout | attention module | Q/K/V layout | norm | quirks |",
-        "|---|---|---|---|---|---|",
-        *(_cell(f) for f in FAMILIES),
-        "",
-        "| quirk | what it does, and how it bears on the figures |",
-        "|---|---|",
-        *(f"| {tag} | {meaning} |" for tag, meaning in QUIRKS.items()),
-        "",
-        "| model type | why it has no per-head OV map |",
-        "|---|---|",
-        *(f"| `{t}` | {why} |" for t, why in NO_PER_HEAD_OV.items()),
-    ]
-    return "\n".join(lines) + "\n"

@@ -321,13 +321,27 @@ def check_in_path(model, modules, cache: KvCache, what: str) -> None:
         )
 
 
+def refuse_latent_cache(build, spec: KvSpec) -> None:
+    """A latent attention's engines cache the latent ``c`` and the shared RoPE key per token (vLLM, and
+    llama.cpp with MLA), not per-head keys and values: ``+kv-`` on one is refused in one line."""
+    config = build.model.config
+    if build.family.latent_norm is not None:
+        raise RecipeError(
+            f"build {build.recipe}+kv-{spec.name}: {config.model_type} uses multi-head latent attention, whose "
+            f"cache holds the latent c (kv_lora_rank {config.kv_lora_rank}) and the RoPE key shared by the heads "
+            f"(qk_rope_head_dim {config.qk_rope_head_dim}) per token, not the per-head keys and values +kv- "
+            "quantizes; gate it without +kv- (docs/families.md, latent attention)"
+        )
+
+
 def attach_kv_cache(build, spec: KvSpec, k_scales=None, v_scales=None, origin: str | None = None, rename=True):
     """``build`` served with the cache ``spec``: a new `LoadedBuild` whose identity names it (and,
     with ``rename``, whose recipe is ``NAME+kv-SPEC``; a checkpoint's own cache keeps its NAME).
 
     Refuses a second cache on a build that already serves one (its checkpoint declares it), a
     cache whose blocks do not tile the head dimension, and a build without a switchable attention
-    implementation (the cache could not be put in its path)."""
+    implementation (the cache could not be put in its path), and a latent attention (`refuse_latent_cache`)."""
+    refuse_latent_cache(build, spec)
     if spec.decode:  # transformers' own QuantizedCache: run in decode mode, not simulated
         from .quantized_cache import attach_quantized_cache
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UnknownFamilyError
 from .family_table import Geometry
 
 # ---------------------------------------------------------------- per-head slicing of Q/K/V
@@ -13,8 +14,14 @@ def split_qkv(layout: str, weights: list[torch.Tensor], geo: Geometry):
     """Split dense ``(out, in)`` projection weights (or biases, 1-D) into per-head Q, K, V.
 
     Returns ``(q, k, v)`` with leading head axes: weights ``(heads, d_head, in)``,
-    biases ``(heads, d_head)``; ``k`` and ``v`` have ``n_kv_heads`` heads.
+    biases ``(heads, d_head)``; ``k`` and ``v`` have ``n_kv_heads`` heads. The ``latent`` layout (`latent.py`)
+    has no per-head rows of one projection: refused in one line.
     """
+    if layout not in QKV_LAYOUTS:
+        raise UnknownFamilyError(
+            f"the {layout!r} Q/K/V layout has no per-head rows of a Q/K/V projection (multi-head latent attention: "
+            "queries and keys pass through low-rank norms); this operation is not defined for it"
+        )
     return QKV_LAYOUTS[layout](weights, geo)
 
 
@@ -56,7 +63,22 @@ def _separate(weights, geo):
     )
 
 
+def _separate_gated(weights, geo):
+    """Qwen3-Next's gated attention: q_proj rows per head ``[q_h | g_h]`` (its output gate's rows after
+    the query's), then k_proj, v_proj as `_separate`; the query halves here, the gate's in `split_gate`."""
+    wq, wk, wv = weights
+    per_head = wq.reshape(geo.n_heads, 2, geo.d_head, *wq.shape[1:])
+    _, k, v = _separate([wq[: geo.n_heads * geo.d_head], wk, wv], geo)
+    return per_head[:, 0], k, v
+
+
+def split_gate(weight: torch.Tensor, geo) -> torch.Tensor:
+    """The output gate's rows of a ``separate_gated`` q_proj weight (or bias): ``(n_heads, d_head, ...)``."""
+    return weight.reshape(geo.n_heads, 2, geo.d_head, *weight.shape[1:])[:, 1]
+
+
 QKV_LAYOUTS = {
+    "separate_gated": _separate_gated,
     "fused_split": _fused_split,
     "fused_per_head": _fused_per_head,
     "fused_grouped": _fused_grouped,
@@ -69,8 +91,9 @@ def qkv_rows(layout: str, geo: Geometry) -> tuple[list[list[int]], list[list[int
 
     Derived by splitting an index vector with the layout itself, so it cannot disagree with `split_qkv`.
     """
-    if layout == "separate":
-        sizes = [geo.n_heads * geo.d_head, geo.n_kv_heads * geo.d_head, geo.n_kv_heads * geo.d_head]
+    if layout in ("separate", "separate_gated"):
+        q_rows = geo.n_heads * geo.d_head * (2 if layout == "separate_gated" else 1)
+        sizes = [q_rows, geo.n_kv_heads * geo.d_head, geo.n_kv_heads * geo.d_head]
         parts = [torch.arange(s) for s in sizes]
     else:
         total = geo.n_heads * geo.d_head + 2 * geo.n_kv_heads * geo.d_head

@@ -8,6 +8,9 @@ it used (eager attention returns it) and its output ``Y``. From the weights as
     Y_hat = sum_h A_h (X W_V^{g(h)} + b_V^{g(h)}) W_O^h + b_O  (+ the residual, where the
     family's attention module adds it: BLOOM)
 
+(latent attention: ``v_h = norm_c(X W_DKV) W_UV^h``, the latent norm recomputed with the ``g_c``
+and ``eps`` the read folds, `latent.py`)
+
 in float64 and compares ``||Y_hat - Y|| / ||Y||`` (Frobenius, per layer) with a tolerance set
 by the build's compute dtype. It also checks the norm scales the fold uses: the pre-attention
 norm's output against ``(r - mean r) / sqrt(var r + eps) * g + b`` (LayerNorm) or
@@ -70,7 +73,6 @@ from .families import (
     geometry_of,
     get_module,
     logit_factor_of,
-    modules_at,
     post_attn_norm_module,
 )
 from .family_table import ADD_FAMILY
@@ -78,7 +80,7 @@ from .hooks import Hook, hooked
 from .llm_int8 import Int8Layer, int8_layer
 from .serialized import torchao_activation_quant
 from .unembedding import row_major_unembedding
-from .weights import block_weights, embedding_matrix, norm_scale
+from .weights import attention_blocks_of, block_weights, embedding_matrix, norm_scale
 
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 TF32_TOLERANCE = 5e-3
@@ -229,7 +231,8 @@ def _relative_after_add(expected: torch.Tensor, actual: torch.Tensor, total: tor
 def _head_sum(
     lw, geo, x: torch.Tensor, pattern: torch.Tensor, v_int8: Int8Layer | None = None, o_int8: Int8Layer | None = None
 ) -> torch.Tensor:
-    """``sum_h A_h (X W_V^{g(h)} + b_V) W_O^h + b_O`` in float64: ``(batch, T, d_model)``.
+    """``sum_h A_h (X W_V^{g(h)} + b_V) W_O^h + b_O`` in float64: ``(batch, T, d_model)``; for latent
+    attention ``A_h norm_c(X W_DKV) W_UV^h W_O^h`` (`latent.LatentRead.values`).
 
     ``v_int8`` / ``o_int8``: the V (or fused QKV) / output projection is LLM.int8(). ``X``, and
     the heads' outputs ``z = [z_0 | ... | z_{H-1}]`` concatenated per token, are then split into
@@ -240,7 +243,11 @@ def _head_sum(
     W_V, W_O = lw.W_V.double().to(device), lw.W_O.double().to(device)
     b_V = None if lw.b_V is None else lw.b_V.double().to(device)[None, :, None, :]
     b_O = None if lw.b_O is None else lw.b_O.double().to(device)
-    if v_int8 is None:
+    if lw.latent is not None:  # v_h = norm_c(x W_DKV) W_UV^h: the latent norm's divisor applied (latent.py)
+        if v_int8 is not None:
+            raise ValueError("a latent attention whose projections quantize their input is not recomputed yet")
+        values = lw.latent.values(x)
+    elif v_int8 is None:
         values = torch.einsum("btd,gde->bgte", x.double(), W_V)  # per K/V group
         values = values if b_V is None else values + b_V
     else:
@@ -253,6 +260,10 @@ def _head_sum(
         )
     values = values.repeat_interleave(geo.group_size, dim=1)  # query head h reads group h // group_size
     z = torch.einsum("bhts,bhse->bhte", pattern.double().to(device), values)
+    if lw.W_G is not None:  # Qwen3-Next's output gate: each query's head output times sigmoid(x W_G^h + b_G^h)
+        gate = torch.einsum("btd,hde->bhte", x.double(), lw.W_G.double().to(device))
+        gate = gate if lw.b_G is None else gate + lw.b_G.double().to(device)[None, :, None, :]
+        z = z * torch.sigmoid(gate)
     if o_int8 is None:
         out = torch.einsum("bhte,hed->btd", z, W_O)
         return out if b_O is None else out + b_O
@@ -311,8 +322,12 @@ def _hooks(block, fam: Family, parallel: bool, seen: _Captured) -> list[Hook]:
     if parallel:
         hooks.append((block, "forward_kwargs", saver("out", "output")))
         hooks.append((get_module(block, fam.mlp_out), "forward_kwargs", saver("mlp", "output")))
+    elif fam.resid_mid is None:  # a block of attention alone: its output is the residual after it
+        hooks.append((block, "forward_kwargs", saver("mid", "output")))
     else:
         hooks.append((get_module(block, fam.resid_mid), "pre_kwargs", saver("mid", "input")))
+    if fam.beside is not None:
+        hooks.append((get_module(block, fam.beside), "forward_kwargs", saver("beside", "output")))
     norm = attn_norm_module(block, fam)
     if norm is not None:
 
@@ -339,7 +354,7 @@ def unread_module(block, fam: Family) -> str | None:
     counts as unread too.
     """
     names = (fam.attn_norm,) if isinstance(fam.attn_norm, str) else (fam.attn_norm or ())
-    known = {fam.attn, fam.post_attn_norm, fam.resid_mid, fam.mlp_out, *names, *MLP_NAMES}
+    known = {fam.attn, fam.post_attn_norm, fam.resid_mid, fam.mlp_out, fam.beside, *names, *MLP_NAMES}
     for name, _ in block.named_parameters(recurse=False):
         return f"{name} (a parameter of {type(block).__name__})"
     for name, child in block.named_children():
@@ -411,7 +426,7 @@ def measure_decomposition(
     fam = family or family_of(model)
     geo = geometry_of(model) if family is None else _geometry(model, fam)
     model_type = str(getattr(model.config, "model_type", "?"))
-    blocks = modules_at(model, fam.layers)
+    blocks = attention_blocks_of(model, fam, geo)  # on a hybrid stack, the attention layers' blocks
     if fam.assumed:
         unread = unread_module(blocks[0], fam)
         if unread is not None:
@@ -478,7 +493,7 @@ def _check_layer(check: DecompositionCheck, layer: int, block, seen, fam: Family
     if "norm" in seen:
         norm_in, norm_out = seen["norm"]
         # the norm must be what the attention reads (a post-norm model has its "ln_1" after it) ...
-        feeds = _relative(norm_out.double(), x)
+        feeds = _relative(norm_out.double() * _config_factor(config, fam.attn_in_multiplier), x)
         # ... and must scale by the g the fold uses
         check.norm_errors.append(
             max(feeds, _norm_error(attn_norm_module(block, fam), fam, lw.norm_scale, norm_in, norm_out))
@@ -499,7 +514,14 @@ def _check_layer(check: DecompositionCheck, layer: int, block, seen, fam: Family
     write = write * lw.out_multiplier
     total = seen["out"] if parallel else seen["mid"]
     actual = total.double() - seen["pre"].double() - (seen["mlp"].double() if parallel else 0.0)
+    if fam.beside is not None:  # what the module beside the attention adds (Falcon-H1's Mamba, times its multiplier)
+        actual = actual - seen["beside"].double() * _config_factor(config, fam.beside_multiplier)
     check.write_errors.append(_relative_after_add(write, actual, total, adds=2 if parallel else 1))
+
+
+def _config_factor(config, attr: str | None) -> float:
+    """The positive scalar a config attribute holds (1 without one)."""
+    return float(getattr(config, attr, 1.0)) if attr else 1.0
 
 
 def _input_quant(module):

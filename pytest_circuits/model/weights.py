@@ -36,14 +36,16 @@ from .families import (
     post_attn_norm_module,
     split_qkv,
 )
+from .latent import LatentRead, read_latent
+from .qkv_layouts import split_gate
 
 
 @dataclass
 class LayerWeights:
     """One attention layer, per head. K and V have ``n_kv_heads`` heads."""
 
-    W_Q: torch.Tensor | None  # (n_heads, d_model, d_head); None when read with qk=False (the self-check)
-    W_K: torch.Tensor | None  # (n_kv_heads, d_model, d_head); None when read with qk=False
+    W_Q: torch.Tensor | None  # (n_heads, d_model, d_head); None when read with qk=False (the self-check), or latent
+    W_K: torch.Tensor | None  # (n_kv_heads, d_model, d_head); None when read with qk=False, or latent
     W_V: torch.Tensor  # (n_kv_heads, d_model, d_head)
     W_O: torch.Tensor  # (n_heads, d_head, d_model)
     b_Q: torch.Tensor | None  # (n_heads, d_head)
@@ -53,6 +55,9 @@ class LayerWeights:
     norm_scale: torch.Tensor  # (d_model,) pre-attention norm weight g (ones where there is none)
     post_norm_scale: torch.Tensor | None = None  # (d_model,) sandwich norm weight g_post, folded into W_O
     out_multiplier: float = 1.0  # attention-output multiplier, folded into W_O
+    latent: LatentRead | None = None  # multi-head latent attention: W_V = W_DKV diag(g_c) W_UV^h (latent.py)
+    W_G: torch.Tensor | None = None  # (n_heads, d_model, d_head): output gate, z_h *= sigmoid(x W_G^h + b_G^h)
+    b_G: torch.Tensor | None = None  # (n_heads, d_head)
 
 
 @dataclass
@@ -74,7 +79,7 @@ class ModelWeights:
     def W_K_of(self, layer: int, head: int) -> torch.Tensor:
         """``W_K`` of query head ``head``: its key/value group's."""
         W_K = self.layers[layer].W_K
-        assert W_K is not None, "extract_weights reads W_K of every layer (qk=True)"
+        assert W_K is not None, "extract_weights reads W_K of every layer (qk=True) but a latent attention's"
         return W_K[self.geometry.kv_group(head)]
 
     def W_OV(self, layer: int, head: int) -> torch.Tensor:
@@ -84,7 +89,7 @@ class ModelWeights:
     def W_QK(self, layer: int, head: int) -> torch.Tensor:
         """``W_QK = W_Q W_K^T`` (d_model x d_model)."""
         W_Q = self.layers[layer].W_Q
-        assert W_Q is not None, "extract_weights reads W_Q of every layer (qk=True)"
+        assert W_Q is not None, "extract_weights reads W_Q of every layer (qk=True) but a latent attention's"
         return W_Q[head] @ self.W_K_of(layer, head).T
 
     def W_V_per_query_head(self, layer: int) -> torch.Tensor:
@@ -143,7 +148,7 @@ class StreamedWeights:
     @torch.no_grad()
     def layer(self, layer: int) -> LayerWeights:
         """Layer ``layer``'s ``W_V``, ``W_O`` and biases (``W_Q``, ``W_K``: None)."""
-        block = modules_at(self.model, self.family_table.layers)[layer]
+        block = modules_at(self.model, self.family_table.layers)[self.geometry.block(layer)]
         return block_weights(block, self.family_table, self.geometry, self.folded, self.model.config, qk=False)
 
     def default_rows(self) -> int:
@@ -196,13 +201,23 @@ def block_weights(block, fam: Family, geo: Geometry, fold: bool, config, device=
     """One block's per-head weights; ``qk=False`` skips ``W_Q``/``W_K`` (None), for the self-check."""
     device = torch.device("cpu") if device is None else device
     attn = get_module(block, fam.attn)
-    projs = [get_module(attn, name) for name in fam.qkv]
-    q, k, v = split_qkv(fam.qkv_layout, [dense_weight(p).to(device) for p in projs], geo)
-    biases = [b for b in (dense_bias(p) for p in projs) if b is not None]
-    if len(biases) != len(projs):
-        b_q = b_k = b_v = None
+    latent = read_latent(attn, fam, geo, device) if fam.latent_norm is not None else None
+    W_G = b_G = None
+    if latent is not None:  # no W_Q, W_K as one linear map; W_V through the latent (latent.py)
+        q = k = b_q = b_k = b_v = None
+        v = latent.W_V().transpose(1, 2)
     else:
-        b_q, b_k, b_v = split_qkv(fam.qkv_layout, [b.to(device) for b in biases], geo)
+        projs = [get_module(attn, name) for name in fam.qkv]
+        dense = [dense_weight(p).to(device) for p in projs]
+        q, k, v = split_qkv(fam.qkv_layout, dense, geo)
+        biases = [b for b in (dense_bias(p) for p in projs) if b is not None]
+        if len(biases) != len(projs):
+            b_q = b_k = b_v = None
+        else:
+            b_q, b_k, b_v = split_qkv(fam.qkv_layout, [b.to(device) for b in biases], geo)
+        if fam.qkv_layout == "separate_gated":  # the gate reads the normed input, as W_Q does
+            W_G = split_gate(dense[0], geo).transpose(1, 2).contiguous()
+            b_G = None if b_q is None else split_gate(biases[0].to(device), geo)
     out = get_module(attn, fam.out_proj)
     w_o = dense_weight(out).to(device)  # (d_model, n_heads * d_head)
     W_O = w_o.T.reshape(geo.n_heads, geo.d_head, geo.d_model)
@@ -212,15 +227,18 @@ def block_weights(block, fam: Family, geo: Geometry, fold: bool, config, device=
     post_norm = post_attn_norm_module(block, fam)
     post_scale = None if post_norm is None else norm_scale(post_norm, geo.d_model, fam.norm_weight_offset)
     multiplier = float(getattr(config, fam.attn_out_multiplier, 1.0)) if fam.attn_out_multiplier else 1.0
+    in_multiplier = float(getattr(config, fam.attn_in_multiplier, 1.0)) if fam.attn_in_multiplier else 1.0
     # (heads, d_head, d_model) -> (heads, d_model, d_head): row-vector convention
-    W_Q = q.transpose(1, 2).contiguous() if qk else None
-    W_K = k.transpose(1, 2).contiguous() if qk else None
+    W_Q = q.transpose(1, 2).contiguous() if qk and q is not None else None
+    W_K = k.transpose(1, 2).contiguous() if qk and k is not None else None
     W_V = v.transpose(1, 2).contiguous()
     if fold:
         kind = fam.norm_kind if pre_norm is not None else "none"
-        W_Q = None if W_Q is None else folded_read(scale, kind, W_Q)
-        W_K = None if W_K is None else folded_read(scale, kind, W_K)
-        W_V = folded_read(scale, kind, W_V)
+        read = scale * in_multiplier  # the attention reads the normed input times it (Falcon-H1)
+        W_Q = None if W_Q is None else folded_read(read, kind, W_Q)
+        W_K = None if W_K is None else folded_read(read, kind, W_K)
+        W_V = folded_read(read, kind, W_V)
+        W_G = None if W_G is None else folded_read(read, kind, W_G)
         if post_scale is not None:
             W_O = W_O * post_scale.to(device)
         W_O = W_O * multiplier
@@ -236,15 +254,24 @@ def block_weights(block, fam: Family, geo: Geometry, fold: bool, config, device=
         norm_scale=scale,
         post_norm_scale=post_scale,
         out_multiplier=multiplier,
+        latent=latent,
+        W_G=W_G,
+        b_G=b_G,
     )
 
 
 @torch.no_grad()
 def layer_weights(model, layer: int, fold: bool = False, device=None) -> LayerWeights:
     """One layer's per-head weights (float32, dequantized) on ``device`` (default CPU); unfolded by default."""
-    fam = family_of(model)
-    block = modules_at(model, fam.layers)[layer]
-    return block_weights(block, fam, geometry_of(model), fold, model.config, device)
+    fam, geo = family_of(model), geometry_of(model)
+    block = modules_at(model, fam.layers)[geo.block(layer)]
+    return block_weights(block, fam, geo, fold, model.config, device)
+
+
+def attention_blocks_of(model, fam: Family, geo: Geometry) -> list[torch.nn.Module]:
+    """The decoder blocks of attention layers 0 .. n_layers - 1 (every block, unless the stack is a hybrid)."""
+    blocks = modules_at(model, fam.layers)
+    return [blocks[geo.block(layer)] for layer in range(geo.n_layers)]
 
 
 def weight_of_embedding(model) -> torch.Tensor:
@@ -298,7 +325,7 @@ def extract_weights(model, fold: bool = True) -> ModelWeights:
     """
     fam = family_of(model)
     geo = geometry_of(model)
-    blocks = modules_at(model, fam.layers)
+    blocks = attention_blocks_of(model, fam, geo)
     layers = [block_weights(block, fam, geo, fold, model.config) for block in blocks]
     W_E = embedding_matrix(model, fam)  # (vocab, d_model)
     W_U = _unembedding_columns(model, fam, 0, int(weight_of(model.get_output_embeddings()).shape[0]))

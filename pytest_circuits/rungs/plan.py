@@ -66,7 +66,7 @@ def knockout_flops(build: LoadedBuild, settings: RepeatSettings, heads=None) -> 
     mlp_cut = 2 * _matrix_params(last_mlp) * (T - (L - 1)) if last_mlp is not None else 0.0
     forward = n * (T * sum(per_token) + L * unembed)
     pairs = parse_heads(heads, geo)
-    scan = forward + sum(n * (T * sum(per_token[l:]) - mlp_cut + (L - 1) * unembed) for l, _ in pairs)
+    scan = forward + sum(n * (T * sum(per_token[geo.block(l) :]) - mlp_cut + (L - 1) * unembed) for l, _ in pairs)
     return {"forward": forward, "plain": forward * (1 + len(pairs)), "scan": scan}
 
 

@@ -36,12 +36,12 @@ import torch
 from ..errors import CircuitsError
 from ..model.builds import LoadedBuild
 from ..model.families import (
+    attention_block,
     attention_module,
     attn_norm_module,
     family_of,
     final_norm_module,
     head_label,
-    layer_modules,
     post_attn_norm_module,
 )
 from ..model.hooks import hooked
@@ -211,7 +211,8 @@ def path_factor_hooks(model, n_layers: int, L: int, offset: int):
         return keep
 
     norms = [("final", 0, final_norm_module(model, fam))]
-    for layer, block in enumerate(layer_modules(model)[:n_layers]):
+    for layer in range(n_layers):
+        block = attention_block(model, layer)
         norms += [("pre", layer, attn_norm_module(block, fam)), ("post", layer, post_attn_norm_module(block, fam))]
     with hooked(*[(m, "pre_kwargs", hook(w, l)) for w, l, m in norms if m is not None]):
         yield factors

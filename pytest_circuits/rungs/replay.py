@@ -113,12 +113,13 @@ def tree_map(fn, obj):
 def trace_stride(build: LoadedBuild, n_tokens: int, trace_bytes: int | None = None) -> int:
     """Keep every ``s``-th block's input: the smallest ``s`` whose kept inputs (``n_tokens d_model``
     values of the build's dtype each) fit in ``trace_bytes`` (default `TRACE_SHARE` of the
-    memory available on the build's device); at most ``n_layers``."""
-    geo = build.geometry
+    memory available on the build's device); at most the number of blocks (a hybrid stack's count its
+    blocks without attention too)."""
+    geo, blocks = build.geometry, len(layer_modules(build.model))
     per_block = n_tokens * geo.d_model * getattr(build.model, "dtype", torch.float32).itemsize
     budget = int(TRACE_SHARE * available_memory(build.device)) if trace_bytes is None else int(trace_bytes)
-    kept = max(1, min(geo.n_layers, budget // max(per_block, 1)))
-    return max(1, math.ceil(geo.n_layers / kept))
+    kept = max(1, min(blocks, budget // max(per_block, 1)))
+    return max(1, math.ceil(blocks / kept))
 
 
 def _without_hidden(args, kwargs) -> tuple[tuple, dict]:
@@ -195,8 +196,10 @@ def traced_hidden(args, kwargs) -> torch.Tensor:
 
 @torch.no_grad()
 def replay_chunk(build, chunk: Chunk, layer: int, k: int, L: int) -> torch.Tensor:
-    """Copy loss per sequence of ``k`` stacked copies of ``chunk``, run from block ``layer`` on: ``(k, s)``."""
+    """Copy loss per sequence of ``k`` stacked copies of ``chunk``, run from attention layer ``layer``'s block
+    on (on a hybrid stack `Geometry.block`; the blocks between are the rest of the stack): ``(k, s)``."""
     blocks = layer_modules(build.model)
+    layer = build.geometry.block(layer)
     devices = block_devices(build.model)
     rows = chunk.ids.shape[0]
     memo: dict = {}

@@ -41,6 +41,7 @@ from functools import partial
 import numpy as np
 import torch
 
+from ..errors import CircuitsError
 from ..model.families import attention_module, get_module, layer_modules, out_proj_module
 from ..model.hooks import Hook, hooked
 from ..model.kv_cache import cached
@@ -251,6 +252,12 @@ def atp_star(
     and the score heads are ranked by (GradDrop's ``mean_j |.|``, or ``|estimate|``). ``bar``: a
     `progress.Progress` told of each chunk of ``batch_size`` sequences. ``qk_heads``: the
     ``(layer, head)`` pairs the QK fix runs on (None: every head); ``drop_sample``: `grad_drop_blocks`."""
+    if build.geometry.attention_layers is not None or build.family.beside is not None:
+        # its QK fix and GradDrop rerun each block's attention on its norm's output, and nothing else
+        raise CircuitsError(
+            "the atp* screens are not defined on a hybrid stack yet (blocks without attention, or Mamba beside "
+            "it); use --circuits-knockout-screen-method atp, or knock out every head exactly"
+        )
     _register()
     model, geo, n = build.model, build.geometry, ids.shape[0]
     blocks = layer_modules(model)
