@@ -43,6 +43,33 @@ def test_ggml_blocks_are_the_gguf_packages_quantizers_bit_for_bit(kind):
     np.testing.assert_array_equal(got, expected.astype(np.float32))
 
 
+def _with_ties() -> torch.Tensor:
+    """Blocks whose scaled values land on k + 1/2: a crafted block (max 127, so ``1/d`` is 1) and
+    bf16-rounded rows (few mantissa bits: ties are common in real caches)."""
+    g = torch.Generator().manual_seed(5)
+    crafted = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, 4.5, -126.5] + [0.25, -0.75] * 11)
+    rows = (torch.randn(3, 32, generator=g) * 4).to(torch.bfloat16).float()
+    rows[:, 0] = 127.0
+    return torch.cat([crafted.view(1, 32), rows]).view(2, 64)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_ggml_blocks_round_ties_as_ggml_does(kind):
+    """q8_0 rounds with C's roundf (ties away from zero, not torch.round's ties to even); the other
+    blocks truncate ``x + 0.5``: both as the gguf package and, for q8_0, as the formula written out."""
+    from gguf import GGMLQuantizationType, quants
+
+    x = _with_ties()
+    qtype = GGMLQuantizationType[kind]
+    expected = quants.dequantize(quants.quantize(x.numpy(), qtype), qtype)
+    got = ggml_roundtrip(x, kind.lower()).numpy()
+    np.testing.assert_array_equal(got, expected.astype(np.float32))
+    if kind == "Q8_0":  # d = 1 on the crafted block: its codes are roundf(x) themselves
+        crafted = x.numpy().reshape(-1, 32)[0]
+        np.testing.assert_array_equal(got.reshape(-1, 32)[0], np.sign(crafted) * np.floor(np.abs(crafted) + 0.5))
+        assert got.reshape(-1)[1] == 1.0 and got.reshape(-1)[3] == 3.0  # torch.round: 0.0 and 2.0
+
+
 def _iq4_nl_reference(block: np.ndarray) -> np.ndarray:
     """ggml-quants.c quantize_row_iq4_nl_impl for one block of 32 (ntry 7, weights x^2), scalar, dequantized."""
     grid = IQ4_NL_GRID

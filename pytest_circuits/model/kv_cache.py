@@ -53,6 +53,13 @@ def kivi_roundtrip(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return ((x - lo) / scale).round().clamp(0, levels) * scale + lo
 
 
+def round_half_away(x: torch.Tensor) -> torch.Tensor:
+    """C's ``roundf``: the nearest integer, ties away from zero (``torch.round`` rounds them to even).
+    ``x - trunc(x)`` is exact in floating point, so the tie test is too."""
+    whole = torch.trunc(x)
+    return whole + torch.where((x - whole).abs() >= 0.5, torch.sign(x), torch.zeros_like(x))
+
+
 def _signed_absmax(blocks: torch.Tensor) -> torch.Tensor:
     """The element of largest magnitude of each block, with its sign (ggml's ``max``)."""
     return blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True))
@@ -100,7 +107,7 @@ def ggml_roundtrip(x: torch.Tensor, kind: str) -> torch.Tensor:
     blocks = x.reshape(-1, GGML_BLOCK).float()
     if kind == "q8_0":
         d = blocks.abs().amax(-1, keepdim=True) / 127
-        out = (blocks * _safe_inverse(d)).round() * _fp16(d)
+        out = round_half_away(blocks * _safe_inverse(d)) * _fp16(d)  # roundf, as quantize_row_q8_0_ref
     elif kind in ("q4_0", "q5_0"):
         half = 8 if kind == "q4_0" else 16
         d = _signed_absmax(blocks) / -half
