@@ -225,6 +225,17 @@ def tiny_build():
     return load_build(resolve_model("tiny-induction"), "fp32", "cpu")
 
 
+def test_the_identity_says_how_llama_cpp_lays_the_head_out(tiny_build, monkeypatch):
+    import copy
+
+    said = attach_kv_cache(copy.deepcopy(tiny_build), parse_kv("q4_0")).identity.kv_cache
+    assert "llama.cpp 0c1e570" in said and "no Hadamard rotation (head size not a multiple of 64)" in said
+    assert "rotated" not in attach_kv_cache(copy.deepcopy(tiny_build), parse_kv("int4")).identity.kv_cache
+    monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", "1")
+    said = attach_kv_cache(copy.deepcopy(tiny_build), parse_kv("q8_0")).identity.kv_cache
+    assert "LLAMA_ATTN_ROT_DISABLE set" in said
+
+
 def test_build_names_with_a_cache():
     spec = parse_build_spec("bf16+kv-q4_0-r128")
     assert (spec.name, spec.weights.name, spec.kv.name, spec.kv.window) == (
@@ -607,7 +618,8 @@ def decode_probes(tiny_build):
 def test_a_quanto_cache_is_read_through_transformers_own_code(decode_probes):
     probes, calls = decode_probes
     steps = 2 * 64 - 1  # decode steps after the one-token prefill, 2 keys + values reads per layer each
-    assert calls["quanto-int4-r32"] == calls["quanto-int2-r32"] == steps * 2 * 2
+    sequences = 8  # each sequence runs alone, through its own cache (`run_repeat_probe`)
+    assert calls["quanto-int4-r32"] == calls["quanto-int2-r32"] == steps * 2 * 2 * sequences
     identity = probes["quanto-int4-r32 identity"]
     assert identity.startswith("quanto-int4-r32: transformers QuantizedCache, quanto backend, 4 bits (optimum-quanto ")
     assert "residual_length 32" in identity and "run in decode mode" in identity
@@ -701,3 +713,23 @@ def test_a_simulated_cache_gives_the_same_figures_in_blocks_of_queries(kv, tiny_
     whole, part = run_repeat_probe(build, settings), run_repeat_probe(build, settings, block=24)
     np.testing.assert_allclose(part.copy_losses, whole.copy_losses, rtol=0, atol=1e-5)
     np.testing.assert_allclose(part.heads[list(SCORES)], whole.heads[list(SCORES)], rtol=0, atol=1e-6)
+
+
+def test_batch_size_changes_no_figure_through_a_cache(tmp_path):
+    """bf16 matmuls round differently with the number of rows they multiply (a random Llama of width 256
+    here; SmolLM2 too) and a quantized cache amplifies one flipped rounding; the probe runs each
+    sequence alone, so ``--batch-size`` changes no figure, bit for bit."""
+    from pytest_circuits.model.builds import load_build
+    from pytest_circuits.model.loading import resolve_model
+    from pytest_circuits.rungs.probe import SCORES, run_repeat_probe
+    from pytest_circuits.rungs.repeat_settings import RepeatSettings
+    from pytest_circuits.testing import save_tiny_model
+
+    wide = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    folder = save_tiny_model("llama", tmp_path / "wide", **wide)
+    build = attach_kv_cache(load_build(resolve_model(str(folder)), "bf16", "cpu"), parse_kv("q4_0"))
+    assert "GGUF's interleaved rotary order; Q and K rotated by a 64x64 Walsh-Hadamard" in build.identity.kv_cache
+    settings = RepeatSettings(seed=0, n=4, L=40)
+    alone, together = (run_repeat_probe(build, settings, batch_size=b) for b in (1, 4))
+    np.testing.assert_array_equal(together.copy_losses, alone.copy_losses)
+    np.testing.assert_array_equal(together.heads[list(SCORES)], alone.heads[list(SCORES)])
