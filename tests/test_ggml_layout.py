@@ -74,7 +74,7 @@ def test_the_cache_returns_what_llama_cpp_stores_read_back_through_q(kind):
         return quants.dequantize(quants.quantize(x32, qtype), qtype).astype(np.float64)
 
     kn, vn, qn = (t.double().numpy() for t in (k, v, q))
-    their_scores = np.einsum("...td,...sd->...ts", qn[..., P] @ H, stored((kn[..., P] @ H)))
+    their_scores = np.einsum("...td,...sd->...ts", qn[..., P] @ H, stored(kn[..., P] @ H))
     our_scores = np.einsum("...td,...sd->...ts", qn, quantize_keys(k, spec, stored=layout).double().numpy())
     np.testing.assert_allclose(our_scores, their_scores, rtol=0, atol=1e-3)
     np.testing.assert_allclose(quantize_values(v, spec, stored=layout).numpy(), stored(vn @ H) @ H, rtol=0, atol=1e-4)
