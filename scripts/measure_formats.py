@@ -109,8 +109,8 @@ PLANS: dict[str, tuple[str, list[str]]] = {  # block: (page, arguments); each fa
     # llama.cpp in the loop (the llama extra): its kernels and caches against torch on the same GGUF file
     "llama-tiny-L32": ("docs/kv-cache.md", ["--llama-cpp", LLAMA_FILES, "--probe-length", "32"]),
     "llama-tiny-L64": ("docs/kv-cache.md", ["--llama-cpp", LLAMA_FILES, "--probe-length", "64"]),
-    "llama-smollm2-L64": ("docs/kv-cache.md", [*SMOLLM2, "--llama-cpp", LLAMA_FILES, "--probe-length", "64"]),
-    "llama-smollm2-L128": ("docs/kv-cache.md", [*SMOLLM2, "--llama-cpp", LLAMA_FILES, "--probe-length", "128"]),
+    "llama-smollm2-L64": ("docs/kv-cache.md", [*SMOLLM2, "--llama-cpp", "Q8_0", "--probe-length", "64"]),
+    "llama-smollm2-L512": ("docs/kv-cache.md", [*SMOLLM2, "--llama-cpp", "Q8_0", "--probe-length", "512"]),
 }
 
 
@@ -263,13 +263,11 @@ def measure_pair(source, spec: str, kv, settings) -> dict:
 def llama_table(args, records: Path) -> list[str]:
     """Rows of llama.cpp's copy loss against torch's on the same GGUF file (module doc, ``--llama-cpp``)."""
     from pytest_circuits.gate.invariants import evaluate
-    from pytest_circuits.model.builds import load_build
     from pytest_circuits.model.gguf_quant import cached_gguf
     from pytest_circuits.model.kv_formats import parse_kv
     from pytest_circuits.model.llama_engine import DEFAULT_CACHE, llama_cpp_version, threads
     from pytest_circuits.model.loading import resolve_model
     from pytest_circuits.options import parse_value
-    from pytest_circuits.rungs.probe import run_repeat_probe
     from pytest_circuits.rungs.repeat_settings import RepeatSettings
 
     source = resolve_model(args.model)
@@ -285,7 +283,13 @@ def llama_table(args, records: Path) -> list[str]:
             path.write_text(json.dumps({**figures, "seconds": time.perf_counter() - start}))
         return json.loads(path.read_text())
 
-    fp32 = cached("fp32", lambda: probe_figures(run_repeat_probe(load_build(source, "fp32", "cpu"), settings)))
+    def record_fp32() -> dict:  # a whole record: the gate's invariants read records (`gate.schema.Record`)
+        raw = {"model": args.model, "builds": "fp32", "probe-length": settings.L}
+        session = CircuitsSession(build_settings(raw, Path("baselines"), device="cpu"))
+        return json.loads(dumps(session.record("fp32", knockout=False)))
+
+    fp32 = cached("fp32-record", record_fp32)
+    fp32.pop("seconds", None)
     lines = [
         f"{args.model}, L = {settings.L}, n = {settings.n}: fp32 copy loss in torch {fp32['copy_loss']:.4f}; "
         f"llama-cpp-python {llama_cpp_version()}, {threads()} threads",
@@ -300,7 +304,8 @@ def llama_table(args, records: Path) -> list[str]:
             pair = cached(f"{kind}-{cache}", partial(measure_pair, source, f"{kind.lower()}={path}", kv, settings))
             ours, theirs = pair["llama"], pair["torch"]
             low, high = ours["copy_loss_interval"]
-            verdict = evaluate("copy_loss", fp32, ours, Tolerances(), f"{kind} {cache}", "fp32")
+            # llama.cpp's probe figures in fp32's record: the copy_loss invariant reads only those
+            verdict = evaluate("copy_loss", fp32, {**fp32, **ours}, Tolerances(), f"{kind} {cache}", "fp32")
             torch_cache = "full precision" if kv is None else cache
             say = "pass" if verdict.status == "passed" else "FAIL" if verdict.status == "failed" else verdict.status
             lines.append(

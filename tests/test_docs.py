@@ -160,13 +160,18 @@ def test_the_readme_stays_short_and_names_no_chapter():
         assert not re.search(r"\bthe chapter\b", page.read_text(encoding="utf-8")), page.name
 
 
-def test_every_measured_table_of_formats_and_kv_cache_is_one_plan_of_one_command():
-    """``python scripts/measure_formats.py --all --write-docs`` rewrites every ``measured`` block of
-    docs/formats.md and docs/kv-cache.md: each block is one of its `PLANS`, each plan a block."""
+def measure_formats():
     spec = importlib.util.spec_from_file_location("measure_formats", ROOT / "scripts" / "measure_formats.py")
     assert spec is not None and spec.loader is not None
     measure = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(measure)
+    return measure
+
+
+def test_every_measured_table_of_formats_and_kv_cache_is_one_plan_of_one_command():
+    """``python scripts/measure_formats.py --all --write-docs`` rewrites every ``measured`` block of
+    docs/formats.md and docs/kv-cache.md: each block is one of its `PLANS`, each plan a block."""
+    measure = measure_formats()
     found = {
         (page, match.group(2))
         for page in ("docs/formats.md", "docs/kv-cache.md")
@@ -177,3 +182,43 @@ def test_every_measured_table_of_formats_and_kv_cache_is_one_plan_of_one_command
     for block, (page, arguments) in measure.PLANS.items():  # a block written by its plan shows its plan's command
         if page.endswith("kv-cache.md") and arguments:
             assert f"<!-- measured: {block} -->\n`python scripts/measure_formats.py {' '.join(arguments)}`" in text
+
+
+def fresh_row(capsys, tmp_path, block: str, build: str) -> tuple[list[str], list[str]]:
+    """``(the page's lines, a fresh run's lines)`` of plan ``block`` measuring fp32 and ``build`` only;
+    the last column (seconds) of every row dropped."""
+    measure = measure_formats()
+    page, arguments = measure.PLANS[block]
+    arguments = list(arguments)
+    arguments[arguments.index("--builds") + 1] = build
+    capsys.readouterr()
+    measure.main([*arguments, "--records", str(tmp_path)])
+    fresh = capsys.readouterr().out.splitlines()
+    text = (ROOT / page).read_text(encoding="utf-8")
+    shown = next(m.group(3) for m in measure.BLOCK.finditer(text) if m.group(2) == block).splitlines()
+
+    def trimmed(lines):
+        return [line.rsplit("|", 2)[0] if line.startswith("| ") else line for line in lines if line]
+
+    return trimmed(shown), trimmed(fresh)
+
+
+@pytest.mark.parametrize(
+    "block, build",
+    [
+        ("kv-tiny-L64", "bf16+kv-q8_0"),
+        pytest.param("kv-smollm2-L64", "bf16+kv-q4_0", marks=[pytest.mark.slow, pytest.mark.real]),
+    ],
+)
+def test_a_measured_kv_table_is_what_its_plan_measures_today(capsys, tmp_path, block, build):
+    """One cheap row of a table, measured again by its plan: its figures (and fp32's, and the header
+    naming fp32's induction heads) are the page's, to the digit. A table left stale after a change to
+    the code it measures fails here."""
+    from pytest_circuits.testing import has_embedded_model, has_smollm2
+
+    if not (has_smollm2() if "smollm2" in block else has_embedded_model()):
+        pytest.skip("the model of this table is not installed")
+    shown, fresh = fresh_row(capsys, tmp_path, block, build)
+    assert fresh[0] in shown, (fresh[0], shown[:2])  # fp32's induction heads
+    for row in fresh[1:]:
+        assert row in shown, f"{block}: a fresh run gives {row!r}; regenerate the table (see its command)"

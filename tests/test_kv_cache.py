@@ -43,6 +43,33 @@ def test_ggml_blocks_are_the_gguf_packages_quantizers_bit_for_bit(kind):
     np.testing.assert_array_equal(got, expected.astype(np.float32))
 
 
+def _with_ties() -> torch.Tensor:
+    """Blocks whose scaled values land on k + 1/2: a crafted block (max 127, so ``1/d`` is 1) and
+    bf16-rounded rows (few mantissa bits: ties are common in real caches)."""
+    g = torch.Generator().manual_seed(5)
+    crafted = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, 4.5, -126.5] + [0.25, -0.75] * 11)
+    rows = (torch.randn(3, 32, generator=g) * 4).to(torch.bfloat16).float()
+    rows[:, 0] = 127.0
+    return torch.cat([crafted.view(1, 32), rows]).view(2, 64)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_ggml_blocks_round_ties_as_ggml_does(kind):
+    """q8_0 rounds with C's roundf (ties away from zero, not torch.round's ties to even); the other
+    blocks truncate ``x + 0.5``: both as the gguf package and, for q8_0, as the formula written out."""
+    from gguf import GGMLQuantizationType, quants
+
+    x = _with_ties()
+    qtype = GGMLQuantizationType[kind]
+    expected = quants.dequantize(quants.quantize(x.numpy(), qtype), qtype)
+    got = ggml_roundtrip(x, kind.lower()).numpy()
+    np.testing.assert_array_equal(got, expected.astype(np.float32))
+    if kind == "Q8_0":  # d = 1 on the crafted block: its codes are roundf(x) themselves
+        crafted = x.numpy().reshape(-1, 32)[0]
+        np.testing.assert_array_equal(got.reshape(-1, 32)[0], np.sign(crafted) * np.floor(np.abs(crafted) + 0.5))
+        assert got.reshape(-1)[1] == 1.0 and got.reshape(-1)[3] == 3.0  # torch.round: 0.0 and 2.0
+
+
 def _iq4_nl_reference(block: np.ndarray) -> np.ndarray:
     """ggml-quants.c quantize_row_iq4_nl_impl for one block of 32 (ntry 7, weights x^2), scalar, dequantized."""
     grid = IQ4_NL_GRID
@@ -196,6 +223,17 @@ def tiny_build():
     from pytest_circuits.model.loading import resolve_model
 
     return load_build(resolve_model("tiny-induction"), "fp32", "cpu")
+
+
+def test_the_identity_says_how_llama_cpp_lays_the_head_out(tiny_build, monkeypatch):
+    import copy
+
+    said = attach_kv_cache(copy.deepcopy(tiny_build), parse_kv("q4_0")).identity.kv_cache
+    assert "llama.cpp 0c1e570" in said and "no Hadamard rotation (head size not a multiple of 64)" in said
+    assert "rotated" not in attach_kv_cache(copy.deepcopy(tiny_build), parse_kv("int4")).identity.kv_cache
+    monkeypatch.setenv("LLAMA_ATTN_ROT_DISABLE", "1")
+    said = attach_kv_cache(copy.deepcopy(tiny_build), parse_kv("q8_0")).identity.kv_cache
+    assert "LLAMA_ATTN_ROT_DISABLE set" in said
 
 
 def test_build_names_with_a_cache():
@@ -594,7 +632,8 @@ def decode_probes(tiny_build):
 def test_a_quanto_cache_is_read_through_transformers_own_code(decode_probes):
     probes, calls = decode_probes
     steps = 2 * 64 - 1  # decode steps after the one-token prefill, 2 keys + values reads per layer each
-    assert calls["quanto-int4-r32"] == calls["quanto-int2-r32"] == steps * 2 * 2
+    sequences = 8  # each sequence runs alone, through its own cache (`run_repeat_probe`)
+    assert calls["quanto-int4-r32"] == calls["quanto-int2-r32"] == steps * 2 * 2 * sequences
     identity = probes["quanto-int4-r32 identity"]
     assert identity.startswith("quanto-int4-r32: transformers QuantizedCache, quanto backend, 4 bits (optimum-quanto ")
     assert "residual_length 32" in identity and "run in decode mode" in identity
@@ -689,3 +728,23 @@ def test_a_simulated_cache_gives_the_same_figures_in_blocks_of_queries(kv, tiny_
     whole, part = run_repeat_probe(build, settings), run_repeat_probe(build, settings, block=24)
     np.testing.assert_allclose(part.copy_losses, whole.copy_losses, rtol=0, atol=1e-5)
     np.testing.assert_allclose(part.heads[list(SCORES)], whole.heads[list(SCORES)], rtol=0, atol=1e-6)
+
+
+def test_batch_size_changes_no_figure_through_a_cache(tmp_path):
+    """bf16 matmuls round differently with the number of rows they multiply (a random Llama of width 256
+    here; SmolLM2 too) and a quantized cache amplifies one flipped rounding; the probe runs each
+    sequence alone, so ``--batch-size`` changes no figure, bit for bit."""
+    from pytest_circuits.model.builds import load_build
+    from pytest_circuits.model.loading import resolve_model
+    from pytest_circuits.rungs.probe import SCORES, run_repeat_probe
+    from pytest_circuits.rungs.repeat_settings import RepeatSettings
+    from pytest_circuits.testing import save_tiny_model
+
+    wide = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    folder = save_tiny_model("llama", tmp_path / "wide", **wide)
+    build = attach_kv_cache(load_build(resolve_model(str(folder)), "bf16", "cpu"), parse_kv("q4_0"))
+    assert "GGUF's interleaved rotary order; Q and K rotated by a 64x64 Walsh-Hadamard" in build.identity.kv_cache
+    settings = RepeatSettings(seed=0, n=4, L=40)
+    alone, together = (run_repeat_probe(build, settings, batch_size=b) for b in (1, 4))
+    np.testing.assert_array_equal(together.copy_losses, alone.copy_losses)
+    np.testing.assert_array_equal(together.heads[list(SCORES)], alone.heads[list(SCORES)])

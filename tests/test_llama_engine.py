@@ -294,6 +294,39 @@ def test_smollm2_q8_0_through_llama_cpp_against_torch(env):
 
 
 @needs_llama_cpp
+@needs_smollm2
+@pytest.mark.slow
+@pytest.mark.real
+@pytest.mark.parametrize(
+    "kv",
+    [
+        "q8_0",
+        "q5_0",
+        "q4_0",
+        *(
+            pytest.param(kv, marks=pytest.mark.xfail(reason=f"measured {gap} nats at L 64 (docs/kv-cache.md); {why}"))
+            for kv, gap, why in (
+                ("q4_1", "-0.19", "Q8_1 queries with an fp16 block sum are not simulated"),
+                ("q5_1", "+0.057", "Q8_1 queries with an fp16 block sum are not simulated"),
+                ("iq4_nl", "+0.082", "within the rounding noise a 4-bit cache amplifies at n 8"),
+            )
+        ),
+    ],
+)
+def test_smollm2_through_llama_cpps_own_cache_is_the_simulation(kv):
+    """SmolLM2's Q8_0 file (head size 64: llama.cpp rotates Q, K, V by a Walsh-Hadamard matrix and
+    keeps its keys in GGUF's interleaved order) through each of llama.cpp's caches against the
+    torch simulation of the same layout and blocks: the mean copy loss within 0.05 nats. Part of the
+    gap is not the cache: llama.cpp quantizes activations (Q8_0 blocks) before its matmuls and, with
+    a quantized K cache, Q before the scores (the f16 cache against full precision: +0.025 at L 64,
+    docs/kv-cache.md). Before the layout was simulated, q4_0 was 0.68 nats off."""
+    from pytest_circuits.model.gguf_quant import cached_gguf
+
+    ours, theirs = probes("smollm2-135m", cached_gguf("smollm2-135m", "Q8_0"), kv)
+    assert abs(ours.copy_loss - theirs.copy_loss) < 0.05, (ours.copy_loss, theirs.copy_loss)
+
+
+@needs_llama_cpp
 def test_the_pytest_gate_suite_through_llama_cpp_skips_what_it_cannot_see(pytester, q8_file):
     """The shipped probes with ``circuits_engine = llama.cpp`` in the ini, a q4_0 cache (flash attention:
     no pattern): the copy loss and the weights gate the GGUF build, the induction and knockout tests

@@ -23,6 +23,7 @@ import torch
 
 from ..errors import RecipeError
 from .family_modules import attention_module
+from .ggml_layout import GgmlLayout, ggml_layout
 from .kv_formats import GGML_BLOCK, KIVI_GROUP, KvSpec
 
 PREFIX = "circuits-kv|"
@@ -51,6 +52,13 @@ def kivi_roundtrip(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     lo, hi = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
     scale = ((hi - lo) / levels).clamp_min(torch.finfo(torch.float32).tiny)
     return ((x - lo) / scale).round().clamp(0, levels) * scale + lo
+
+
+def round_half_away(x: torch.Tensor) -> torch.Tensor:
+    """C's ``roundf``: the nearest integer, ties away from zero (``torch.round`` rounds them to even).
+    ``x - trunc(x)`` is exact in floating point, so the tie test is too."""
+    whole = torch.trunc(x)
+    return whole + torch.where((x - whole).abs() >= 0.5, torch.sign(x), torch.zeros_like(x))
 
 
 def _signed_absmax(blocks: torch.Tensor) -> torch.Tensor:
@@ -100,7 +108,7 @@ def ggml_roundtrip(x: torch.Tensor, kind: str) -> torch.Tensor:
     blocks = x.reshape(-1, GGML_BLOCK).float()
     if kind == "q8_0":
         d = blocks.abs().amax(-1, keepdim=True) / 127
-        out = (blocks * _safe_inverse(d)).round() * _fp16(d)
+        out = round_half_away(blocks * _safe_inverse(d)) * _fp16(d)  # roundf, as quantize_row_q8_0_ref
     elif kind in ("q4_0", "q5_0"):
         half = 8 if kind == "q4_0" else 16
         d = _signed_absmax(blocks) / -half
@@ -125,10 +133,13 @@ def _straight_through(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
     return x + (rounded - x).detach() if x.requires_grad else rounded
 
 
-def quantize_keys(k: torch.Tensor, spec: KvSpec, scale: torch.Tensor | float | None = None) -> torch.Tensor:
+def quantize_keys(
+    k: torch.Tensor, spec: KvSpec, scale: torch.Tensor | float | None = None, stored: GgmlLayout | None = None
+) -> torch.Tensor:
     """Keys ``(batch, kv_heads, T, d_head)`` as the cache returns them. KIVI: per channel over
     complete blocks of 32 tokens (a partial last block is returned unchanged: it is never read
-    from the cache, `cache_pairs`)."""
+    from the cache, `cache_pairs`). ggml: blocks cut as llama.cpp lays the head out (``stored``:
+    its key order and rotation, `ggml_layout`; None: the head as it is)."""
     x = k.float()
     layout = spec.format.layout
     if layout == "fp8":
@@ -141,12 +152,15 @@ def quantize_keys(k: torch.Tensor, spec: KvSpec, scale: torch.Tensor | float | N
             blocks = head.reshape(*x.shape[:-2], whole // KIVI_GROUP, KIVI_GROUP, x.shape[-1])
             out[..., :whole, :] = kivi_roundtrip(blocks, spec.format.bits, dim=-2).reshape(head.shape)
     else:
-        out = ggml_roundtrip(x, spec.format.name)
+        out = _ggml_blocks(x, spec, stored, keys=True)
     return _straight_through(k, out)
 
 
-def quantize_values(v: torch.Tensor, spec: KvSpec, scale: torch.Tensor | float | None = None) -> torch.Tensor:
-    """Values ``(batch, kv_heads, T, d_head)`` as the cache returns them (KIVI: per token, groups of 32 channels)."""
+def quantize_values(
+    v: torch.Tensor, spec: KvSpec, scale: torch.Tensor | float | None = None, stored: GgmlLayout | None = None
+) -> torch.Tensor:
+    """Values ``(batch, kv_heads, T, d_head)`` as the cache returns them (KIVI: per token, groups of 32
+    channels; ggml: rotated as ``stored`` says)."""
     x = v.float()
     layout = spec.format.layout
     if layout == "fp8":
@@ -155,8 +169,17 @@ def quantize_values(v: torch.Tensor, spec: KvSpec, scale: torch.Tensor | float |
         groups = x.reshape(*x.shape[:-1], -1, KIVI_GROUP)
         out = kivi_roundtrip(groups, spec.format.bits, dim=-1).reshape(x.shape)
     else:
-        out = ggml_roundtrip(x, spec.format.name)
+        out = _ggml_blocks(x, spec, stored, keys=False)
     return _straight_through(v, out)
+
+
+def _ggml_blocks(x: torch.Tensor, spec: KvSpec, layout: GgmlLayout | None, keys: bool) -> torch.Tensor:
+    def blocks(y):
+        return ggml_roundtrip(y, spec.format.name)
+
+    if layout is None:
+        return blocks(x)
+    return layout.keys(x, blocks) if keys else layout.values(x, blocks)
 
 
 def _scale(x: torch.Tensor, spec: KvSpec, scale) -> torch.Tensor | float:
@@ -257,7 +280,8 @@ def cached(module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor
         return key, value
     cache.read_by.add(id(module))
     k_scale, v_scale = cache.scales(getattr(module, "layer_idx", 0) or 0)
-    return quantize_keys(key, cache.spec, k_scale), quantize_values(value, cache.spec, v_scale)
+    keys = quantize_keys(key, cache.spec, k_scale, cache.layout)
+    return keys, quantize_values(value, cache.spec, v_scale, cache.layout)
 
 
 def register() -> None:
@@ -272,10 +296,13 @@ def register() -> None:
 
 
 class KvCache:
-    """A build's cache: its `KvSpec`, per-layer scales (fp8: the checkpoint's, else 1.0) and who declared it."""
+    """A build's cache: its `KvSpec`, per-layer scales (fp8: the checkpoint's, else 1.0), who declared
+    it and, for llama.cpp's blocks, how llama.cpp lays a head out (`ggml_layout.GgmlLayout`)."""
 
-    def __init__(self, spec: KvSpec, k_scales=None, v_scales=None, origin: str | None = None):
-        self.spec = spec
+    def __init__(
+        self, spec: KvSpec, k_scales=None, v_scales=None, origin: str | None = None, layout: GgmlLayout | None = None
+    ):
+        self.spec, self.layout = spec, layout
         self.k_scales: dict[int, torch.Tensor] = k_scales or {}
         self.v_scales: dict[int, torch.Tensor] = v_scales or {}
         self.origin = origin
@@ -287,7 +314,8 @@ class KvCache:
     def describe(self) -> str:
         scales = "from the checkpoint (k_scale, v_scale)" if self.k_scales else "1.0 (none given)"
         declared = f"; declared by {self.origin}" if self.origin else ""
-        return f"{self.spec.describe(scales)}{declared}; simulated in torch"
+        stored = f"; {self.layout.describe()}" if self.layout is not None else ""
+        return f"{self.spec.describe(scales)}{declared}{stored}; simulated in torch"
 
 
 def cache_of(module) -> KvCache | None:
@@ -357,7 +385,8 @@ def attach_kv_cache(build, spec: KvSpec, k_scales=None, v_scales=None, origin: s
     if not hasattr(model, "set_attn_implementation"):
         raise RecipeError(f"build {build.recipe}: its model cannot switch attention; a KV cache cannot be simulated")
     register()
-    cache = KvCache(spec, k_scales, v_scales, origin)
+    layout = ggml_layout(model.config.model_type, build.geometry.d_head) if spec.format.layout == "ggml" else None
+    cache = KvCache(spec, k_scales, v_scales, origin, layout)
     setattr(model, CACHE_ATTR, cache)
     modules = [attention_module(model, layer) for layer in range(build.geometry.n_layers)]
     for module in modules:

@@ -255,6 +255,12 @@ def run_repeat_probe(
     ``first_copy_losses`` (the gate's intervals come from them). ``block``: queries per forward
     (default `query_blocks.query_block`: one forward when it fits; 1 in decode mode, a build
     served with transformers' ``QuantizedCache``).
+
+    Each sequence runs alone (``batch_size`` is checked, not used here): a matmul's rounding depends
+    on how many rows it multiplies, and through a quantized cache one flipped rounding moves a
+    sequence's copy loss by tenths of a nat (bf16 SmolLM2, KIVI int4: 0.25), so batching would make
+    the figures depend on ``--batch-size``. The blocks of queries are then a function of the model
+    and ``L`` only, the same for a build and its baseline.
     """
     model = build.model
     L, n = settings.L, settings.n
@@ -273,8 +279,8 @@ def run_repeat_probe(
     first_parts, copy_parts = [], []
     position_sums = torch.zeros(2 * L - 1, dtype=torch.float64)
     with routing_hooks(model, n_layers, L, offset) as sums, path_factor_hooks(model, n_layers, L, offset) as path:
-        for start in range(0, n, batch_size):
-            batch = ids[start : start + batch_size].to(device)
+        for start in range(n):
+            batch = ids[start : start + 1].to(device)
             rows = block or query_block(build.geometry, batch.shape[0], batch.shape[1])
             parts = []
             for begin, logits in forward_blocks(model, batch, rows, decode.new() if decode else None):
