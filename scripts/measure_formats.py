@@ -285,8 +285,8 @@ def llama_table(args, records: Path) -> list[str]:
 
     def record_fp32() -> dict:  # a whole record: the gate's invariants read records (`gate.schema.Record`)
         raw = {"model": args.model, "builds": "fp32", "probe-length": settings.L}
-        session = CircuitsSession(build_settings(raw, Path("baselines"), device="cpu"))
-        return json.loads(dumps(session.record("fp32", knockout=False)))
+        run = Run(build_settings(raw, Path("baselines"), device="cpu"))
+        return json.loads(dumps(run.records.record("fp32", knockout=False).data))
 
     fp32 = cached("fp32-record", record_fp32)
     fp32.pop("seconds", None)
