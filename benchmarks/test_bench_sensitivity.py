@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from pytest_circuits.gate.invariants import gate_all
-from pytest_circuits.gate.store import read_baseline
 from pytest_circuits.gate.tolerances import Tolerances
+from pytest_circuits.record import kappa_method
+from pytest_circuits.record.store import read_baseline
 from pytest_circuits.run.run import Run
 from pytest_circuits.run.sensitivity import Damage, Restorer, gate_record
-from pytest_circuits.rungs import kappa_method
 from pytest_circuits.settings import CircuitsSettings
 from pytest_circuits.testing import requires_embedded_model
 

@@ -14,10 +14,10 @@ import pandas as pd
 
 from .errors import CircuitsError
 from .gate.invariants import MAX_ROWS, Row, format_rows, negligible_heads
-from .gate.schema import HeadWrites
 from .gate.stats import spearman
 from .gate.tolerances import Tolerances
-from .rungs.figures import parse_label
+from .record.figures import parse_label
+from .record.schema import HeadWrites
 
 DEFAULTS = Tolerances()
 __all__ = ["MAX_ROWS", "assert_copying_heads_preserved", "assert_kappa_close", "assert_kappa_distribution_unshifted"]

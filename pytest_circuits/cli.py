@@ -22,7 +22,7 @@ except KeyboardInterrupt:
     raise SystemExit(130) from None
 
 EXIT_OK, EXIT_BROKEN, EXIT_USAGE = 0, 1, 2
-STATUS_WORDS = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}
+STATUS_WORDS = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP", "error": "ERROR"}
 MODEL_HELP = "model folder, .gguf file, cache id or named model (tiny-induction, smollm2-135m)"
 SHIPPED_EXAMPLE = "tiny-induction--fp32"  # a shipped baseline's name, as the help and `circuits baselines` show it
 
@@ -270,9 +270,9 @@ def _one_build(session, command: str) -> str:
 def cmd_scan(args) -> int:
     from .fsio import atomic_write_text, check_output, remove_stale_temps
     from .gate.profile import profile, profile_line
-    from .gate.store import dumps
     from .gate.tolerances import Tolerances
     from .model.kv_formats import refuse_decode_knockouts
+    from .record.store import dumps
     from .run.records import measure_record
     from .show import head_table, model_lines
 
@@ -316,7 +316,7 @@ def cmd_record(args) -> int:
 
 
 def _record_shard(args) -> int:
-    """One shard of one build's record, as its own job: ``--shard I/K --out FILE`` (`gate.shards`)."""
+    """One shard of one build's record, as its own job: ``--shard I/K --out FILE`` (`record.shards`)."""
     from .options import parse_shard
     from .run.records import write_part
 
@@ -332,7 +332,7 @@ def _record_shard(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    from .gate.shards import merge_files
+    from .record.shards import merge_files
 
     _, count = merge_files(args.parts, args.output)
     print(f"wrote {args.output}: {count} parts merged")
@@ -372,7 +372,7 @@ def _missing_baseline(args) -> str:
     (a file named MODEL--RECIPE.json: that very file; another name: the reference build into its folder)."""
     from .errors import closest
     from .gate.fixes import file_record_command, record_command
-    from .gate.store import SEPARATOR, SUFFIX, shipped_baselines
+    from .record.store import SEPARATOR, SUFFIX, shipped_baselines
 
     path, settings = args.baseline, _session(args).settings
     recipe = path.name.removesuffix(SUFFIX).rpartition(SEPARATOR)[2]
@@ -394,7 +394,7 @@ def _missing_baseline(args) -> str:
 
 def cmd_baselines(args) -> int:
     """The shipped baselines, one a line: the name `--baseline` takes anywhere, and the file."""
-    from .gate.store import shipped_baselines
+    from .record.store import shipped_baselines
 
     shipped = shipped_baselines()
     width = max(map(len, shipped), default=0)
@@ -409,9 +409,9 @@ def cmd_baselines(args) -> int:
 def cmd_gate(args) -> int:
     from .errors import BaselineMissing
     from .gate.fixes import file_fix_line
-    from .gate.store import baseline_file, baseline_line, read_record
     from .model.kv_formats import refuse_decode_knockouts
     from .model.recipes import describe_identity
+    from .record.store import baseline_file, baseline_line, read_record
     from .run.flow import gate_file
 
     tol = _tolerances(args.tol)
@@ -450,7 +450,7 @@ def cmd_diff(args) -> int:
 
 def cmd_sensitivity(args) -> int:
     """`sensitivity.run_command` on the build against its baseline (its probe settings)."""
-    from .gate.store import baseline_file, read_record
+    from .record.store import baseline_file, read_record
     from .run.sensitivity import run_command
 
     tol = _tolerances(args.tol)

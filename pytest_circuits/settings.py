@@ -19,7 +19,7 @@ from .options import (
     parse_shard,
     parse_value,
 )
-from .rungs.kappa_method import KappaMethod
+from .record.kappa_method import KappaMethod
 from .rungs.repeat_settings import RepeatSettings
 
 
@@ -53,24 +53,32 @@ class CircuitsSettings:
     knockout_screen_grad_drop_layers: int | None = None
     knockout_screen_ablation: str = "scan"
     # How new records measure kappa (centred W_U, 32-draw t null); the gate measures a build the
-    # way its baseline was measured (rungs/kappa_method.py, gate/verdict.candidate_record).
+    # way its baseline was measured (record/kappa_method.py, run/flow.candidate_record).
     kappa_method: KappaMethod = field(default_factory=KappaMethod)
     knockout_shards: int | None = None  # layer shards of the knockout scan (None: automatic)
-    shard: tuple[int, int] | None = None  # (i, K): this job measures only knockout shard i of K (gate/shards.py)
+    shard: tuple[int, int] | None = None  # (i, K): this job measures only knockout shard i of K (record/shards.py)
     shard_out: Path | None = None  # where a shard job writes its part
     shard_parts: str | None = None  # gate the record merged from these parts (a glob or folder) instead of measuring
     fdr_q: float = 0.05
     batch_size: int = 8
     tolerances: dict = field(default_factory=dict)  # gate tolerance overrides (ini circuits_tol_*)
 
-    def spec(self, name: str):
-        """The `recipes.BuildSpec` of build ``name``: its NAME=PATH, else the recipe (checked)."""
+    def __post_init__(self) -> None:
+        """Every build of the run and its reference parsed once into its typed `recipes.BuildSpec`
+        (a NAME=PATH from ``external``, else the recipe, checked: a bad name is one line here)."""
         from .model.recipes import parse_build_spec
 
-        for spec in self.external:
-            if spec.name == name:
-                return spec
-        return parse_build_spec(name)
+        named = {spec.name: spec for spec in self.external}
+        names = dict.fromkeys((*self.builds, self.reference))
+        self._specs = {name: named.get(name) or parse_build_spec(name) for name in names}
+
+    def spec(self, name: str):
+        """The `recipes.BuildSpec` of build ``name``: one of the run's, parsed once; another (the build a
+        baseline file names) parsed now."""
+        from .model.recipes import parse_build_spec
+
+        known = self._specs.get(name)
+        return known if known is not None else parse_build_spec(name)
 
     @property
     def knockout_probe(self) -> RepeatSettings:
@@ -160,3 +168,32 @@ def recording_words(s: CircuitsSettings, front_end: str) -> list[str]:
         spelled = option.cli_flag if front_end == "cli" else option.pytest_flag
         words += [spelled] if value is True else [spelled, str(value)]
     return words
+
+
+def check_shard_job(settings: CircuitsSettings) -> None:
+    """The pytest options of a shard job (``--circuits-shard I/K --circuits-shard-out FILE``, one
+    build) and of a merge job (``--circuits-shard-parts``) fit together, or one line says why not."""
+    s = settings
+    if s.shard is None:
+        if s.shard_out is not None:
+            raise ShardError(f"{flag('shard-out')} writes a shard job's part: give {flag('shard')} I/K too")
+        if s.shard_parts is not None and s.knockout_shards is not None:
+            raise ShardError(
+                f"{flag('shard-parts')} gates the merged parts and measures no knockout: drop {flag('knockout-shards')}"
+            )
+        return
+    job = f"{flag('shard')} {s.shard[0]}/{s.shard[1]}"
+    if s.shard_out is None:
+        raise ShardError(f"{job} needs {flag('shard-out')} FILE: where this job writes its part")
+    if s.shard_parts is not None:
+        raise ShardError(
+            f"{job} measures one shard and {flag('shard-parts')} gates the merged parts: two jobs; give one"
+        )
+    if s.update:
+        raise ShardError(
+            f"{job} measures one shard: record baselines where the parts merge ({flag('shard-parts')} ... {flag('update')})"
+        )
+    if len(s.builds) != 1:
+        raise ShardError(
+            f"{job} measures one build, got {', '.join(s.builds)}: give {flag('builds')} B (one job per build and shard)"
+        )

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .gate.schema import Head, Record
+from .record.schema import Head, Record
 
 
 def _fmt(value, spec: str) -> str:
@@ -20,7 +20,7 @@ def head_table(record: Record) -> str:
     """One line per head: the figures of `figures.table_figures` and the copying/suppression flag;
     ``ov gain`` is the head's OV gain over the largest head's (idle heads sit near 0)."""
     from .gate.invariants import ov_gains
-    from .rungs.figures import table_figures
+    from .record.figures import table_figures
 
     gains = ov_gains(record)
     largest = max(gains.values(), default=0.0)
@@ -40,9 +40,9 @@ def head_table(record: Record) -> str:
 
 def model_lines(record: Record) -> list[str]:
     """The model, its build and its probe, with the model figures and their intervals."""
-    from .gate.record import model_kind
     from .model.recipes import describe_identity
-    from .rungs.figures import MODEL_FIGURES, interval_key
+    from .record.figures import MODEL_FIGURES, interval_key
+    from .record.read import model_kind
 
     m, b, p = record.model, record.build, record.probe
 
@@ -62,7 +62,7 @@ def model_lines(record: Record) -> list[str]:
 
 def rung1_diffed() -> tuple[str, ...]:
     """The rung-1 figures `circuits diff` shows: the kappa frame's diffed figures and flags."""
-    from .rungs.figures import BY_NAME, diff_figures
+    from .record.figures import BY_NAME, diff_figures
 
     return tuple(m for m in (*diff_figures(), "copying", "suppression") if BY_NAME[m].source == "kappa")
 
@@ -72,7 +72,7 @@ def diff_rows(a: Record, b: Record, min_change: float = 0.01) -> list[tuple]:
     ``min_change``; rung-1 figures only where both records measured them alike (`kappa_pairs`)."""
     from .gate.invariants import kappa_pairs
     from .gate.rows import head_pairs
-    from .rungs.figures import diff_figures
+    from .record.figures import diff_figures
 
     rung1 = rung1_diffed()
     paired, _ = kappa_pairs(a, b, rung1)
@@ -101,9 +101,9 @@ def diff_lines(file_a: Path, file_b: Path, min_change: float) -> list[str]:
     from .gate.check import check
     from .gate.invariants import format_interval, kappa_pairs, verdict
     from .gate.stats import paired_interval
-    from .gate.store import geometry_difference, other_model_type, read_record
     from .gate.tolerances import Tolerances
-    from .rungs.figures import MODEL_FIGURES, sequences_key
+    from .record.figures import MODEL_FIGURES, sequences_key
+    from .record.store import geometry_difference, other_model_type, read_record
 
     out: list[str] = []
     a, b = read_record(file_a), read_record(file_b)

@@ -84,9 +84,9 @@ def _peak_mb(torch, device) -> float:
 def run(args, torch) -> int:
     from pytest_circuits.errors import CircuitsError
     from pytest_circuits.gate.invariants import gate_all
-    from pytest_circuits.gate.store import BaselineStore
     from pytest_circuits.model.named import SHIPPED_BASELINES
     from pytest_circuits.model.recipes import RECIPES, parse_builds
+    from pytest_circuits.record.store import BaselineStore
     from pytest_circuits.run.run import Run
     from pytest_circuits.rungs.knockout import knockout_scan
     from pytest_circuits.rungs.plain_loops import plain_knockout_deltas

@@ -55,13 +55,13 @@ import torch
 
 from pytest_circuits.gate.invariants import gate_all, key_heads
 from pytest_circuits.gate.stats import paired_interval
-from pytest_circuits.gate.store import dumps
 from pytest_circuits.gate.tolerances import Tolerances
 from pytest_circuits.model.calibrated import HELD_OUT_MODULES, text_ids
 from pytest_circuits.model.quantized_cache import decode_cache_of
 from pytest_circuits.model.recipes import RECIPES
+from pytest_circuits.record.figures import sequences_key
+from pytest_circuits.record.store import dumps
 from pytest_circuits.run.run import Run
-from pytest_circuits.rungs.figures import sequences_key
 from pytest_circuits.rungs.query_blocks import block_losses, forward_blocks
 from pytest_circuits.settings import build_settings
 
@@ -234,7 +234,7 @@ LLAMA_COLUMNS = (
 
 def probe_figures(probe) -> dict:
     """A probe's copy loss and gain with their per-sequence values, as a record holds them."""
-    from pytest_circuits.gate.record import sampled_model_figures
+    from pytest_circuits.run.assemble import sampled_model_figures
 
     return {**probe.model_figures(), **sampled_model_figures(probe)}
 
@@ -283,7 +283,7 @@ def llama_table(args, records: Path) -> list[str]:
             path.write_text(json.dumps({**figures, "seconds": time.perf_counter() - start}))
         return json.loads(path.read_text())
 
-    def record_fp32() -> dict:  # a whole record: the gate's invariants read records (`gate.schema.Record`)
+    def record_fp32() -> dict:  # a whole record: the gate's invariants read records (`record.schema.Record`)
         raw = {"model": args.model, "builds": "fp32", "probe-length": settings.L}
         run = Run(build_settings(raw, Path("baselines"), device="cpu"))
         return json.loads(dumps(run.records.record("fp32", knockout=False).data))

@@ -23,11 +23,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from pytest_circuits.gate.invariants import evaluate, key_heads
-from pytest_circuits.gate.record import sampled_model_figures
-from pytest_circuits.gate.store import dumps, read_baseline
 from pytest_circuits.gate.tolerances import Tolerances
+from pytest_circuits.record import figures
+from pytest_circuits.record.store import dumps, read_baseline
+from pytest_circuits.run.assemble import sampled_model_figures
 from pytest_circuits.run.run import Run
-from pytest_circuits.rungs import figures
 from pytest_circuits.settings import CircuitsSettings, RepeatSettings
 
 INVARIANTS = ("copy_loss", "knockout_deltas")

@@ -22,7 +22,7 @@ def main(heads: list[str]) -> None:
     from pytest_circuits.model.builds import load_build
     from pytest_circuits.model.families import out_proj_module
     from pytest_circuits.model.loading import resolve_model
-    from pytest_circuits.rungs.figures import parse_label
+    from pytest_circuits.record.figures import parse_label
     from pytest_circuits.rungs.knockout import knockout_scan
     from pytest_circuits.rungs.repeat import bos_offset
     from pytest_circuits.rungs.repeat_settings import RepeatSettings

@@ -83,9 +83,9 @@ def gemma_folder(folder: Path) -> Path:
 
 def load(model: str, folder: Path):
     """``(build, settings, exact deltas (n_layers, n_heads), mode)`` of one model."""
-    from pytest_circuits.gate.store import read_baseline
     from pytest_circuits.model.builds import load_build
     from pytest_circuits.model.loading import resolve_model
+    from pytest_circuits.record.store import read_baseline
     from pytest_circuits.rungs.knockout import knockout_scan
     from pytest_circuits.rungs.repeat_settings import RepeatSettings
 

@@ -49,12 +49,12 @@ from scipy.stats import binomtest
 
 from pytest_circuits.errors import CircuitsError
 from pytest_circuits.gate.invariants import gate_all, get, key_heads, per_build_invariants
-from pytest_circuits.gate.looks import SEQUENTIAL
-from pytest_circuits.gate.record import has_figures
-from pytest_circuits.gate.schema import Record
-from pytest_circuits.gate.store import read_baseline
 from pytest_circuits.gate.tolerances import Tolerances
 from pytest_circuits.model.gguf_quant import cached_gguf
+from pytest_circuits.record.looks import SEQUENTIAL
+from pytest_circuits.record.read import has_figures
+from pytest_circuits.record.schema import Record
+from pytest_circuits.record.store import read_baseline
 from pytest_circuits.run import sensitivity as S
 from pytest_circuits.run.looks import with_looks
 from pytest_circuits.run.run import Run

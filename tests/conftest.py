@@ -107,7 +107,7 @@ def q8_file(env, float_gguf) -> Path:
 @pytest.fixture
 def record_validations(monkeypatch):
     """The class names of every `schema.Record` validation from here on, in order."""
-    from pytest_circuits.gate import schema
+    from pytest_circuits.record import schema
 
     validations: list[str] = []
     real = schema.Record.model_validate.__func__

@@ -6,9 +6,9 @@ from __future__ import annotations
 import copy
 import math
 
-from pytest_circuits.gate.schema import Record
-from pytest_circuits.gate.seeds import look_seed
-from pytest_circuits.rungs import figures
+from pytest_circuits.record import figures
+from pytest_circuits.record.schema import Record
+from pytest_circuits.record.seeds import look_seed
 
 
 def _filler(figure: figures.Figure):

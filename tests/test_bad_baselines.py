@@ -294,7 +294,7 @@ def test_kill_9_during_record_keeps_the_old_baseline(recorded, tmp_path):
     import sys
     import time
 
-    from pytest_circuits.gate.store import read_baseline
+    from pytest_circuits.record.store import read_baseline
 
     model, good = recorded
     folder = tmp_path / "baselines"

@@ -13,8 +13,8 @@ import pandas as pd
 import pytest
 
 from pytest_circuits.errors import BaselineError
-from pytest_circuits.gate import store as bl
-from pytest_circuits.gate.record import HEAD_COLUMNS, SCHEMA_VERSION, assemble_record, eigenvalue_map, head_rows
+from pytest_circuits.record import store as bl
+from pytest_circuits.run.assemble import HEAD_COLUMNS, SCHEMA_VERSION, assemble_record, eigenvalue_map, head_rows
 
 from .conftest import SHIPPED_BASELINES
 
@@ -442,9 +442,9 @@ def test_missing_figures_names_what_a_record_lacks():
 def test_a_baseline_is_validated_once_where_it_is_read(tmp_path, record_validations):
     """The store reads a baseline as its typed `Record` (its dict kept as `data`): the gate's
     `Record.of` takes it as it is, never validating it again (#39 item 4)."""
-    from pytest_circuits.gate import schema
     from pytest_circuits.gate.invariants import gate_all
     from pytest_circuits.gate.tolerances import Tolerances
+    from pytest_circuits.record import schema
 
     store = bl.BaselineStore(tmp_path)
     store.write("m", "fp32", json.loads((SHIPPED_BASELINES / "tiny-induction--fp32.json").read_text()))

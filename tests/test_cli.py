@@ -272,7 +272,7 @@ def test_diff_rows_stay_aligned_for_the_longest_metric_name(capsys):
 def test_model_line_names_the_model_type_and_its_layout():
     """A Qwen3 record says qwen3 (its model type) and llama (the layout its heads are read with),
     not "llama" alone; an older record without a model type keeps the layout's name."""
-    from pytest_circuits.gate.schema import Record
+    from pytest_circuits.record.schema import Record
     from pytest_circuits.show import model_lines
 
     from .scan_records import complete

@@ -159,7 +159,7 @@ def q8_session(q8_file, tmp_path_factory):
 
 
 def test_q8_file_identity_is_the_file(q8_session, q8_file):
-    from pytest_circuits.gate.schema import Record
+    from pytest_circuits.record.schema import Record
 
     record = q8_session.records.record("q8", knockout=False).data
     build = record["build"]
@@ -198,8 +198,8 @@ def test_report_shows_the_file_of_an_external_build(q8_session, q8_file, tmp_pat
 
 
 def test_shipped_baselines_still_validate():
-    from pytest_circuits.gate.store import BaselineStore
     from pytest_circuits.model.named import SHIPPED_BASELINES
+    from pytest_circuits.record.store import BaselineStore
 
     store = BaselineStore(SHIPPED_BASELINES)
     for model in ("tiny-induction", "smollm2-135m"):

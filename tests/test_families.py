@@ -616,7 +616,7 @@ def _scan(folder, json_path) -> dict:
 
 @pytest.mark.parametrize("model_type", TYPES)
 def test_circuits_scan_runs_on_every_type(saved_type, model_type, tmp_path, capsys):
-    from pytest_circuits.gate.schema import Record
+    from pytest_circuits.record.schema import Record
 
     folder = saved_type(model_type)
     record = _scan(folder, tmp_path / "scan.json")

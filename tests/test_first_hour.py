@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from pytest_circuits.cli import build_parser, main
-from pytest_circuits.gate.store import baseline_file, read_baseline, shipped_baselines
+from pytest_circuits.record.store import baseline_file, read_baseline, shipped_baselines
 from pytest_circuits.testing import requires_embedded_model
 
 from .conftest import SHIPPED_BASELINES

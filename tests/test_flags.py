@@ -12,8 +12,8 @@ import pytest
 
 from pytest_circuits.assertions import assert_copying_heads_preserved
 from pytest_circuits.model.weights import extract_weights
+from pytest_circuits.record.kappa_method import FLAGS, LEGACY, KappaMethod, of_record, paired_figures
 from pytest_circuits.rungs.kappa import SpectrumError, ov_spectrum, reflagged
-from pytest_circuits.rungs.kappa_method import FLAGS, LEGACY, KappaMethod, of_record, paired_figures
 from pytest_circuits.testing import make_tiny_model, pull_head_towards_copying
 
 from .conftest import LEGACY_BASELINE
@@ -124,7 +124,7 @@ def _record(min_effect: float | None, flip: str | None = None) -> dict:
 
 
 def test_a_record_without_min_effect_was_flagged_on_q_alone():
-    from pytest_circuits.gate.schema import Record
+    from pytest_circuits.record.schema import Record
 
     old = json.loads(LEGACY_BASELINE.read_text())
     assert "min_effect" not in old["rung1"]
@@ -140,8 +140,8 @@ def test_flags_of_two_minimum_effects_are_not_compared():
     """Only the flags depend on the minimum effect: kappa, z, p and q still pair; the flags do not,
     and `circuits diff` names both methods instead of reading a flag change."""
     from pytest_circuits.gate.invariants import evaluate, kappa_pairs
-    from pytest_circuits.gate.schema import Record
     from pytest_circuits.gate.tolerances import Tolerances
+    from pytest_circuits.record.schema import Record
     from pytest_circuits.show import diff_rows
 
     zero, default = KappaMethod(min_effect=0.0), KappaMethod()
@@ -204,7 +204,7 @@ def test_a_partial_frame_reaches_the_cut_as_head_writes_and_a_bad_one_is_one_lin
     a column that is no number is one line naming it."""
     from pytest_circuits.errors import CircuitsError
     from pytest_circuits.gate.invariants import negligible_heads
-    from pytest_circuits.gate.schema import HeadWrites
+    from pytest_circuits.record.schema import HeadWrites
 
     frame = pd.DataFrame({"head": ["L0H0", "L0H1"], "kappa": [0.9, 0.1], "copying": [True, False]})
     assert_copying_heads_preserved(frame, frame)  # no ov_gain: no cut, nothing lost

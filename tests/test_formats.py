@@ -239,8 +239,8 @@ def test_compressed_release_as_the_model(checkpoints):
 
 
 def test_gate_runs_on_a_checkpoint_against_fp32(session):
-    from pytest_circuits.gate.schema import Record
     from pytest_circuits.gate.tolerances import Tolerances
+    from pytest_circuits.record.schema import Record
     from pytest_circuits.run.flow import gate_build
 
     outcome = gate_build(

@@ -213,8 +213,8 @@ def test_the_five_front_ends_reach_one_verdict(recorded, tmp_path):
     from types import SimpleNamespace
 
     from pytest_circuits.gate.invariants import verdict
-    from pytest_circuits.gate.store import read_record
     from pytest_circuits.gate.tolerances import Tolerances
+    from pytest_circuits.record.store import read_record
     from pytest_circuits.report.writer import gate_files
     from pytest_circuits.run.run import Run
     from pytest_circuits.run.sensitivity import gate_record

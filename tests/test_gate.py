@@ -437,7 +437,7 @@ class FakeSession:
         self.records = self.baselines = self  # the record source and the baselines, both typed inputs of the gate
 
     def record(self, build_name, knockout=True, method=None):
-        from pytest_circuits.gate.schema import Record
+        from pytest_circuits.record.schema import Record
 
         return Record.of(self.candidate)  # a `RecordSource` gives typed records
 

@@ -353,6 +353,19 @@ def test_knockouts_of_a_decode_only_cache_are_refused_before_any_work(tmp_path, 
         assert "--no-knockout" in line and not Path("never-written").exists()
 
 
+def test_under_pytest_knockouts_of_a_decode_only_cache_are_a_usage_error_before_any_test(tmp_path):
+    """Under pytest the selected knockout test of ``+kv-quanto-int4-r32`` is refused before any test runs
+    (exit 4, pytest's way out named), not one failed test after the decode-mode probe; deselected with
+    ``-k 'not knockout'``, the refusal goes and the run proceeds."""
+    project = probes_project(tmp_path / "project")
+    build = "fp32+kv-quanto-int4-r32"
+    line = usage_error(pytest_run(["--circuits-builds", build], project))
+    assert f"build {build}: the knockout scan runs one forward over whole sequences" in line, line
+    assert "-k 'not knockout'" in line
+    done = pytest_run(["--circuits-builds", build, "-k", "not knockout and ov_gain"], project)
+    assert done.returncode == 0 and "1 passed" in done.stdout, (done.stdout + done.stderr)[-3000:]
+
+
 # ---------------------------------------------------------------- 5. the messages
 
 

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from pytest_circuits.errors import CircuitsError, UnknownFamilyError
-from pytest_circuits.gate.schema import Geometry as RecordGeometry
 from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.families import family_for_config, geometry_of
 from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.model.selfcheck import check_decomposition
 from pytest_circuits.model.weights import extract_weights
+from pytest_circuits.record.schema import Geometry as RecordGeometry
 from pytest_circuits.rungs.kappa import kappa_scores, reduced_ov_layer
 from pytest_circuits.rungs.knockout import knockout_scan
 from pytest_circuits.rungs.repeat import bos_offset, repeat_tokens
@@ -182,7 +182,7 @@ def test_the_record_names_the_attention_blocks(tmp_path, capsys):
     """`circuits scan --json` of a hybrid: geometry.attention_layers lists the attention blocks, its heads
     are those blocks' (n_layers = their count), and the record validates."""
     from pytest_circuits.cli import main
-    from pytest_circuits.gate.schema import Record
+    from pytest_circuits.record.schema import Record
 
     folder = save_tiny_model("nemotron_h", tmp_path / "m", seed=2, initializer_range=0.2)
     out = tmp_path / "scan.json"

@@ -8,11 +8,12 @@ linter. The layers, highest first; a module may import its own layer and any lay
 2. ``run`` (one run: its parts and the flow that measures what the gate asks for), ``assertions``,
    ``testing``
 3. ``report``
-4. ``gate``
+4. ``gate`` (pure verdicts: it imports no ``rungs`` and needs no torch, tests below)
 5. ``settings``
 6. ``rungs``
-7. ``model``
-8. base: ``errors``, ``options``, ``fsio``, ``progress``
+7. ``record`` (the one record: figures, schema, store, shards, looks)
+8. ``model``
+9. base: ``errors``, ``options``, ``fsio``, ``progress``
 
 The one exception: ``from pytest_circuits import __version__`` (package metadata, no code) is
 allowed from any layer.
@@ -37,6 +38,7 @@ LAYERS = (
     ("gate",),
     ("settings",),
     ("rungs",),
+    ("record",),
     ("model",),
     ("errors", "options", "fsio", "progress"),
 )
@@ -147,7 +149,7 @@ def test_the_checks_see_a_cycle_and_an_upward_import():
     """The checks themselves: a hand-made cycle is found, a lower layer ranks below a higher one."""
     assert find_cycle({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": ["b"], "b": ["c"], "d": ["a", "c"]}) is None
-    assert layer_of("pytest_circuits.model.families") > layer_of("pytest_circuits.gate.store")
+    assert layer_of("pytest_circuits.model.families") > layer_of("pytest_circuits.gate.check")
     assert layer_of("pytest_circuits.errors") == len(LAYERS) - 1
     screen_imports = dict(imports_of("pytest_circuits.rungs.screen"))
     assert "pytest_circuits.rungs.replay" in screen_imports  # relative imports resolve to full names
@@ -229,29 +231,27 @@ def test_no_class_is_over_200_lines_counting_what_it_inherits():
 
 # ---------------------------------------------------------------- typed records (issue #39, item 4)
 
-# modules that read scan records as typed `gate.schema.Record`s, never by key
+# modules that read scan records as typed `record.schema.Record`s, never by key
 TYPED = (
     "gate/builtin_invariants.py",
     "gate/swap_invariants.py",
     "gate/profile.py",
-    "gate/looks.py",
     "gate/invariant_api.py",
     "gate/invariants.py",
     "gate/check.py",
+    "gate/fixes.py",
     "run/flow.py",
     "run/baselines.py",
-    "gate/store.py",
-    "gate/fixes.py",
-    "gate/record.py",
-    "gate/shards.py",
+    "run/assemble.py",
 )
-# every module that reads records (#50: one typed record from measurement to report); of them, the record's
-# views are the only ones that read its keys: the gate's typed one and the report's lenient one
-READERS = sorted(p for folder in ("gate", "report", "run", "plugin") for p in PACKAGE.glob(f"{folder}/*.py")) + [
-    PACKAGE / "cli.py",
-    PACKAGE / "show.py",
-]
-VIEWS = ("gate/schema.py", "report/drawn.py")
+# every module outside the record package (#50: one typed record from measurement to report): the record's
+# package is the only one that reads its keys (its typed schema, its store and shard parts, its lenient
+# view for drawing)
+READERS = sorted(p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] != "record")
+# ... but for the modules that read pandas frames and Hugging Face configs, whose columns and keys share
+# the figures' names: they never hold a record (test_frame_readers_hold_no_record)
+FRAME_READERS = ("rungs", "model", "assertions.py", "probes/test_rung2_knockout.py")
+READERS = [p for p in READERS if not p.relative_to(PACKAGE).as_posix().startswith(FRAME_READERS)]
 # still reading record dicts by key: to convert (the report)
 PENDING: tuple[str, ...] = ()
 
@@ -265,7 +265,7 @@ NOT_RECORDS |= {"event", "load", "part"}  # the run's baseline events, its build
 
 def _record_keys() -> set[str]:
     """Every key of a scan record, at any depth: the fields of `Record` and its parts."""
-    from pytest_circuits.gate import schema
+    from pytest_circuits.record import schema
 
     models = (schema.Record, schema.HeadRow, schema.Geometry, schema.ModelInfo, schema.BuildInfo)
     models += (schema.ProbeInfo, schema.KnockoutInfo, schema.Rung1Info, schema.Look)
@@ -297,13 +297,48 @@ def test_typed_modules_read_no_record_key_and_the_pending_list_is_exact():
     flagged = {}
     for path in READERS:
         rel = path.relative_to(PACKAGE).as_posix()
-        if rel not in VIEWS and (reads := record_reads(path.read_text(), keys)):
+        if reads := record_reads(path.read_text(), keys):
             flagged[rel] = reads
     typed = {m: flagged[m] for m in TYPED if m in flagged}
     assert not typed, f"record keys read in typed modules (read the Record's attributes): {typed}"
     assert sorted(flagged) == sorted(PENDING), (
         "a pending module was converted (drop it from PENDING) or a new one reads keys"
     )
+
+
+def test_frame_readers_hold_no_record():
+    """The modules left out of the key-read check import no whole-record type from the schema (the
+    assertions take its typed partial `HeadWrites`), so what they read by key is a frame or a config."""
+    whole = {"Record", "RecordLike", "typed_record", "Identity"}
+    holding = {
+        name: sorted(set(taken) & whole)
+        for name, path in MODULES.items()
+        if path.relative_to(PACKAGE).as_posix().startswith(FRAME_READERS)
+        for target, taken in imports_of(name)
+        if target == "pytest_circuits.record.schema" and set(taken) & whole
+    }
+    assert not holding, f"a frame reader takes a record type: {holding}"
+
+
+def test_the_gate_and_the_rungs_import_neither_each_other_nor_torch():
+    """gate/ decides from records and rungs/ measures a loaded build: neither imports the other, and
+    importing the gate's verdict (every built-in invariant registered) loads no torch."""
+    import subprocess
+    import sys
+
+    def folder(module: str) -> str:
+        return module.split(".")[1] if "." in module else ""
+
+    crossing = [
+        (name, target)
+        for name in MODULES
+        for target, _ in imports_of(name)
+        if {folder(name), folder(target)} == {"gate", "rungs"}
+    ]
+    assert not crossing, f"gate and rungs import each other: {crossing}"
+    code = "import sys, pytest_circuits.gate.check, pytest_circuits.gate.invariants; print('torch' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "False", "importing the gate loads torch"
 
 
 def test_the_assertions_read_no_record_key_with_get():
@@ -324,7 +359,7 @@ def test_the_record_read_check_sees_a_key_read():
 
 def _declared_for_mypy(name: str) -> dict[str, str]:
     """``field: annotation`` of class ``name`` in schema.py's ``if TYPE_CHECKING:`` block."""
-    tree = ast.parse((PACKAGE / "gate" / "schema.py").read_text())
+    tree = ast.parse((PACKAGE / "record" / "schema.py").read_text())
     block = next(n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
     cls = next(n for n in block.body if isinstance(n, ast.ClassDef) and n.name == name)
     return {n.target.id: ast.unparse(n.annotation) for n in cls.body if isinstance(n, ast.AnnAssign)}
@@ -352,7 +387,7 @@ def _plain_annotation(field) -> str:
 def test_what_mypy_reads_of_the_figure_models_is_what_they_hold(name):
     """The head rows and model figures are built from the figure table at import; mypy reads a
     declaration of each (schema.py, ``if TYPE_CHECKING``) that must name the same fields and types."""
-    from pytest_circuits.gate import schema
+    from pytest_circuits.record import schema
 
     built = {field: _plain_annotation(info) for field, info in getattr(schema, name).model_fields.items()}
     assert _declared_for_mypy(name) == built

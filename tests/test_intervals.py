@@ -12,13 +12,13 @@ from scipy import stats as scipy_stats
 
 from pytest_circuits.errors import BaselineCorrupt
 from pytest_circuits.gate.invariants import evaluate, format_rows, gate_all, key_heads
-from pytest_circuits.gate.record import interval_of
 from pytest_circuits.gate.stats import excludes_zero, mean_interval, paired_interval
-from pytest_circuits.gate.store import dumps, read_baseline, validate
 from pytest_circuits.gate.tolerances import Tolerances
 from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.loading import resolve_model
-from pytest_circuits.rungs.figures import SAMPLED_MODEL_FIGURES, interval_key, sequences_key
+from pytest_circuits.record.figures import SAMPLED_MODEL_FIGURES, interval_key, sequences_key
+from pytest_circuits.record.store import dumps, read_baseline, validate
+from pytest_circuits.run.assemble import interval_of
 from pytest_circuits.rungs.knockout import knockout_scan
 from pytest_circuits.rungs.plain_loops import plain_knockout_deltas
 from pytest_circuits.rungs.probe import run_repeat_probe
@@ -280,7 +280,7 @@ def test_rows_print_change_and_interval():
 @needs_embedded
 def test_circuits_diff_and_scan_lines_show_the_intervals(embedded_records, tmp_path, capsys):
     from pytest_circuits.cli import main
-    from pytest_circuits.gate.schema import Record
+    from pytest_circuits.record.schema import Record
     from pytest_circuits.show import model_lines
 
     reference, negated = embedded_records

@@ -367,7 +367,7 @@ def test_streamed_spectrum_equals_the_all_at_once_spectrum():
 
 
 def test_kappa_method_of_a_record():
-    from pytest_circuits.rungs.kappa_method import LEGACY, KappaMethod, of_record
+    from pytest_circuits.record.kappa_method import LEGACY, KappaMethod, of_record
 
     shipped = json.loads(LEGACY_BASELINE.read_text())
     assert "unembedding" not in shipped["rung1"]  # recorded before the centred unembedding
@@ -388,7 +388,7 @@ def tiny_induction_session():
 def test_gate_measures_the_candidate_as_its_baseline_was_measured(tiny_induction_session):
     """Against a shipped (older) baseline the candidate is uncentred with the 256-draw normal null,
     and reproduces the baseline; a new record is centred with the 32-draw t null."""
-    from pytest_circuits.gate.schema import Record
+    from pytest_circuits.record.schema import Record
     from pytest_circuits.run.flow import candidate_record
 
     session = tiny_induction_session
@@ -422,10 +422,10 @@ def test_gate_build_asks_each_baseline_for_its_own_method():
     reference baseline's (uncentred, 256 normal draws) and the newer own baseline's (centred, t)."""
     from types import SimpleNamespace
 
-    from pytest_circuits.gate.schema import Record
     from pytest_circuits.gate.tolerances import Tolerances
+    from pytest_circuits.record.kappa_method import LEGACY, KappaMethod
+    from pytest_circuits.record.schema import Record
     from pytest_circuits.run.flow import gate_build
-    from pytest_circuits.rungs.kappa_method import LEGACY, KappaMethod
 
     old = json.loads(LEGACY_BASELINE.read_text())
     new = {**old, "rung1": {**old["rung1"], **KappaMethod().as_dict()}}
@@ -455,8 +455,8 @@ def test_records_of_two_kappa_methods_pair_only_like_figures(tiny_induction_sess
     new record's uncentred twins; what the null decides (z, flags) is not compared, and the
     invariant that needs it says why (a failure), never reading the method as a change."""
     from pytest_circuits.gate.invariants import evaluate
-    from pytest_circuits.gate.schema import Record
     from pytest_circuits.gate.tolerances import Tolerances
+    from pytest_circuits.record.schema import Record
     from pytest_circuits.show import diff_rows
 
     old = json.loads(LEGACY_BASELINE.read_text())

@@ -113,7 +113,7 @@ def llama_record(record: dict) -> dict:
 
 
 def test_invariants_needing_internals_skip_with_the_engines_reason_never_pass():
-    from pytest_circuits.gate.store import read_baseline
+    from pytest_circuits.record.store import read_baseline
 
     baseline = read_baseline(Path(BASELINE))
     after = llama_record(baseline)
@@ -129,7 +129,7 @@ def test_invariants_needing_internals_skip_with_the_engines_reason_never_pass():
 
 def test_a_baseline_of_another_engine_is_noted_and_never_gates_drift():
     from pytest_circuits.errors import ForeignBaseline
-    from pytest_circuits.gate.store import compatibility, read_baseline
+    from pytest_circuits.record.store import compatibility, read_baseline
     from pytest_circuits.run.flow import OWN, gate_against
 
     baseline = read_baseline(Path(BASELINE))

@@ -11,8 +11,8 @@ import pytest
 
 from pytest_circuits.cli import main
 from pytest_circuits.errors import BaselineError
-from pytest_circuits.gate.seeds import look_seed
-from pytest_circuits.gate.store import read_record
+from pytest_circuits.record.seeds import look_seed
+from pytest_circuits.record.store import read_record
 
 from .conftest import SHIPPED_BASELINES, beyond_progress
 

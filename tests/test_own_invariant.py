@@ -117,9 +117,9 @@ def test_every_tolerance_is_declared_by_one_invariant_and_the_table_is_generated
 
 def test_an_invariant_reads_typed_records_only():
     """`compare` receives validated `Record`s read by attribute; the older mapping view is gone (#50)."""
-    from pytest_circuits.gate import schema
     from pytest_circuits.gate.invariants import Comparison, Invariant, evaluate, within
-    from pytest_circuits.gate.store import read_record
+    from pytest_circuits.record import schema
+    from pytest_circuits.record.store import read_record
 
     from .conftest import SHIPPED_BASELINES
 
@@ -241,3 +241,81 @@ def test_a_conftest_invariant_named_like_a_built_in_is_one_line_under_pytest_and
     captured = capsys.readouterr()
     assert captured.out == "" and f"{conftest}: invariant 'copy_loss' is registered twice" in captured.err
     assert len(captured.err.strip().splitlines()) == 1 and REGISTRY["copy_loss"] is built_in
+
+
+FAILING = """
+from pytest_circuits import Comparison, Invariant, register, within
+
+
+@register
+class Raises(Invariant):
+    name = "raises_in_compare"
+
+    def compare(self, before, after, tol):
+        return {}["no such figure"]
+
+
+@register
+class ReturnsNone(Invariant):
+    name = "returns_none"
+
+    def compare(self, before, after, tol):
+        return None
+
+
+@register
+class ReadsUndeclared(Invariant):
+    name = "reads_undeclared"
+
+    def compare(self, before, after, tol):
+        return Comparison([within("model", "copy_loss", before.copy_loss, after.copy_loss, tol.never_declared)])
+"""
+
+
+def test_a_failing_user_invariant_is_its_own_error_line_and_the_others_still_run(pytester, monkeypatch, capsys):
+    """An invariant that raises in ``compare``, returns None or reads a tolerance it does not declare is
+    that invariant's ERROR line, naming it and its file (and the line, where it raised); the others run,
+    and the gate fails. Under pytest: its test fails on that one line, the others pass."""
+    from pytest_circuits.cli import main
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    conftest = pytester.makeconftest(FAILING)
+    monkeypatch.chdir(pytester.path)
+    capsys.readouterr()
+    args = ["gate", "tiny-induction", "--build", "fp32", "--baseline", "tiny-induction--fp32", "--no-knockout"]
+    assert main(args) == 1
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert "Traceback" not in captured.out + captured.err
+    errors = {line.split(":", 1)[0]: line for line in lines if line.startswith("ERROR ")}
+    assert set(errors) == {"ERROR raises_in_compare", "ERROR returns_none", "ERROR reads_undeclared"}, lines
+    raising = next(n for n, text in enumerate(conftest.read_text().splitlines(), 1) if "no such figure" in text)
+    assert f"({conftest}), line {raising}, raised KeyError: 'no such figure'" in errors["ERROR raises_in_compare"]
+    assert "returned NoneType, not a Comparison" in errors["ERROR returns_none"]
+    assert "raised AttributeError: no tolerance 'never_declared'" in errors["ERROR reads_undeclared"]
+    assert all(str(conftest) in line for line in errors.values())
+    assert any(line.startswith("PASS copy_loss:") for line in lines)  # the others ran
+    assert lines[-1].startswith("gate failed: raises_in_compare, returns_none, reads_undeclared")
+
+    pytester.makepyfile(test_gate=(ROOT / "probes" / "test_gate.py").read_text())
+    run = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "fp32 and not knockout", "-rf")
+    out = run.stdout.str()
+    assert run.ret == pytest.ExitCode.TESTS_FAILED and "Traceback" not in out
+    assert "FAILED test_gate.py::test_raises_in_compare[fp32]" in out
+    assert "FAILED test_gate.py::test_returns_none[fp32]" in out
+    run.assert_outcomes(failed=3, passed=5, skipped=1)  # the skip: the swap test, no --circuits-swap-baseline
+
+
+def test_a_tolerance_of_another_type_is_refused_at_registration():
+    from pytest_circuits import CircuitsError, register
+    from pytest_circuits.gate.invariants import REGISTRY
+    from pytest_circuits.gate.tolerances import Tolerance
+
+    for declared, said in (
+        (Tolerance(0.5, "x", minimum="zero"), "minimum 'zero'"),
+        (Tolerance("wide"), "default 'wide'"),
+        (float("nan"), "default nan"),
+    ):
+        with pytest.raises(CircuitsError, match=f"tolerance odd_kind has {said}; a default is a finite number"):
+            register(_named("odd_kind", tolerances={"odd_kind": declared}))
+        assert "odd_kind" not in REGISTRY

@@ -400,7 +400,7 @@ def section_order(page: str) -> list[str]:
 def test_failing_builds_come_first_and_the_reference_against_itself_folds(tmp_path):
     reference, candidate, results = sabotaged()
     # the reference gated against its own baseline: the same figures, up to the baselines' 6-digit rounding
-    from pytest_circuits.gate.store import round_sig
+    from pytest_circuits.record.store import round_sig
 
     own = round_sig(reference)
     results = [*results, Result("copy_loss", "fp32", "fp32 baseline", True, "copy loss within tolerance")]
@@ -576,7 +576,7 @@ def test_position_loss_is_the_models_own_per_position_loss(embedded_fp32):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pytest_circuits.gate.store import validate
+    from pytest_circuits.record.store import validate
     from pytest_circuits.report import plots
     from pytest_circuits.rungs.repeat import repeat_tokens
 
@@ -716,7 +716,7 @@ def test_a_build_that_could_not_be_gated_leads_the_report(tmp_path):
             return self
 
         def load(self, build_name):
-            from pytest_circuits.gate.store import read_baseline
+            from pytest_circuits.record.store import read_baseline
 
             from .conftest import SHIPPED_BASELINES as shipped
 
@@ -825,9 +825,9 @@ def test_circuits_report_validates_each_file_once(tmp_path, record_validations, 
 
 
 def test_the_drawn_view_reads_a_partial_record_as_far_as_it_goes():
-    """`report.drawn.drawn_record`: a head without its cell reads it from its label, in model order; a missing
+    """`record.drawn.drawn_record`: a head without its cell reads it from its label, in model order; a missing
     part or figure reads as None; a view is its own view."""
-    from pytest_circuits.report.drawn import drawn_record
+    from pytest_circuits.record.drawn import drawn_record
 
     partial = {
         "build": {"recipe": "int4"},

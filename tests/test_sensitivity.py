@@ -125,8 +125,8 @@ def test_noise_and_low_rank_have_the_asked_size_and_stay_in_their_layers():
 @pytest.fixture(scope="module")
 def embedded_gate():
     """A session on the embedded model's fp32 build and its shipped baseline."""
-    from pytest_circuits.gate.store import read_baseline
     from pytest_circuits.gate.tolerances import Tolerances
+    from pytest_circuits.record.store import read_baseline
     from pytest_circuits.run.run import Run
     from pytest_circuits.settings import CircuitsSettings
 
@@ -328,7 +328,7 @@ def test_the_share_of_a_tolerance_a_build_used_reads_the_stored_records(monkeypa
     """The script's `tolerance_used` and `rule_figures` take the record dicts a file or a scan gives
     (the invariants compare typed records): rtn-int4 against fp32 of the shipped embedded-model
     baselines, ``copy_loss``'s share under the fixed rule being its larger change over its tolerance."""
-    from pytest_circuits.gate.store import read_baseline
+    from pytest_circuits.record.store import read_baseline
 
     script = _sensitivity_script(monkeypatch)
     folder = Path(__file__).resolve().parent.parent / "baselines"

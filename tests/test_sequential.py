@@ -1,4 +1,4 @@
-"""The sequential rule of the sampled invariants (gate/sequential.py, gate/looks.py)."""
+"""The sequential rule of the sampled invariants (gate/sequential.py, record/looks.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import math
 import numpy as np
 import pytest
 
-from pytest_circuits.gate.looks import look_values
 from pytest_circuits.gate.rows import sampled_within
-from pytest_circuits.gate.seeds import look_seed
 from pytest_circuits.gate.sequential import boundaries, decide
 from pytest_circuits.gate.tolerances import Tolerances
+from pytest_circuits.record.looks import look_values
+from pytest_circuits.record.seeds import look_seed
 
 from .scan_records import typed
 
@@ -172,7 +172,7 @@ def test_key_knockout_heads_are_picked_by_their_delta_over_every_sequence():
 def test_the_run_measures_only_the_looks_an_undecided_row_asks_for():
     """The pure gate says which look an undecided row wants (`Verdicts.wants`); the run's flow
     (`run.flow.settle`) measures it on the baseline's seeds and asks again, until decided."""
-    from pytest_circuits.gate.schema import Record
+    from pytest_circuits.record.schema import Record
     from pytest_circuits.run.flow import settle
 
     rng = np.random.default_rng(9)

@@ -18,10 +18,10 @@ import pytest
 from pytest_circuits.cli import main
 from pytest_circuits.errors import ShardError
 from pytest_circuits.gate.invariants import per_build_invariants
-from pytest_circuits.gate.shards import check_shard_job, merge_parts, read_part
 from pytest_circuits.options import parse_shard
+from pytest_circuits.record.shards import merge_parts, read_part
 from pytest_circuits.run.run import Run
-from pytest_circuits.settings import build_settings
+from pytest_circuits.settings import build_settings, check_shard_job
 
 from .conftest import needs_embedded
 
@@ -63,9 +63,9 @@ def whole(tmp_path_factory) -> Path:
 
 @needs_embedded
 def without_looks(path: Path) -> bytes:
-    """The unsharded baseline's bytes without its further looks (gate/looks.py): a merge of shard parts
+    """The unsharded baseline's bytes without its further looks (record/looks.py): a merge of shard parts
     loads no build, so it measures none, and its baseline gates by the fixed rule (said in the verdict)."""
-    from pytest_circuits.gate.store import dumps
+    from pytest_circuits.record.store import dumps
 
     record = json.loads(path.read_text())
     assert record.pop("looks")  # an unsharded record holds them

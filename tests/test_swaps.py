@@ -14,8 +14,8 @@ import pytest
 from pytest_circuits.gate import invariants as gate
 from pytest_circuits.gate.invariants import across_models, evaluate, gate_all, verdict
 from pytest_circuits.gate.profile import TOP, kappa_w1, profile
-from pytest_circuits.gate.store import compatibility
 from pytest_circuits.gate.tolerances import Tolerances
+from pytest_circuits.record.store import compatibility
 from pytest_circuits.testing import requires_embedded_model, save_tiny_model
 
 from .conftest import PROBES, SHIPPED_BASELINES, beyond_progress

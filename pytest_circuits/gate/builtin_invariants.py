@@ -30,9 +30,10 @@ import math
 
 import numpy as np
 
+from ..record.looks import look_values, pooled
+from ..record.read import record_eigenvalues
+from ..record.schema import Head, HeadWrites, Record, RecordLike
 from .invariant_api import Comparison, Invariant, Row, register, signed, within
-from .looks import look_values, pooled
-from .record import record_eigenvalues
 from .rows import (
     figure,
     fixed_why,
@@ -43,7 +44,6 @@ from .rows import (
     sampled_within,
     spared,
 )
-from .schema import Head, HeadWrites, Record, RecordLike
 from .stats import spearman
 from .tolerances import Tolerance, Tolerances
 
@@ -62,7 +62,7 @@ def ov_gains(record: RecordLike | HeadWrites) -> dict[str, float]:
     """Each head's OV gain ``sum_i |lambda_i|``: the ``ov_gain`` column, or from the stored
     eigenvalues for records written before that column existed; empty when neither is there
     (a frame's `HeadWrites` hold no eigenvalues)."""
-    from ..rungs.kappa import ov_gain
+    from ..record.read import ov_gain
 
     typed = _writer(record)
     heads = {row.head: row for row in typed.heads}
@@ -111,9 +111,9 @@ def kappa_pairs(
     before: RecordLike, after: RecordLike, figures: tuple[str, ...]
 ) -> tuple[dict[str, tuple[str, str]], str]:
     """``({figure: (figure of before, figure of after)}, why)``: the figures of two records that
-    measure the same thing (`rungs.kappa_method.paired_figures`); ``why`` names the two ways of
+    measure the same thing (`record.kappa_method.paired_figures`); ``why`` names the two ways of
     measuring kappa when some figure has no pair ("" when all do)."""
-    from ..rungs.kappa_method import of_record, paired_figures
+    from ..record.kappa_method import of_record, paired_figures
 
     mb, ma = of_record(Record.of(before)), of_record(Record.of(after))
     pairs = {f: p for f in figures if (p := paired_figures(f, mb, ma)) is not None}
@@ -285,7 +285,7 @@ class OvGain(Invariant):
     moved = "key heads of {build} changed their OV gain against the {against}"
 
     def compare(self, before: Record, after: Record, tol: Tolerances) -> Comparison:
-        from ..rungs.kappa_method import of_record
+        from ..record.kappa_method import of_record
 
         wb, wa = of_record(before).unembedding, of_record(after).unembedding
         if wb != wa:  # the gain reads W_U: a centred and an uncentred gain are other figures

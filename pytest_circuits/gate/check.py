@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 from ..errors import ForeignBaseline
 from ..options import flag
+from ..record.schema import Record, RecordLike
+from ..record.store import compatibility, engine_of, geometry_difference, other_model_type
 from . import invariants
-from .schema import Record, RecordLike
-from .store import compatibility, engine_of, geometry_difference, other_model_type
 from .tolerances import Tolerances
 
 OWN = "own baseline"  # the label of a build's comparison with its own baseline (drift)
@@ -111,7 +111,7 @@ class GateOutcome:
         return (
             not self.problems
             and any(r.passed for r in self.results)
-            and not any(r.status == "failed" for r in self.results)
+            and not any(r.status in invariants.NOT_PASSED for r in self.results)
         )
 
     @property
@@ -133,7 +133,7 @@ class GateOutcome:
         return out
 
     def message(self) -> str:
-        shown = [r.message for r in self.results if r.status == "failed"]
+        shown = [r.message for r in self.results if r.status in invariants.NOT_PASSED]
         if self.skipped or not (shown or self.problems):
             shown = list(dict.fromkeys(r.message for r in self.results))
         absent = [self.absent] if self.absent and not self.results else []

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from ..options import flag
+from ..record.schema import BuildInfo, Record, RecordLike
+from ..record.store import SEPARATOR, SUFFIX, is_shipped
 from ..settings import CircuitsSettings, recording_words
-from .schema import BuildInfo, Record, RecordLike
-from .store import SEPARATOR, SUFFIX, is_shipped
 
 RECORD_AGAIN = "if the change is intended, record the baseline again: "
 

@@ -26,10 +26,10 @@ from typing import Any, ClassVar
 
 from ..errors import CircuitsError, did_you_mean
 from ..options import flag
+from ..record.read import has_figures, lacking_figures
+from ..record.schema import Record, RecordLike
+from ..record.store import geometry_difference
 from . import tolerances as tolerances_module
-from .record import has_figures, lacking_figures
-from .schema import Record, RecordLike
-from .store import geometry_difference
 from .tolerances import Number, Tolerance, Tolerances
 
 __all__ = [
@@ -61,7 +61,8 @@ __all__ = [
 ]
 
 MAX_ROWS = 20
-STATUSES = ("passed", "failed", "skipped")
+STATUSES = ("passed", "failed", "skipped", "error")  # error: the invariant itself raised (`evaluate`)
+NOT_PASSED = ("failed", "error")  # what fails a gate
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class Row:
     note: str = ""
     interval: tuple[float, float] | None = None  # 95% paired interval of after - before (sampled figures)
     sequences: int | None = None  # the paired sequences that decided a sampled row (all looks)
-    wants: int = 0  # the look an undecided sampled row needs next (gate.looks.extend measures it); 0: decided
+    wants: int = 0  # the look an undecided sampled row needs next (record.looks.extend measures it); 0: decided
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -225,7 +226,19 @@ def _declarations(instance: Invariant) -> dict[str, Tolerance]:
             f"invariant {instance.name} ({source_of(instance)}): tolerances must map each name it declares to a "
             f"Tolerance or a default, got {instance.tolerances!r}; name the tolerances it reads of others in `reads`"
         )
-    return {name: Tolerance.of(value) for name, value in instance.tolerances.items()}
+    declared = {name: Tolerance.of(value) for name, value in instance.tolerances.items()}
+    for name, t in declared.items():
+        default_ok = isinstance(t.default, (bool, int, float)) and math.isfinite(t.default)
+        minimum_ok = t.minimum is None or (
+            isinstance(t.minimum, (int, float)) and not isinstance(t.minimum, bool) and math.isfinite(t.minimum)
+        )
+        if not (default_ok and minimum_ok):
+            what = f"default {t.default!r}" if not default_ok else f"minimum {t.minimum!r}"
+            raise CircuitsError(
+                f"invariant {instance.name} ({source_of(instance)}): tolerance {name} has {what}; a default is a "
+                "finite number or a bool, a minimum a finite number or None (any value)"
+            )
+    return declared
 
 
 def tolerances_of(invariant: Invariant | str) -> tuple[str, ...]:
@@ -319,7 +332,9 @@ def evaluate(
             nothing=f"the {against} holds no {', '.join(missing)} figures; record it again with them"
         )
     else:
-        comparison = inv.compare(before, after, tol)
+        comparison, problem = _compare(inv, before, after, tol)
+        if problem:
+            return InvariantResult(inv.name, build, against, "error", problem)
     if not comparison.rows:
         status = "skipped" if comparison.nothing_is_skip else "failed"
         message = (comparison.nothing or "{name} compared nothing for {build} against the {against}").format(**words)
@@ -340,6 +355,34 @@ def evaluate(
     moved = [r.as_dict() for r in comparison.broken + (comparison.context if comparison.broken else [])]
     wants = max([0, *(r.wants for r in comparison.rows)])
     return InvariantResult(inv.name, build, against, status, message, len(comparison.rows), moved, wants)
+
+
+def _compare(inv: Invariant, before: Record, after: Record, tol: Tolerances) -> tuple[Comparison, str]:
+    """``(inv.compare(before, after, tol), "")``, or ``(empty, why)`` where the invariant itself fails: it
+    raises, reads a tolerance it does not declare, or returns other than a `Comparison`. One line naming
+    the invariant, its file and the error, so that the others still run and the gate fails."""
+    where, file = source_of(inv), _file_of(type(inv)) or ""
+    try:
+        comparison = inv.compare(before, after, tol)
+    except Exception as error:  # a user's code: any exception is that invariant's error, not the run's
+        line = _line_in(error, file)
+        said = " ".join(f"{type(error).__name__}: {error}".split())
+        return Comparison(), f"{inv.name}: {where}{line} raised {said}; fix the invariant or leave its module out"
+    if not isinstance(comparison, Comparison):
+        what = type(comparison).__name__
+        return Comparison(), f"{inv.name}: {where} returned {what}, not a Comparison; return Comparison(rows)"
+    return comparison, ""
+
+
+def _line_in(error: BaseException, file: str) -> str:
+    """`` line N`` of the last traceback frame of ``error`` in ``file`` ("" when none is)."""
+    line = ""
+    tb = error.__traceback__
+    while tb is not None:
+        if file and tb.tb_frame.f_code.co_filename.endswith(file):
+            line = f", line {tb.tb_lineno},"
+        tb = tb.tb_next
+    return line
 
 
 def model_name(record: RecordLike) -> str:
@@ -431,7 +474,7 @@ def guarded(results: Iterable[Any]) -> str:
 
 def verdict(results: list[InvariantResult]) -> tuple[bool, str]:
     """``(passed, line)`` of a whole gate: it passes when nothing broke and something was compared."""
-    broken = [r.invariant for r in results if r.status == "failed"]
+    broken = [r.invariant for r in results if r.status in NOT_PASSED]
     held = [r for r in results if r.passed]
     skipped = [r.invariant for r in results if r.skipped]
     said = f"{len(held)} of {len(results)} invariants hold" + (

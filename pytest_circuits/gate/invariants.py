@@ -18,6 +18,7 @@ from .builtin_invariants import (
 )
 from .invariant_api import (
     MAX_ROWS,
+    NOT_PASSED,
     REGISTRY,
     STATUSES,
     Comparison,
@@ -47,6 +48,7 @@ load_entry_points()  # then the installed packages' (group pytest_circuits.invar
 
 __all__ = [
     "MAX_ROWS",
+    "NOT_PASSED",
     "REGISTRY",
     "STATUSES",
     "Comparison",

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .schema import Record, RecordLike
+from ..record.schema import Record, RecordLike
 
 TOP = 3  # heads in the concentration share
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from ..record.schema import Head, Record, RecordLike
 from .invariant_api import Row, format_interval, signed
-from .schema import Head, Record, RecordLike
 from .stats import LEVEL, excludes_zero, implausible_spread, paired_interval
 from .tolerances import Tolerances
 
@@ -21,7 +21,7 @@ def num(value: Any) -> float:
 
 
 def figure(row: Record | Head | None, name: str) -> float:
-    """Figure ``name`` of a record or head row (its figures are named by the table, `rungs.figures`)
+    """Figure ``name`` of a record or head row (its figures are named by the table, `record.figures`)
     as a float: NaN when not measured, or when there is no such row (a head the build lacks)."""
     return num(getattr(row, name, None))
 
@@ -51,9 +51,9 @@ def sampled_within(
     note: str = "",
     looks: tuple[list[list[float]], list[list[float]]] = ([], []),
 ) -> Row:
-    """A row of a sampled figure (a mean over the probe's sequences; rungs/figures.py), read from
+    """A row of a sampled figure (a mean over the probe's sequences; record/figures.py), read from
     ``before`` / ``after`` (a record, or one of its head rows) with its per-sequence values, and
-    ``looks``: the per-sequence values of each side's further looks (`gate.looks.look_values`).
+    ``looks``: the per-sequence values of each side's further looks (`record.looks.look_values`).
 
     With ``tol.outside_interval`` (the default) and a baseline holding further looks (up to
     ``tol.looks``), the sequential rule decides (`sequential_row`). Else the fixed rule: its interval
@@ -61,7 +61,7 @@ def sampled_within(
     ``|after - before| > limit`` and, with ``tol.outside_interval``, the interval excludes 0; without
     per-sequence values on both sides the plain tolerance applies and the note says so.
     """
-    from ..rungs.figures import sequences_key
+    from ..record.figures import sequences_key
 
     x, y = figure(before, metric), figure(after, metric)
     key = sequences_key(metric)
@@ -145,7 +145,7 @@ def sequential_row(
     decision = decide(parts, limit, most)
     if decision is None:
         return None
-    if decision.verdict == "more":  # the caller measures the next look (gate.looks.extend); until then: fixed rule
+    if decision.verdict == "more":  # the caller measures the next look (record.looks.extend); until then: fixed rule
         interval = paired_interval(xs, ys)
         broken = not abs(y - x) <= limit and excludes_zero(interval)
         why = f"(the build's look {decision.look + 1} is not measured: a record read from a file)"

@@ -24,10 +24,10 @@ import math
 import numpy as np
 
 from ..options import flag
+from ..record.schema import Record
 from .builtin_invariants import kappa_pairs, other_knockout_settings
 from .invariant_api import Comparison, Invariant, Row, register, within
 from .profile import Profile, profile
-from .schema import Record
 from .tolerances import Tolerance, Tolerances
 
 # ---------------------------------------------------------------- across base models (gate/profile.py)

@@ -212,7 +212,7 @@ def reference_spec(text: str, builds: list[BuildSpec]) -> BuildSpec:
 
 
 EXTERNAL_KEYS = ("source", "format", "sha256", "tensor_types", "quantization", "forward", "kv_cache", "engine")
-"""What the build identity of an external build adds (gate/schema.py `BuildInfo` types them);
+"""What the build identity of an external build adds (record/schema.py `BuildInfo` types them);
 ``quantization`` and ``forward`` also on a recipe build of a quantized format, ``kv_cache`` on a
 build served with a KV-cache precision; absent elsewhere."""
 

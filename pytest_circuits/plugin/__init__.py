@@ -120,7 +120,7 @@ def settings_from_config(config: pytest.Config):
         settings = build_settings(
             raw, baselines=default_baselines(config), front_end="pytest", tolerances=_ini_tolerances(config)
         )
-        from ..gate.shards import check_shard_job
+        from ..settings import check_shard_job
 
         check_shard_job(settings)
         return settings
@@ -251,9 +251,26 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     if any("circuits_recipe" in getattr(item, "fixturenames", ()) for item in session.items):
         try:
-            session_of(config).loaded.preflight()
+            run = session_of(config)
+            run.loaded.preflight()
+            _refuse_decode_knockouts(run, session.items)
         except CircuitsError as error:
             raise pytest.UsageError(str(error)) from None
+
+
+def _refuse_decode_knockouts(run: Run, items: list[pytest.Item]) -> None:
+    """A selected test that knocks heads out of a build whose cache is read in decode mode only
+    (`kv_formats.refuse_decode_knockouts`) is refused before the probe runs, naming the way out."""
+    from ..gate.invariants import REGISTRY
+    from ..model.kv_formats import refuse_decode_knockouts
+
+    for item in items:
+        build = getattr(getattr(item, "callspec", None), "params", {}).get("circuits_recipe")
+        invariant = REGISTRY.get(getattr(getattr(item, "function", None), "circuits_invariant", ""))
+        knocks = invariant is not None and "knockout" in invariant.needs
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if build is not None and (knocks or {"circuits_head_knockout", "circuits_knockout_shard"} & fixtures):
+            refuse_decode_knockouts(run.settings.spec(build))
 
 
 def _direct_params(metafunc: pytest.Metafunc) -> set[str]:

@@ -14,7 +14,7 @@ from ..errors import CircuitsError
 from ..options import flag
 
 if TYPE_CHECKING:
-    from ..gate.schema import Record
+    from ..record.schema import Record
 
 
 @dataclass
@@ -49,7 +49,7 @@ class Collected:
                 bucket = self.notes if key == "circuits_notes" else self.problems
                 bucket.extend(v for v in value if v not in bucket)
             elif key == "circuits_record":
-                from ..gate.record import has_figures  # pandas and torch: only once a build was gated
+                from ..record.read import has_figures  # pandas and torch: only once a build was gated
 
                 recipe, record = value
                 old = self.records.get(recipe)
@@ -96,7 +96,7 @@ def gate_for_test(request, session, build_name: str, invariant: str, tol):
     props.append(("circuits_problems", list(outcome.problems)))
     if session.settings.report is not None:
         from ..gate.invariants import get
-        from ..gate.store import geometry_difference
+        from ..record.store import geometry_difference
         from ..run.flow import candidate_record
 
         knockout = "knockout" in get(invariant).needs

@@ -32,5 +32,6 @@ def _gate_test(test_name: str, invariant: str, doc: str, module: str) -> Callabl
 
     test.__name__ = test.__qualname__ = test_name
     test.__doc__ = doc
+    test.circuits_invariant = invariant  # type: ignore[attr-defined]  # what the plugin's preflight reads
     test.__module__ = f"{__package__}.{module}"
     return test

@@ -1,6 +1,6 @@
 """Read scan records and gate results into grids and rankings (numpy only, no plotting).
 
-A scan record (a dict, a `Record`) is read through its lenient typed view (`report.drawn.Drawn`):
+A scan record (a dict, a `Record`) is read through its lenient typed view (`record.drawn.Drawn`):
 missing or ``None`` fields read as NaN, so a scan without knockouts still draws.
 """
 
@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from ..gate.record import record_eigenvalues
-from ..gate.schema import Record
-from ..gate.store import UNCHANGED_ABS, UNCHANGED_REL
 from ..model.families import head_label
-from ..rungs import figures
-from .drawn import Drawn, DrawnHead, drawn_record
+from ..record import figures
+from ..record.drawn import Drawn, DrawnHead, drawn_record
+from ..record.read import record_eigenvalues
+from ..record.schema import Record
+from ..record.store import UNCHANGED_ABS, UNCHANGED_REL
 
 # (column, title, kind): "diverging" maps are centred on 0, "score" maps run over [0, 1]
 HEATMAP_METRICS = figures.heatmap_figures()

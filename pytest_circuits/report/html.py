@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from html import escape
 
 from ..gate.invariants import guarded
+from ..record.drawn import drawn_record
 from . import data
-from .drawn import drawn_record
 from .sections import FOLD_MAX_HEADS, Figure, Section
 
 STYLE = """
@@ -73,7 +73,7 @@ def _title(sections: list[Section]) -> str:
 
 def _model_line(sections: list[Section]) -> str:
     """One line about the model: model type and layout, geometry, weight fingerprint."""
-    from ..gate.record import model_kind
+    from ..record.read import model_kind
 
     if not sections:
         return ""

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..gate.invariants import guarded
+from ..record.drawn import drawn_record
 from . import data
-from .drawn import drawn_record
 from .sections import Figure, Section
 
 

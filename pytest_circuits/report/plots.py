@@ -1,4 +1,4 @@
-"""The report's plots, drawn on ``matplotlib.figure.Figure`` with the Agg canvas (what each figure is: `rungs/figures.py`).
+"""The report's plots, drawn on ``matplotlib.figure.Figure`` with the Agg canvas (what each figure is: `record/figures.py`).
 
 pyplot is never imported, so the user's global backend is left alone and no display is
 needed. matplotlib is optional: `require_matplotlib` turns its absence into one line.
@@ -15,8 +15,8 @@ from typing import Any, Literal
 import numpy as np
 
 from ..errors import CircuitsError
+from ..record.drawn import DrawnHead, drawn_record
 from . import data
-from .drawn import DrawnHead, drawn_record
 
 COPYING, SUPPRESSION, REFERENCE = "#1a9850", "#d73027", "#9e9e9e"
 UNMEASURED: dict[str, Any] = dict(facecolor="#eeeeee", edgecolor="#9a9a9a", hatch="////", linewidth=0)  # never as 0

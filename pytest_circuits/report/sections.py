@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..record.drawn import drawn_record
 from . import data, plots
-from .drawn import drawn_record
 
 EIGEN_CAPTION = (
     "Eigenvalues λ of every head's reduced OV matrix M = W_O W_U W_E W_V, one dot each, coloured "

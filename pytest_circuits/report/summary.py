@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from ..gate.invariants import guarded
+from ..record.drawn import drawn_record
 from . import data
-from .drawn import drawn_record
 
 REPORT_PAGE = "report.html"
 SUMMARY_PAGE = "summary.md"

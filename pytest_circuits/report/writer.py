@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CircuitsError
 from ..fsio import atomic_write_bytes, atomic_write_text, ensure_dir, fs_error
-from ..gate.schema import Record, RecordLike
-from ..gate.store import baseline_file, read_record
+from ..record.schema import Record, RecordLike
+from ..record.store import baseline_file, read_record
 from . import data, html, markdown, plots
 from .arguments import report_parser
 from .sections import build_section, failing_first, overview_figures

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 from ..errors import BaselineCorrupt, BaselineError, BaselineMissing
 from ..gate.fixes import record_command
 from ..gate.invariants import key_heads
-from ..gate.schema import Record, RecordLike
-from ..gate.store import BaselineStore, geometry_difference, geometry_record, same_geometry
 from ..options import flag
+from ..record.schema import Record, RecordLike
+from ..record.store import BaselineStore, geometry_difference, geometry_record, same_geometry
 from .record_source import RecordSource
 
 if TYPE_CHECKING:

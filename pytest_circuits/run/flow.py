@@ -12,12 +12,12 @@ from typing import Any
 from ..errors import BaselineError, BaselineMissing
 from ..gate import invariants
 from ..gate.check import OWN, GateOutcome, Verdicts, check, comparisons, swap_asked
-from ..gate.record import has_figures
-from ..gate.schema import Record, RecordLike
-from ..gate.store import compatibility, geometry_difference, read_record
 from ..gate.tolerances import Tolerances
 from ..options import flag
-from ..rungs import kappa_method
+from ..record import kappa_method
+from ..record.read import has_figures
+from ..record.schema import Record, RecordLike
+from ..record.store import compatibility, geometry_difference, read_record
 from .baselines import RunBaselines
 from .looks import measure_looks
 from .record_source import RecordSource

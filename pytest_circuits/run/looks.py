@@ -1,4 +1,4 @@
-"""The further looks of the sequential rule, measured (`gate.looks` reads them, `gate.seeds` seeds them).
+"""The further looks of the sequential rule, measured (`record.looks` reads them, `record.seeds` seeds them).
 
 A baseline is recorded with every look once (`with_looks`): the baseline's build need not be loaded
 when a build is gated against it; a build measures look ``k`` on the baseline's seeds of look ``k``
@@ -9,10 +9,10 @@ rule, said."""
 from __future__ import annotations
 
 from ..gate import invariants
-from ..gate.looks import KNOCKOUT_KEY
-from ..gate.schema import Record
-from ..gate.seeds import look_seed
 from ..gate.tolerances import Tolerances
+from ..record.looks import KNOCKOUT_KEY
+from ..record.schema import Record
+from ..record.seeds import look_seed
 from .record_source import RecordSource
 
 

@@ -25,7 +25,7 @@ class BuildMeasurement:
 
     def ov_spectrum(self, build_name: str, method=None):
         """Rung 1: kappa of every head against the rotation null (DataFrame), measured by ``method``
-        (a `rungs.kappa_method.KappaMethod`; default: the settings')."""
+        (a `record.kappa_method.KappaMethod`; default: the settings')."""
         from .steps import measure_spectrum
 
         m = self.loaded.settings.kappa_method if method is None else method
@@ -193,7 +193,7 @@ class BuildMeasurement:
         """Shard ``index`` of the knockout scan of ``build_name`` (its intact pass and its layers' knockouts).
         Under pytest-xdist measured once per run: under a file lock in the shared run folder, the first
         process that needs it measures it and writes it there as JSON (exact floats), the others read it."""
-        from ..gate.store import baseline_path
+        from ..record.store import baseline_path
         from .steps import frame_json, json_frame
 
         layers = self.shard_layers()[index]

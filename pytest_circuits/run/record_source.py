@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from ..gate.schema import Record
+    from ..record.schema import Record
 
 
 class RecordSource(Protocol):
@@ -27,7 +27,7 @@ class RecordSource(Protocol):
     def look(
         self, build_name: str, k: int, probe_seed: int, knockout_seed: int, heads: Sequence[str], mode: str | None
     ) -> dict[str, Any] | None:
-        """Look ``k`` of the sequential rule (`gate.looks`) of build ``build_name``: the probe's
+        """Look ``k`` of the sequential rule (`record.looks`) of build ``build_name``: the probe's
         per-sequence figures on ``probe_seed`` and, with ``heads``, their exact knockout deltas
         (``mode``) on ``knockout_seed``; None where no build is measured (merged shard parts)."""
         ...

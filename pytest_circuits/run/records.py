@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..gate.schema import Record
 from ..options import flag
+from ..record.schema import Record
 from .measure import BuildMeasurement
 
 
@@ -19,8 +19,8 @@ def measure_record(
     """The scan record of one build (validated once, here), computed (and memoised) through ``m``; kappa measured by
     ``method`` (a `KappaMethod`, default the settings'); ``knockout_frame``: these knockouts (one
     shard's) instead of the run's scan."""
-    from ..gate.record import assemble_record, model_info, rung1_info
     from ..rungs.plan import took_line
+    from .assemble import assemble_record, model_info, rung1_info
 
     s = m.loaded.settings
     method = s.kappa_method if method is None else method
@@ -75,7 +75,7 @@ class MeasuredRecords:
         )
 
     def stand_in(self) -> dict:
-        from ..gate.store import geometry_record
+        from ..record.store import geometry_record
 
         m = self.measurement
         return geometry_record(m.loaded.preflight().__dict__, probe=m.loaded.settings.probe.as_dict())
@@ -89,8 +89,8 @@ class MeasuredRecords:
         def measure() -> dict:
             from dataclasses import replace
 
-            from ..gate.looks import KNOCKOUT_KEY
-            from ..gate.store import round_sig
+            from ..record.looks import KNOCKOUT_KEY
+            from ..record.store import round_sig
             from ..rungs.knockout import knockout_scan
             from ..rungs.probe import run_repeat_probe
 
@@ -113,7 +113,7 @@ class MeasuredRecords:
                         for _, r in frame.iterrows()
                         if isinstance(r.get(KNOCKOUT_KEY), list)
                     }
-            rounded: dict = round_sig(entry)  # as a stored look is (`gate.record.assemble_record`)
+            rounded: dict = round_sig(entry)  # as a stored look is (`run.assemble.assemble_record`)
             return rounded
 
         return m.loaded.memo(("look", build_name, k, probe_seed, knockout_seed, tuple(heads or ()), mode), measure)
@@ -121,12 +121,12 @@ class MeasuredRecords:
 
 class ShardPartRecords(MeasuredRecords):
     """``--circuits-shard-parts``: each build's record merged from its shard parts
-    (`gate.shards.merged_by_build`), read once; no build is loaded. Parts of a build not gated, a
+    (`record.shards.merged_by_build`), read once; no build is loaded. Parts of a build not gated, a
     build without parts, or parts measured otherwise than asked are one line each."""
 
     def record(self, build_name: str, knockout: bool = True, method=None) -> Record:
         from ..errors import ShardError
-        from ..rungs.kappa_method import of_record
+        from ..record.kappa_method import of_record
 
         m = self.measurement
         merged = m.loaded.memo(("shard_parts",), self._read)
@@ -152,7 +152,7 @@ class ShardPartRecords(MeasuredRecords):
 
     def _read(self) -> dict[str, Record]:
         from ..errors import ShardError
-        from ..gate.shards import merged_by_build, part_paths
+        from ..record.shards import merged_by_build, part_paths
 
         s, said = self.measurement.loaded.settings, flag("shard-parts")
         pattern = str(s.shard_parts)
@@ -189,7 +189,7 @@ def record_source(measurement: BuildMeasurement) -> MeasuredRecords:
 def part_of(m: BuildMeasurement, build_name: str, index: int, total: int) -> dict:
     """Shard ``index`` of ``total`` (1-based) of the scan of ``build_name``: the part a job writes."""
     from ..errors import ShardError
-    from ..gate.schema import PART_FORMAT
+    from ..record.schema import PART_FORMAT
 
     n_layers = m.loaded.preflight().n_layers
     if total > n_layers:
@@ -210,7 +210,7 @@ def write_part(m: BuildMeasurement, build_name: str, index: int, total: int, pat
     """Measure shard ``index`` of ``total`` of ``build_name`` (`part_of`) and write its part to ``path``
     atomically: the one writer of parts (``circuits record --shard``, pytest ``--circuits-shard``)."""
     from ..fsio import atomic_write_text, check_output
-    from ..gate.shards import dumps_part
+    from ..record.shards import dumps_part
 
     check_output(path)  # a link or a folder ends the job before the scan, not after
     part = part_of(m, build_name, index, total)

@@ -19,8 +19,8 @@ from .loaded import LoadedBuilds
 from .measure import BuildMeasurement
 
 if TYPE_CHECKING:
-    from ..gate.schema import RecordLike
     from ..gate.tolerances import Tolerances
+    from ..record.schema import RecordLike
     from .baselines import RunBaselines
     from .record_source import RecordSource
 

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..errors import CircuitsError
-from ..gate.schema import Record
 from ..model.dense import float_weight, head_columns, is_conv1d
 from ..model.families import (
     attention_module,
@@ -44,6 +43,7 @@ from ..model.families import (
     out_proj_module,
     qkv_rows,
 )
+from ..record.schema import Record
 
 LOW_RANK = 8  # rank of the fine-tune-like update
 OV_SCALES = (0.9, 0.75, 0.5, 0.25, 0.0, -1.0)
@@ -278,8 +278,8 @@ def gate_record(run, build_name: str, baseline: dict, tol, knockout: bool = True
     key heads only: the only ones `knockout_deltas` compares, so the verdict is the full scan's.
     ``knockout=False``: no knockouts, so `knockout_deltas` is not run (not passed)."""
     from ..gate.invariants import key_heads
-    from ..gate.record import has_figures
-    from ..rungs import kappa_method
+    from ..record import kappa_method
+    from ..record.read import has_figures
     from .flow import settle
     from .records import measure_record
 
@@ -416,7 +416,7 @@ def run_command(run, baseline: dict, tol, count: int, build_name: str, write=pri
     prints each verdict and the mildest damage each invariant catches. False when the intact
     build does not pass against the baseline (nothing it then catches means anything)."""
     from ..gate.invariants import per_build_invariants
-    from ..gate.store import geometry_difference, geometry_record
+    from ..record.store import geometry_difference, geometry_record
 
     other = geometry_difference(baseline, geometry_record(run.loaded.preflight().__dict__))
     if other:  # before any work: its key heads name heads of another model

@@ -18,7 +18,7 @@ from ..errors import CircuitsError
 from ..model.families import Geometry, head_label, out_proj_module
 from ..model.hooks import hooked
 from ..options import KNOCKOUT_MODES, flag
-from .figures import parse_label
+from ..record.figures import parse_label
 
 
 def check_mode(mode: str) -> None:

@@ -54,8 +54,9 @@ import torch
 from ..errors import CircuitsError
 from ..model.families import head_label
 from ..model.weights import VOCAB_BLOCK_ELEMENTS, ModelWeights, StreamedWeights
-from . import figures
-from .kappa_method import P_METHODS, UNEMBEDDINGS, KappaMethod
+from ..record import figures
+from ..record.kappa_method import P_METHODS, UNEMBEDDINGS, KappaMethod
+from ..record.read import ov_gain
 from .kappa_null import (
     EIG_REL_TOL,
     benjamini_hochberg,
@@ -70,7 +71,7 @@ from .kappa_null import (
 DEFAULT = KappaMethod()
 N_ROTATIONS = DEFAULT.n_rotations  # default draws per head for p_method "t" (exact t test: any n is calibrated)
 
-COLUMNS = figures.columns("kappa")[:12]  # head .. suppression (rungs/figures.py declares each)
+COLUMNS = figures.columns("kappa")[:12]  # head .. suppression (record/figures.py declares each)
 EXTRA_COLUMNS = figures.columns("kappa")[12:]
 
 
@@ -249,12 +250,6 @@ def check_settings(
         raise SpectrumError(f"n_workers must be a positive integer or None, got {n_workers!r}")
     if null_dtype not in (torch.float32, torch.float64):
         raise SpectrumError(f"null_dtype must be torch.float64 (default) or torch.float32, got {null_dtype!r}")
-
-
-def ov_gain(eigenvalues: np.ndarray) -> np.ndarray:
-    """``sum_i |lambda_i|`` of each head's reduced OV matrix (the denominator of kappa_trace):
-    how strongly the head writes what it reads back onto the vocabulary."""
-    return np.abs(np.asarray(eigenvalues)).sum(axis=-1)
 
 
 FLAG_SCORES = (("kappa", ""), ("kappa_trace", "_trace"))  # each score and the suffix of its flags

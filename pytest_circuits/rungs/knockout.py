@@ -34,8 +34,8 @@ from ..model.families import flattens_batch_with_heads, head_label
 from ..model.quantized_cache import refuse_decode_only
 from ..options import KNOCKOUT_MODES, SCREEN_METHODS, flag
 from ..progress import Progress, phase
+from ..record.figures import sequences_key
 from .ablation import ablated, check_mode, parse_heads
-from .figures import sequences_key
 from .plain_loops import plain_knockout_losses
 from .query_blocks import query_block
 from .repeat import KNOCKOUT_CPU_TOKENS, check_probe_memory

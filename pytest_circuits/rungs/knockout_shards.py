@@ -8,7 +8,7 @@ import pandas as pd
 
 from ..errors import CircuitsError
 from ..options import flag
-from .figures import parse_label
+from ..record.figures import parse_label
 from .replay import replay_cost
 
 

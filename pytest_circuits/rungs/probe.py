@@ -48,7 +48,7 @@ from ..model.hooks import hooked
 from ..model.quantized_cache import decode_cache_of
 from ..model.selfcheck import norm_divisor
 from ..options import flag
-from .figures import SAMPLED_MODEL_FIGURES, sequences_key
+from ..record.figures import SAMPLED_MODEL_FIGURES, sequences_key
 from .query_blocks import block_losses, forward_blocks, query_block
 from .repeat import bos_offset, check_fits, next_token_losses, repeat_losses, repeat_tokens
 from .repeat_settings import RepeatSettings

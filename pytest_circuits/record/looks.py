@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..rungs.figures import sequences_key
+from .figures import sequences_key
 from .schema import Record
 
 SEQUENTIAL = ("copy_loss", "knockout_deltas")  # the invariants that read further looks

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ShardError
 
 if TYPE_CHECKING:
-    from ..settings import CircuitsSettings
     from .schema import HeadRow, RecordLike
 
 KNOCKOUT_PREFIX = "knockout_delta"  # a head row's figures that the part owning its layer measured
@@ -271,34 +270,3 @@ def merged_by_build(paths: list[Path]) -> dict[str, dict[str, Any]]:
         build_name: validate(merge_parts(parts), f"the record merged from the parts of {build_name}").data
         for build_name, parts in groups.items()
     }
-
-
-def check_shard_job(settings: CircuitsSettings) -> None:
-    """The pytest options of a shard job (``--circuits-shard I/K --circuits-shard-out FILE``, one
-    build) and of a merge job (``--circuits-shard-parts``) fit together, or one line says why not."""
-    from ..options import flag
-
-    s = settings
-    if s.shard is None:
-        if s.shard_out is not None:
-            raise ShardError(f"{flag('shard-out')} writes a shard job's part: give {flag('shard')} I/K too")
-        if s.shard_parts is not None and s.knockout_shards is not None:
-            raise ShardError(
-                f"{flag('shard-parts')} gates the merged parts and measures no knockout: drop {flag('knockout-shards')}"
-            )
-        return
-    job = f"{flag('shard')} {s.shard[0]}/{s.shard[1]}"
-    if s.shard_out is None:
-        raise ShardError(f"{job} needs {flag('shard-out')} FILE: where this job writes its part")
-    if s.shard_parts is not None:
-        raise ShardError(
-            f"{job} measures one shard and {flag('shard-parts')} gates the merged parts: two jobs; give one"
-        )
-    if s.update:
-        raise ShardError(
-            f"{job} measures one shard: record baselines where the parts merge ({flag('shard-parts')} ... {flag('update')})"
-        )
-    if len(s.builds) != 1:
-        raise ShardError(
-            f"{job} measures one build, got {', '.join(s.builds)}: give {flag('builds')} B (one job per build and shard)"
-        )

@@ -1,47 +1,28 @@
-"""The scan record: every figure of one build as a JSON-able dict (baselines, CLI JSON, report).
+"""A scan record assembled from the rung frames of one build: every figure as a JSON-able dict.
 
 ``assemble_record`` builds it from the three rung frames (pure); `pytest_circuits.run.records` measures
-them (the same code path for the plugin and the CLI).
+them (the same code path for the plugin and the CLI) and types it (`record.schema.Record`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from ..gate.stats import mean_interval
 from ..model.families import head_label
-from ..rungs import figures
-from .schema import SCHEMA_VERSION, Identity, ModelInfo, Record, RecordLike
-from .stats import mean_interval
+from ..record import figures
+from ..record.schema import SCHEMA_VERSION
 
 HEAD_COLUMNS = figures.stored_head_figures("always")  # in every head row (None where not measured)
 EXTRA_COLUMNS = figures.stored_head_figures("measured")  # only when the rung produced them
 MODEL_FIGURES = figures.model_figure_names()
 KNOCKOUT_SEQUENCES = figures.sequences_key("knockout_delta")
 SERIES_FIGURES = figures.series_figure_names()  # optional per-position series (``position_loss``)
-NEEDS = {
-    "knockout": "knockout_delta",
-    "routing": "prefix_matching",
-}  # what an invariant may need -> the head figure that shows it
-
-
-def has_figures(record: RecordLike, need: str) -> bool:
-    """True when the record holds the figures of ``need`` (``"knockout"``: any measured knockout delta;
-    ``"routing"``: any measured routing score, which an engine without attention patterns lacks)."""
-    column = NEEDS[need]
-    return any(getattr(row, column) is not None for row in Record.of(record).heads)
-
-
-def lacking_figures(record: Record, build: str, lacking: str) -> str:
-    """Why an invariant was not checked: ``record`` holds no ``lacking`` figures (the engine that ran
-    its probe could not measure them, or it was measured without them)."""
-    engine = record.build.engine
-    why = f"its probe ran on {engine}" if engine else "it was measured without them"
-    return f"not checked: the {build} record holds no {lacking} figures, {why}"
 
 
 def versions() -> dict[str, Any]:
@@ -134,16 +115,6 @@ def eigenvalue_map(eigenvalues: Any) -> dict[str, Any]:
     return out
 
 
-def record_eigenvalues(stored: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """The inverse of `eigenvalue_map`: a record's ``eigenvalues`` (``{"L0H0": [[re, im], ...]}``) as
-    complex arrays."""
-    out = {}
-    for label, pairs in stored.items():
-        values = np.asarray(pairs, dtype=float).reshape(-1, 2)
-        out[str(label)] = values[:, 0] + 1j * values[:, 1]
-    return out
-
-
 def assemble_record(
     *,
     model: dict[str, Any],
@@ -158,7 +129,7 @@ def assemble_record(
     """The scan record from its parts (pure; see the contract in the module docstring), its floats
     rounded as a stored record's are (`store.round_sig`): a record measured now and the same record
     read back from its file are one record, and every front end gates the same numbers."""
-    from .store import round_sig
+    from ..record.store import round_sig
 
     model_figures = probe_result.model_figures() if probe_result is not None else {}
     record = {
@@ -227,15 +198,3 @@ def model_info(name: str, source: Any, build: Any) -> dict[str, Any]:
             **({} if geo.attention_layers is None else {"attention_layers": list(geo.attention_layers)}),
         },
     }
-
-
-def model_kind(model: ModelInfo | Mapping[str, Any]) -> str:
-    """How a record's model (its `ModelInfo`, or the dict of one, parts missing) is named to a reader: its
-    model type and, where it differs, the layout its heads are read with (``qwen3, llama layout``); an older
-    record's layout alone. A hybrid stack's says which blocks its attention layers are."""
-    typed = model if isinstance(model, ModelInfo) else Identity.of({"model": model}).model
-    family = typed.family if typed is not None else None
-    kind = (typed.model_type if typed is not None else None) or str(family or "")
-    blocks = typed.geometry.attention_layers if typed is not None and typed.geometry is not None else None
-    hybrid = f", hybrid: L0-L{len(blocks) - 1} are blocks {blocks}, the other blocks no attention" if blocks else ""
-    return kind + (f", {family} layout" if family and family != kind else "") + hybrid

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..gate.schema import Record, RecordLike
-from ..rungs import figures
+from . import figures
+from .schema import Record, RecordLike
 
 
 class DrawnHead:

@@ -1,6 +1,6 @@
 """The validated schema of a scan record (baselines and ``circuits scan --json``).
 
-Built with pydantic v2 from the figure table (`rungs/figures.py`), so a figure is declared
+Built with pydantic v2 from the figure table (`record/figures.py`), so a figure is declared
 once and checked everywhere: strict types (a string is never a number, a bool never a
 float), ranges, head labels that exist in the stated geometry, every head of the geometry
 present exactly once, eigenvalue arrays of ``d_head`` pairs. pydantic rather than
@@ -27,11 +27,11 @@ from pydantic import (
 
 from ..errors import CircuitsError
 from ..options import KNOCKOUT_MODES
-from ..rungs import figures, kappa_method
+from . import figures, kappa_method
 from .seeds import look_seed
 
 SCHEMA_VERSION = 1
-PART_FORMAT = 1  # of a shard part's header (`PartInfo`, `gate.shards`)
+PART_FORMAT = 1  # of a shard part's header (`PartInfo`, `record.shards`)
 
 _STRICT = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 _TYPES: dict[str, Any] = {"float": float, "int": int, "bool": bool, "str": str}
@@ -127,7 +127,7 @@ class KnockoutInfo(ProbeInfo):
 
 
 class Rung1Info(BaseModel):
-    """How kappa was measured (`rungs.kappa_method`); a key left out means the older records' way."""
+    """How kappa was measured (`record.kappa_method`); a key left out means the older records' way."""
 
     model_config = _STRICT
     n_rotations: int = Field(ge=2)
@@ -212,8 +212,8 @@ else:
 
 
 class Look(_LookValues):
-    """One further look of the sequential rule (`gate.looks`): its number ``k`` >= 2, its seeds
-    (`gate.looks.look_seed` of the record's probe and knockout seeds, checked by the `Record`), and
+    """One further look of the sequential rule (`record.looks`): its number ``k`` >= 2, its seeds
+    (`record.looks.look_seed` of the record's probe and knockout seeds, checked by the `Record`), and
     one value per sequence of each figure it measured: ``<figure>_sequences`` (``n`` finite values in
     the figure's range) and ``knockout_delta_sequences`` (``{head: n values}``). Nothing else: a key
     the gate would not read is refused, not ignored."""
@@ -248,7 +248,7 @@ class Record(_Figures):
     eigenvalues: dict[str, list[Annotated[list[float], Field(min_length=2, max_length=2)]]] = Field(
         default_factory=dict
     )  # head -> [[re, im], ...]
-    looks: list[Look] | None = None  # the further looks of the sequential rule (`gate.looks`)
+    looks: list[Look] | None = None  # the further looks of the sequential rule (`record.looks`)
     _data: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @classmethod
@@ -262,7 +262,7 @@ class Record(_Figures):
         except ValidationError as error:
             raise CircuitsError(
                 f"the scan record given is not valid: {problem(error)}; pass a record pytest-circuits measured "
-                "or read (gate.store.read_baseline)"
+                "or read (record.store.read_baseline)"
             ) from None
         typed._data = record if isinstance(record, dict) else dict(record)
         return typed
@@ -318,7 +318,7 @@ class Record(_Figures):
 
     def _looks_match(self, heads: set[str]) -> None:
         """The further looks pair with look 1 and with each other: numbered 2..K once each, in order;
-        seeded as `gate.looks.look_seed` derives from the record's seeds; each holding the figures
+        seeded as `record.looks.look_seed` derives from the record's seeds; each holding the figures
         the others hold, one value per sequence (the probe's ``n``, the knockout's ``n``), for
         figures the record has per-sequence values of, and knockout deltas of the same heads."""
         if not self.looks:
@@ -490,7 +490,7 @@ class _SomeBuild(BaseModel):
 class Identity(BaseModel):
     """What a record says of its model, probe and build, and nothing else: read from a `Record`
     as it is, or from a partial record dict (a stand-in of a build not measured yet,
-    `store.geometry_record`; a record measured now), each part optional. What `gate.store`'s
+    `store.geometry_record`; a record measured now), each part optional. What `record.store`'s
     comparisons (geometry, probe, engine, KV cache, weights) read."""
 
     model_config = _LOOSE
@@ -507,7 +507,7 @@ class Identity(BaseModel):
 
 
 class PartInfo(BaseModel):
-    """The header of a shard part (`gate.shards`): shard ``index`` of ``of``, measuring ``layers``."""
+    """The header of a shard part (`record.shards`): shard ``index`` of ``of``, measuring ``layers``."""
 
     model_config = _STRICT
     format: int  # PART_FORMAT (strict: never True)

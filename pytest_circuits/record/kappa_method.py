@@ -63,7 +63,7 @@ def of_record(record) -> KappaMethod:
     """How ``record``'s kappa was measured: its ``rung1`` keys, `LEGACY` for each key it lacks."""
     if isinstance(record, dict):
         rung1 = record.get("rung1")
-    else:  # a typed `gate.schema.Record`: the keys its rung1 was given
+    else:  # a typed `record.schema.Record`: the keys its rung1 was given
         info = getattr(record, "rung1", None)
         rung1 = {key: getattr(info, key) for key in info.model_fields_set} if info is not None else None
     rung1 = rung1 if isinstance(rung1, dict) else {}

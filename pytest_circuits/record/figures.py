@@ -25,7 +25,7 @@ def parse_label(label) -> tuple[int, int] | None:
 
 
 # where a figure comes from: the per-head frames of the rungs, or the probe's model-level result
-SOURCES = ("index", "kappa", "probe", "knockout", "probe_model", "record")  # record: computed by gate/record.py
+SOURCES = ("index", "kappa", "probe", "knockout", "probe_model", "record")  # record: computed by run/assemble.py
 # stored: "always" (None when not measured), "measured" (only when its frame has it), "" (never)
 STORED = ("always", "measured", "")
 
