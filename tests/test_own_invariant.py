@@ -312,10 +312,10 @@ def test_a_tolerance_of_another_type_is_refused_at_registration():
     from pytest_circuits.gate.tolerances import Tolerance
 
     for declared, said in (
-        (Tolerance(0.5, "x", minimum="zero"), "minimum 'zero'"),
-        (Tolerance("wide"), "default 'wide'"),
-        (float("nan"), "default nan"),
+        (Tolerance(0.5, "x", minimum="zero"), "needs a number or None \\(any value\\) as its minimum, got 'zero'"),
+        (Tolerance("wide"), "needs a number or bool default, got 'wide'"),
+        (float("nan"), "needs a number or bool default, got nan"),
     ):
-        with pytest.raises(CircuitsError, match=f"tolerance odd_kind has {said}; a default is a finite number"):
+        with pytest.raises(CircuitsError, match=f"tolerance 'odd_kind' {said}"):
             register(_named("odd_kind", tolerances={"odd_kind": declared}))
         assert "odd_kind" not in REGISTRY

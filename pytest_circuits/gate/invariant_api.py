@@ -178,8 +178,14 @@ def register(invariant: Any = None, *, replace: bool = False) -> Any:
             why = "cannot be set by --tol or an ini key: name it in lowercase letters, digits and _"
         elif taken:
             why = "is taken"
-        elif not isinstance(tolerance.default, (int, float)):
+        elif not isinstance(tolerance.default, (int, float)) or not math.isfinite(tolerance.default):
             why = f"needs a number or bool default, got {tolerance.default!r}"
+        elif tolerance.minimum is not None and (
+            isinstance(tolerance.minimum, bool)
+            or not isinstance(tolerance.minimum, (int, float))
+            or not math.isfinite(tolerance.minimum)
+        ):
+            why = f"needs a number or None (any value) as its minimum, got {tolerance.minimum!r}"
         else:
             continue
         raise CircuitsError(f"invariant {instance.name} ({source_of(instance)}): tolerance {name!r} {why}")
@@ -226,19 +232,7 @@ def _declarations(instance: Invariant) -> dict[str, Tolerance]:
             f"invariant {instance.name} ({source_of(instance)}): tolerances must map each name it declares to a "
             f"Tolerance or a default, got {instance.tolerances!r}; name the tolerances it reads of others in `reads`"
         )
-    declared = {name: Tolerance.of(value) for name, value in instance.tolerances.items()}
-    for name, t in declared.items():
-        default_ok = isinstance(t.default, (bool, int, float)) and math.isfinite(t.default)
-        minimum_ok = t.minimum is None or (
-            isinstance(t.minimum, (int, float)) and not isinstance(t.minimum, bool) and math.isfinite(t.minimum)
-        )
-        if not (default_ok and minimum_ok):
-            what = f"default {t.default!r}" if not default_ok else f"minimum {t.minimum!r}"
-            raise CircuitsError(
-                f"invariant {instance.name} ({source_of(instance)}): tolerance {name} has {what}; a default is a "
-                "finite number or a bool, a minimum a finite number or None (any value)"
-            )
-    return declared
+    return {name: Tolerance.of(value) for name, value in instance.tolerances.items()}
 
 
 def tolerances_of(invariant: Invariant | str) -> tuple[str, ...]:
