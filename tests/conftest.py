@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,21 @@ def attention_io(model, modules: list, ids) -> tuple[list[tuple], tuple]:
         for handle in handles:
             handle.remove()
     return [seen[i] for i in range(len(modules))], patterns
+
+
+@pytest.fixture
+def registry_restored():
+    """The gate's registry as it was after the test (the modules it loads register invariants)."""
+    from pytest_circuits.gate import invariant_api, invariants, user_invariants
+
+    assert invariants.REGISTRY  # the built-in ones registered before the snapshot
+    registry, declared = dict(invariant_api.REGISTRY), dict(invariant_api._DECLARED)
+    modules = set(sys.modules)
+    yield
+    invariant_api.REGISTRY.clear()
+    invariant_api.REGISTRY.update(registry)
+    invariant_api._DECLARED.clear()
+    invariant_api._DECLARED.update(declared)
+    for name in set(sys.modules) - modules:
+        if name.startswith("mod_") or name in user_invariants._ours:
+            sys.modules.pop(name, None)

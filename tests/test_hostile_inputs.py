@@ -93,24 +93,6 @@ def probes_project(folder: Path, blocked: tuple[str, ...] = ()) -> Path:
     return folder
 
 
-@pytest.fixture
-def registry_restored():
-    """The gate's registry as it was after the test (the modules it loads register invariants)."""
-    from pytest_circuits.gate import invariant_api, invariants, user_invariants
-
-    assert invariants.REGISTRY  # the built-in ones registered before the snapshot
-    registry, declared = dict(invariant_api.REGISTRY), dict(invariant_api._DECLARED)
-    modules = set(sys.modules)
-    yield
-    invariant_api.REGISTRY.clear()
-    invariant_api.REGISTRY.update(registry)
-    invariant_api._DECLARED.clear()
-    invariant_api._DECLARED.update(declared)
-    for name in set(sys.modules) - modules:
-        if name.startswith("mod_") or name in user_invariants._ours:
-            sys.modules.pop(name, None)
-
-
 # ---------------------------------------------------------------- 1. --invariants never shadows a package
 
 
@@ -357,6 +339,7 @@ def test_under_pytest_knockouts_of_a_decode_only_cache_are_a_usage_error_before_
     """Under pytest the selected knockout test of ``+kv-quanto-int4-r32`` is refused before any test runs
     (exit 4, pytest's way out named), not one failed test after the decode-mode probe; deselected with
     ``-k 'not knockout'``, the refusal goes and the run proceeds."""
+    pytest.importorskip("optimum.quanto", reason="the quanto cache needs optimum-quanto: the formats extra")
     project = probes_project(tmp_path / "project")
     build = "fp32+kv-quanto-int4-r32"
     line = usage_error(pytest_run(["--circuits-builds", build], project))

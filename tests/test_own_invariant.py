@@ -272,21 +272,25 @@ class ReadsUndeclared(Invariant):
 """
 
 
-def test_a_failing_user_invariant_is_its_own_error_line_and_the_others_still_run(pytester, monkeypatch, capsys):
+def test_a_failing_user_invariant_is_its_own_error_line_and_the_others_still_run(pytester, monkeypatch):
     """An invariant that raises in ``compare``, returns None or reads a tolerance it does not declare is
     that invariant's ERROR line, naming it and its file (and the line, where it raised); the others run,
-    and the gate fails. Under pytest: its test fails on that one line, the others pass."""
-    from pytest_circuits.cli import main
+    and the gate fails. Under pytest: its test fails on that one line, the others pass. (Both in
+    subprocesses: an in-process pytester run elsewhere can leave transformers' modules half unloaded.)"""
+    import subprocess
+    import sys
 
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     conftest = pytester.makeconftest(FAILING)
-    monkeypatch.chdir(pytester.path)
-    capsys.readouterr()
+    code = "import sys; sys.path.pop(0); from pytest_circuits.entry import main; sys.exit(main())"
     args = ["gate", "tiny-induction", "--build", "fp32", "--baseline", "tiny-induction--fp32", "--no-knockout"]
-    assert main(args) == 1
-    captured = capsys.readouterr()
-    lines = captured.out.splitlines()
-    assert "Traceback" not in captured.out + captured.err
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=pytester.path, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert "Traceback" not in done.stdout + done.stderr
     errors = {line.split(":", 1)[0]: line for line in lines if line.startswith("ERROR ")}
     assert set(errors) == {"ERROR raises_in_compare", "ERROR returns_none", "ERROR reads_undeclared"}, lines
     raising = next(n for n, text in enumerate(conftest.read_text().splitlines(), 1) if "no such figure" in text)
