@@ -36,7 +36,7 @@ def test_every_generator_fills_a_block():
     assert names == set(REGENERATE.GENERATORS), "a generator whose block is nowhere, or a block without a generator"
 
 
-@pytest.mark.parametrize("name", [n for n in ("options", "invariants", "tolerances", "public_api")])
+@pytest.mark.parametrize("name", ["options", "invariants", "tolerances", "public_api", "recipes", "exit_codes"])
 def test_the_generated_tables_are_current(name):
     if name not in REGENERATE.GENERATORS:
         pytest.fail(f"no generator {name}")
@@ -44,6 +44,26 @@ def test_the_generated_tables_are_current(name):
     for page, block, text in _blocks():
         if block == name:
             assert text == expected, f"{page.name}: block {name} is stale; {FIX}"
+
+
+def test_no_page_holds_a_stray_block_marker():
+    """docs/builds.md began its Recipes with a closing ``<!-- /options -->`` that opened nothing (#54)."""
+    for page in REGENERATE.PAGES:
+        text = page.read_text(encoding="utf-8")
+        for close in re.finditer(r"^<!-- /(.*?) -->", text, re.M):
+            opened = f"<!-- {close.group(1)}"
+            assert opened in text[: close.start()], f"{page.name}: {close.group(0)} closes no block"
+
+
+def test_the_builds_page_lists_every_recipe_the_cli_knows():
+    """The issue's count: docs/builds.md's Recipes named 8 of the 13 recipes."""
+    from pytest_circuits.model.recipes import RECIPES
+
+    text = (ROOT / "docs" / "builds.md").read_text(encoding="utf-8")
+    section = text.split("## Recipes\n", 1)[1].split("\n## ", 1)[0]
+    assert len(RECIPES) >= 13
+    for name in [*RECIPES, "fp8-e4m3-dyn", "int8-w8a8", "gptq-int4", "awq-int4"]:
+        assert f"| `{name}` |" in section, name
 
 
 def test_the_built_in_tolerance_table_is_generated_from_the_invariants():

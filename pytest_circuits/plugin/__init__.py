@@ -36,22 +36,25 @@ COLLECTED_KEY: pytest.StashKey[Collected] = pytest.StashKey()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    from ..settings import option_help
+
     group = parser.getgroup("circuits", "mechanistic invariants of model builds (pytest-circuits)")
     for option in OPTIONS:
         default = "" if option.default is None else str(option.default)
         shown = f" (default: {default})" if default else ""  # None: the help says what happens
+        text = option_help(option)
         if option.kind == "bool":
             group.addoption(
                 option.pytest_flag,
                 dest=option.ini,
                 action="store_true",
                 default=None,
-                help=f"{option.help} [ini: {option.ini}]",
+                help=f"{text} [ini: {option.ini}]",
             )
             parser.addini(option.ini, option.help, type="bool", default=False)
         else:
             group.addoption(
-                option.pytest_flag, dest=option.ini, default=None, help=f"{option.help}{shown} [ini: {option.ini}]"
+                option.pytest_flag, dest=option.ini, default=None, help=f"{text}{shown} [ini: {option.ini}]"
             )
             parser.addini(option.ini, option.help, type="string", default=default)
     for name, value in Tolerances().as_dict().items():
