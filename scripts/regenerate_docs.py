@@ -149,16 +149,11 @@ def exit_codes_table() -> str:
 
 def failure_example() -> str:
     """``FAILURE_COMMAND`` run for real in a scratch folder holding the sabotaged model (the baseline: the package's)."""
-    from transformers import AutoModelForCausalLM
-
-    from pytest_circuits.model.named import EMBEDDED_DIR
-    from pytest_circuits.testing import negate_head_ov
+    from pytest_circuits.testing import save_sabotaged
 
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
-        model = AutoModelForCausalLM.from_pretrained(EMBEDDED_DIR / "tiny-induction")
-        negate_head_ov(model, 1, 0)  # the induction head L1H0 writes the opposite of what it reads
-        model.save_pretrained(folder / "sabotaged")
+        save_sabotaged(folder / "sabotaged")  # the README's two lines: L1H0 writes the opposite of what it reads
         done = subprocess.run(
             [sys.executable, "-m", "pytest_circuits.cli", *FAILURE_COMMAND.split()[1:]],
             cwd=folder,

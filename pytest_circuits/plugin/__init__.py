@@ -228,21 +228,24 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("circuits_knockout_shard", shards, scope="session", indirect=True)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: object) -> list | None:
+    """Knockout shard tests exist only when the scan is sharded: otherwise the test asking for a shard
+    is not collected at all (not deselected: every run said "1 deselected", unexplained)."""
+    import inspect
+
+    if not inspect.isfunction(obj) or "circuits_knockout_shard" not in inspect.signature(obj).parameters:
+        return None
+    session = session_of(collector.config)
+    sharded = session.settings.shard is not None or session.measured.shards > 1
+    return None if sharded else []
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Knockout shard tests exist only when the scan is sharded (else they are deselected, not
-    skipped); on an xdist worker the build groups are carried into the nodeids (`workers.carry_groups`)."""
+    """On an xdist worker the build groups are carried into the nodeids (`workers.carry_groups`)."""
     from .workers import carry_groups
 
-    unsharded = [
-        item
-        for item in items
-        if "circuits_knockout_shard" in getattr(item, "fixturenames", ())
-        and not isinstance(getattr(getattr(item, "callspec", None), "params", {}).get("circuits_knockout_shard"), tuple)
-    ]  # an empty parameter set leaves pytest's NOTSET placeholder
-    if unsharded:
-        items[:] = [item for item in items if item not in unsharded]
-        config.hook.pytest_deselected(items=unsharded)
     carry_groups(config, items)
 
 
