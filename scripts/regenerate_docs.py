@@ -69,11 +69,18 @@ def tolerances_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-TABLE_MODULE = ROOT / "pytest_circuits" / "gate" / "tolerance_table.py"
+def _package() -> Path:
+    import pytest_circuits  # light: its names load lazily
+
+    return Path(pytest_circuits.__file__).resolve().parent
+
+
+TABLE_MODULE = _package() / "gate" / "tolerance_table.py"  # this checkout's, or the installed wheel's (CI)
 
 
 def tolerance_table_module() -> str:
     """``tolerance_table.py``: each built-in invariant's declared tolerance, in gate order."""
+    from pytest_circuits.gate import invariants  # noqa: F401  (the built-in invariants registered)
     from pytest_circuits.gate.invariant_api import _DECLARED, BUILT_IN_MODULES, REGISTRY
 
     lines = [

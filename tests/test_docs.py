@@ -242,3 +242,21 @@ def test_a_measured_kv_table_is_what_its_plan_measures_today(capsys, tmp_path, b
     assert fresh[0] in shown, (fresh[0], shown[:2])  # fp32's induction heads
     for row in fresh[1:]:
         assert row in shown, f"{block}: a fresh run gives {row!r}; regenerate the table (see its command)"
+
+
+def test_ci_runs_the_whole_suite_from_an_installed_wheel_outside_the_clone():
+    """#54: the README's test command runs in CI against a wheel (not the editable checkout), from a copy
+    of the clone without the package, after checking that the import finds the installed one."""
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()]
+    at = 0
+    for start in (
+        "pip wheel -q --no-deps -w",
+        "pip uninstall -q -y pytest-circuits",
+        "pip install -q --no-deps",
+        "tar -cf - --exclude=./pytest_circuits",
+        'cd "$outside"',
+        "python -c 'import pathlib, pytest_circuits",
+    ):
+        at = next((i for i in range(at, len(ci)) if ci[i].startswith(start)), None)
+        assert at is not None, f".ci/run: no step {start!r} where the wheel's run needs it"
+    assert "site-packages" in ci[at] and ci[at + 1] == "python -m pytest", "the import checked, then the suite"

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+import pytest_circuits
 from pytest_circuits.errors import CircuitsWarning
 
-PACKAGE = Path(__file__).resolve().parent.parent / "pytest_circuits"
+PACKAGE = Path(pytest_circuits.__file__).resolve().parent  # the checkout's, or the installed wheel's
 
 
 def _warn_calls() -> list[tuple[str, ast.Call]]:
