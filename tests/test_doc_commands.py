@@ -131,9 +131,9 @@ def _dry_pytest(command: Command, folder: Path, preflight: bool) -> None:
 
 def _dry_circuits(command: Command, folder: Path, preflight: bool) -> None:
     from pytest_circuits import cli
-    from pytest_circuits.gate.store import baseline_file, read_record
     from pytest_circuits.model.kv_formats import refuse_decode_knockouts
     from pytest_circuits.options import parse_shard
+    from pytest_circuits.record.store import baseline_file, read_record
 
     sub = command.words[1]
     if sub == "baselines":  # no model, no input: run for real (cheap) below
