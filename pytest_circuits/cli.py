@@ -1,7 +1,7 @@
 """The ``circuits`` command: scan, record, gate and diff builds; same code path as the plugin.
 
-Exit status: 0 pass, 1 an invariant broke (``gate``), 2 a usage or input error
-(a `CircuitsError` is printed as one line on stderr, never a traceback). Shared options
+Exit status (`cli_help.EXIT_CODES`): 0 pass, 1 an invariant broke (``gate``), 2 a usage or input error
+(a `CircuitsError` is printed as one line on stderr, never a traceback), 130 interrupted. Shared options
 come from the one table in `options.py`; errors name the flags as this command spells them.
 """
 
@@ -15,13 +15,13 @@ try:  # Ctrl-C while the command is still importing: one line and status 130, ne
     import typing
     from pathlib import Path
 
+    from .cli_help import EXIT_BROKEN, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, epilog
     from .errors import CircuitsError, line_of
     from .options import FRONT_END, OPTIONS
 except KeyboardInterrupt:
     print("circuits: interrupted", file=sys.stderr)
     raise SystemExit(130) from None
 
-EXIT_OK, EXIT_BROKEN, EXIT_USAGE = 0, 1, 2
 STATUS_WORDS = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP", "error": "ERROR"}
 MODEL_HELP = "model folder, .gguf file, cache id or named model (tiny-induction, smollm2-135m)"
 SHIPPED_EXAMPLE = "tiny-induction--fp32"  # a shipped baseline's name, as the help and `circuits baselines` show it
@@ -142,27 +142,42 @@ def _other_commands(parser: argparse.ArgumentParser, flag: str) -> str:
     return f" ({flag} is an option of circuits {', '.join(takers)}, not of {command}{': ' + why if why else ''})"
 
 
+def _command(sub, name: str, help: str) -> argparse.ArgumentParser:
+    """Subcommand ``name``; its help ends with the build syntax (where it takes builds) and the exit codes."""
+    return sub.add_parser(name, help=help, epilog=epilog(name), formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
     parser = _Parser(
         prog="circuits",
         description="Scan, record, gate and diff model builds on mechanistic invariants (pytest-circuits).",
+        epilog=epilog(None),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"circuits (pytest-circuits) {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser("scan", help="print every head's figures of one build (and write them as JSON)")
+    p = _command(sub, "scan", "print every head's figures of one build (and write them as JSON)")
     p.add_argument("model", help=MODEL_HELP)
-    p.add_argument("--build", default="fp32", help="build recipe or NAME=PATH external build (default: fp32)")
+    p.add_argument(
+        "--build",
+        default="fp32",
+        help="the build: a recipe, NAME=PATH or BUILD+kv-FORMAT (builds: below; default: fp32)",
+    )
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the scan record here (atomically)")
     _no_knockout(p, "")
     _shared_options(p, "scan")
 
-    p = sub.add_parser("record", help="write the baselines of builds (atomically)")
+    p = _command(sub, "record", "write the baselines of builds (atomically)")
     p.add_argument("model", help=MODEL_HELP)
-    p.add_argument("--build", required=True, help="build recipes or NAME=PATH external builds, comma-separated")
+    p.add_argument(
+        "--build",
+        required=True,
+        help="the builds, comma-separated: recipes, NAME=PATH or BUILD+kv-FORMAT (builds: below)",
+    )
     p.add_argument(
         "--shard",
         default=None,
@@ -172,13 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, metavar="FILE", help="with --shard: write the part here")
     _shared_options(p, "record")
 
-    p = sub.add_parser("merge", help="merge the parts of a sharded record into the unsharded record")
+    p = _command(sub, "merge", "merge the parts of a sharded record into the unsharded record")
     p.add_argument("parts", nargs="+", type=Path, metavar="PART", help="every part (circuits record --shard I/K --out)")
     p.add_argument("-o", "--output", required=True, type=Path, metavar="FILE", help="write the merged record here")
 
-    p = sub.add_parser("gate", help="gate one build against a baseline file (exit 1 if an invariant broke)")
+    p = _command(
+        sub, "gate", "gate one build against a baseline file (exit 0 pass, 1 an invariant broke, 2 an input error)"
+    )
     p.add_argument("model", help=MODEL_HELP)
-    p.add_argument("--build", required=True, help="build recipe or NAME=PATH external build")
+    p.add_argument("--build", required=True, help="the build: a recipe, NAME=PATH or BUILD+kv-FORMAT (builds: below)")
     p.add_argument(
         "--baseline",
         required=True,
@@ -206,17 +223,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _shared_options(p, "gate", defaults_from_baseline=True)
 
-    sub.add_parser("baselines", help="list the baselines shipped with the package (gate against one by its name)")
+    _command(sub, "baselines", "list the baselines shipped with the package (gate against one by its name)")
 
-    p = sub.add_parser("diff", help="what moved between two scan records, per head")
+    p = _command(sub, "diff", "what moved between two scan records, per head")
     p.add_argument("file_a", type=Path, metavar="A", help="the earlier scan record or baseline file")
     p.add_argument("file_b", type=Path, metavar="B", help="the later scan record or baseline file")
     p.add_argument("--min-change", type=float, default=0.01, help="hide changes smaller than this (default: 0.01)")
     _invariants_option(p)
 
-    p = sub.add_parser(
+    p = _command(
+        sub,
         "sensitivity",
-        help="damage the baseline's top key heads step by step; print the mildest damage each invariant catches",
+        "damage the baseline's top key heads step by step; print the mildest damage each invariant catches",
     )
     p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--build", default="fp32", help="the float build to damage (default: fp32)")
@@ -482,7 +500,7 @@ def main(argv=None) -> int:
             return _run(list(sys.argv[1:] if argv is None else argv))
     except KeyboardInterrupt:
         print("circuits: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 QUIET_LOGGERS = ("torchao", "torch.utils._pytree")

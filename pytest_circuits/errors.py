@@ -73,6 +73,10 @@ class FileSystemError(CircuitsError):
     """A file or folder could not be read or written (read-only, missing, full, in the way)."""
 
 
+class CircuitsWarning(UserWarning):
+    """A Python warning of pytest-circuits (the run goes on): this project's own suite makes it an error."""
+
+
 def warn(text: str) -> None:
     """One warning line on stderr (the run goes on)."""
     print(f"pytest-circuits: warning: {text}", file=sys.stderr)

@@ -51,6 +51,7 @@ class Option:
     choices: tuple[str, ...] = ()
     cli: tuple[str, ...] = ()  # CLI subcommands that take it ("" entries never)
     cli_default: Any = field(default=None)  # the CLI's default where it differs from pytest's
+    syntax: bool = False  # it takes builds: its help goes on with the build syntax (`settings.option_help`)
 
     @property
     def dest(self) -> str:
@@ -146,10 +147,8 @@ OPTIONS: tuple[Option, ...] = (
         "builds",
         "str",
         ",".join(DEFAULT_BUILDS),
-        "comma list of build recipes (fp32, bf16, fp16, bnb-int8, bnb-nf4, bnb-fp4, rtn-int8, rtn-int4, fp8-e4m3, "
-        "fp8-e4m3-dyn, int8-w8a8, gptq-int4, awq-int4) "
-        "and NAME=PATH external builds (a .gguf file or checkpoint folder, e.g. q8=dist/model-Q8_0.gguf); "
-        "+kv-FORMAT after a build serves it with a quantized KV cache (bf16+kv-fp8-e4m3, q8+kv-q4_0=FILE)",
+        "comma list of builds, each gated against the baselines",
+        syntax=True,
     ),
     Option(
         "reference",
@@ -360,12 +359,12 @@ def parse_value(name: str, raw: Any, front_end: str | None = None) -> Any:
     return option.default if value is None else value
 
 
-def markdown_table() -> str:
-    """The option rows of docs/options.md: flag, ini key, default and help of every option."""
+def markdown_table(help_of=lambda option: option.help) -> str:
+    """The option rows of docs/options.md: flag, ini key, default and help (``help_of(option)``) of every option."""
     rows = []
     for option in OPTIONS:
         default = "off" if option.kind == "bool" else ("none" if option.default in (None, "") else option.default)
-        rows.append(f"| `{option.pytest_flag}` | `{option.ini}` | `{default}` | {option.help} |")
+        rows.append(f"| `{option.pytest_flag}` | `{option.ini}` | `{default}` | {help_of(option)} |")
     return "\n".join(rows)
 
 

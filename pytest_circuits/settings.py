@@ -86,6 +86,16 @@ class CircuitsSettings:
         return RepeatSettings(seed=self.knockout_seed, n=self.probe.n, L=self.probe.L)
 
 
+def option_help(option) -> str:
+    """An option's help as both front ends and docs/options.md show it: an option that takes builds goes
+    on with the build syntax (`model.recipes.build_syntax_text`, made from the recipe table)."""
+    if not option.syntax:
+        return option.help
+    from .model.recipes import build_syntax_text
+
+    return f"{option.help}; {build_syntax_text()}"
+
+
 def build_settings(raw: dict, baselines: Path, front_end: str | None = None, **fixed) -> CircuitsSettings:
     """Settings from raw option values (strings from the command line or ini, or values), each
     checked by its `options.Option`; a bad one is a one-line error naming the flag typed.

@@ -283,6 +283,19 @@ def negate_head_ov(model, layer: int, head: int) -> None:
     head_columns(proj, float_weight(proj), cols).mul_(-1)
 
 
+def save_sabotaged(folder: str | Path, layer: int = 1, head: int = 0) -> Path:
+    """The embedded model with head ``L{layer}H{head}``'s OV reversed (`negate_head_ov`; default its induction
+    head L1H0), saved to ``folder``: the README's ``./sabotaged``, which the gate fails."""
+    from transformers import AutoModelForCausalLM
+
+    from .model.named import EMBEDDED_DIR
+
+    model = AutoModelForCausalLM.from_pretrained(EMBEDDED_DIR / "tiny-induction")
+    negate_head_ov(model, layer, head)
+    model.save_pretrained(folder)
+    return Path(folder)
+
+
 @torch.no_grad()
 def pull_head_towards_copying(model, layer: int, head: int, t: float) -> None:
     """``W_O <- W_O + t (|W_O| / |B|) B^T`` for head ``LlHh`` in place, ``B = W_U W_E W_V`` (centred

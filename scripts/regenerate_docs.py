@@ -8,6 +8,8 @@ the start of a line, in README.md or a page of docs/; `GENERATORS` says what wri
   the tolerances it reads, whether it compares builds of one model or two base models);
 - ``tolerances``: one row per tolerance with its default and what it means, as its invariant declares it;
 - ``public_api``: ``pytest_circuits.__all__`` with each name's module and docstring summary;
+- ``recipes``: every build recipe (`pytest_circuits.model.recipes.RECIPES`) and the rest of the build syntax;
+- ``exit_codes``: the exit codes of ``circuits`` and of ``pytest`` (`pytest_circuits.cli_help`);
 - ``failure``: the output of a real ``circuits gate`` of the embedded model with its induction
   head's OV reversed, quantized to nf4, against the shipped fp32 baseline (about 10 s of CPU).
 
@@ -49,8 +51,9 @@ FAILURE_COMMAND = "circuits gate ./sabotaged --build bnb-nf4 --baseline tiny-ind
 
 def options_table() -> str:
     from pytest_circuits.options import markdown_table
+    from pytest_circuits.settings import option_help
 
-    return "| option | ini | default | meaning |\n|---|---|---|---|\n" + markdown_table() + "\n"
+    return "| option | ini | default | meaning |\n|---|---|---|---|\n" + markdown_table(option_help) + "\n"
 
 
 def _words(text: str | None) -> str:
@@ -66,11 +69,18 @@ def tolerances_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-TABLE_MODULE = ROOT / "pytest_circuits" / "gate" / "tolerance_table.py"
+def _package() -> Path:
+    import pytest_circuits  # light: its names load lazily
+
+    return Path(pytest_circuits.__file__).resolve().parent
+
+
+TABLE_MODULE = _package() / "gate" / "tolerance_table.py"  # this checkout's, or the installed wheel's (CI)
 
 
 def tolerance_table_module() -> str:
     """``tolerance_table.py``: each built-in invariant's declared tolerance, in gate order."""
+    from pytest_circuits.gate import invariants  # noqa: F401  (the built-in invariants registered)
     from pytest_circuits.gate.invariant_api import _DECLARED, BUILT_IN_MODULES, REGISTRY
 
     lines = [
@@ -119,18 +129,38 @@ def public_api_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+def recipes_table() -> str:
+    """docs/builds.md's recipes: every row of the recipe table, what it is and what makes it."""
+    from pytest_circuits.model.recipes import RECIPES, build_syntax
+
+    made_by = {
+        "torch": "a cast",
+        "bitsandbytes": "bitsandbytes (transformers' `BitsAndBytesConfig`; CPU with bitsandbytes >= 0.47)",
+        "rtn": "simulated here (every attention and MLP weight)",
+        "compressed-tensors": 'compressed-tensors in memory (`pip install "pytest-circuits[formats]"`)',
+        "llm-compressor": "llm-compressor, out of process in [its own environment](formats.md#recipes)",
+    }
+    rows = ["| recipe | what it is | made by |", "|---|---|---|"]
+    rows += [
+        f"| `{name}` | {_words(r.summary).replace('<', '&lt;')} | {made_by[r.backend]} |" for name, r in RECIPES.items()
+    ]
+    syntax = "".join(f"\n- `{form}`: {_words(meaning)}" for form, meaning in build_syntax()[1:])
+    return "\n".join(rows) + "\n\nBeside a recipe:\n" + syntax + "\n"
+
+
+def exit_codes_table() -> str:
+    from pytest_circuits.cli_help import exit_codes_markdown
+
+    return exit_codes_markdown()
+
+
 def failure_example() -> str:
     """``FAILURE_COMMAND`` run for real in a scratch folder holding the sabotaged model (the baseline: the package's)."""
-    from transformers import AutoModelForCausalLM
-
-    from pytest_circuits.model.named import EMBEDDED_DIR
-    from pytest_circuits.testing import negate_head_ov
+    from pytest_circuits.testing import save_sabotaged
 
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
-        model = AutoModelForCausalLM.from_pretrained(EMBEDDED_DIR / "tiny-induction")
-        negate_head_ov(model, 1, 0)  # the induction head L1H0 writes the opposite of what it reads
-        model.save_pretrained(folder / "sabotaged")
+        save_sabotaged(folder / "sabotaged")  # the README's two lines: L1H0 writes the opposite of what it reads
         done = subprocess.run(
             [sys.executable, "-m", "pytest_circuits.cli", *FAILURE_COMMAND.split()[1:]],
             cwd=folder,
@@ -169,6 +199,8 @@ GENERATORS: dict[str, Callable[[], str]] = {
     "tolerances": tolerances_table,
     "failure": failure_example,
     "public_api": public_api_table,
+    "recipes": recipes_table,
+    "exit_codes": exit_codes_table,
 }
 
 

@@ -284,3 +284,48 @@ def test_model_line_names_the_model_type_and_its_layout():
     assert model_lines(Record.of(record))[0].startswith("model q (llama, 2 layers x 4 heads)")
     del record["model"]["model_type"]
     assert model_lines(Record.of(record))[0].startswith("model q (llama, 2 layers x 4 heads)")
+
+
+# ---------------------------------------------------------------- the help shows the build syntax and exit codes (#54)
+
+# The issue's list: the 13 recipes the CLI knew when `circuits gate --help` named none of them.
+RECIPES_OF_ISSUE_54 = (
+    "fp32 bf16 fp16 bnb-int8 bnb-nf4 bnb-fp4 rtn-int8 rtn-int4 fp8-e4m3 fp8-e4m3-dyn int8-w8a8 gptq-int4 awq-int4"
+).split()
+
+
+def _help(capsys, *argv) -> str:
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--help"])
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["scan", "record", "gate", "sensitivity"])
+def test_a_commands_help_shows_the_build_syntax_and_the_exit_codes(capsys, command):
+    text = _help(capsys, command)
+    builds = text.split("\nbuilds (")[1].split("\nexit status:")[0]
+    listed = [line.split()[0] for line in builds.splitlines()[1:] if line.startswith("  ") and line[2] != " "]
+    for recipe in RECIPES_OF_ISSUE_54:
+        assert recipe in listed, f"circuits {command} --help lists no recipe {recipe}"
+    assert "NAME=PATH" in listed and "BUILD+kv-FORMAT[-dyn][-rN]" in listed
+    assert "q4_0" in builds and "-rN: the last N tokens" in " ".join(builds.split())
+    codes = [line.split()[0] for line in text.split("\nexit status:\n")[1].splitlines()]
+    assert codes == ["0", "1", "2", "130"]
+
+
+def test_the_top_level_and_diff_help_list_every_exit_code(capsys):
+    for argv in ([], ["diff"]):
+        text = _help(capsys, *argv)
+        status = text.split("\nexit status:\n")[1]
+        assert "1    an invariant broke" in status and "2    a usage or input error" in status and "130" in status
+        assert "\nbuilds (" not in text  # no build to type
+
+
+def test_pytest_and_the_cli_say_the_build_syntax_from_one_table(capsys):
+    """pytest's --circuits-builds help and `circuits gate --help` name the same recipes and KV formats."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "--help"], capture_output=True, text=True, timeout=120)
+    pytest_help = " ".join(done.stdout.split("--circuits-builds=")[1].split("--circuits-reference")[0].split())
+    cli_help = " ".join(_help(capsys, "gate").split("\nbuilds (")[1].split())
+    for word in [*RECIPES_OF_ISSUE_54, "+kv-FORMAT[-dyn][-rN]", "iq4_nl", "hqq-int2", "NAME=PATH"]:
+        assert word in pytest_help and word in cli_help, word

@@ -46,7 +46,7 @@ REDUCED = ["--circuits-builds", "fp32"]  # gate suite runs that name no builds, 
 EXPECTED_EXIT = {
     # the embedded model gated as a replacement of SmolLM2: a swap that fails swap_kappa
     "pytest probes -k base_model_swap --circuits-builds fp32 --circuits-swap-baseline baselines/smollm2-135m--fp32.json": 1,
-    "circuits gate tiny-induction --build fp32 --baseline baselines/smollm2-135m--fp32.json": 1,
+    "circuits gate tiny-induction --build fp32 --baseline baselines/smollm2-135m--fp32.json --across-models": 1,
 }
 # a few CPU-minutes of scans each (invariants.md: tests/test_own_invariant.py runs its invariant by default)
 SLOW_PAGES = {"getting-started.md", "ci.md", "gate.md", "invariants.md"}

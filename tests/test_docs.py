@@ -36,7 +36,7 @@ def test_every_generator_fills_a_block():
     assert names == set(REGENERATE.GENERATORS), "a generator whose block is nowhere, or a block without a generator"
 
 
-@pytest.mark.parametrize("name", [n for n in ("options", "invariants", "tolerances", "public_api")])
+@pytest.mark.parametrize("name", ["options", "invariants", "tolerances", "public_api", "recipes", "exit_codes"])
 def test_the_generated_tables_are_current(name):
     if name not in REGENERATE.GENERATORS:
         pytest.fail(f"no generator {name}")
@@ -44,6 +44,26 @@ def test_the_generated_tables_are_current(name):
     for page, block, text in _blocks():
         if block == name:
             assert text == expected, f"{page.name}: block {name} is stale; {FIX}"
+
+
+def test_no_page_holds_a_stray_block_marker():
+    """docs/builds.md began its Recipes with a closing ``<!-- /options -->`` that opened nothing (#54)."""
+    for page in REGENERATE.PAGES:
+        text = page.read_text(encoding="utf-8")
+        for close in re.finditer(r"^<!-- /(.*?) -->", text, re.M):
+            opened = f"<!-- {close.group(1)}"
+            assert opened in text[: close.start()], f"{page.name}: {close.group(0)} closes no block"
+
+
+def test_the_builds_page_lists_every_recipe_the_cli_knows():
+    """The issue's count: docs/builds.md's Recipes named 8 of the 13 recipes."""
+    from pytest_circuits.model.recipes import RECIPES
+
+    text = (ROOT / "docs" / "builds.md").read_text(encoding="utf-8")
+    section = text.split("## Recipes\n", 1)[1].split("\n## ", 1)[0]
+    assert len(RECIPES) >= 13
+    for name in [*RECIPES, "fp8-e4m3-dyn", "int8-w8a8", "gptq-int4", "awq-int4"]:
+        assert f"| `{name}` |" in section, name
 
 
 def test_the_built_in_tolerance_table_is_generated_from_the_invariants():
@@ -222,3 +242,21 @@ def test_a_measured_kv_table_is_what_its_plan_measures_today(capsys, tmp_path, b
     assert fresh[0] in shown, (fresh[0], shown[:2])  # fp32's induction heads
     for row in fresh[1:]:
         assert row in shown, f"{block}: a fresh run gives {row!r}; regenerate the table (see its command)"
+
+
+def test_ci_runs_the_whole_suite_from_an_installed_wheel_outside_the_clone():
+    """#54: the README's test command runs in CI against a wheel (not the editable checkout), from a copy
+    of the clone without the package, after checking that the import finds the installed one."""
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()]
+    at = 0
+    for start in (
+        "pip wheel -q --no-deps -w",
+        "pip uninstall -q -y pytest-circuits",
+        "pip install -q --no-deps",
+        "tar -cf - --exclude=./pytest_circuits",
+        'cd "$outside"',
+        "python -c 'import pathlib, pytest_circuits",
+    ):
+        at = next((i for i in range(at, len(ci)) if ci[i].startswith(start)), None)
+        assert at is not None, f".ci/run: no step {start!r} where the wheel's run needs it"
+    assert "site-packages" in ci[at] and ci[at + 1] == "python -m pytest", "the import checked, then the suite"

@@ -3,7 +3,7 @@
 Read from the source with ``ast`` (imports inside functions count too), so it needs no third-party
 linter. The layers, highest first; a module may import its own layer and any layer below:
 
-1. front ends: the package root, ``plugin``, ``cli`` (and ``entry``, its console script; ``show``, what
+1. front ends: the package root, ``plugin``, ``cli`` (and ``entry``, its console script; ``cli_help``, its help; ``show``, what
    it prints of records), ``probes``
 2. ``run`` (one run: its parts and the flow that measures what the gate asks for), ``assertions``,
    ``testing``
@@ -32,7 +32,7 @@ import pytest_circuits
 PACKAGE = Path(pytest_circuits.__file__).resolve().parent
 ROOT = "pytest_circuits"
 LAYERS = (
-    (ROOT, "plugin", "cli", "show", "entry", "probes"),
+    (ROOT, "plugin", "cli", "cli_help", "show", "entry", "probes"),
     ("run", "assertions", "testing"),
     ("report",),
     ("gate",),

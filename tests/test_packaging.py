@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -102,39 +101,6 @@ def installed_wheel(tmp_path: Path) -> Path:
         timeout=600,
     )
     return site
-
-
-# Test files that need the package alone (no README, docs/ or scripts/ of the clone); the slow test
-# below runs them against an installed wheel. Add one here when it should hold for wheel users too.
-PACKAGE_ONLY_TESTS = ("test_public_api.py", "test_baseline.py", "test_import_layers.py")
-
-
-@pytest.mark.slow
-def test_the_package_only_tests_pass_from_an_installed_wheel(tmp_path):
-    """A copy of tests/ outside the clone, the package from a wheel: nothing reads the package's files
-    through the clone's source tree, and py.typed is in the installed distribution's file list."""
-    site = installed_wheel(tmp_path)
-    project = tmp_path / "project"
-    shutil.copytree(ROOT / "tests", project / "tests")
-    shutil.copy(ROOT / "pyproject.toml", project / "pyproject.toml")  # the pytest configuration, no package
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", *(f"tests/{name}" for name in PACKAGE_ONLY_TESTS)],
-        cwd=project,
-        env={**os.environ, "PYTHONPATH": str(site), "HF_HUB_OFFLINE": "1"},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert " passed" in done.stdout and " failed" not in done.stdout
-    where = subprocess.run(
-        [sys.executable, "-c", "import pytest_circuits; print(pytest_circuits.__file__)"],
-        cwd=project,
-        env={**os.environ, "PYTHONPATH": str(site)},
-        capture_output=True,
-        text=True,
-    )
-    assert where.stdout.startswith(str(site)), where.stdout  # the wheel's package, not this checkout's
 
 
 def _readme_circuits_lines() -> list[str]:

@@ -447,3 +447,29 @@ def test_importing_bitsandbytes_through_a_bnb_build_raises_no_deprecation_warnin
     )
     done = _run(["python", "-c", code], tmp_path)
     assert done.returncode == 0 and done.stdout.split()[-1] == "0", done.stdout[-2000:] + done.stderr[-2000:]
+
+
+def test_a_bnb_build_prints_no_hub_kernel_lines(tmp_path):
+    """#54: importing bitsandbytes offline printed kernels' "Skipping publisher trust check for
+    'kernels-community/quantization-bitsandbytes' ..." and bitsandbytes' "Failed to load CPU
+    gemm_4bit_forward ..." on stderr (on CPUs where its backend asks the Hub for a kernel)."""
+    code = "from pytest_circuits.model.builds import require_bitsandbytes; require_bitsandbytes('bnb-nf4')"
+    done = _run(["python", "-c", code], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Skipping publisher trust check" not in done.stderr and "Failed to load CPU" not in done.stderr, done.stderr
+
+
+def test_only_the_offline_trust_line_of_kernels_is_dropped(caplog):
+    """On any CPU: the one message is dropped from its logger, another message of that logger is not."""
+    import logging
+
+    from pytest_circuits.model.builds import KERNELS_HUB_LOGGER, quiet_bitsandbytes
+
+    quiet_bitsandbytes()
+    quiet_bitsandbytes()  # idempotent: one filter
+    hub = logging.getLogger(KERNELS_HUB_LOGGER)
+    assert len(hub.filters) == 1
+    with caplog.at_level(logging.WARNING, logger=KERNELS_HUB_LOGGER):
+        hub.warning("Skipping publisher trust check for 'a/b' because Hugging Face Hub is in offline mode.")
+        hub.warning("some other kernels warning")
+    assert [r.getMessage() for r in caplog.records if r.name == KERNELS_HUB_LOGGER] == ["some other kernels warning"]

@@ -133,8 +133,31 @@ def resolve_device(spec: str = "auto", worker: str | None = None) -> torch.devic
     return device
 
 
+OFFLINE_TRUST_LINE = "Skipping publisher trust check for "
+"""The start of what the ``kernels`` package logs (logger `KERNELS_HUB_LOGGER`) each time bitsandbytes
+asks it for a Hub kernel while HF_HUB_OFFLINE is set, as this package always runs: it downloads nothing,
+so there is no publisher to trust; the line is dropped (`quiet_bitsandbytes`)."""
+KERNELS_HUB_LOGGER = "kernels._internals.hf_hub"
+
+
+def _not_the_offline_trust_line(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(OFFLINE_TRUST_LINE)
+
+
+def quiet_bitsandbytes() -> None:
+    """Before bitsandbytes is imported: on CPUs its backend logs, at import, that it could not fetch a
+    kernel from the Hub (we never download), and int8 matmuls warn on every cast; ``kernels`` logs the
+    offline trust line. Idempotent."""
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    hub = logging.getLogger(KERNELS_HUB_LOGGER)
+    if _not_the_offline_trust_line not in hub.filters:
+        hub.addFilter(_not_the_offline_trust_line)
+
+
 def require_bitsandbytes(recipe_name: str) -> None:
-    """Import bitsandbytes, or refuse the recipe in one line naming the install."""
+    """Import bitsandbytes (its Hub-kernel lines quieted, `quiet_bitsandbytes`), or refuse the recipe in
+    one line naming the install."""
+    quiet_bitsandbytes()
     try:
         with warnings.catch_warnings():  # bitsandbytes decorates with torch.jit.script_method (deprecated in torch)
             warnings.filterwarnings(
@@ -146,9 +169,6 @@ def require_bitsandbytes(recipe_name: str) -> None:
 
 
 def _bnb_config(recipe: Recipe):
-    # before the import: on AVX512-BF16 CPUs bitsandbytes' CPU backend logs, at import, that it
-    # could not fetch a kernel from the Hub (we never download); int8 matmuls warn on every cast
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     require_bitsandbytes(recipe.name)
     from transformers import BitsAndBytesConfig
 

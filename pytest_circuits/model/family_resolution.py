@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ModelLoadError, UnknownFamilyError
+from ..errors import CircuitsWarning, ModelLoadError, UnknownFamilyError
 from . import family_table
 from .family_table import ADD_FAMILY, ENTRY_POINT_GROUP, HYBRID_LAYER_ATTRS, NO_PER_HEAD_OV, Family, Geometry
 from .module_paths import attn_norm_module, modules_at
@@ -262,6 +262,7 @@ def infer_family(model) -> Family | None:
                 f"model type {model_type!r} is not in the family table: assumed the {layout.name!r} layout "
                 f"({candidate.layers}.N.{candidate.attn}), confirmed by the self-check on load (attention output, "
                 "residual write, embedding and logits; a module the layout never reads is refused)",
+                CircuitsWarning,
                 stacklevel=2,
             )
         return candidate

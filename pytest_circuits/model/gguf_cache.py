@@ -69,7 +69,16 @@ def dequantizable_types() -> set[str] | None:
 
 
 def check_gguf_tensors(path: Path) -> None:
-    """Refuse a GGUF file that is damaged or holds a tensor type that cannot be dequantized, in one line."""
+    """Refuse a GGUF file that is damaged or holds a tensor type that cannot be dequantized, in one line;
+    checked once per process per file state (path, size, mtime), as `fsio.sha256_of` hashes: reading a
+    GGUF file's fields takes seconds (SmolLM2's vocabulary), and every run of a process resolves its model."""
+    stat = os.stat(path)
+    _check_gguf_tensors(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=64)
+def _check_gguf_tensors(name: str, size: int, mtime_ns: int) -> None:
+    path = Path(name)
     try:
         from gguf import GGUFReader
     except ImportError:

@@ -87,6 +87,28 @@ RECIPES: dict[str, Recipe] = {
 }
 
 
+def build_syntax() -> tuple[tuple[str, str], ...]:
+    """What a build typed on the command line may be, ``(form, meaning)`` rows made from the recipe and
+    KV-format tables: pytest's ``--help``, ``circuits --help`` and docs/options.md say it with these."""
+    from .kv_formats import KV_FORMATS
+
+    return (
+        ("RECIPE", f"{', '.join(RECIPES)} (gptq-int4-gN, awq-int4-gN: group size N)"),
+        ("NAME=PATH", "an external build: a .gguf file or a checkpoint folder, e.g. q8=dist/model-Q8_0.gguf"),
+        (
+            f"BUILD{KV_SEPARATOR}FORMAT[-dyn][-rN]",
+            "the build served with a quantized KV cache, e.g. bf16+kv-fp8-e4m3, q8+kv-q4_0=FILE; FORMAT: "
+            f"{', '.join(KV_FORMATS)}; -dyn: fp8 scales from each sequence; -rN: the last N tokens before each "
+            "query read in full precision",
+        ),
+    )
+
+
+def build_syntax_text() -> str:
+    """`build_syntax` as one sentence, for an option's help."""
+    return "a build is " + "; ".join(f"{form}: {meaning}" for form, meaning in build_syntax())
+
+
 def get_recipe(name: str) -> Recipe:
     """The recipe called ``name``, or a one-line error listing the known ones."""
     recipe = RECIPES.get(name.strip())

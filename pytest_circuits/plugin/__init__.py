@@ -36,22 +36,25 @@ COLLECTED_KEY: pytest.StashKey[Collected] = pytest.StashKey()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    from ..settings import option_help
+
     group = parser.getgroup("circuits", "mechanistic invariants of model builds (pytest-circuits)")
     for option in OPTIONS:
         default = "" if option.default is None else str(option.default)
         shown = f" (default: {default})" if default else ""  # None: the help says what happens
+        text = option_help(option)
         if option.kind == "bool":
             group.addoption(
                 option.pytest_flag,
                 dest=option.ini,
                 action="store_true",
                 default=None,
-                help=f"{option.help} [ini: {option.ini}]",
+                help=f"{text} [ini: {option.ini}]",
             )
             parser.addini(option.ini, option.help, type="bool", default=False)
         else:
             group.addoption(
-                option.pytest_flag, dest=option.ini, default=None, help=f"{option.help}{shown} [ini: {option.ini}]"
+                option.pytest_flag, dest=option.ini, default=None, help=f"{text}{shown} [ini: {option.ini}]"
             )
             parser.addini(option.ini, option.help, type="string", default=default)
     for name, value in Tolerances().as_dict().items():
@@ -225,21 +228,24 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("circuits_knockout_shard", shards, scope="session", indirect=True)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: object) -> list | None:
+    """Knockout shard tests exist only when the scan is sharded: otherwise the test asking for a shard
+    is not collected at all (not deselected: every run said "1 deselected", unexplained)."""
+    import inspect
+
+    if not inspect.isfunction(obj) or "circuits_knockout_shard" not in inspect.signature(obj).parameters:
+        return None
+    session = session_of(collector.config)
+    sharded = session.settings.shard is not None or session.measured.shards > 1
+    return None if sharded else []
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Knockout shard tests exist only when the scan is sharded (else they are deselected, not
-    skipped); on an xdist worker the build groups are carried into the nodeids (`workers.carry_groups`)."""
+    """On an xdist worker the build groups are carried into the nodeids (`workers.carry_groups`)."""
     from .workers import carry_groups
 
-    unsharded = [
-        item
-        for item in items
-        if "circuits_knockout_shard" in getattr(item, "fixturenames", ())
-        and not isinstance(getattr(getattr(item, "callspec", None), "params", {}).get("circuits_knockout_shard"), tuple)
-    ]  # an empty parameter set leaves pytest's NOTSET placeholder
-    if unsharded:
-        items[:] = [item for item in items if item not in unsharded]
-        config.hook.pytest_deselected(items=unsharded)
     carry_groups(config, items)
 
 

@@ -27,12 +27,14 @@ def preflight(settings: CircuitsSettings, source, device: str):
         from ..model.external import check_external_path
 
         check_external_path(spec)
+    names = dict.fromkeys((*s.builds, s.reference))
+    for name in names:  # a package or environment a build needs: one line now, before the tokenizer is read
+        check_build_needs(s.spec(name))
     tokens = token_info(source.folder, config, s.trust_remote_code)
     check_vocabulary(tokens)
     check_fits(config, tokens, s.probe.L)
-    for name in dict.fromkeys((*s.builds, s.reference)):  # a cache window the probe cannot exceed
+    for name in names:  # a cache window the probe cannot exceed
         check_window_fits(s.spec(name), 2 * s.probe.L + bos_offset(tokens), flag("probe-length"))
-        check_build_needs(s.spec(name))  # a package or environment the build needs: one line now, not per test
     engine_files(s)
     _, geometry = family_and_geometry(config)
     check_geometry(s.model, geometry)

@@ -28,7 +28,7 @@ import warnings
 import pandas as pd
 import torch
 
-from ..errors import CircuitsError
+from ..errors import CircuitsError, CircuitsWarning
 from ..model.builds import LoadedBuild
 from ..model.families import flattens_batch_with_heads, head_label
 from ..model.quantized_cache import refuse_decode_only
@@ -181,6 +181,7 @@ def knockout_scan(
                 f"{build.label}: attribution screening needs a backward pass, which failed here "
                 f"({str(error).splitlines()[0] if str(error) else type(error).__name__}); "
                 "running exact knockouts on every requested head instead",
+                CircuitsWarning,
                 stacklevel=2,
             )
             screen = False
@@ -199,7 +200,9 @@ def knockout_scan(
         why = replay_gap(build, intact, settings.L)
         if why is not None:
             warnings.warn(
-                f"{build.label}: {why}; running the plain loop (one full forward per head) instead", stacklevel=2
+                f"{build.label}: {why}; running the plain loop (one full forward per head) instead",
+                CircuitsWarning,
+                stacklevel=2,
             )
             replay = False
     total_cost = sum(replay_cost(geo.n_layers, l) for l, _ in exact) if replay else len(exact)
