@@ -240,6 +240,77 @@ def test_llama_cpps_own_cache_is_close_to_the_torch_simulation(float_gguf, kv):
     assert abs(ours.copy_loss - theirs.copy_loss) < 0.01, (ours.copy_loss, theirs.copy_loss)
 
 
+def engine_blocks(x: np.ndarray, kind: str, block_bytes: int) -> np.ndarray:
+    """Rows ``x`` as llama.cpp's own CPU quantizer of ``kind`` writes them (``quantize_row_<kind>`` of
+    the installed libggml-cpu: the ``from_float`` that writes its cache), raw: ``(rows, blocks, bytes)``."""
+    import ctypes
+    import os
+
+    import llama_cpp
+
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-cpu.so"))
+    rows = np.ascontiguousarray(x, dtype=np.float32)
+    raw = np.zeros((rows.shape[0], rows.shape[1] // 32, block_bytes), dtype=np.uint8)
+    quantize = getattr(lib, f"quantize_row_{kind}")
+    for row, out in zip(rows, raw):
+        quantize(row.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(row.size))
+    return raw
+
+
+def engine_roundtrip(x: np.ndarray, kind: str) -> np.ndarray:
+    """`engine_blocks` of ``kind``, dequantized by the gguf package."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType[kind.upper()]
+    raw = engine_blocks(x, kind, GGML_QUANT_SIZES[qtype][1])
+    return quants.dequantize(raw.reshape(raw.shape[0], -1), qtype).astype(np.float32)
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"])
+def test_the_simulated_blocks_are_llama_cpps_own_quantizer_bit_for_bit(kind):
+    """Each cache type's blocks against the installed llama.cpp's own quantizer (the one that writes
+    its cache), on Gaussian rows with outliers and on bf16-rounded rows and a crafted block full of
+    ties: equal to the bit (q8_0's SIMD rounding ties to even; iq4_nl's scale search)."""
+    import torch
+
+    from pytest_circuits.model.kv_cache import ggml_roundtrip
+
+    g = torch.Generator().manual_seed(11)
+    gauss = torch.randn(16, 64, generator=g) * torch.exp(torch.randn(16, 1, generator=g))
+    gauss[3, 7] = 30.0
+    ties = (torch.randn(8, 64, generator=g) * 4).to(torch.bfloat16).float()
+    ties[:, 0] = 127.0
+    crafted = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.5, 4.5, -126.5] + [0.25, -0.75] * 27)
+    x = torch.cat([gauss, ties, crafted.view(1, 64)])
+    np.testing.assert_array_equal(ggml_roundtrip(x, kind).numpy(), engine_roundtrip(x.numpy(), kind))
+
+
+@needs_llama_cpp
+def test_qdot_quantizes_q_as_llama_cpps_q8_blocks_in_the_keys_layout():
+    """``-qdot``: the query handed to attention is ``P^T H dq8(H P q)`` with dq8 llama.cpp's own
+    ``quantize_row_q8_0`` (and q8_1 rounds Q alike): computed here from the engine's quantizer."""
+    import torch
+
+    from pytest_circuits.model.ggml_layout import ggml_layout, hadamard, interleaved_order
+    from pytest_circuits.model.kv_cache import KvCache, quantize_query
+    from pytest_circuits.model.kv_formats import parse_kv
+
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 2, 5, 64, generator=g) * 3
+    order = interleaved_order(64)
+    h = hadamard(64).numpy()
+    rotated = (q[..., order].reshape(-1, 64).numpy() @ h).astype(np.float32)
+    for kind in ("q4_0", "q4_1"):
+        expected = engine_roundtrip(rotated, "q8_0") @ h
+        expected = torch.from_numpy(expected.astype(np.float32)).reshape(q.shape)[..., torch.argsort(order)]
+        cache = KvCache(parse_kv(f"{kind}-qdot"), layout=ggml_layout("llama", 64, {}))
+        torch.testing.assert_close(quantize_query(q, cache), expected, rtol=0, atol=1e-5)
+        q8_1, q8_0 = engine_blocks(rotated, "q8_1", 36), engine_blocks(rotated, "q8_0", 34)  # {d, [s,] qs[32]}
+        assert np.array_equal(q8_1[..., :2], q8_0[..., :2]) and np.array_equal(q8_1[..., 4:], q8_0[..., 2:])
+        assert torch.equal(quantize_query(q, KvCache(parse_kv(kind), layout=ggml_layout("llama", 64, {}))), q)
+
+
 @needs_llama_cpp
 def test_the_gate_through_llama_cpp_names_the_engine_and_skips_what_it_cannot_see(capsys, q8_file, tmp_path):
     out = tmp_path / "record.json"
