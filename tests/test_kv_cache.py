@@ -773,7 +773,26 @@ def test_qdot_is_parsed_for_llama_cpps_blocks_only_and_named_in_the_identity():
     q = torch.randn(1, 2, 3, 64, generator=g)
     blocks = q.numpy().reshape(-1, 32)
     amax = np.abs(blocks).max(axis=1, keepdims=True)
-    expected = np.rint(blocks * (np.float32(127) / amax)) * (amax / np.float32(127)).astype(np.float16).astype(np.float32)
+    expected = np.rint(blocks * (np.float32(127) / amax)) * (amax / np.float32(127)).astype(np.float16).astype(
+        np.float32
+    )
     got = quantize_query(q, KvCache(parse_kv("q8_0-qdot")))  # no layout: the blocks of the head as it is
     np.testing.assert_array_equal(got.numpy().reshape(-1, 32), expected)
     assert torch.equal(quantize_query(q, KvCache(parse_kv("q8_0"))), q)
+
+
+def test_one_ulp_bumps_move_keys_by_one_ulp_and_only_within():
+    """`one_ulp_bumps` (the noise floor of scripts/measure_formats.py's llama tables): within it a
+    cache reads every key moved by at most one float32 ulp, some of them moved; outside, unchanged.
+    KIVI keys of an incomplete block come back as given, so the bump is all that changes them."""
+    from pytest_circuits.model.kv_cache import CACHE_ATTR, KvCache, cached, one_ulp_bumps
+
+    module = torch.nn.Module()
+    setattr(module, CACHE_ATTR, KvCache(parse_kv("int8")))
+    x = torch.randn(1, 1, 5, 32, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(cached(module, x, x)[0], x)
+    with one_ulp_bumps():
+        keys = cached(module, x, x)[0]
+    moved = (keys - x).abs()
+    assert bool((moved <= x.abs() * 2.0**-23 * 1.01).all()) and bool((moved > 0).any())
+    assert torch.equal(cached(module, x, x)[0], x)

@@ -29,6 +29,7 @@ from .kv_formats import GGML_BLOCK, KIVI_GROUP, KvSpec
 
 PREFIX = "circuits-kv|"
 CACHE_ATTR = "_circuits_kv"  # on the model and on each attention module: its `KvCache`
+_BUMPS: list[Callable[[torch.Tensor], torch.Tensor]] = []  # set within `one_ulp_bumps` only
 IQ4_NL_GRID = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml kvalues_iq4nl
 
 
@@ -290,6 +291,8 @@ def cached(module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor
     if cache is None:
         return key, value
     cache.read_by.add(id(module))
+    for bump in _BUMPS:  # `one_ulp_bumps`
+        key, value = bump(key), bump(value)
     k_scale, v_scale = cache.scales(getattr(module, "layer_idx", 0) or 0)
     keys = quantize_keys(key, cache.spec, k_scale, cache.layout)
     return keys, quantize_values(value, cache.spec, v_scale, cache.layout)
@@ -300,18 +303,16 @@ def one_ulp_bumps(seed: int = 1) -> Iterator[None]:
     """Within it, every key and value is moved by at most one float32 ulp, ``x (1 + k 2^-23)`` with
     ``k`` drawn from {-1, 0, 1}, before the simulated cache: what another summation order of the same
     arithmetic (llama.cpp's SIMD kernels) does to the simulation's figures, its noise floor."""
-    module = sys.modules[__name__]
-    original = module.cached
     draw = torch.Generator().manual_seed(seed)
 
     def bump(x: torch.Tensor) -> torch.Tensor:
         return x * (1 + 2.0**-23 * torch.randint(-1, 2, x.shape, generator=draw).to(x.dtype))
 
-    module.cached = lambda mod, key, value: original(mod, bump(key), bump(value))  # type: ignore[assignment]
+    _BUMPS.append(bump)
     try:
         yield
     finally:
-        module.cached = original  # type: ignore[assignment]
+        _BUMPS.remove(bump)
 
 
 def register() -> None:
