@@ -300,8 +300,8 @@ def cached(module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor
 
 @contextmanager
 def one_ulp_bumps(seed: int = 1) -> Iterator[None]:
-    """Within it, every key and value is moved by at most one float32 ulp, ``x (1 + k 2^-23)`` with
-    ``k`` drawn from {-1, 0, 1}, before the simulated cache: what another summation order of the same
+    """Within it, every key and value is multiplied by ``1 + k 2^-23`` (``k`` drawn from {-1, 0, 1}:
+    a move of one or two float32 ulps) before the simulated cache: what another summation order of the same
     arithmetic (llama.cpp's SIMD kernels) does to the simulation's figures, its noise floor."""
     draw = torch.Generator().manual_seed(seed)
 
