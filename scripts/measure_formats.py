@@ -48,6 +48,7 @@ import re
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -110,7 +111,10 @@ PLANS: dict[str, tuple[str, list[str]]] = {  # block: (page, arguments); each fa
     "llama-tiny-L32": ("docs/kv-cache.md", ["--llama-cpp", LLAMA_FILES, "--probe-length", "32"]),
     "llama-tiny-L64": ("docs/kv-cache.md", ["--llama-cpp", LLAMA_FILES, "--probe-length", "64"]),
     "llama-smollm2-L64": ("docs/kv-cache.md", [*SMOLLM2, "--llama-cpp", "Q8_0", "--probe-length", "64"]),
-    "llama-smollm2-L512": ("docs/kv-cache.md", [*SMOLLM2, "--llama-cpp", "Q8_0", "--probe-length", "512"]),
+    "llama-smollm2-L512": (  # -qdot and the one-ulp spread of one 4-bit cache: each is a probe of minutes here
+        "docs/kv-cache.md",
+        [*SMOLLM2, "--llama-cpp", "Q8_0", "--probe-length", "512", "--spread", "q4_0"],
+    ),
 }
 
 
@@ -228,7 +232,8 @@ def run_plans(only: str | None, write: bool, records: str | None = None) -> None
 
 LLAMA_COLUMNS = (
     "| weights | cache | llama.cpp copy loss [interval] | torch, same file and cache | llama.cpp - torch [95% paired] "
-    "| llama.cpp - fp32 torch [95% paired] | copy_loss gate vs fp32 | s (both) |"
+    "| torch with -qdot: llama.cpp - torch | torch's one-ulp spread: sd per sequence (mean) "
+    "| llama.cpp - fp32 torch [95% paired] | copy_loss gate vs fp32 | s (torch runs) |"
 )
 
 
@@ -242,26 +247,47 @@ def probe_figures(probe) -> dict:
 LOADED: dict = {}  # external build spec -> its LoadedBuild, loaded once for every cache of `llama_table`
 
 
-def measure_pair(source, spec: str, kv, settings) -> dict:
-    """llama.cpp's and torch's probe figures of external GGUF build ``spec`` with cache ``kv`` (None: f16 / full)."""
+def torch_pair(source, spec: str, kv, settings, bumped: bool = False) -> dict:
+    """Torch's probe figures of external GGUF build ``spec`` with cache ``kv`` simulated (None: none)."""
     from pytest_circuits.model.external import load_external_build
-    from pytest_circuits.model.kv_cache import attach_kv_cache, cache_of
+    from pytest_circuits.model.kv_cache import attach_kv_cache, cache_of, one_ulp_bumps
+    from pytest_circuits.model.recipes import parse_build_spec
+    from pytest_circuits.rungs.probe import run_repeat_probe
+
+    build = LOADED.get(spec)
+    if build is None or (kv is None and cache_of(build.model) is not None):  # a cache, once put in, stays
+        build = LOADED[spec] = load_external_build(source, parse_build_spec(spec), "cpu")
+    build = build if kv is None else attach_kv_cache(build, kv)  # replaces the cache put in before
+    with one_ulp_bumps() if bumped else nullcontext():
+        return probe_figures(run_repeat_probe(build, settings))
+
+
+def llama_run(source, spec: str, kv, settings) -> dict:
+    """llama.cpp's probe figures of GGUF build ``spec`` with its cache ``kv`` (None: its f16 default)."""
+    from pytest_circuits.model.external import load_external_build
     from pytest_circuits.model.llama_engine import threads
     from pytest_circuits.model.recipes import parse_build_spec
     from pytest_circuits.rungs.llama_probe import llama_repeat_probe
-    from pytest_circuits.rungs.probe import run_repeat_probe
 
     build_spec = parse_build_spec(spec)
-    build = LOADED.get(spec)
-    if build is None or (kv is None and cache_of(build.model) is not None):  # a cache, once put in, stays
-        build = LOADED[spec] = load_external_build(source, build_spec, "cpu")
-    build = build if kv is None else attach_kv_cache(build, kv)  # replaces the cache put in before
-    ours = llama_repeat_probe(Path(str(build_spec.path)), build.tokens, build.geometry, settings, kv, threads())
-    return {"llama": probe_figures(ours), "torch": probe_figures(run_repeat_probe(build, settings))}
+    build = LOADED.get(spec) or load_external_build(source, build_spec, "cpu")
+    path = Path(str(build_spec.path))
+    return probe_figures(llama_repeat_probe(path, build.tokens, build.geometry, settings, kv, threads()))
+
+
+def spread(plain: dict, bumped: dict) -> str:
+    """``sd (mean)`` of the per-sequence copy-loss change a one-ulp bump makes."""
+    key = sequences_key("copy_loss")
+    moved = [b - a for a, b in zip(plain[key], bumped[key])]
+    mean = sum(moved) / len(moved)
+    sd = (sum((m - mean) ** 2 for m in moved) / max(1, len(moved) - 1)) ** 0.5
+    return f"{sd:.3f} ({mean:+.3f})"
 
 
 def llama_table(args, records: Path) -> list[str]:
-    """Rows of llama.cpp's copy loss against torch's on the same GGUF file (module doc, ``--llama-cpp``)."""
+    """Rows of llama.cpp's copy loss against torch's on the same GGUF file (module doc, ``--llama-cpp``):
+    torch's simulation of the cache as the build runs it, with ``-qdot`` (Q quantized as llama.cpp's
+    dot product takes it), and its one-ulp spread (`kv_cache.one_ulp_bumps`), the floor under any gap."""
     from pytest_circuits.gate.invariants import evaluate
     from pytest_circuits.model.gguf_quant import cached_gguf
     from pytest_circuits.model.kv_formats import parse_kv
@@ -295,14 +321,24 @@ def llama_table(args, records: Path) -> list[str]:
         f"llama-cpp-python {llama_cpp_version()}, {threads()} threads",
         "",
         LLAMA_COLUMNS,
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind in args.llama_cpp.split(","):
-        path = cached_gguf(args.model, kind)
+        spec = f"{kind.lower()}={cached_gguf(args.model, kind)}"
         for cache in args.caches.split(","):
             kv = None if cache == DEFAULT_CACHE else parse_kv(cache)
-            pair = cached(f"{kind}-{cache}", partial(measure_pair, source, f"{kind.lower()}={path}", kv, settings))
-            ours, theirs = pair["llama"], pair["torch"]
+            ours = cached(f"{kind}-{cache}.llama", partial(llama_run, source, spec, kv, settings))
+            theirs = cached(f"{kind}-{cache}.torch", partial(torch_pair, source, spec, kv, settings))
+            seconds = [theirs["seconds"]]
+            qdot = floor = "n/a (no cache simulated)" if kv is None else "not measured (--spread)"
+            if kv is not None and (args.spread is None or cache in args.spread.split(",")):
+                with_q = cached(
+                    f"{kind}-{cache}.qdot", partial(torch_pair, source, spec, parse_kv(f"{cache}-qdot"), settings)
+                )
+                bumped = cached(f"{kind}-{cache}.bumped", partial(torch_pair, source, spec, kv, settings, True))
+                qdot, floor = change(with_q, ours), spread(theirs, bumped)
+                seconds += [with_q["seconds"], bumped["seconds"]]
+            took = "-" if None in seconds else f"{sum(seconds):.0f}"
             low, high = ours["copy_loss_interval"]
             # llama.cpp's probe figures in fp32's record: the copy_loss invariant reads only those
             verdict = evaluate("copy_loss", fp32, {**fp32, **ours}, Tolerances(), f"{kind} {cache}", "fp32")
@@ -310,8 +346,8 @@ def llama_table(args, records: Path) -> list[str]:
             say = "pass" if verdict.status == "passed" else "FAIL" if verdict.status == "failed" else verdict.status
             lines.append(
                 f"| {kind} | {cache} | {ours['copy_loss']:.4f} [{low:.4f}, {high:.4f}] | "
-                f"{theirs['copy_loss']:.4f} ({torch_cache}) | {change(theirs, ours)} | {change(fp32, ours)} | "
-                f"{say} | {pair['seconds']:.0f} |"
+                f"{theirs['copy_loss']:.4f} ({torch_cache}) | {change(theirs, ours)} | {qdot} | {floor} | "
+                f"{change(fp32, ours)} | {say} | {took} |"
             )
             print(lines[-1], flush=True)
     return lines
@@ -346,6 +382,11 @@ def main(argv: list[str] | None = None) -> None:
         "--llama-cpp", default=None, metavar="TYPES", help="GGUF types (Q8_0,Q4_0): llama.cpp against torch instead"
     )
     parser.add_argument("--caches", default="f16,q8_0,q4_0,q4_1,q5_0,q5_1,iq4_nl", help="with --llama-cpp: caches")
+    parser.add_argument(
+        "--spread",
+        default=None,
+        help="with --llama-cpp: the caches measured with -qdot and one-ulp bumps (default all)",
+    )
     args = parser.parse_args(argv)
     if args.all or args.only:
         run_plans(args.only, args.write_docs is not None, None if args.records is None else str(args.records))

@@ -32,7 +32,7 @@ def _sample(shape, seed=0) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_ggml_blocks_are_the_gguf_packages_quantizers_bit_for_bit(kind):
     from gguf import GGMLQuantizationType, quants
 
@@ -53,10 +53,10 @@ def _with_ties() -> torch.Tensor:
     return torch.cat([crafted.view(1, 32), rows]).view(2, 64)
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_ggml_blocks_round_ties_as_ggml_does(kind):
-    """q8_0 rounds with C's roundf (ties away from zero, not torch.round's ties to even); the other
-    blocks truncate ``x + 0.5``: both as the gguf package and, for q8_0, as the formula written out."""
+    """q4_0 .. q5_1 truncate ``x / d + 0.5`` (llama.cpp's CPU writes its cache with ggml-quants.c's
+    ``quantize_row_*_ref`` for them), as the gguf package does, on rows with ties too."""
     from gguf import GGMLQuantizationType, quants
 
     x = _with_ties()
@@ -64,15 +64,32 @@ def test_ggml_blocks_round_ties_as_ggml_does(kind):
     expected = quants.dequantize(quants.quantize(x.numpy(), qtype), qtype)
     got = ggml_roundtrip(x, kind.lower()).numpy()
     np.testing.assert_array_equal(got, expected.astype(np.float32))
-    if kind == "Q8_0":  # d = 1 on the crafted block: its codes are roundf(x) themselves
-        crafted = x.numpy().reshape(-1, 32)[0]
-        np.testing.assert_array_equal(got.reshape(-1, 32)[0], np.sign(crafted) * np.floor(np.abs(crafted) + 0.5))
-        assert got.reshape(-1)[1] == 1.0 and got.reshape(-1)[3] == 3.0  # torch.round: 0.0 and 2.0
+
+
+def test_q8_0_blocks_round_as_the_cpus_simd_quantizer():
+    """q8_0 is written by ggml-cpu's SIMD ``quantize_row_q8_0`` (x86 AVX/AVX2, ARM NEON): codes
+    ``rne(x * (127 / amax))``, ties to even, scale ``fp16(amax / 127)``; written out here in numpy
+    float32. The gguf package (``quantize_row_q8_0_ref``, the scalar build's) rounds ties away from
+    zero instead: on the crafted block (``amax`` 127, so the codes are the values) they differ."""
+    from gguf import GGMLQuantizationType, quants
+
+    x = _with_ties()
+    blocks = x.numpy().reshape(-1, 32).astype(np.float32)
+    amax = np.abs(blocks).max(axis=1, keepdims=True)
+    codes = np.rint(blocks * (np.float32(127) / amax).astype(np.float32))
+    expected = codes * (amax / np.float32(127)).astype(np.float16).astype(np.float32)
+    got = ggml_roundtrip(x, "q8_0").numpy().reshape(-1, 32)
+    np.testing.assert_array_equal(got, expected)
+    assert list(got[0, :10]) == [127.0, 0.0, 2.0, 2.0, -0.0, -2.0, -2.0, 4.0, 4.0, -126.0]
+    ref = quants.dequantize(quants.quantize(x.numpy(), GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+    assert list(ref.reshape(-1, 32)[0, 1:4]) == [1.0, 2.0, 3.0]  # roundf: ties away from zero
 
 
 def _iq4_nl_reference(block: np.ndarray) -> np.ndarray:
-    """ggml-quants.c quantize_row_iq4_nl_impl for one block of 32 (ntry 7, weights x^2), scalar, dequantized."""
+    """ggml-quants.c quantize_row_iq4_nl_ref for one block of 32 (quantize_row_iq4_nl_impl with
+    ntry -1: no scale search), scalar, in float32, dequantized."""
     grid = IQ4_NL_GRID
+    f32 = np.float32
 
     def best(x):
         if x <= grid[0]:
@@ -88,39 +105,30 @@ def _iq4_nl_reference(block: np.ndarray) -> np.ndarray:
                 lo = mid
         return hi - 1 if x - grid[hi - 1] < grid[hi] - x else hi
 
-    x = block.astype(np.float32)
-    w = x * x
-    amax, mx = 0.0, 0.0
+    x = block.astype(f32)
+    amax, mx = f32(0), f32(0)
     for v in x:
         if abs(v) > amax:
             amax, mx = abs(v), v
-    if amax == 0:
+    if amax < 1e-15:
         return np.zeros_like(x)
-    d = -mx / grid[0]
-    idd = 1 / d
-    q = [grid[best(idd * v)] for v in x]
-    sumqx = sum(wi * qi * xi for wi, qi, xi in zip(w, q, x))
-    sumq2 = sum(wi * qi * qi for wi, qi in zip(w, q))
-    d = sumqx / sumq2
-    top = d * sumqx
-    for itry in range(-7, 8):
-        idd = (itry + grid[0]) / mx
-        q = [grid[best(idd * v)] for v in x]
-        sqx = sum(wi * qi * xi for wi, qi, xi in zip(w, q, x))
-        sq2 = sum(wi * qi * qi for wi, qi in zip(w, q))
-        if sq2 > 0 and sqx * sqx > top * sq2:
-            d = sqx / sq2
-            top = d * sqx
-    d16 = float(np.float16(d))
-    inv = 1 / d16 if d16 else 0.0
-    return np.array([grid[best(inv * v)] * d16 for v in x], dtype=np.float32)
+    d = f32(mx / f32(grid[0]))  # ntry <= 0: max / values[0]
+    idd = f32(f32(1) / d)
+    q = [f32(grid[best(f32(idd * v))]) for v in x]
+    sumqx = sumq2 = f32(0)
+    for v, qi in zip(x, q):
+        w = f32(v * v)
+        sumqx = f32(sumqx + f32(f32(w * qi) * v))
+        sumq2 = f32(sumq2 + f32(f32(w * qi) * qi))
+    d16 = f32(np.float16(sumqx / sumq2 if sumq2 > 0 else 0))
+    return np.array([qi * d16 for qi in q], dtype=f32)  # the codes of the first pass, the fitted scale
 
 
-def test_iq4_nl_blocks_follow_ggmls_scale_search():
+def test_iq4_nl_blocks_are_ggmls_reference_quantizer():
     x = _sample((4, 64), seed=3)
     got = ggml_roundtrip(x, "iq4_nl").numpy().reshape(-1, 32)
     expected = np.stack([_iq4_nl_reference(b) for b in x.numpy().reshape(-1, 32)])
-    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(got, expected)
 
 
 def test_fp8_per_tensor_is_compressed_tensors_fake_quantize():
@@ -748,3 +756,43 @@ def test_batch_size_changes_no_figure_through_a_cache(tmp_path):
     alone, together = (run_repeat_probe(build, settings, batch_size=b) for b in (1, 4))
     np.testing.assert_array_equal(together.copy_losses, alone.copy_losses)
     np.testing.assert_array_equal(together.heads[list(SCORES)], alone.heads[list(SCORES)])
+
+
+def test_qdot_is_parsed_for_llama_cpps_blocks_only_and_named_in_the_identity():
+    from pytest_circuits.model.kv_cache import KvCache, quantize_query
+
+    spec = parse_kv("q4_1-qdot-r16")
+    assert (spec.qdot, spec.window, spec.name) == (True, 16, "q4_1-qdot-r16")
+    assert "Q quantized to q8_1 blocks of 32" in spec.describe() and "q8_0 blocks" in parse_kv("q4_0-qdot").describe()
+    assert not parse_kv("q4_0").qdot and "Q quantized" not in parse_kv("q4_0").describe()
+    for text in ("fp8-e4m3-qdot", "int4-qdot"):
+        with pytest.raises(RecipeError, match="applies to llama.cpp's caches only") as err:
+            parse_kv(text)
+        assert "\n" not in str(err.value)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 2, 3, 64, generator=g)
+    blocks = q.numpy().reshape(-1, 32)
+    amax = np.abs(blocks).max(axis=1, keepdims=True)
+    expected = np.rint(blocks * (np.float32(127) / amax)) * (amax / np.float32(127)).astype(np.float16).astype(
+        np.float32
+    )
+    got = quantize_query(q, KvCache(parse_kv("q8_0-qdot")))  # no layout: the blocks of the head as it is
+    np.testing.assert_array_equal(got.numpy().reshape(-1, 32), expected)
+    assert torch.equal(quantize_query(q, KvCache(parse_kv("q8_0"))), q)
+
+
+def test_one_ulp_bumps_move_keys_by_one_ulp_and_only_within():
+    """`one_ulp_bumps` (the noise floor of scripts/measure_formats.py's llama tables): within it a
+    cache reads every key times ``1 + k 2^-23`` (at most ``|x| 2^-22`` away), some moved; outside, unchanged.
+    KIVI keys of an incomplete block come back as given, so the bump is all that changes them."""
+    from pytest_circuits.model.kv_cache import CACHE_ATTR, KvCache, cached, one_ulp_bumps
+
+    module = torch.nn.Module()
+    setattr(module, CACHE_ATTR, KvCache(parse_kv("int8")))
+    x = torch.randn(1, 1, 5, 32, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(cached(module, x, x)[0], x)
+    with one_ulp_bumps():
+        keys = cached(module, x, x)[0]
+    moved = (keys - x).abs()
+    assert bool((moved <= x.abs() * 2.0**-22).all()) and bool((moved > 0).any())
+    assert torch.equal(cached(module, x, x)[0], x)

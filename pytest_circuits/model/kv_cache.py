@@ -16,7 +16,8 @@ runs on the build before the cache is attached.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -28,6 +29,7 @@ from .kv_formats import GGML_BLOCK, KIVI_GROUP, KvSpec
 
 PREFIX = "circuits-kv|"
 CACHE_ATTR = "_circuits_kv"  # on the model and on each attention module: its `KvCache`
+_BUMPS: list[Callable[[torch.Tensor], torch.Tensor]] = []  # set within `one_ulp_bumps` only
 IQ4_NL_GRID = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # ggml kvalues_iq4nl
 
 
@@ -54,11 +56,14 @@ def kivi_roundtrip(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return ((x - lo) / scale).round().clamp(0, levels) * scale + lo
 
 
-def round_half_away(x: torch.Tensor) -> torch.Tensor:
-    """C's ``roundf``: the nearest integer, ties away from zero (``torch.round`` rounds them to even).
-    ``x - trunc(x)`` is exact in floating point, so the tie test is too."""
-    whole = torch.trunc(x)
-    return whole + torch.where((x - whole).abs() >= 0.5, torch.sign(x), torch.zeros_like(x))
+def q8_0_roundtrip(blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks of 32 ``(..., 32)`` through ggml-cpu's ``quantize_row_q8_0`` as its SIMD code (x86 AVX/AVX2,
+    ARM NEON) writes a q8_0 cache and quantizes Q: ``d = amax / 127`` stored as fp16, ``q = rne(x *
+    (127 / amax))``, ties to even; ``quantize_row_q8_0_ref`` (the scalar build, the gguf package)
+    rounds ``x * (1 / d)`` with ``roundf`` instead, ties away from zero."""
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127 / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.zeros_like(amax))
+    return torch.round(blocks * inverse) * _fp16(amax / 127)
 
 
 def _signed_absmax(blocks: torch.Tensor) -> torch.Tensor:
@@ -71,44 +76,36 @@ def _safe_inverse(d: torch.Tensor) -> torch.Tensor:
 
 
 def _iq4_nl_blocks(blocks: torch.Tensor) -> torch.Tensor:
-    """ggml's ``quantize_row_iq4_nl_impl`` for one 32-block (ntry 7, weights x^2), dequantized."""
+    """ggml-quants.c ``quantize_row_iq4_nl_ref`` (llama.cpp's CPU writes an iq4_nl cache with it:
+    ``quantize_row_iq4_nl_impl`` with ``ntry = -1``, so no scale search), dequantized: codes
+    ``l_j`` = the grid value nearest ``x_j / d0``, ``d0 = max / grid[0]`` (``max`` the signed element
+    of largest magnitude), then ``d = sum w q x / sum w q^2`` with ``w = x^2`` (summed in order, in
+    float32, as there) stored as fp16: ``x' = q fp16(d)``; a block with ``amax < 1e-15`` is zero."""
     grid = torch.tensor(IQ4_NL_GRID, dtype=torch.float32, device=blocks.device)
-    weight = blocks * blocks
     mx = _signed_absmax(blocks)
-
-    def nearest(scaled):  # best_index_int8: the grid value nearest, ties to the upper
-        below = torch.searchsorted(grid, scaled.contiguous(), right=True).clamp(1, 15)
-        lower, upper = grid[below - 1], grid[below]
-        return torch.where(scaled - lower < upper - scaled, lower, upper)
-
-    def fit(inverse):
-        q = nearest(blocks * inverse)
-        sumqx, sumq2 = (weight * q * blocks).sum(-1, keepdim=True), (weight * q * q).sum(-1, keepdim=True)
-        return sumqx, sumq2
-
-    nonzero = mx != 0
-    d0 = torch.where(nonzero, -mx / IQ4_NL_GRID[0], torch.ones_like(mx))
-    sumqx, sumq2 = fit(1 / d0)
-    d = torch.where(sumq2 > 0, sumqx / torch.where(sumq2 > 0, sumq2, torch.ones_like(sumq2)), torch.zeros_like(sumq2))
-    best = d * sumqx
-    safe_mx = torch.where(nonzero, mx, torch.ones_like(mx))
-    for itry in range(-7, 8):
-        sumqx, sumq2 = fit((itry + IQ4_NL_GRID[0]) / safe_mx)
-        better = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
-        d = torch.where(better, sumqx / torch.where(sumq2 > 0, sumq2, torch.ones_like(sumq2)), d)
-        best = torch.where(better, d * sumqx, best)
-    d = _fp16(torch.where(nonzero, d, torch.zeros_like(d)))
-    return nearest(blocks * _safe_inverse(d)) * d
+    live = mx.abs() >= 1e-15  # GROUP_MAX_EPS
+    d0 = torch.where(live, mx / IQ4_NL_GRID[0], torch.ones_like(mx))
+    scaled = (blocks * (1 / d0)).contiguous()
+    below = torch.searchsorted(grid, scaled, right=True).clamp(1, 15)  # best_index_int8: ties to the upper
+    lower, upper = grid[below - 1], grid[below]
+    q = torch.where(scaled - lower < upper - scaled, lower, upper)
+    weight = blocks * blocks
+    sumqx, sumq2 = torch.zeros_like(mx), torch.zeros_like(mx)
+    for j in range(blocks.shape[-1]):  # C's order of float32 additions
+        wq = weight[..., j : j + 1] * q[..., j : j + 1]
+        sumqx, sumq2 = sumqx + wq * blocks[..., j : j + 1], sumq2 + wq * q[..., j : j + 1]
+    d = torch.where(live & (sumq2 > 0), sumqx / torch.where(sumq2 > 0, sumq2, torch.ones_like(sumq2)), 0.0)
+    return q * _fp16(d)
 
 
 def ggml_roundtrip(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """llama.cpp's reference quantizers on blocks of 32 along the last axis, dequantized
-    (ggml-quants.c ``quantize_row_*_ref``; truncation, fp16 scales and minimums as there)."""
+    """llama.cpp's CPU quantizers (ggml-cpu's ``from_float``, which writes its cache) on blocks of 32
+    along the last axis, dequantized: `q8_0_roundtrip`; for the others ggml-quants.c's
+    ``quantize_row_*_ref`` itself (truncation of ``x / d + 0.5``, fp16 scales and minimums)."""
     shape = x.shape
     blocks = x.reshape(-1, GGML_BLOCK).float()
     if kind == "q8_0":
-        d = blocks.abs().amax(-1, keepdim=True) / 127
-        out = round_half_away(blocks * _safe_inverse(d)) * _fp16(d)  # roundf, as quantize_row_q8_0_ref
+        out = q8_0_roundtrip(blocks)
     elif kind in ("q4_0", "q5_0"):
         half = 8 if kind == "q4_0" else 16
         d = _signed_absmax(blocks) / -half
@@ -245,6 +242,7 @@ def kv_attention(impl: str) -> Callable:
         assert cache is not None, "circuits-kv attention on a module without a cache"
         inner = _inner(module, impl)
         kq, vq = cached(module, key, value)
+        query = quantize_query(query, cache)
         Tq, Tk = query.shape[-2], key.shape[-2]
         pairs = cache_pairs(cache.spec, Tk, key.device)
         if pairs is None:
@@ -272,6 +270,20 @@ def kv_attention(impl: str) -> Callable:
     return attention
 
 
+def quantize_query(query: torch.Tensor, cache: KvCache) -> torch.Tensor:
+    """``query`` as llama.cpp's K.Q dot product reads it with ``-qdot``: ``P^T H dq8(H P q)``, q8_0
+    blocks cut in the keys' layout (q8_1 for q4_1 / q5_1 keys rounds Q alike; its fp16 block sum
+    ``s``, which the dot product uses for the keys' minimum, is not simulated); else unchanged."""
+    if not cache.spec.qdot:
+        return query
+
+    def blocks(y: torch.Tensor) -> torch.Tensor:
+        return q8_0_roundtrip(y.reshape(-1, GGML_BLOCK)).reshape(y.shape)
+
+    x = query.float()
+    return _straight_through(query, blocks(x) if cache.layout is None else cache.layout.keys(x, blocks))
+
+
 def cached(module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(key, value)`` as attention module ``module``'s cache returns them (unchanged without a cache).
     Every pair reads the cache here; `kv_attention` adds the window and KIVI's incomplete block."""
@@ -279,9 +291,28 @@ def cached(module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor
     if cache is None:
         return key, value
     cache.read_by.add(id(module))
+    for bump in _BUMPS:  # `one_ulp_bumps`
+        key, value = bump(key), bump(value)
     k_scale, v_scale = cache.scales(getattr(module, "layer_idx", 0) or 0)
     keys = quantize_keys(key, cache.spec, k_scale, cache.layout)
     return keys, quantize_values(value, cache.spec, v_scale, cache.layout)
+
+
+@contextmanager
+def one_ulp_bumps(seed: int = 1) -> Iterator[None]:
+    """Within it, every key and value is multiplied by ``1 + k 2^-23`` (``k`` drawn from {-1, 0, 1}:
+    a move of one or two float32 ulps) before the simulated cache: what another summation order of the same
+    arithmetic (llama.cpp's SIMD kernels) does to the simulation's figures, its noise floor."""
+    draw = torch.Generator().manual_seed(seed)
+
+    def bump(x: torch.Tensor) -> torch.Tensor:
+        return x * (1 + 2.0**-23 * torch.randint(-1, 2, x.shape, generator=draw).to(x.dtype))
+
+    _BUMPS.append(bump)
+    try:
+        yield
+    finally:
+        _BUMPS.remove(bump)
 
 
 def register() -> None:

@@ -16,6 +16,8 @@ Three layouts, each named by the engine or paper that defines it:
   when it is complete: until then its tokens are read in full precision (KIVI's residual).
 - ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``, ``iq4_nl`` (llama.cpp ``--cache-type-k/-v``):
   blocks of 32 along the head dimension, per token, ggml's own rounding (fp16 block scales).
+  ``-qdot``: Q too is quantized, to q8_0 (q8_1 for q4_1, q5_1) blocks, as llama.cpp's CPU kernel
+  converts it before its K.Q dot product.
 
 A fourth layout runs transformers' own ``QuantizedCache`` (`quantized_cache`), not a simulation:
 
@@ -80,7 +82,10 @@ KV_FORMATS: dict[str, KvFormat] = {
     )
 }
 
-_SPEC = re.compile(r"(?P<format>[a-z0-9_]+(?:-e[45]m[23]|-int[248])?)(?P<dyn>-dyn)?(?:-r(?P<window>\d+))?")
+_SPEC = re.compile(
+    r"(?P<format>[a-z0-9_]+(?:-e[45]m[23]|-int[248])?)(?P<dyn>-dyn)?(?P<qdot>-qdot)?(?:-r(?P<window>\d+))?"
+)
+QDOT = "-qdot"  # llama.cpp's blocks: Q quantized as the engine's K.Q dot product takes it (`KvSpec.qdot`)
 
 
 @dataclass(frozen=True)
@@ -91,10 +96,12 @@ class KvSpec:
     format: KvFormat
     dynamic: bool = False
     window: int = 0
+    qdot: bool = False  # ggml: Q through the type's vec_dot type (q8_0 / q8_1 blocks), as llama.cpp's CPU kernel
 
     @property
     def name(self) -> str:
-        return self.format.name + ("-dyn" if self.dynamic else "") + (f"-r{self.window}" if self.window else "")
+        dyn, qdot = "-dyn" if self.dynamic else "", QDOT if self.qdot else ""
+        return self.format.name + dyn + qdot + (f"-r{self.window}" if self.window else "")
 
     @property
     def decode(self) -> bool:
@@ -111,9 +118,20 @@ class KvSpec:
         parts = [f"{self.name}: {self.format.summary}"]
         if self.format.layout == "fp8":
             parts.append("scales each sequence's amax / fp8 max" if self.dynamic else f"scales {scales or '1.0'}")
+        if self.qdot:
+            parts.append(
+                f"Q quantized to {vec_dot_type(self.format.name)} blocks of 32 before the K.Q dot product "
+                "(llama.cpp's CPU flash attention)"
+            )
         if self.window:
             parts.append(f"the last {self.window} tokens before each query in full precision")
         return "; ".join(parts)
+
+
+def vec_dot_type(name: str) -> str:
+    """The block type llama.cpp's CPU converts Q to for a dot product with keys of type ``name``
+    (ggml-cpu.c ``type_traits_cpu[...].vec_dot_type``): q8_1 for q4_1 and q5_1, else q8_0."""
+    return "q8_1" if name in ("q4_1", "q5_1") else "q8_0"
 
 
 def known_formats() -> str:
@@ -136,13 +154,19 @@ def parse_kv(text: str, build: str = "") -> KvSpec:
     kv_format = KV_FORMATS.get(match.group("format")) if match else None
     if match is None or kv_format is None:
         raise RecipeError(
-            f"{where}unknown KV-cache precision {shown(text)}; write BUILD+kv-FORMAT[-dyn][-rN] with FORMAT one of: "
+            f"{where}unknown KV-cache precision {shown(text)}; write BUILD+kv-FORMAT[-dyn][-qdot][-rN] with FORMAT one of: "
             f"{known_formats()}"
         )
     dynamic = match.group("dyn") is not None
     if dynamic and kv_format.layout != "fp8":
         raise RecipeError(
             f"{where}'-dyn' (scales from each sequence) applies to the fp8 caches only, not {shown(text)}"
+        )
+    qdot = match.group("qdot") is not None
+    if qdot and kv_format.layout != "ggml":
+        raise RecipeError(
+            f"{where}'{QDOT}' (Q quantized as llama.cpp's dot product takes it) applies to llama.cpp's caches only "
+            f"(q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl), not {shown(text)}"
         )
     digits = match.group("window")
     if digits is not None and len(digits.lstrip("0")) > MAX_WINDOW_DIGITS:
@@ -153,7 +177,7 @@ def parse_kv(text: str, build: str = "") -> KvSpec:
     window = int(digits or 0)
     if digits is not None and window < 1:
         raise RecipeError(f"{where}the full-precision window of {shown(text)} must be at least 1 token, e.g. -r128")
-    return KvSpec(kv_format, dynamic, window)
+    return KvSpec(kv_format, dynamic, window, qdot)
 
 
 def split_kv(name: str) -> tuple[str, KvSpec | None]:
