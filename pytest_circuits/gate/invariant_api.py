@@ -323,7 +323,8 @@ def evaluate(
     if scope:
         return InvariantResult(inv.name, build, against, "skipped", scope)
     lacking = [need for need in sorted(inv.needs) if not has_figures(after, need)]
-    if lacking and all(has_figures(before, need) for need in lacking):  # never a pass on figures not measured
+    # never a pass on figures not measured; an opt-in invariant neither record has figures for was not asked for
+    if lacking and (inv.opt_in or all(has_figures(before, need) for need in lacking)):
         return InvariantResult(inv.name, build, against, "skipped", lacking_figures(after, build, ", ".join(lacking)))
     missing = [need for need in sorted(inv.needs) if not has_figures(before, need)]
     if missing:
