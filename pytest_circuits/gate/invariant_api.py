@@ -409,9 +409,10 @@ def across_models() -> list[str]:
     return [name for name, inv in REGISTRY.items() if inv.across_models]
 
 
-def per_build_invariants() -> list[str]:
-    """The registered invariants that compare builds of one model (one gate-suite test each)."""
-    return [name for name, inv in REGISTRY.items() if not inv.across_models]
+def per_build_invariants(opt_in: bool = False) -> list[str]:
+    """The registered invariants that compare builds of one model (one gate-suite test each), the
+    `Invariant.opt_in` ones only with ``opt_in`` (their tests run only where the run asks for them)."""
+    return [name for name, inv in REGISTRY.items() if not inv.across_models and (opt_in or not inv.opt_in)]
 
 
 def runnable(after: RecordLike, names: Iterable[str] | None = None, across: bool = False) -> list[str]:

@@ -227,8 +227,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Knockout shard tests exist only when the scan is sharded (else they are deselected, not
-    skipped); on an xdist worker the build groups are carried into the nodeids (`workers.carry_groups`)."""
+    """Knockout shard tests exist only when the scan is sharded, and the tests of opt-in invariants only
+    when the run asks for them (`_deselect_unasked`; else both are deselected, not skipped); on an xdist
+    worker the build groups are carried into the nodeids (`workers.carry_groups`)."""
     from .workers import carry_groups
 
     unsharded = [
@@ -240,7 +241,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if unsharded:
         items[:] = [item for item in items if item not in unsharded]
         config.hook.pytest_deselected(items=unsharded)
+    _deselect_unasked(config, items)
     carry_groups(config, items)
+
+
+def _deselect_unasked(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The gate suite's tests of opt-in invariants (rung 3: an audit slice) exist only in a run that
+    gives their input (``--circuits-audit``); else they are deselected, not skipped."""
+    named = [(item, getattr(getattr(item, "function", None), "circuits_invariant", "")) for item in items]
+    if not any(name for _, name in named):
+        return
+    from ..gate.invariants import REGISTRY
+
+    audits = session_of(config).settings.audit is not None
+    unasked = [
+        item
+        for item, name in named
+        if name in REGISTRY and REGISTRY[name].opt_in and not (audits and "audit" in REGISTRY[name].needs)
+    ]
+    if unasked:
+        items[:] = [item for item in items if item not in unasked]
+        config.hook.pytest_deselected(items=unasked)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
