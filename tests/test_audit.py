@@ -70,20 +70,20 @@ def plain_logprob(model, words: list[str], answer: list[str]) -> float:
 
 def test_the_figures_match_a_loop_of_single_forwards(run, example, figures):
     model = run.loaded.build("fp32").model
+
+    def without(case, removed: set[int]) -> float:
+        kept = [w for i, c in enumerate(case.chunks) if i not in removed for w in c.split()]
+        return plain_logprob(model, kept + case.question.split(), case.answer.split())
+
     for case, got in zip(example.cases, figures["fp32"].cases):
-        question, answer = case.question.split(), case.answer.split()
-
-        def without(removed: set[int]) -> float:
-            kept = [w for i, c in enumerate(case.chunks) if i not in removed for w in c.split()]
-            return plain_logprob(model, kept + question, answer)
-
-        full = without(set())
+        answer = case.answer.split()
+        full = without(case, set())
         assert got.answer_logprob == pytest.approx(full, abs=1e-4)
         assert got.answer_tokens == len(answer)
         for i, drop in enumerate(got.chunk_drops):
-            assert drop == pytest.approx(full - without({i}), abs=1e-4), (case.id, i)
+            assert drop == pytest.approx(full - without(case, {i}), abs=1e-4), (case.id, i)
         if case.cited is not None:
-            assert got.cited_drop == pytest.approx(full - without(set(case.cited)), abs=1e-4)
+            assert got.cited_drop == pytest.approx(full - without(case, set(case.cited)), abs=1e-4)
         drops = got.chunk_drops
         assert got.top_chunk == drops.index(max(drops))
 

@@ -106,7 +106,9 @@ def test_a_bad_slice_is_one_line_before_anything_loads(tmp_path, capsys):
     bad.write_text('{"chunks": ["a"], "question": "q", "answer": "a", "cited": [1]}\n')
     assert main(["scan", "tiny-induction", "--audit", str(bad), *SMALL]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"circuits scan: {bad}:1: cited index 1 is out of range: the case has 1 chunks (0..0); indices count from 0"]
+    assert err == [
+        f"circuits scan: {bad}:1: cited index 1 is out of range: the case has 1 chunks (0..0); indices count from 0"
+    ]
     done = subprocess.run(
         [
             sys.executable,
