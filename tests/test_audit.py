@@ -211,3 +211,40 @@ def test_a_prompt_over_the_context_is_one_line_naming_its_line(run, tmp_path):
         audit_figures(run.loaded.build("fp32"), read_slice(path))
     first = AuditSlice(path, "0" * 64, read_slice(path).cases[:1])  # the line before it is fine
     assert math.isfinite(audit_figures(run.loaded.build("fp32"), first).cases[0].answer_logprob)
+
+
+def test_a_model_with_a_tokenizer_reads_the_slice_through_it(tmp_path):
+    """A tokenizer's ids: the prompt's with its special tokens, the answer's on their own after a space;
+    the figures match one plain forward of those ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from pytest_circuits.run.run import Run
+    from pytest_circuits.settings import CircuitsSettings
+    from pytest_circuits.testing import save_tiny_model
+
+    folder = save_tiny_model("llama", tmp_path / "m")
+    words = ["[UNK]", "[BOS]", "red", "fox", "jumps", "blue", "owl", "sleeps", "who"]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    core.post_processor = processors.TemplateProcessing(single="[BOS] $A", special_tokens=[("[BOS]", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", bos_token="[BOS]").save_pretrained(folder)
+    path = tmp_path / "s.jsonl"
+    path.write_text(
+        json.dumps({"chunks": ["red fox jumps", "blue owl sleeps"], "question": "who", "answer": "owl sleeps"}) + "\n"
+    )
+    from pytest_circuits.rungs.repeat_settings import RepeatSettings
+
+    settings = CircuitsSettings(model=str(folder), builds=("fp32",), device="cpu", probe=RepeatSettings(L=16))
+    build = Run(settings).loaded.build("fp32")
+    got = audit_figures(build, read_slice(path))
+    assert got.tokens == "tokenizer" and got.cases[0].answer_tokens == 2
+
+    def plain(ids: list[int]) -> float:
+        with torch.no_grad():
+            logp = torch.log_softmax(build.model(input_ids=torch.tensor([ids + [6, 7]])).logits[0].double(), -1)
+        return float(logp[len(ids) - 1, 6] + logp[len(ids), 7])
+
+    full, without_0 = plain([1, 2, 3, 4, 5, 6, 7, 8]), plain([1, 5, 6, 7, 8])
+    assert got.cases[0].answer_logprob == pytest.approx(full, abs=1e-4)
+    assert got.cases[0].chunk_drops[0] == pytest.approx(full - without_0, abs=1e-4)
