@@ -248,3 +248,17 @@ def test_a_model_with_a_tokenizer_reads_the_slice_through_it(tmp_path):
     full, without_0 = plain([1, 2, 3, 4, 5, 6, 7, 8]), plain([1, 5, 6, 7, 8])
     assert got.cases[0].answer_logprob == pytest.approx(full, abs=1e-4)
     assert got.cases[0].chunk_drops[0] == pytest.approx(full - without_0, abs=1e-4)
+
+
+def test_scan_shows_the_audit_figures_per_case(figures):
+    from pytest_circuits.show import audit_lines, model_lines
+
+    record = record_with(figures["fp32"])
+    lines = audit_lines(record)
+    assert lines[0] == "audit slice tiny-induction-audit.jsonl (8 cases, words; nats):" and len(lines) == 9
+    first = figures["fp32"].cases[0]
+    drops = " ".join(f"{d:+.2f}" for d in first.chunk_drops)
+    assert lines[1].startswith(f"  ledger-vault: answer logprob {first.answer_logprob:.3f}, chunk drops [{drops}]")
+    assert lines[1].endswith(f"cited drop {first.cited_drop:+.2f}, top chunk 1")
+    assert model_lines(record)[-9:] == lines
+    assert not audit_lines(read_record(shipped_baselines()["tiny-induction--fp32"]))
