@@ -262,3 +262,17 @@ def test_scan_shows_the_audit_figures_per_case(figures):
     assert lines[1].endswith(f"cited drop {first.cited_drop:+.2f}, top chunk 1")
     assert model_lines(record)[-9:] == lines
     assert not audit_lines(read_record(shipped_baselines()["tiny-induction--fp32"]))
+
+
+def test_a_baseline_relying_on_no_case_skips_reliance_and_attribution_naming_them(figures):
+    baseline, tol = record_with(figures["fp32"]), Tolerances(min_reliance=100.0)  # no drop reaches 100 nats
+    for name in ("document_reliance", "document_attribution"):
+        result = evaluate(name, baseline, record_with(figures["broken"]), tol, "broken", "fp32 baseline")
+        assert result.status == "skipped"
+        assert result.message.startswith(
+            "the fp32 baseline relies on none of the slice's cases; nothing to check; 8 case"
+        )
+    braces = copy.deepcopy(baseline.data)
+    braces["audit"] = {**braces["audit"], "slice_sha256": "1" * 64, "slice_name": "odd{name}.jsonl"}
+    result = evaluate("answer_logprob", Record.of(braces), baseline, Tolerances(), "fp32", "fp32 baseline")
+    assert result.message.startswith("the fp32 baseline audited slice odd{name}.jsonl (sha256 111111111111...")

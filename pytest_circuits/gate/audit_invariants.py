@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ..record.audit import AuditCaseRow, AuditInfo, other_slice
+from ..record.audit import AuditCaseRow, literal, other_slice
 from ..record.schema import Record
 from . import builtin_invariants  # noqa: F401 (registered first: importing registers, in gate order)
 from .invariant_api import Comparison, Invariant, Row, register
@@ -61,7 +61,7 @@ def audit_pairs(before: Record, after: Record, tol: Tolerances) -> tuple[list[Pa
         return (
             [],
             "",
-            f"the cases of the {{against}} and {{build}} do not pair ({', '.join(mismatch[:5])}); record again",
+            f"the cases of the {{against}} and {{build}} do not pair ({literal(', '.join(mismatch[:5]))}); record again",
         )
     relied = [(x, y) for x, y in pairs if relied_drop(x, x) >= tol.min_reliance]
     loose = [x.id for x, _ in pairs if not relied_drop(x, x) >= tol.min_reliance]
@@ -86,8 +86,7 @@ def interval_rule(
     return (not tol.outside_interval or interval is None or excludes_zero(interval)), interval
 
 
-def _nothing(info: AuditInfo | None) -> str:
-    return "the {against} relies on none of the slice's cases; nothing to check" if info else ""
+NONE_RELIED = "the {against} relies on none of the slice's cases; nothing to check"
 
 
 @register
@@ -114,7 +113,7 @@ class DocumentReliance(Invariant):
         if refused:
             return Comparison(nothing=refused)
         if not relied:
-            return Comparison(left_out=left_out, nothing=_nothing(before.audit) + left_out, nothing_is_skip=True)
+            return Comparison(left_out=left_out, nothing=NONE_RELIED + literal(left_out), nothing_is_skip=True)
         xs = [relied_drop(x, x) for x, _ in relied]
         ys = [relied_drop(y, x) for x, y in relied]
         mb, ma = sum(xs) / len(xs), sum(ys) / len(ys)
@@ -159,7 +158,7 @@ class DocumentAttribution(Invariant):
         if refused:
             return Comparison(nothing=refused)
         if not relied:
-            return Comparison(left_out=left_out, nothing=_nothing(before.audit) + left_out, nothing_is_skip=True)
+            return Comparison(left_out=left_out, nothing=NONE_RELIED + literal(left_out), nothing_is_skip=True)
         other = [(x, y) for x, y in relied if x.top_chunk != y.top_chunk]
         share = 1 - len(other) / len(relied)
         broken = not share >= tol.attribution

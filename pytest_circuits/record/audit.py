@@ -79,12 +79,18 @@ class AuditInfo(BaseModel):
         return self
 
 
+def literal(text: str) -> str:
+    """``text`` kept as it is in a message the gate fills with `str.format` (its braces doubled)."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
 def other_slice(before: AuditInfo, after: AuditInfo) -> str:
-    """Why two audit sections are not of one slice measured one way ("" when they are)."""
+    """Why two audit sections are not of one slice measured one way ("" when they are), a message with
+    the gate's ``{against}`` and ``{build}`` to fill."""
     if before.slice_sha256 != after.slice_sha256 or before.n_cases != after.n_cases:
         return (
-            f"the {{against}} audited slice {before.slice_name} (sha256 {before.slice_sha256[:12]}..., "
-            f"{before.n_cases} cases), {{build}} slice {after.slice_name} (sha256 {after.slice_sha256[:12]}..., "
+            f"the {{against}} audited slice {literal(before.slice_name)} (sha256 {before.slice_sha256[:12]}..., "
+            f"{before.n_cases} cases), {{build}} slice {literal(after.slice_name)} (sha256 {after.slice_sha256[:12]}..., "
             f"{after.n_cases} cases): record the baseline again with this slice"
         )
     if before.tokens != after.tokens:
