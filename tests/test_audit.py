@@ -276,3 +276,16 @@ def test_a_baseline_relying_on_no_case_skips_reliance_and_attribution_naming_the
     braces["audit"] = {**braces["audit"], "slice_sha256": "1" * 64, "slice_name": "odd{name}.jsonl"}
     result = evaluate("answer_logprob", Record.of(braces), baseline, Tolerances(), "fp32", "fp32 baseline")
     assert result.message.startswith("the fp32 baseline audited slice odd{name}.jsonl (sha256 111111111111...")
+
+
+def test_the_preflight_refuses_a_case_the_model_cannot_read_before_any_weight_loads(tmp_path):
+    from pytest_circuits.run.run import Run
+    from pytest_circuits.settings import CircuitsSettings
+
+    path = tmp_path / "s.jsonl"
+    path.write_text(json.dumps({"chunks": ["a b"], "question": "a", "answer": "b"}) + "\n")
+    path.write_text(path.read_text() + json.dumps({"chunks": ["x " * 255], "question": "y", "answer": "z"}) + "\n")
+    run = Run(CircuitsSettings(builds=("fp32",), device="cpu", audit=read_slice(path)))
+    with pytest.raises(AuditSliceError, match=r"s.jsonl:2: prompt and answer are 257 tokens, over the model's context"):
+        run.loaded.preflight()
+    assert run.loaded.loads == []  # no build was loaded

@@ -109,6 +109,16 @@ def test_a_bad_slice_is_one_line_before_anything_loads(tmp_path, capsys):
     assert err == [
         f"circuits scan: {bad}:1: cited index 1 is out of range: the case has 1 chunks (0..0); indices count from 0"
     ]
+    long = tmp_path / "long.jsonl"  # fine as JSON; too long for the model: refused in the preflight, no weight loaded
+    long.write_text(
+        json.dumps({"chunks": [" ".join(f"w{i}" for i in range(300))], "question": "q", "answer": "a"}) + "\n"
+    )
+    assert main(["scan", "tiny-induction", "--audit", str(long), *SMALL]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"circuits scan: {long}:1: prompt and answer are 302 tokens, over the model's context of 256; shorten the "
+        "case's chunks or split it"
+    ]
     done = subprocess.run(
         [
             sys.executable,

@@ -24,8 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from ..model.builds import LoadedBuild
+from ..model.loading import ModelSource
 from ..model.named import named_model_path
 from ..model.quantized_cache import refuse_decode_only
+from ..model.vocab import TokenInfo
 from .audit_slice import AuditCase, AuditSlice, AuditSliceError
 from .repeat import context_length
 
@@ -49,14 +51,14 @@ class TextIds:
     answer: Callable[[str], list[int]]  # the answer's ids, no special token
 
 
-def text_ids(build: LoadedBuild, trust_remote_code: bool = False) -> TextIds:
-    """The build's `TextIds`: its tokenizer, else (the embedded model only) `word_id` per word; a model
+def text_ids(source: ModelSource, tokens: TokenInfo, trust_remote_code: bool = False) -> TextIds:
+    """The model's `TextIds`: its tokenizer, else (the embedded model only) `word_id` per word; a model
     with neither is one line."""
-    if build.tokens.has_tokenizer:
+    if tokens.has_tokenizer:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(
-            str(build.source.folder), local_files_only=True, trust_remote_code=trust_remote_code
+            str(source.folder), local_files_only=True, trust_remote_code=trust_remote_code
         )
         return TextIds(
             TOKENS_TOKENIZER,
@@ -64,12 +66,12 @@ def text_ids(build: LoadedBuild, trust_remote_code: bool = False) -> TextIds:
             lambda text: list(tokenizer(ANSWER_SEPARATOR + text, add_special_tokens=False)["input_ids"]),
         )
     embedded = named_model_path("tiny-induction")
-    if embedded is None or build.source.folder.resolve() != embedded.resolve():
+    if embedded is None or source.folder.resolve() != embedded.resolve():
         raise AuditSliceError(
-            f"model {build.source.name} has no tokenizer, and an audit slice is text: give the model folder with "
+            f"model {source.name} has no tokenizer, and an audit slice is text: give the model folder with "
             "its tokenizer (only the embedded tiny-induction reads words as ids, docs/audit.md)"
         )
-    vocab = build.tokens.vocab_size
+    vocab = tokens.vocab_size
     return TextIds(TOKENS_WORDS, lambda text: word_ids(text, vocab), lambda text: word_ids(text, vocab))
 
 
@@ -189,9 +191,19 @@ def audit_figures(
 ) -> AuditFigures:
     """Rung 3 of every case of ``audit`` on ``build`` (`case_figures`)."""
     refuse_decode_only(build, "the audit slice")
-    ids = text_ids(build, trust_remote_code)
+    ids = text_ids(build.source, build.tokens, trust_remote_code)
     cases = tuple(case_figures(build, case, ids, audit.where(case), batch_size) for case in audit.cases)
     for case, figures in zip(audit.cases, cases):
         if not math.isfinite(figures.answer_logprob):
             raise AuditSliceError(f"{audit.where(case)}: the answer's log-probability is not finite on {build.label}")
     return AuditFigures(audit.sha256, audit.path.name, ids.kind, cases)
+
+
+def check_slice(
+    source: ModelSource, config, tokens: TokenInfo, audit: AuditSlice, trust_remote_code: bool = False
+) -> None:
+    """Before any weight loads (the run's preflight): every case of ``audit`` becomes ids this model reads,
+    with an answer of at least one token and every prompt within the model's context; else one line."""
+    ids = text_ids(source, tokens, trust_remote_code)
+    for case in audit.cases:
+        case_sequences(case, ids, audit.where(case), context_length(config))
