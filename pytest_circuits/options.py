@@ -317,6 +317,15 @@ OPTIONS: tuple[Option, ...] = (
         "gate the record merged from these shard parts (a quoted glob such as 'parts/part-*.json', or their "
         "folder) instead of measuring the builds: every build gated needs all its parts; no weights are loaded",
     ),
+    Option(
+        "audit",
+        "path",
+        None,
+        "rung 3: an audit slice (JSONL: chunks, question, answer, optional cited) whose answers each build is "
+        "measured on with every chunk present and with each removed; gated by document_reliance, "
+        "document_attribution and answer_logprob (docs/audit.md)",
+        cli=_SCAN_LIKE,
+    ),
     Option("batch-size", "int", 8, "sequences per forward pass", minimum=1, maximum=1_000_000, cli=_SCAN_LIKE),
     Option(
         "update",

@@ -20,6 +20,7 @@ from .options import (
     parse_value,
 )
 from .record.kappa_method import KappaMethod
+from .rungs.audit_slice import AuditSlice, read_slice
 from .rungs.repeat_settings import RepeatSettings
 
 
@@ -59,6 +60,7 @@ class CircuitsSettings:
     shard: tuple[int, int] | None = None  # (i, K): this job measures only knockout shard i of K (record/shards.py)
     shard_out: Path | None = None  # where a shard job writes its part
     shard_parts: str | None = None  # gate the record merged from these parts (a glob or folder) instead of measuring
+    audit: AuditSlice | None = None  # rung 3: the audit slice read and checked once (rungs/audit_slice.py)
     fdr_q: float = 0.05
     batch_size: int = 8
     tolerances: dict = field(default_factory=dict)  # gate tolerance overrides (ini circuits_tol_*)
@@ -147,6 +149,7 @@ def build_settings(raw: dict, baselines: Path, front_end: str | None = None, **f
         shard_out=get("shard-out"),
         shard_parts=get("shard-parts"),
         batch_size=get("batch-size"),
+        audit=None if get("audit") is None else read_slice(get("audit"), flag("audit", front_end)),
     )
     return CircuitsSettings(**{**values, **fixed})
 
@@ -169,6 +172,7 @@ def recording_words(s: CircuitsSettings, front_end: str) -> list[str]:
         "probe-seed": s.probe.seed,
         "probe-n": s.probe.n,
         "probe-length": s.probe.L,
+        "audit": None if s.audit is None else s.audit.path,
     }
     words: list[str] = []
     for name, value in values.items():

@@ -57,7 +57,25 @@ def model_lines(record: Record) -> list[str]:
         f"build {b.recipe} ({b.backend_version}, {b.device})",
         *[line for line in [describe_identity(b.model_dump(exclude_none=True))] if line],
         f"probe seed {p.seed} n {p.n} L {p.L}: {said} (nats; [95% t interval over the sequences])",
+        *audit_lines(record),
     ]
+
+
+def audit_lines(record: Record) -> list[str]:
+    """Rung 3, when the record audited a slice: one line of the slice, then one per case (its answer's
+    log-probability, the drop of each chunk, the cited drop and the top chunk, nats)."""
+    audit = record.audit
+    if audit is None:
+        return []
+    lines = [f"audit slice {audit.slice_name} ({audit.n_cases} cases, {audit.tokens}; nats):"]
+    for case in audit.cases:
+        drops = " ".join(f"{d:+.2f}" for d in case.chunk_drops)
+        cited = "" if case.cited_drop is None else f", cited drop {case.cited_drop:+.2f}"
+        lines.append(
+            f"  {case.id}: answer logprob {case.answer_logprob:.3f}, chunk drops [{drops}]{cited}, "
+            f"top chunk {case.top_chunk}"
+        )
+    return lines
 
 
 def rung1_diffed() -> tuple[str, ...]:

@@ -49,7 +49,7 @@ EXPECTED_EXIT = {
     "circuits gate tiny-induction --build fp32 --baseline baselines/smollm2-135m--fp32.json --across-models": 1,
 }
 # a few CPU-minutes of scans each (invariants.md: tests/test_own_invariant.py runs its invariant by default)
-SLOW_PAGES = {"getting-started.md", "ci.md", "gate.md", "invariants.md"}
+SLOW_PAGES = {"getting-started.md", "ci.md", "gate.md", "invariants.md", "audit.md"}
 
 
 @dataclass

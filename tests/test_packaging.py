@@ -34,6 +34,7 @@ def test_the_installed_wheel_runs_the_gate_suite(tmp_path):
         "pytest_circuits/probes/test_rung1_weights.py",
         "pytest_circuits/baselines/tiny-induction--fp32.json",
         "pytest_circuits/models/tiny-induction/model.safetensors",
+        "pytest_circuits/examples/tiny-induction-audit.jsonl",  # the audit slice docs/audit.md gates
     ):
         assert shipped in names
     subprocess.run(

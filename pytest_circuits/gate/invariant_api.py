@@ -130,6 +130,9 @@ class Invariant:
     suite_test: ClassVar[str] = ""
     suite_module: ClassVar[str] = ""
     guards: ClassVar[str] = ""  # what it guards, in the verdict line's words (default: its name)
+    # True: its figures are measured only when asked for (rung 3's audit slice), so a whole gate
+    # (`gate_all`) leaves it out where neither record holds them; run alone, it is skipped saying so
+    opt_in: ClassVar[bool] = False
 
     def compare(self, before: Record, after: Record, tol: Tolerances) -> Comparison:
         """The rows of ``after`` (the build's record) against ``before`` (the baseline's), both typed
@@ -139,7 +142,9 @@ class Invariant:
 
 REGISTRY: dict[str, Invariant] = {}
 _DECLARED: dict[str, dict[str, Tolerance]] = {}  # invariant name -> the tolerances it declares
-BUILT_IN_MODULES = (f"{__package__}.builtin_invariants", f"{__package__}.swap_invariants")
+BUILT_IN_MODULES = tuple(
+    f"{__package__}.{name}" for name in ("builtin_invariants", "audit_invariants", "swap_invariants")
+)
 
 
 def register(invariant: Any = None, *, replace: bool = False) -> Any:
@@ -318,7 +323,8 @@ def evaluate(
     if scope:
         return InvariantResult(inv.name, build, against, "skipped", scope)
     lacking = [need for need in sorted(inv.needs) if not has_figures(after, need)]
-    if lacking and all(has_figures(before, need) for need in lacking):  # never a pass on figures not measured
+    # never a pass on figures not measured; an opt-in invariant neither record has figures for was not asked for
+    if lacking and (inv.opt_in or all(has_figures(before, need) for need in lacking)):
         return InvariantResult(inv.name, build, against, "skipped", lacking_figures(after, build, ", ".join(lacking)))
     missing = [need for need in sorted(inv.needs) if not has_figures(before, need)]
     if missing:
@@ -403,9 +409,10 @@ def across_models() -> list[str]:
     return [name for name, inv in REGISTRY.items() if inv.across_models]
 
 
-def per_build_invariants() -> list[str]:
-    """The registered invariants that compare builds of one model (one gate-suite test each)."""
-    return [name for name, inv in REGISTRY.items() if not inv.across_models]
+def per_build_invariants(opt_in: bool = False) -> list[str]:
+    """The registered invariants that compare builds of one model (one gate-suite test each), the
+    `Invariant.opt_in` ones only with ``opt_in`` (their tests run only where the run asks for them)."""
+    return [name for name, inv in REGISTRY.items() if not inv.across_models and (opt_in or not inv.opt_in)]
 
 
 def runnable(after: RecordLike, names: Iterable[str] | None = None, across: bool = False) -> list[str]:
@@ -436,13 +443,20 @@ def gate_all(
     has none for (a scan without knockouts) is skipped saying so, so the verdict names it as not guarded."""
     before, after = Record.of(before), Record.of(after)
     across = bool(geometry_difference(before.data, after.data)) if across is None else across
-    run = runnable(after, names, across)
+    scope = [n for n in in_scope(names, across) if asked(get(n), before, after)]
+    run = [n for n in runnable(after, names, across) if n in scope]
     results = {n: evaluate(n, before, after, tol, build, against, fix, across) for n in run}
-    for n in in_scope(names, across):
+    for n in scope:
         if n not in results:
             lacking = ", ".join(need for need in sorted(get(n).needs) if not has_figures(after, need))
             results[n] = InvariantResult(n, build, against, "skipped", lacking_figures(after, build, lacking))
-    return [results[n] for n in in_scope(names, across)]
+    return [results[n] for n in scope]
+
+
+def asked(inv: Invariant, before: Record, after: Record) -> bool:
+    """Whether a whole gate runs ``inv``: always, but for an `Invariant.opt_in` one whose figures
+    neither record holds (no audit slice was given to either)."""
+    return not inv.opt_in or any(all(has_figures(r, need) for need in inv.needs) for r in (before, after))
 
 
 def guarded(results: Iterable[Any]) -> str:

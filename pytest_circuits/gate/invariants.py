@@ -1,12 +1,12 @@
 """The gate's invariants, one registry entry each (docs/definitions.md, "The gate"): the extension
 API (`invariant_api.py`: `Row`, `Comparison`, `Invariant`, `register`, `evaluate`, ...) with the
-built-in invariants (`builtin_invariants.py`) and those across base models (`swap_invariants.py`)
+built-in invariants (`builtin_invariants.py`, rung 3's `audit_invariants.py`) and those across base models (`swap_invariants.py`)
 registered, in gate order. Import the gate's names from here: every invariant is registered then.
 """
 
 from __future__ import annotations
 
-from . import builtin_invariants, swap_invariants
+from . import audit_invariants, builtin_invariants, swap_invariants
 from .builtin_invariants import (
     head_writes,
     kappa_pairs,
@@ -43,7 +43,8 @@ from .invariant_api import (
 )
 from .user_invariants import load_entry_points
 
-BUILT_IN = (builtin_invariants, swap_invariants)  # the modules whose invariants are registered, in gate order
+# the modules whose invariants are registered, in gate order
+BUILT_IN = (builtin_invariants, audit_invariants, swap_invariants)
 load_entry_points()  # then the installed packages' (group pytest_circuits.invariants), the same for both front ends
 
 __all__ = [

@@ -230,15 +230,27 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: object) -> list | None:
-    """Knockout shard tests exist only when the scan is sharded: otherwise the test asking for a shard
-    is not collected at all (not deselected: every run said "1 deselected", unexplained)."""
+    """Tests that would gate nothing in this run are not collected at all (not deselected: every run
+    said "1 deselected", unexplained): the knockout shard test unless the scan is sharded, and the test
+    of an opt-in invariant (rung 3) unless the run gives its input (``--circuits-audit``)."""
     import inspect
 
-    if not inspect.isfunction(obj) or "circuits_knockout_shard" not in inspect.signature(obj).parameters:
+    if not inspect.isfunction(obj):
         return None
-    session = session_of(collector.config)
-    sharded = session.settings.shard is not None or session.measured.shards > 1
-    return None if sharded else []
+    if "circuits_knockout_shard" in inspect.signature(obj).parameters:
+        session = session_of(collector.config)
+        sharded = session.settings.shard is not None or session.measured.shards > 1
+        return None if sharded else []
+    invariant_name = getattr(obj, "circuits_invariant", None)
+    if invariant_name is None:
+        return None
+    from ..gate.invariants import REGISTRY
+
+    invariant = REGISTRY.get(invariant_name)
+    if invariant is None or not invariant.opt_in:
+        return None
+    asked = session_of(collector.config).settings.audit is not None and "audit" in invariant.needs
+    return None if asked else []
 
 
 @pytest.hookimpl(trylast=True)

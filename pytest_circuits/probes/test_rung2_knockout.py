@@ -10,8 +10,8 @@ globals().update(gate_tests("test_rung2_knockout"))
 
 def test_knockout_shard(circuits_knockout_shard):
     """One layer shard of a build's knockout scan, measured once for the run (only with
-    ``--circuits-knockout-shards K``, or automatic under pytest-xdist for big models; otherwise
-    deselected); the knockout gate merges the shards into the unsharded scan. In a shard job
+    ``--circuits-knockout-shards K``, or automatic under pytest-xdist for big models; otherwise not
+    collected); the knockout gate merges the shards into the unsharded scan. In a shard job
     (``--circuits-shard I/K``) only shard I runs, and writes its part to ``--circuits-shard-out``."""
     shard = circuits_knockout_shard
     mine = shard["layer"].isin(shard.attrs["layers"])

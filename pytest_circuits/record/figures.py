@@ -25,7 +25,8 @@ def parse_label(label) -> tuple[int, int] | None:
 
 
 # where a figure comes from: the per-head frames of the rungs, or the probe's model-level result
-SOURCES = ("index", "kappa", "probe", "knockout", "probe_model", "record")  # record: computed by run/assemble.py
+# record: computed by run/assemble.py; audit: rung 3 (rungs/audit.py)
+SOURCES = ("index", "kappa", "probe", "knockout", "probe_model", "record", "audit")
 # stored: "always" (None when not measured), "measured" (only when its frame has it), "" (never)
 STORED = ("always", "measured", "")
 
@@ -175,7 +176,17 @@ SERIES_FIGURES: tuple[Figure, ...] = (
     Figure("position_loss", "probe_model", "float", "1/2", stored="measured", low=0.0, fmt="{:.4f}"),
 )
 
-BY_NAME = {f.name: f for f in HEAD_FIGURES + MODEL_FIGURES + SEQUENCE_FIGURES + SERIES_FIGURES}
+# rung 3 (rungs/audit.py): per case of an audit slice, in the record's optional ``audit`` section
+# (record/audit.py); ``chunk_drops`` holds one value per chunk of the case
+AUDIT_FIGURES: tuple[Figure, ...] = (
+    Figure("answer_tokens", "audit", "int", "3", low=1),
+    Figure("answer_logprob", "audit", "float", "3", high=0.0, fmt="{:.3f}"),
+    Figure("chunk_drops", "audit", "floats", "3", fmt="{:+.3f}"),
+    Figure("cited_drop", "audit", "float", "3", nullable=True, fmt="{:+.3f}"),
+    Figure("top_chunk", "audit", "int", "3", low=0),
+)
+
+BY_NAME = {f.name: f for f in HEAD_FIGURES + MODEL_FIGURES + SEQUENCE_FIGURES + SERIES_FIGURES + AUDIT_FIGURES}
 
 
 def columns(source: str) -> tuple[str, ...]:

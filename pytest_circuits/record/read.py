@@ -13,12 +13,16 @@ from .schema import Identity, ModelInfo, Record, RecordLike
 NEEDS = {
     "knockout": "knockout_delta",
     "routing": "prefix_matching",
+    "audit": "",  # the record's audit section (`record.audit`), not a head figure
 }  # what an invariant may need -> the head figure that shows it
 
 
 def has_figures(record: RecordLike, need: str) -> bool:
     """True when the record holds the figures of ``need`` (``"knockout"``: any measured knockout delta;
-    ``"routing"``: any measured routing score, which an engine without attention patterns lacks)."""
+    ``"routing"``: any measured routing score, which an engine without attention patterns lacks;
+    ``"audit"``: rung 3 on an audit slice)."""
+    if need == "audit":
+        return Record.of(record).audit is not None
     column = NEEDS[need]
     return any(getattr(row, column) is not None for row in Record.of(record).heads)
 
@@ -28,6 +32,10 @@ def lacking_figures(record: Record, build: str, lacking: str) -> str:
     its probe could not measure them, or it was measured without them)."""
     engine = record.build.engine
     why = f"its probe ran on {engine}" if engine else "it was measured without them"
+    if lacking == "audit":
+        from ..options import flag
+
+        why = f"no audit slice was given ({flag('audit')} FILE)"
     return f"not checked: the {build} record holds no {lacking} figures, {why}"
 
 

@@ -28,6 +28,7 @@ from pydantic import (
 from ..errors import CircuitsError
 from ..options import KNOCKOUT_MODES
 from . import figures, kappa_method
+from .audit import AuditInfo
 from .seeds import look_seed
 
 SCHEMA_VERSION = 1
@@ -249,6 +250,7 @@ class Record(_Figures):
         default_factory=dict
     )  # head -> [[re, im], ...]
     looks: list[Look] | None = None  # the further looks of the sequential rule (`record.looks`)
+    audit: AuditInfo | None = None  # rung 3 on an audit slice (`record.audit`); only when one was given
     _data: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @classmethod

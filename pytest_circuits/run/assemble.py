@@ -125,6 +125,7 @@ def assemble_record(
     probe_result: Any,
     knockout: Any = None,
     rung1: dict[str, Any],
+    audit: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The scan record from its parts (pure; see the contract in the module docstring), its floats
     rounded as a stored record's are (`store.round_sig`): a record measured now and the same record
@@ -145,6 +146,7 @@ def assemble_record(
         **_series(probe_result),
         "heads": head_rows(spectrum, None if probe_result is None else probe_result.heads, knockout),
         "eigenvalues": eigenvalue_map(spectrum.attrs.get("eigenvalues")),
+        **({} if audit is None else {"audit": audit}),  # rung 3 (`rungs.audit`): absent without a slice
     }
     rounded: dict[str, Any] = round_sig(record)
     return rounded

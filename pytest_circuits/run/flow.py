@@ -108,6 +108,9 @@ def gate_build(
     if inv.across_models:
         return gate_swap(records, baselines, build_name, inv, tol, fixes)
     outcome = GateOutcome()
+    if "audit" in inv.needs and baselines.settings.audit is None:  # rung 3 is measured only when asked for
+        outcome.absent = f"not checked: no audit slice was given ({flag('audit')} FILE, docs/audit.md)"
+        return outcome
     for base_build, label in comparisons(build_name, baselines.settings.reference):
         own = label == OWN
         try:
@@ -119,6 +122,13 @@ def gate_build(
         except BaselineError as error:
             outcome.problems.append(str(error))
             continue
+        if own and inv.opt_in and not all(has_figures(Record.of(baseline), need) for need in inv.needs):
+            note = (
+                f"{build_name}'s own baseline holds no {', '.join(sorted(inv.needs))} figures: its drift is not "
+                f"checked (record it with {flag('audit')} FILE)"
+            )
+            outcome.notes += [note] if note not in outcome.notes else []
+            continue  # like a missing own baseline: the reference still gates it
         fix = fixes.get("own" if own else "reference")
         try:
             _, verdicts = gate_against(records, build_name, baseline, label, tol, fix, invariant=inv)

@@ -213,3 +213,21 @@ class BuildMeasurement:
             return self.loaded.run_folder.once(name, measure, dump=frame_json, load=json_frame)
 
         return self.loaded.memo(("knockout_shard", build_name, index), once)
+
+
+def measure_audit(m: BuildMeasurement, build_name: str):
+    """Rung 3 of ``build_name``: the answers of the run's audit slice with every chunk present and with
+    each removed (`rungs.audit.AuditFigures`), memoised in ``m.loaded``; the settings must name a slice."""
+    from ..rungs.audit import audit_figures
+
+    s = m.loaded.settings
+    chosen = s.audit
+    assert chosen is not None, "no audit slice in the settings"
+
+    def measure():
+        build = m.loaded.build(build_name)
+        what = f"rung 3 (audit slice {chosen.path.name}, {len(chosen.cases)} cases) {m.loaded.model_name}:{build_name}"
+        with m.loaded.phase(what):
+            return audit_figures(build, chosen, batch_size=s.batch_size, trust_remote_code=s.trust_remote_code)
+
+    return m.loaded.memo(("audit", build_name), measure)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..options import flag
 from ..record.schema import Record
-from .measure import BuildMeasurement
+from .measure import BuildMeasurement, measure_audit
 
 
 def measure_record(
@@ -40,6 +40,7 @@ def measure_record(
         }
     if planned is not None:  # and after it, its wall time beside the estimate
         m.loaded.say(took_line(build, planned, time.perf_counter() - started, "the scan"))
+    audit = None if s.audit is None else measure_audit(m, build_name).section()  # rung 3: only when a slice is given
     record = assemble_record(
         model=model_info(m.loaded.model_name, m.loaded.source, build),
         build=build.identity.as_dict(),
@@ -54,6 +55,7 @@ def measure_record(
         probe_result=probe,
         knockout=ko_frame,
         rung1=rung1_info(spectrum, s, folded=True, method=method),
+        audit=audit,
     )
     return Record.of(record)
 

@@ -36,6 +36,10 @@ def preflight(settings: CircuitsSettings, source, device: str):
     for name in names:  # a cache window the probe cannot exceed
         check_window_fits(s.spec(name), 2 * s.probe.L + bos_offset(tokens), flag("probe-length"))
     engine_files(s)
+    if s.audit is not None:  # rung 3: a case this model cannot read (no tokenizer, over its context) is one line now
+        from ..rungs.audit import check_slice
+
+        check_slice(source, config, tokens, s.audit, s.trust_remote_code)
     _, geometry = family_and_geometry(config)
     check_geometry(s.model, geometry)
     if s.shard_parts is None:  # a merge job runs no probe: it gates the parts' figures
