@@ -160,8 +160,30 @@ TINY_TYPE_SHAPES: dict[str, dict[str, Any]] = {
             ("deepseek_v2", dict(first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1)),
             ("deepseek_v3", dict(first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1, n_group=1)),
             ("glm4_moe_lite", dict(mlp_layer_types=["dense", "sparse"], n_routed_experts=4, n_shared_experts=1)),
+            (  # the indexer keeps 6 of up to 12 keys per query: the sparse mask is exercised
+                "deepseek_v32",
+                dict(mlp_layer_types=["dense", "sparse"], n_routed_experts=4, n_group=1, index_topk=6),
+            ),
+            ("minicpm3", dict(scale_emb=2.0, scale_depth=2.0, dim_model_base=32)),
+            (
+                "kimi_linear",
+                dict(
+                    _EXPERTS,
+                    num_hidden_layers=4,
+                    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                    mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+                    linear_attn_config=dict(head_dim=8, num_heads=4, short_conv_kernel_size=4),
+                ),
+            ),
         )
     },
+    "recurrent_gemma": dict(  # RG-LRU blocks 0 and 2, local attention blocks 1 and 3
+        num_hidden_layers=4,
+        block_types=["recurrent", "attention"],
+        lru_width=64,
+        attention_window_size=32,
+        logits_soft_cap=30.0,
+    ),
 }
 """Per model type: what differs from the shared tiny shape (config names, experts, windows, multipliers)."""
 
@@ -193,7 +215,7 @@ def tiny_config(family: str, **overrides):
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"model type {model_type!r} is not in this transformers ({len(CONFIG_MAPPING)} types known)")
     shape = {**_BASE, **TINY_TYPE_SHAPES.get(model_type, {}), **variant, **overrides}
-    if model_type == "falcon":  # head_dim is a read-only property there: hidden_size / num_attention_heads
+    if model_type in ("falcon", "recurrent_gemma"):  # head_dim is set from hidden_size / num_attention_heads
         shape.pop("head_dim")
     return CONFIG_MAPPING[model_type](**{**no_special, **shape})
 

@@ -130,7 +130,8 @@ def attention_io(model, modules: list, ids) -> tuple[list[tuple], tuple]:
 
     def keeper(index: int):
         def keep(module, args, kwargs, out) -> None:
-            seen.setdefault(index, (kwargs["hidden_states"][0].double(), out[0][0].double()))
+            x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # RecurrentGemma: positional
+            seen.setdefault(index, (x[0].double(), out[0][0].double()))
 
         return keep
 

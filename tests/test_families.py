@@ -214,7 +214,7 @@ def _expected_fold(model, layer: int) -> torch.Tensor:
     from the read: the norm that receives the output projection's output (a sandwich or post norm;
     its scale ``offset + w`` read off its output on a large constant input), else ones; times the
     config's ``residual_multiplier`` or ``attention_out_multiplier`` where it has one (the attention
-    output's multiplier)."""
+    output's multiplier), and the block's own ``residual_scale`` (MiniCPM3)."""
     block, proj = attention_block(model, layer), out_proj_module(model, layer)
     produced: list[torch.Tensor] = []
     receivers: list[torch.nn.Module] = []
@@ -243,7 +243,8 @@ def _expected_fold(model, layer: int) -> torch.Tensor:
         with torch.no_grad():
             scale = norms[0](torch.full((1, 1, d_model), c)).reshape(-1).double()
     config = model.config
-    return scale * float(
+    depth = float(getattr(block, "residual_scale", 1.0))  # MiniCPM3's block multiplies its writes by it
+    return scale * depth * float(
         getattr(config, "residual_multiplier", None) or getattr(config, "attention_out_multiplier", 1.0)
     )
 

@@ -1,10 +1,11 @@
-"""Hybrid stacks (Mamba / Mamba-2, gated DeltaNet or short-convolution blocks beside attention blocks),
-checked against the equations written out here from the modules' own weights, not through the read.
+"""Hybrid stacks (Mamba / Mamba-2, gated DeltaNet, RG-LRU or short-convolution blocks beside attention
+blocks), checked against the equations written out here from the modules' own weights, not through the read.
 
-Which blocks hold attention is read off ``config.layer_types`` here (``"full_attention"``) and each
+Which blocks hold attention is read off ``config.layer_types`` here (``"full_attention"``; RecurrentGemma's
+local attention ``"sliding_attention"``) and each
 attention block's modules are found by name in the model; the read's heads L0, L1, ... must be those
 blocks' heads in order. Per head: ``v_h = x W_V^{g(h)} (+ b)`` from ``v_proj``, output
-``sum_h A_h v_h W_O^h`` (``W_O^h``: the output projection's columns ``h d_head ..``), times
+``sum_h A_h v_h W_O^h + b_O`` (``W_O^h``: the output projection's columns ``h d_head ..``), times
 Qwen3-Next's gate ``sigmoid(x W_G^h)`` (q_proj's rows ``[q_h | g_h]`` per head) where it has one.
 """
 
@@ -43,12 +44,13 @@ HYBRIDS = {
     "lfm2_moe": ("self_attn", "out_proj", "operator_norm", "embedding_norm", 0.0),
     "nemotron_h": ("mixer", "o_proj", "norm", "norm_f", 0.0),
     "qwen3_next": ("self_attn", "o_proj", "input_layernorm", "norm", 1.0),
+    "recurrent_gemma": ("temporal_block", "o_proj", "temporal_pre_norm", "final_norm", 1.0),
 }
 
 
 def attention_blocks(config) -> list[int]:
-    """The blocks whose ``layer_types`` entry is ``full_attention``."""
-    return [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"]
+    """The blocks whose ``layer_types`` entry is ``full_attention`` (or ``sliding_attention``: RecurrentGemma)."""
+    return [i for i, kind in enumerate(config.layer_types) if kind in ("full_attention", "sliding_attention")]
 
 
 def _gate(attn, config, x: torch.Tensor) -> torch.Tensor | None:
@@ -78,6 +80,13 @@ def per_head_outputs(model, model_type: str, block: int, x: torch.Tensor, patter
     return torch.stack(terms)
 
 
+def output_bias(model, model_type: str, block: int) -> torch.Tensor | float:
+    """``b_O`` of the block's output projection (RecurrentGemma has one), else 0."""
+    attn_name, out_name = HYBRIDS[model_type][:2]
+    bias = getattr(getattr(model.model.layers[block], attn_name), out_name).bias
+    return 0.0 if bias is None else bias.double()
+
+
 @pytest.mark.parametrize("model_type", list(HYBRIDS))
 def test_attention_blocks_are_the_heads_layers_and_reproduce_their_output(model_type):
     model = make_tiny_model(model_type, seed=3)
@@ -93,7 +102,8 @@ def test_attention_blocks_are_the_heads_layers_and_reproduce_their_output(model_
     for layer, block in enumerate(blocks):
         x, y = seen[layer]
         terms = per_head_outputs(model, model_type, block, x, patterns[layer][0])
-        torch.testing.assert_close(terms.sum(0), y, rtol=0, atol=1e-5 * y.abs().max().item())
+        got = terms.sum(0) + output_bias(model, model_type, block)
+        torch.testing.assert_close(got, y.double(), rtol=0, atol=1e-5 * y.abs().max().item())
     assert check_decomposition(model).worst < 1e-5
 
 
@@ -131,7 +141,13 @@ def reference_kappa(model, model_type: str, layer: int, head: int) -> float:
 
 
 @pytest.mark.parametrize(
-    "model_type", ["nemotron_h", "qwen3_next", *(pytest.param(t, marks=pytest.mark.slow) for t in ("bamba", "lfm2"))]
+    "model_type",
+    [
+        "nemotron_h",
+        "qwen3_next",
+        "recurrent_gemma",
+        *(pytest.param(t, marks=pytest.mark.slow) for t in ("bamba", "lfm2")),
+    ],
 )
 def test_kappa_of_each_attention_head_is_the_definition(model_type):
     model = make_tiny_model(model_type, seed=4)
@@ -157,7 +173,10 @@ def hybrid_builds(tmp_path_factory):
     return make
 
 
-@pytest.mark.parametrize("model_type", ["nemotron_h", "qwen3_next", pytest.param("bamba", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "model_type",
+    ["nemotron_h", "qwen3_next", "recurrent_gemma", pytest.param("bamba", marks=pytest.mark.slow)],
+)
 def test_knockout_delta_is_a_plain_forward_with_the_attention_blocks_head_zeroed(hybrid_builds, model_type):
     """knockout_scan's L{i}H{h} is head h of the i-th attention block: its delta equals the copy loss of a
     copy whose output projection in that block has head h's columns zeroed, less the intact one."""
@@ -217,12 +236,46 @@ def test_a_stack_without_softmax_attention_is_refused_in_one_line():
     family_for_config(config)  # the type is read; this config has nothing to read
 
 
-def test_remaining_hybrids_are_refused_naming_their_attention_layers():
+@pytest.mark.parametrize(
+    "model_type, why",
+    [
+        ("zamba2", "never the residual stream"),
+        ("zamba", "never the residual stream"),
+        ("minimax", "renormalise the residual stream itself"),
+    ],
+)
+def test_remaining_hybrids_are_refused_naming_why_and_their_attention_layers(model_type, why):
     from transformers import CONFIG_MAPPING
 
     with pytest.raises(UnknownFamilyError) as error:
-        family_for_config(CONFIG_MAPPING["recurrent_gemma"](num_hidden_layers=6))
-    assert "attention layers [2, 5], other layers [0, 1, 3, 4]" in str(error.value)
+        family_for_config(CONFIG_MAPPING[model_type]())
+    line = str(error.value)
+    assert "\n" not in line and why in line and f"{model_type!r} has no per-head OV map" in line
+    assert "; attention layers [" in line and "], other layers [" in line
+
+
+def test_recurrent_gemma_embedding_scale_is_the_models_bfloat16_normalizer():
+    """RecurrentGemma multiplies the embedding by ``sqrt(d_model)`` rounded to bfloat16 (its ``normalizer``):
+    at d_model 80, 8.9375 rather than 8.944. Block 0's inputs for two sequences differ by the read's
+    ``W_E`` rows, and the self-check passes, at that width."""
+    model = make_tiny_model("recurrent_gemma", seed=4, hidden_size=80, lru_width=80)
+    scale = float(torch.tensor(80**0.5, dtype=torch.bfloat16))
+    assert abs(scale - 80**0.5) > 5e-3
+    W_E = extract_weights(model).W_E.double()
+    torch.testing.assert_close(W_E, model.model.embed_tokens.weight.double() * scale, rtol=1e-6, atol=0)
+    seen = []
+    hook = model.model.layers[0].register_forward_pre_hook(
+        lambda m, a, k: seen.append(a[0] if a else k["activations"]), with_kwargs=True
+    )
+    ids1, ids2 = torch.randint(0, 128, (2, 1, 10), generator=torch.Generator().manual_seed(1))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids1, use_cache=False)
+            model(input_ids=ids2, use_cache=False)
+    finally:
+        hook.remove()
+    torch.testing.assert_close((seen[0] - seen[1])[0].double(), W_E[ids1[0]] - W_E[ids2[0]], rtol=1e-5, atol=1e-5)
+    assert check_decomposition(model).worst < 1e-5
 
 
 def test_kv_cache_on_a_hybrid_quantizes_the_attention_blocks_only(tmp_path):

@@ -1,11 +1,14 @@
-"""Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash's glm4_moe_lite), checked against the
-architecture's equations written out here from the modules' own parameters, not through the read.
+"""Multi-head latent attention (DeepSeek-V2/V3/V3.2, GLM-4.7-Flash's glm4_moe_lite, MiniCPM3, and Kimi
+Linear's latent attention blocks between its KDA blocks), checked against the architecture's equations written
+out here from the modules' own parameters, not through the read.
 
 Per head h (DeepSeek-V2 paper, section 2.1): ``c = RMSNorm_c(x W_DKV)`` (the first ``kv_lora_rank``
 rows of ``kv_a_proj_with_mqa``), ``[k_h^C | v_h] = c W_B^h`` (``kv_b_proj``, ``qk_nope_head_dim``
 then ``v_head_dim`` rows per head), output ``sum_h A_h v_h W_O^h`` (``o_proj``'s columns
 ``h v_head_dim ..``). So ``W_OV^h = diag(g_in) W_DKV diag(g_c) W_UV^h W_O^h`` up to the two
-norms' positive per-position divisors.
+norms' positive per-position divisors, times MiniCPM3's ``scale_depth / sqrt(n_blocks)`` on the write
+(its blocks' ``residual_scale``). Kimi Linear's latent blocks are those whose ``layer_types`` entry is
+``full_attention``; the others (KDA linear attention) have no heads.
 """
 
 from __future__ import annotations
@@ -31,8 +34,14 @@ from pytest_circuits.testing import make_tiny_model, save_tiny_model, tiny_confi
 from .conftest import attention_io
 from .test_knockout import own_copy_loss
 
-LATENT_TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite")
+LATENT_TYPES = ("deepseek_v3", "deepseek_v2", "glm4_moe_lite", "deepseek_v32", "minicpm3", "kimi_linear")
 SETTINGS = RepeatSettings(seed=1, n=3, L=8)
+
+
+def latent_blocks(config) -> list[int]:
+    """The blocks holding latent attention: all, or (Kimi Linear) those whose ``layer_types`` entry is not linear."""
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return [i for i, kind in enumerate(kinds) if kind != "linear_attention"]
 
 
 def _rms(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
@@ -51,14 +60,16 @@ def mla_values(attn, config, x: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def mla_w_ov(model, layer: int, head: int) -> torch.Tensor:
-    """``diag(g_in) W_DKV diag(g_c) W_UV^h W_O^h`` (``d_model x d_model``), float64, from the modules' weights."""
-    config, block = model.config, model.model.layers[layer]
+    """``diag(g_in) W_DKV diag(g_c) W_UV^h W_O^h m`` (``d_model x d_model``), float64, from the modules' weights
+    (``m``: MiniCPM3's ``residual_scale`` on the block's write, else 1)."""
+    config = model.config
+    block = model.model.layers[latent_blocks(config)[layer]]
     attn, r, v = block.self_attn, config.kv_lora_rank, config.v_head_dim
     W_DKV = attn.kv_a_proj_with_mqa.weight[:r].double().T * block.input_layernorm.weight.double()[:, None]
     per_head = attn.kv_b_proj.weight.double().reshape(config.num_attention_heads, -1, r)[head]
     W_UV = per_head[config.qk_nope_head_dim :].T  # (r, v)
     W_O = attn.o_proj.weight.double()[:, head * v : (head + 1) * v].T  # (v, d_model)
-    return (W_DKV * attn.kv_a_layernorm.weight.double()) @ W_UV @ W_O
+    return (W_DKV * attn.kv_a_layernorm.weight.double()) @ W_UV @ W_O * getattr(block, "residual_scale", 1.0)
 
 
 @torch.no_grad()
@@ -80,9 +91,11 @@ def test_heads_reproduce_the_latent_attention_output(model_type):
     model = make_tiny_model(model_type, seed=3)
     config = model.config
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
-    seen, patterns = attention_io(model, [block.self_attn for block in model.model.layers], ids)
+    blocks = [model.model.layers[i] for i in latent_blocks(config)]
+    seen, patterns = attention_io(model, [block.self_attn for block in blocks], ids)
+    assert len(patterns) == len(blocks)  # one pattern per latent attention block, in block order
     v = config.v_head_dim
-    for layer, block in enumerate(model.model.layers):
+    for layer, block in enumerate(blocks):
         x, y = seen[layer]
         values = mla_values(block.self_attn, config, x)
         W_O = block.self_attn.o_proj.weight.double()
@@ -98,7 +111,7 @@ def test_heads_reproduce_the_latent_attention_output(model_type):
 def test_kappa_of_each_head_is_the_definition(model_type):
     model = make_tiny_model(model_type, seed=4)
     weights = extract_weights(model)
-    for layer in range(model.config.num_hidden_layers):
+    for layer in range(len(latent_blocks(model.config))):
         torch.testing.assert_close(  # the read's W_OV is the composite through the latent
             (weights.W_OV(layer, 0)).double(), mla_w_ov(model, layer, 0), rtol=1e-5, atol=1e-6
         )
@@ -108,27 +121,76 @@ def test_kappa_of_each_head_is_the_definition(model_type):
 
 
 @pytest.fixture(scope="module")
-def latent_build(tmp_path_factory):
-    folder = save_tiny_model("deepseek_v3", tmp_path_factory.mktemp("mla") / "m", seed=2, initializer_range=0.2)
-    return load_build(resolve_model(str(folder)), "fp32", "cpu")
+def latent_builds(tmp_path_factory):
+    made = {}
+
+    def make(model_type: str):
+        if model_type not in made:
+            folder = save_tiny_model(
+                model_type, tmp_path_factory.mktemp(model_type) / "m", seed=2, initializer_range=0.2
+            )
+            made[model_type] = load_build(resolve_model(str(folder)), "fp32", "cpu")
+        return made[model_type]
+
+    return make
 
 
-def test_knockout_delta_is_a_plain_forward_with_the_head_zeroed(latent_build):
+@pytest.fixture(scope="module")
+def latent_build(latent_builds):
+    return latent_builds("deepseek_v3")
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "kimi_linear", pytest.param("minicpm3", marks=pytest.mark.slow)])
+def test_knockout_delta_is_a_plain_forward_with_the_head_zeroed(latent_builds, model_type):
     """knockout_scan's delta of L1H2 equals the copy loss of a copy whose ``o_proj`` columns of head 2 are
-    zero (head h's output ``A_h v_h``: columns ``h v_head_dim ..``), less the intact copy loss."""
-    build = latent_build
+    zero (head h's output ``A_h v_h``: columns ``h v_head_dim ..``) in the second latent attention block,
+    less the intact copy loss (and likewise L0H1)."""
+    build = latent_builds(model_type)
     scan = knockout_scan(build, SETTINGS, progress=False, replay=True).set_index("head")
     ids = repeat_tokens(build.tokens, SETTINGS.n, SETTINGS.L, SETTINGS.seed)
     offset = bos_offset(build.tokens)
     intact = own_copy_loss(build.model, ids, SETTINGS.L, offset)
     v = build.model.config.v_head_dim
+    blocks = latent_blocks(build.model.config)
     for layer, head in ((0, 1), (1, 2)):
         edited = copy.deepcopy(build.model)
         with torch.no_grad():
-            edited.model.layers[layer].self_attn.o_proj.weight[:, head * v : (head + 1) * v] = 0
+            edited.model.layers[blocks[layer]].self_attn.o_proj.weight[:, head * v : (head + 1) * v] = 0
         expected = own_copy_loss(edited, ids, SETTINGS.L, offset) - intact
         assert abs(expected) > 2e-4, "the test model is too weak to show a knockout"
         assert scan.loc[f"L{layer}H{head}", "knockout_delta"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_sparse_indexer_masks_keys_and_the_read_uses_the_masked_pattern():
+    """DeepSeek-V3.2: past position ``index_topk`` each query attends to exactly ``index_topk`` keys (the
+    indexer's choice, not the causal prefix), and the heads still reproduce the output (the self-check)."""
+    model = make_tiny_model("deepseek_v32", seed=3)
+    topk = model.config.index_topk
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        patterns = model(input_ids=ids, output_attentions=True, use_cache=False).attentions
+    for pattern in patterns:
+        kept = (pattern[0] > 0).sum(-1)  # (heads, T): keys each query attends to
+        assert (kept[:, topk:] == topk).all() and (kept[:, :topk] == torch.arange(1, topk + 1)).all()
+    assert check_decomposition(model).worst < 1e-5
+
+
+def test_minicpm3_multipliers_are_read():
+    """MiniCPM3 scales the embedding (scale_emb), each block's write (scale_depth / sqrt(n_blocks)) and the
+    logits (1 / logits_scaling): a read that misses one is refused by the self-check."""
+    import dataclasses
+
+    model = make_tiny_model("minicpm3", seed=6)
+    assert check_decomposition(model).worst < 1e-5
+    assert model.model.layers[0].residual_scale != 1 and model.config.logits_scaling != 1
+    for corrupt, what in (
+        (dict(depth_scale=None), "residual write"),
+        (dict(embed_scale=None), "embedding rows"),
+        (dict(logit_divisor=None), "tail"),
+    ):
+        with pytest.raises(DecompositionError, match=what) as error:
+            check_decomposition(model, family=dataclasses.replace(family_of(model), **corrupt))
+        assert "\n" not in str(error.value) and "'minicpm3'" in str(error.value)
 
 
 @pytest.mark.parametrize(
@@ -152,8 +214,8 @@ def test_latent_attention_refusals_are_one_line():
     from transformers import CONFIG_MAPPING
 
     with pytest.raises(UnknownFamilyError) as error:
-        family_for_config(CONFIG_MAPPING["deepseek_v32"]())
-    assert "indexer" in str(error.value) and "\n" not in str(error.value)
+        family_for_config(CONFIG_MAPPING["longcat_flash"]())
+    assert "two latent attention sublayers per decoder block" in str(error.value) and "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("cache", ["fp8-e4m3", "q4_0"])

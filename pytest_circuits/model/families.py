@@ -35,6 +35,7 @@ from .family_resolution import (
     plugin_families,
     supported_model_types,
 )
+from .family_stacks import NO_PER_HEAD_OV
 from .family_table import (
     ENTRY_POINT_GROUP,
     FAMILIES,
@@ -42,7 +43,6 @@ from .family_table import (
     GPT_NEOX,
     HYBRID_LAYER_ATTRS,
     LLAMA,
-    NO_PER_HEAD_OV,
     Family,
     Geometry,
     head_label,

@@ -3,7 +3,8 @@ from the family table, its quirk tags and its refusals."""
 
 from __future__ import annotations
 
-from .family_table import FAMILIES, NO_PER_HEAD_OV, Family
+from .family_stacks import NO_PER_HEAD_OV
+from .family_table import FAMILIES, Family
 from .quirks import QUIRKS
 
 

@@ -36,8 +36,10 @@ def embed_scale_of(model, family: Family) -> float:
     """The positive scalar the residual stream gets on each embedding row (1 for most families)."""
     if family.embed_scale is None:
         return 1.0
-    if family.embed_scale == "sqrt_d_model":
+    if family.embed_scale == "sqrt_d_model":  # as the model holds it: RecurrentGemma's `normalizer` is bfloat16
         scale = getattr(model.get_input_embeddings(), "embed_scale", None)
+        if scale is None:
+            scale = getattr(getattr(model, "model", None), "normalizer", None)
         if scale is not None:
             return float(torch.as_tensor(scale).float())
         return math.sqrt(getattr(model.config, family.d_model_attr))

@@ -12,7 +12,8 @@ import torch
 
 from ..errors import CircuitsWarning, ModelLoadError, UnknownFamilyError
 from . import family_table
-from .family_table import ADD_FAMILY, ENTRY_POINT_GROUP, HYBRID_LAYER_ATTRS, NO_PER_HEAD_OV, Family, Geometry
+from .family_stacks import NO_PER_HEAD_OV
+from .family_table import ADD_FAMILY, ENTRY_POINT_GROUP, HYBRID_LAYER_ATTRS, Family, Geometry
 from .module_paths import attn_norm_module, modules_at
 
 # ---------------------------------------------------------------- resolution

@@ -18,8 +18,11 @@ bitsandbytes and Conv1D layers share one code path.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
+
+from .family_stacks import stack_families
 
 ENTRY_POINT_GROUP = "pytest_circuits.families"
 # How to add a model type, as the errors say it: an entry point first (works with an installed wheel),
@@ -45,7 +48,8 @@ class Family:
     ``attn_adds_residual`` (name of the attention forward's argument that it adds to its
     output: BLOOM), ``attn_out_multiplier`` (config attribute scaling the attention output
     in the block: Granite), ``logit_scale`` / ``logit_divisor`` / ``logit_softcap`` (config
-    attributes of the tail: ``logits = cap * tanh(scale * l / div / cap)``), ``quirks``
+    attributes of the tail: ``logits = cap * tanh(scale * l / div / cap)``), ``depth_scale`` (config
+    attribute ``s``: each sublayer's write is multiplied by ``s / sqrt(n_blocks)``: MiniCPM), ``quirks``
     (tags of `quirks.QUIRKS`, shown in the table), ``when`` (config ``(attribute, value)`` pairs this
     variant needs), ``requires_equal`` (config attribute pairs that must be equal, else the
     variant is refused with ``unsupported``). The block around the attention, for the
@@ -98,6 +102,7 @@ class Family:
     attn_in_multiplier: str | None = None  # config attribute scaling the normed input the attention reads
     beside: str | None = None  # block submodule whose output joins the attention's write (Falcon-H1's Mamba)
     beside_multiplier: str | None = None  # config attribute scaling that output
+    depth_scale: str | None = None  # config attribute s: the attention's write times s / sqrt(n_blocks) (MiniCPM)
 
     def matches(self, config) -> bool:
         """True when every ``when`` condition holds on ``config``."""
@@ -106,6 +111,14 @@ class Family:
     def is_parallel(self, config) -> bool:
         """True when the block adds attention and MLP outputs of the same input (``parallel``)."""
         return bool(getattr(config, self.parallel, False)) if isinstance(self.parallel, str) else self.parallel
+
+    def out_multiplier(self, config) -> float:
+        """The positive factor on the attention's write into the residual: ``attn_out_multiplier``'s value
+        times ``depth_scale``'s ``s / sqrt(n_blocks)`` (1 where the family has neither)."""
+        factor = float(getattr(config, self.attn_out_multiplier, 1.0)) if self.attn_out_multiplier else 1.0
+        if self.depth_scale:
+            factor *= float(getattr(config, self.depth_scale)) / math.sqrt(getattr(config, self.n_layers_attr))
+        return factor
 
     def for_type(self, model_type: str, **changes) -> Family:
         """This layout for another model type (one table entry)."""
@@ -432,96 +445,9 @@ FAMILIES: tuple[Family, ...] = (
         "gpt_oss",
         quirks=("grouped_query", "qkv_bias", "rotary", "sliding_window", "attention_sinks", "moe"),
     ),
-    *(
-        LLAMA.for_type(
-            model_type,
-            final_norm="model.final_layernorm",
-            resid_mid="pre_ff_layernorm",
-            attention_blocks="full_attention",
-            quirks=("hybrid", "grouped_query", *quirks),
-        )
-        for model_type, quirks in (("bamba", ("partial_rotary",)), ("jamba", ("moe",)))
-    ),
-    LLAMA.for_type(
-        "granitemoehybrid",
-        embed_scale="embedding_multiplier",
-        attn_out_multiplier="residual_multiplier",
-        logit_divisor="logits_scaling",
-        attention_blocks="full_attention",
-        quirks=("hybrid", "grouped_query", "rotary", "multipliers", "moe"),
-    ),
-    LLAMA.for_type(
-        "falcon_h1",
-        final_norm="model.final_layernorm",
-        resid_mid="pre_ff_layernorm",
-        embed_scale="embedding_multiplier",
-        attn_in_multiplier="attention_in_multiplier",
-        attn_out_multiplier="attention_out_multiplier",
-        logit_scale="lm_head_multiplier",
-        beside="mamba",
-        beside_multiplier="ssm_out_multiplier",
-        quirks=("mamba_beside", "grouped_query", "rotary", "multipliers"),
-    ),
-    LLAMA.for_type(
-        "qwen3_next",
-        qkv_layout="separate_gated",
-        attention_blocks="full_attention",
-        quirks=("hybrid", "grouped_query", "partial_rotary", "qk_norm", "output_gate", "norm_offset", "moe"),
-        norm_weight_offset=1.0,
-    ),
-    *(
-        LLAMA.for_type(
-            model_type,
-            out_proj="out_proj",
-            attn_norm="operator_norm",
-            resid_mid="ffn_norm",
-            final_norm="model.embedding_norm",
-            attention_blocks="full_attention",
-            quirks=("hybrid", "grouped_query", "rotary", "qk_norm", *moe),
-        )
-        for model_type, moe in (("lfm2", ()), ("lfm2_moe", ("moe",)))
-    ),
-    LLAMA.for_type(
-        "nemotron_h",
-        attn="mixer",
-        attn_norm="norm",
-        resid_mid=None,
-        final_norm="model.norm_f",
-        attention_blocks="full_attention",
-        quirks=("hybrid", "grouped_query", "nope_layers", "moe"),
-    ),
-    *(
-        LLAMA.for_type(
-            model_type,
-            name="latent",
-            qkv=("kv_a_proj_with_mqa", "kv_b_proj"),
-            qkv_layout="latent",
-            latent_norm="kv_a_layernorm",
-            n_kv_heads_attr=None,
-            d_head_attr="v_head_dim",
-            when=(("attention_bias", False),),
-            unsupported="",
-            quirks=("latent_attention", "rotary", "moe"),
-        )
-        for model_type in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
-    ),
+    *stack_families(LLAMA),
 )
 
-NO_PER_HEAD_OV = {
-    "deepseek_v32": "latent attention whose keys an indexer selects per query (sparse attention): not read yet",
-    "minicpm3": "latent attention with depth and embedding multipliers: not read yet",
-    "longcat_flash": "two latent attention sublayers per block and zero-compute experts: not read yet",
-    "mamba": "state-space layers: no attention pattern, no per-head OV map",
-    "mamba2": "state-space layers: no attention pattern, no per-head OV map",
-    "falcon_mamba": "state-space layers: no attention pattern, no per-head OV map",
-    "rwkv": "linear attention (RWKV time mixing): no softmax pattern, no per-head OV map",
-    "xlstm": "recurrent xLSTM cells: no attention pattern",
-    "kimi_linear": "hybrid of linear attention and latent attention: no per-head OV map",
-    "recurrent_gemma": "hybrid of RG-LRU recurrences and local attention (hybrid stacks are not covered yet)",
-    "zamba": "hybrid of Mamba and shared attention layers (hybrid stacks are not covered yet)",
-    "zamba2": "hybrid of Mamba and shared attention layers (hybrid stacks are not covered yet)",
-    "minimax": "hybrid of lightning (linear) attention and softmax attention layers (hybrid stacks are not covered yet)",
-}
 HYBRID_LAYER_ATTRS = ("layer_types", "layers_block_type", "block_types")
 
 

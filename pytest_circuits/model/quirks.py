@@ -27,7 +27,10 @@ QUIRKS = {
     "attn_softcap": "attention logits soft-capped: changes A only",
     "logit_softcap": "final logits soft-capped (monotone per token); kappa reads the logits before the cap",
     "logit_scale": "logits multiplied or divided by a positive scalar: kappa unchanged, W_U carries it",
-    "multipliers": "embedding, attention, residual and logit multipliers (positive scalars): kappa unchanged",
+    "multipliers": (
+        "embedding, attention, residual (MiniCPM's scale_depth / sqrt(n_blocks)) and logit multipliers "
+        "(positive scalars): kappa unchanged, the fold carries them"
+    ),
     "attention_sinks": "a learned per-head sink logit joins each softmax: rows of A sum to < 1; W_OV unchanged",
     "moe": "mixture-of-experts MLP: not part of the OV read; routing is replayed per call in knockouts",
     "nope_layers": "some layers use no positional encoding: changes A only",
@@ -37,8 +40,8 @@ QUIRKS = {
     "attn_output_residual": "the attention module adds the residual to its own output (BLOOM); the self-check subtracts it",
     "hybrid": (
         "attention in some blocks only (config.layer_types): their heads are L0, L1, ... in block order "
-        "(geometry.attention_layers gives each one's block); Mamba, gated DeltaNet or convolution blocks are the "
-        "rest of the stack, as MLPs are"
+        "(geometry.attention_layers gives each one's block); Mamba, gated DeltaNet, Kimi delta attention, RG-LRU or "
+        "convolution blocks are the rest of the stack, as MLPs are"
     ),
     "mamba_beside": (
         "a Mamba-2 mixer beside the attention in every block, reading the same normed input; its output joins "
@@ -48,6 +51,10 @@ QUIRKS = {
     "output_gate": (
         "each head's output times sigmoid(x W_G^h) per channel and query (Qwen3-Next): kappa and ov_gain read the "
         "ungated W_V^h W_O^h (equal gates); the self-check, routing scores, copy loss and knockouts see the gate"
+    ),
+    "sparse_indexer": (
+        "a lightning indexer keeps each query's top-k keys (DeepSeek-V3.2's sparse attention), masking the rest: "
+        "changes A only (the self-check, routing scores and knockouts use the pattern the module computes)"
     ),
     "latent_attention": (
         "multi-head latent attention: c = norm(x W_DKV), v_h = c W_UV^h, so W_OV = W_DKV diag(g_c) W_UV^h W_O^h "

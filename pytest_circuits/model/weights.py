@@ -226,7 +226,7 @@ def block_weights(block, fam: Family, geo: Geometry, fold: bool, config, device=
     scale = norm_scale(pre_norm, geo.d_model, fam.norm_weight_offset)
     post_norm = post_attn_norm_module(block, fam)
     post_scale = None if post_norm is None else norm_scale(post_norm, geo.d_model, fam.norm_weight_offset)
-    multiplier = float(getattr(config, fam.attn_out_multiplier, 1.0)) if fam.attn_out_multiplier else 1.0
+    multiplier = fam.out_multiplier(config)
     in_multiplier = float(getattr(config, fam.attn_in_multiplier, 1.0)) if fam.attn_in_multiplier else 1.0
     # (heads, d_head, d_model) -> (heads, d_model, d_head): row-vector convention
     W_Q = q.transpose(1, 2).contiguous() if qk and q is not None else None
