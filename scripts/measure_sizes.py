@@ -1,7 +1,8 @@
 """Time and memory of `circuits scan` at the sizes users ship, measured on random weights of real shapes.
 
 Builds seeded random-weight checkpoints with the exact shapes of Llama-3.2-1B, Llama-3.2-3B,
-Qwen3-4B and Llama-3-8B (bf16, written tensor by tensor, never the whole model in memory;
+Qwen3-4B and Llama-3-8B, and of MiniCPM3-4B (latent attention) and Falcon-H1-1.5B (Mamba-2 beside
+attention) for issue 52's block (``--block stacks``) (bf16, written tensor by tensor, never the whole model in memory;
 no download), then runs each rung of the scan in a fresh process and reads, per rung, wall
 and CPU seconds, the process's peak resident memory (``ru_maxrss``: every page the process
 ever held, not tracemalloc's Python allocations), the FLOPs counted from the shapes and the
@@ -101,6 +102,48 @@ SHAPES: dict[str, dict] = {
         rms_norm_eps=1e-5,
     ),
 }
+STACK_SHAPES: dict[str, dict] = {  # issue 52: a latent-attention and a hybrid release (docs/scale.md, "Latent ...")
+    "minicpm3-4b": dict(  # openbmb/MiniCPM3-4B's config.json (transformers' MiniCPM3Config defaults are these)
+        model_type="minicpm3",
+        hidden_size=2560,
+        intermediate_size=6400,
+        num_hidden_layers=62,
+        num_attention_heads=40,
+        num_key_value_heads=40,
+        q_lora_rank=768,
+        kv_lora_rank=256,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        vocab_size=73448,
+        tie_word_embeddings=True,
+        scale_emb=12,
+        scale_depth=1.4,
+        dim_model_base=256,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+    ),
+    "falcon-h1-1.5b": dict(  # tiiuae/Falcon-H1-1.5B-Base's config.json; its multipliers left at 1 (random weights)
+        model_type="falcon_h1",
+        hidden_size=2048,
+        intermediate_size=4608,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        vocab_size=65537,
+        tie_word_embeddings=False,
+        mamba_d_ssm=3072,
+        mamba_n_heads=48,
+        mamba_d_head=64,
+        mamba_n_groups=1,
+        mamba_d_state=256,
+        mamba_d_conv=4,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+    ),
+}
+SHAPES.update(STACK_SHAPES)
 RUNGS = ("load", "rung1", "probe", "screen", "scan", "gate")
 INIT_STD = 0.02  # transformers' initializer_range: the random weights' scale
 SHARD_BYTES = 2 * 1024**3  # a safetensors shard holds at most this many bytes
@@ -108,6 +151,7 @@ ROW_CHUNK = 1 << 24  # entries drawn at once (float32 scratch of 64 MB)
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "scale.md"
 BEGIN, END = "<!-- measured: begin (scripts/measure_sizes.py) -->", "<!-- measured: end -->"
+STACK_BEGIN, STACK_END = "<!-- measured: begin (scripts/measure_sizes.py --block stacks) -->", "<!-- measured: end (stacks) -->"
 GIB = 1024**3
 
 
@@ -382,11 +426,14 @@ def gathered_rows(path: Path) -> list[dict]:
     return [by_shape[name] for name in SHAPES if name in by_shape]
 
 
-def write_docs(text: str, note: str) -> None:
-    """Replace the measured block of docs/scale.md (between its markers) with ``text``."""
+def write_docs(text: str, note: str, block: str = "sizes") -> None:
+    """Replace a measured block of docs/scale.md (between its markers: ``sizes``, or ``stacks`` for
+    `STACK_SHAPES`) with ``text``."""
+    begin, end_mark = (STACK_BEGIN, STACK_END) if block == "stacks" else (BEGIN, END)
     page = DOCS.read_text()
-    start, end = page.index(BEGIN), page.index(END)
-    DOCS.write_text(page[: start + len(BEGIN)] + "\n\n" + note + "\n\n" + text + "\n\n" + page[end:])
+    start = page.index(begin)
+    end = page.index(end_mark, start)
+    DOCS.write_text(page[: start + len(begin)] + "\n\n" + note + "\n\n" + text + "\n\n" + page[end:])
 
 
 def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
@@ -411,6 +458,9 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--write-docs", action="store_true", help="write the table into docs/scale.md")
     parser.add_argument("--results", type=Path, default=None, help="append each shape's JSON here")
     parser.add_argument("--table-only", action="store_true", help="run nothing: the table of --results only")
+    parser.add_argument(
+        "--block", choices=("sizes", "stacks"), default="sizes", help="which measured block of docs/scale.md to write"
+    )
     parser.add_argument("--stage", choices=RUNGS, default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -464,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.results.name}` made so far, each rung in its own process ({time.strftime('%Y-%m-%d')}; "
                 f"the 1-minute load as each shape started: {loads or 'not recorded'}); a rung not in the table was not run:"
             )
-        write_docs(text, note)
+        write_docs(text, note, args.block)
     return 0
 
 

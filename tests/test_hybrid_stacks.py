@@ -340,3 +340,52 @@ def test_falcon_h1_block_writes_attention_heads_plus_mamba():
     got = seen["mid"].double() - seen["pre"].double()
     torch.testing.assert_close(write, got, rtol=0, atol=1e-5 * got.abs().max().item())
     assert float(seen["mamba"].abs().max()) > 0 and check_decomposition(model).worst < 1e-4
+
+
+def test_zamba2_shared_attention_never_writes_into_the_residual_stream():
+    """Why zamba2 is refused, from its forward: with the Mamba mixer's output projection zeroed, a hybrid
+    block's output is its input exactly, though its shared attention block ran and gave a nonzero output:
+    the attention's output only feeds the Mamba mixer's input, so no head has a residual write to read."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    config = CONFIG_MAPPING["zamba2"](
+        **dict(bos_token_id=None, eos_token_id=None, pad_token_id=None),
+        num_hidden_layers=4,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=128,
+        vocab_size=128,
+        mamba_d_state=8,
+        mamba_headdim=16,
+        n_mamba_heads=8,
+        mamba_ngroups=1,
+        num_mem_blocks=1,
+        adapter_rank=8,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    block = model.model.layers[1]
+    with torch.no_grad():
+        block.mamba_decoder.mamba.out_proj.weight.zero_()
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(key: str, value) -> None:
+        seen.setdefault(key, value[0] if isinstance(value, tuple) else value)
+
+    hooks = [
+        block.register_forward_pre_hook(
+            lambda m, a, k: keep("in", a[0] if a else k["hidden_states"]), with_kwargs=True
+        ),
+        block.register_forward_hook(lambda m, a, out: keep("out", out)),
+        block.shared_transformer.register_forward_hook(lambda m, a, out: keep("attention", out)),
+    ]
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(0)), use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert float(seen["attention"].abs().max()) > 1e-3
+    assert torch.equal(seen["out"], seen["in"])
