@@ -151,7 +151,10 @@ ROW_CHUNK = 1 << 24  # entries drawn at once (float32 scratch of 64 MB)
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "scale.md"
 BEGIN, END = "<!-- measured: begin (scripts/measure_sizes.py) -->", "<!-- measured: end -->"
-STACK_BEGIN, STACK_END = "<!-- measured: begin (scripts/measure_sizes.py --block stacks) -->", "<!-- measured: end (stacks) -->"
+STACK_BEGIN, STACK_END = (
+    "<!-- measured: begin (scripts/measure_sizes.py --block stacks) -->",
+    "<!-- measured: end (stacks) -->",
+)
 GIB = 1024**3
 
 

@@ -244,8 +244,10 @@ def _expected_fold(model, layer: int) -> torch.Tensor:
             scale = norms[0](torch.full((1, 1, d_model), c)).reshape(-1).double()
     config = model.config
     depth = float(getattr(block, "residual_scale", 1.0))  # MiniCPM3's block multiplies its writes by it
-    return scale * depth * float(
-        getattr(config, "residual_multiplier", None) or getattr(config, "attention_out_multiplier", 1.0)
+    return (
+        scale
+        * depth
+        * float(getattr(config, "residual_multiplier", None) or getattr(config, "attention_out_multiplier", 1.0))
     )
 
 

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .family_stacks import stack_families
+from .family_stacks import STACK_ENTRIES
 
 ENTRY_POINT_GROUP = "pytest_circuits.families"
 # How to add a model type, as the errors say it: an entry point first (works with an installed wheel),
@@ -445,7 +445,7 @@ FAMILIES: tuple[Family, ...] = (
         "gpt_oss",
         quirks=("grouped_query", "qkv_bias", "rotary", "sliding_window", "attention_sinks", "moe"),
     ),
-    *stack_families(LLAMA),
+    *(LLAMA.for_type(model_type, **changes) for model_type, changes in STACK_ENTRIES),
 )
 
 HYBRID_LAYER_ATTRS = ("layer_types", "layers_block_type", "block_types")
