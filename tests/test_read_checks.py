@@ -217,7 +217,11 @@ def test_the_tail_and_embedding_are_checked(model_type, change, where):
 
 # ---------------------------------------------------------------- the mutation table
 
-VISIBLE = {"gemma2": dict(final_logit_softcapping=0.5), "gemma3_text": dict(final_logit_softcapping=0.5)}
+VISIBLE = {
+    "gemma2": dict(final_logit_softcapping=0.5),
+    "gemma3_text": dict(final_logit_softcapping=0.5),
+    "recurrent_gemma": dict(logits_soft_cap=0.5),
+}
 """Config changes that make a quirk visible on a tiny model (a cap well below its logits)."""
 _FUSED = ("fused_split", "fused_per_head", "fused_grouped")
 
@@ -240,6 +244,7 @@ def mutations(family: Family, config) -> list[tuple[str, dict]]:
         "embed_norm",
         "attn_out_multiplier",
         "attn_in_multiplier",
+        "depth_scale",
         "beside",
         "beside_multiplier",
         "attention_blocks",
@@ -299,7 +304,7 @@ def _entries() -> list[tuple[str, str]]:
 MUTATED_BY_DEFAULT = {
     *("gpt2", "gptj", "bloom", "falcon-new-decoder", "gpt_bigcode", "gemma2", "olmo2", "granite", "cohere"),
     *("glm4", "nemotron", "exaone4", "hyperclovax", "nanochat"),
-    *("deepseek_v3", "qwen3_next", "falcon_h1", "nemotron_h"),
+    *("deepseek_v3", "qwen3_next", "falcon_h1", "nemotron_h", "minicpm3"),
 }
 """Entries mutated in the default suite (one per mechanism, and the added types); all with --run-slow."""
 
