@@ -161,3 +161,23 @@ def registry_restored():
     for name in set(sys.modules) - modules:
         if name.startswith("mod_") or name in user_invariants._ours:
             sys.modules.pop(name, None)
+
+
+@pytest.fixture(scope="module")
+def tiny_fp32_builds(tmp_path_factory):
+    """``make(model_type)``: the fp32 build of a tiny random model of that type (seed 2, initializer
+    range 0.2), made once per test module."""
+    from pytest_circuits.model.builds import load_build
+    from pytest_circuits.model.loading import resolve_model
+
+    made = {}
+
+    def make(model_type: str):
+        if model_type not in made:
+            folder = save_tiny_model(
+                model_type, tmp_path_factory.mktemp(model_type) / "m", seed=2, initializer_range=0.2
+            )
+            made[model_type] = load_build(resolve_model(str(folder)), "fp32", "cpu")
+        return made[model_type]
+
+    return make

@@ -156,29 +156,14 @@ def test_kappa_of_each_attention_head_is_the_definition(model_type):
         np.testing.assert_allclose(kappa.numpy(), expected, rtol=0, atol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def hybrid_builds(tmp_path_factory):
-    made = {}
-
-    def make(model_type: str):
-        if model_type not in made:
-            folder = save_tiny_model(
-                model_type, tmp_path_factory.mktemp(model_type) / "m", seed=2, initializer_range=0.2
-            )
-            made[model_type] = load_build(resolve_model(str(folder)), "fp32", "cpu")
-        return made[model_type]
-
-    return make
-
-
 @pytest.mark.parametrize(  # one in the default run (CI's time budget, #52); the others with --run-slow
     "model_type",
     ["nemotron_h", *(pytest.param(t, marks=pytest.mark.slow) for t in ("qwen3_next", "recurrent_gemma", "bamba"))],
 )
-def test_knockout_delta_is_a_plain_forward_with_the_attention_blocks_head_zeroed(hybrid_builds, model_type):
+def test_knockout_delta_is_a_plain_forward_with_the_attention_blocks_head_zeroed(tiny_fp32_builds, model_type):
     """knockout_scan's L{i}H{h} is head h of the i-th attention block: its delta equals the copy loss of a
     copy whose output projection in that block has head h's columns zeroed, less the intact one."""
-    build = hybrid_builds(model_type)
+    build = tiny_fp32_builds(model_type)
     scan = knockout_scan(build, SETTINGS, progress=False, replay=True).set_index("head")
     ids = repeat_tokens(build.tokens, SETTINGS.n, SETTINGS.L, SETTINGS.seed)
     offset = bos_offset(build.tokens)
@@ -289,10 +274,10 @@ def test_kv_cache_on_a_hybrid_quantizes_the_attention_blocks_only(tmp_path):
     assert "fp8" in served.identity.kv_cache
 
 
-def test_circuits_errors_are_one_line_for_the_atp_star_screen_on_a_hybrid(hybrid_builds):
+def test_circuits_errors_are_one_line_for_the_atp_star_screen_on_a_hybrid(tiny_fp32_builds):
     from pytest_circuits.rungs.screen import atp_star
 
-    build = hybrid_builds("nemotron_h")
+    build = tiny_fp32_builds("nemotron_h")
     with pytest.raises(CircuitsError) as error:
         atp_star(build, torch.zeros(1, 4, dtype=torch.long), 2, "zero", None, 1)
     assert "\n" not in str(error.value) and "hybrid" in str(error.value)

@@ -20,16 +20,14 @@ import pytest
 import torch
 
 from pytest_circuits.errors import CircuitsError, UnknownFamilyError
-from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.families import family_for_config, family_of
-from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.model.selfcheck import DecompositionError, check_decomposition
 from pytest_circuits.model.weights import extract_weights
 from pytest_circuits.rungs.kappa import kappa_scores, reduced_ov_layer
 from pytest_circuits.rungs.knockout import knockout_scan
 from pytest_circuits.rungs.repeat import bos_offset, repeat_tokens
 from pytest_circuits.rungs.repeat_settings import RepeatSettings
-from pytest_circuits.testing import make_tiny_model, save_tiny_model, tiny_config
+from pytest_circuits.testing import make_tiny_model, tiny_config
 
 from .conftest import attention_io
 from .test_knockout import own_copy_loss
@@ -123,33 +121,18 @@ def test_kappa_of_each_head_is_the_definition(model_type):
 
 
 @pytest.fixture(scope="module")
-def latent_builds(tmp_path_factory):
-    made = {}
-
-    def make(model_type: str):
-        if model_type not in made:
-            folder = save_tiny_model(
-                model_type, tmp_path_factory.mktemp(model_type) / "m", seed=2, initializer_range=0.2
-            )
-            made[model_type] = load_build(resolve_model(str(folder)), "fp32", "cpu")
-        return made[model_type]
-
-    return make
-
-
-@pytest.fixture(scope="module")
-def latent_build(latent_builds):
-    return latent_builds("deepseek_v3")
+def latent_build(tiny_fp32_builds):
+    return tiny_fp32_builds("deepseek_v3")
 
 
 @pytest.mark.parametrize(  # one in the default run (CI's time budget, #52); the others with --run-slow
     "model_type", ["deepseek_v3", *(pytest.param(t, marks=pytest.mark.slow) for t in ("kimi_linear", "minicpm3"))]
 )
-def test_knockout_delta_is_a_plain_forward_with_the_head_zeroed(latent_builds, model_type):
+def test_knockout_delta_is_a_plain_forward_with_the_head_zeroed(tiny_fp32_builds, model_type):
     """knockout_scan's delta of L1H2 equals the copy loss of a copy whose ``o_proj`` columns of head 2 are
     zero (head h's output ``A_h v_h``: columns ``h v_head_dim ..``) in the second latent attention block,
     less the intact copy loss (and likewise L0H1)."""
-    build = latent_builds(model_type)
+    build = tiny_fp32_builds(model_type)
     scan = knockout_scan(build, SETTINGS, progress=False, replay=True).set_index("head")
     ids = repeat_tokens(build.tokens, SETTINGS.n, SETTINGS.L, SETTINGS.seed)
     offset = bos_offset(build.tokens)

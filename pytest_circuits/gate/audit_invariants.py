@@ -89,15 +89,21 @@ def interval_rule(
 NONE_RELIED = "the {against} relies on none of the slice's cases; nothing to check"
 
 
+class AuditInvariant(Invariant):
+    """What the rung-3 invariants share: model-level rows from a record's audit section, run only when
+    the run gives a slice (``opt_in``)."""
+
+    per_head = False
+    needs = frozenset({"audit"})
+    opt_in = True
+
+
 @register
-class DocumentReliance(Invariant):
+class DocumentReliance(AuditInvariant):
     """Rung 3: the mean drop of the answers' log-probability when their cited chunks are removed does not shrink by more than ``reliance`` of the baseline's."""
 
     name = "document_reliance"
     guards = "the answers' reliance on their documents"
-    per_head = False
-    needs = frozenset({"audit"})
-    opt_in = True
     tolerances = {
         "reliance": Tolerance(
             0.5, "how far the mean cited-chunk drop of an audit slice may shrink, x the baseline's", minimum=0
@@ -138,14 +144,11 @@ class DocumentReliance(Invariant):
 
 
 @register
-class DocumentAttribution(Invariant):
+class DocumentAttribution(AuditInvariant):
     """Rung 3: the chunk whose removal hurts an answer most is the baseline's on at least ``attribution`` of the relied cases."""
 
     name = "document_attribution"
     guards = "which document each answer rests on"
-    per_head = False
-    needs = frozenset({"audit"})
-    opt_in = True
     tolerances = {
         "attribution": Tolerance(0.8, "least share of relied audit cases whose top chunk is the baseline's", minimum=0),
     }
@@ -189,14 +192,11 @@ class DocumentAttribution(Invariant):
 
 
 @register
-class AnswerLogprob(Invariant):
+class AnswerLogprob(AuditInvariant):
     """Rung 3: the answers' log-probability per token with every chunk present moves by at most ``answer_logprob`` nats (mean over the slice's cases)."""
 
     name = "answer_logprob"
     guards = "the answers' log-probability"
-    per_head = False
-    needs = frozenset({"audit"})
-    opt_in = True
     tolerances = {
         "answer_logprob": Tolerance(
             0.25, "|delta answer log-probability per token| of an audit slice, mean over cases, nats"
