@@ -16,6 +16,7 @@ from functools import partial
 
 import torch
 
+from pytest_circuits.model import token_quant
 from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.rungs.knockout import knockout_scan
@@ -36,21 +37,32 @@ def best_of(run, rounds: int = 3) -> float:
     return best
 
 
+def measure(build) -> tuple[tuple[float, float, str], object]:
+    """``((forward s, knockout-scan s, dtype), the scan's frame)`` of one build."""
+    ids = held_out_ids(build, SETTINGS)
+    with torch.no_grad():
+        forward = best_of(partial(build.model, ids))
+    start = time.perf_counter()
+    frame = knockout_scan(build, SETTINGS, heads=HEADS, progress=False)
+    return (forward, time.perf_counter() - start, str(next(build.model.parameters()).dtype)), frame
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipes", default="bf16,fp32,fp8-e4m3,fp8-e4m3-dyn,int8-w8a8")
     args = parser.parse_args()
     torch.set_num_threads(1)
     source = resolve_model("smollm2-135m")
-    rows = {}
+    rows, moved = {}, {}
     for name in args.recipes.split(","):
         build = load_build(source, name, "cpu")
-        ids = held_out_ids(build, SETTINGS)
-        with torch.no_grad():
-            forward = best_of(partial(build.model, ids))
-        start = time.perf_counter()
-        knockout_scan(build, SETTINGS, heads=HEADS, progress=False)
-        rows[name] = (forward, time.perf_counter() - start, str(next(build.model.parameters()).dtype))
+        fast = token_quant.installed(build.model)
+        rows[name], frame = measure(build)
+        if fast:  # the same build on compressed-tensors' own forward, and how far the figures moved
+            token_quant.remove(build.model)
+            rows[f"{name}, compressed-tensors' forward"], reference = measure(build)
+            numbers = frame.select_dtypes("number").columns
+            moved[name] = float((frame[numbers] - reference[numbers]).abs().max().max())
         del build
     print(f"load average before the table: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs\n")
     print("| recipe | computes in | forward (s) | x bf16 | x fp32 | knockout, 18 heads (s) | x bf16 | x fp32 |")
@@ -61,6 +73,11 @@ def main() -> None:
         ratio_scan = [f"{scan / r[1]:.2f}" if r else "-" for r in (ref, base)]
         print(
             f"| {name} | {dtype} | {forward:.2f} | {ratio[0]} | {ratio[1]} | {scan:.1f} | {ratio_scan[0]} | {ratio_scan[1]} |"
+        )
+
+    for name, difference in moved.items():
+        print(
+            f"\n{name}: the knockout scan's figures, fast forward minus compressed-tensors' own: max |difference| {difference:.2e}"
         )
 
     m, k, n = SETTINGS.n * (2 * SETTINGS.L + 1), 576, 1536  # the probe's tokens x SmolLM2's MLP up projection

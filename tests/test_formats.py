@@ -158,7 +158,12 @@ def test_identity_names_format_scheme_modules_and_forward(session, checkpoints, 
         assert f"group {group} symmetric" in quantization
     dynamic = scheme in ("W8A8", "FP8_DYNAMIC")
     assert ("token symmetric dynamic" in quantization) == dynamic
-    assert ("input fake-quantized per token at run time" in build["forward"]) == dynamic
+    per_token = {
+        "W8A8": "input quantized per token to int8 at run time",
+        "FP8_DYNAMIC": "input fake-quantized per token",
+    }
+    assert ("per token" in build["forward"]) == dynamic and (not dynamic or per_token[scheme] in build["forward"])
+    assert ("torch._int_mm" in build["forward"]) == (scheme == "W8A8")  # model/token_quant.py's int8 product
     assert "compressed-tensors reference on cpu" in build["forward"]
     assert quantization in session.identity_lines(build_name(scheme))[0]
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ..errors import RecipeError
+from . import token_quant
 from .hooks import hooked
 
 FORMATS_EXTRA = 'pip install "pytest-circuits[formats]"'
@@ -154,7 +155,8 @@ def describe_modules(model: torch.nn.Module) -> str:
 
 
 def forward_path(model: torch.nn.Module) -> str:
-    """Which forward the build runs: on a CPU compressed-tensors' reference (no fused kernel runs here)."""
+    """Which forward the build runs: on a CPU compressed-tensors' reference, its per-token input
+    quantization fused and, for int8 codes, the product in int32 (`token_quant`; no vLLM kernel runs here)."""
     inputs = next((a for a in map(_input_args, model.modules()) if a is not None), None)
     acts = ""
     if inputs is not None and inputs.strategy == "tensor_group":  # NVFP4
@@ -163,10 +165,14 @@ def forward_path(model: torch.nn.Module) -> str:
         acts = "input fake-quantized per token at run time, "
     nvfp4 = any(getattr(w, "strategy", None) == "tensor_group" for w in map(_weight_args, model.modules()))
     weights = "to bfloat16 (its NVFP4 decompressor's dtype), held as float32" if nvfp4 else "to float32"
+    product = "a float32 matmul"  # the float8 fast forward is this one, fused: its arithmetic is the reference's
+    if "Int8Linear" in token_quant.installed(model):
+        acts = "input quantized per token to int8 at run time, "
+        product = "an int8 x int8 -> int32 matmul (torch._int_mm, exact) scaled in float32"
     return (
         "compressed-tensors reference on "
         f"{next(model.parameters()).device.type}: weights decompressed once {weights} by compressed-tensors, "
-        f"{acts}then a float32 matmul (vLLM's fused kernels are not used)"
+        f"{acts}then {product} (vLLM's fused kernels are not used)"
     )
 
 
@@ -181,6 +187,7 @@ def decompress(model: torch.nn.Module) -> torch.nn.Module:
         compressor = ModelCompressor.from_pretrained_model(model)
     with quiet():
         compressor.decompress_model(model)
+    token_quant.install(model)
     embedding: Any = model.get_input_embeddings()  # type: ignore[operator]
     dtype = embedding.weight.dtype
     module: Any
@@ -361,6 +368,7 @@ def quantize_in_memory_(model: torch.nn.Module, scheme_name: str, group_size: in
     compressor = quantize_(model, scheme_for(scheme_name, group_size))
     with quiet():
         compressor.decompress_model(model)
+    token_quant.install(model)
     return model
 
 
