@@ -390,6 +390,8 @@ def table(rows: list[dict], options) -> str:
         for rung in row["rungs"]:
             result = row["rungs"][rung]
             label = {"load": "load + self-check"}.get(rung, rung)
+            if result.get("probe", row.get("probe")) != row.get("probe"):  # a rung run under another plan
+                label += f" ({result['probe']})"
             if "error" in result:
                 why = result["error"].split(":")[0]  # "exit N": the process's own lines are in its log
                 lines.append(f"| {shape} | {label} | not completed ({why}) | | | | | | |")
@@ -422,7 +424,7 @@ def gathered_rows(path: Path) -> list[dict]:
         kept = by_shape.setdefault(row["shape"], {**row, "rungs": {}})
         for rung, result in row["rungs"].items():
             if "error" not in result or rung not in kept["rungs"]:
-                kept["rungs"][rung] = result
+                kept["rungs"][rung] = {**result, "probe": row.get("probe", "")}  # the plan it ran under
     order = {rung: i for i, rung in enumerate(RUNGS)}
     for row in by_shape.values():
         row["rungs"] = dict(sorted(row["rungs"].items(), key=lambda item: order[item[0]]))

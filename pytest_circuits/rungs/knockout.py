@@ -31,6 +31,7 @@ import torch
 from ..errors import CircuitsError, CircuitsWarning
 from ..model.builds import LoadedBuild
 from ..model.families import flattens_batch_with_heads, head_label
+from ..model.mixer_memory import scan_rows
 from ..model.quantized_cache import refuse_decode_only
 from ..options import KNOCKOUT_MODES, SCREEN_METHODS, flag
 from ..progress import Progress, phase
@@ -147,6 +148,7 @@ def knockout_scan(
     """
     refuse_decode_only(build, "the knockout scan")
     T = 2 * settings.L + (build.tokens.bos_id is not None)
+    batch_size = scan_rows(build.model, batch_size, T, build.device)  # a hybrid stack's reference Mamba-2 scan
     if query_block(build.geometry, min(batch_size, settings.n), T) < T:  # a long probe: preflight left this out
         check_probe_memory(build.geometry, settings.n, settings.L, batch_size, knockout=True, device=str(build.device))
     check_mode(mode)
