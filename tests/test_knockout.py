@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 
 import numpy as np
 import pytest
@@ -798,3 +799,26 @@ def test_screen_variant_reaches_the_scan_and_its_count(tmp_path, monkeypatch):
     default = _session_of(folder, knockout_screen=2)
     assert screen_variant(default.settings) == ScreenVariant(qk_top=DEFAULT_SCREEN_QK_TOP)
     assert not any("qk-top" in word for word in recording_words(default.settings, "cli"))
+
+
+def test_the_plan_times_the_builds_own_forward_once(tmp_path):
+    """#55: the plan's rate is the build's own forward timed now (`calibrated_rate`): its counted
+    FLOPs over the wall time of one forward of the probe's first rows, measured once per build."""
+    from pytest_circuits.model.hooks import hooked
+    from pytest_circuits.rungs.plan import CALIBRATION_ROWS, calibrated_rate, probe_flops
+
+    session = _session_of(_wide_model(tmp_path), knockout_screen_method="atp")
+    build, probe = session.loaded.build("fp32"), session.settings.knockout_probe
+    shapes: list[tuple[int, ...]] = []
+    with hooked(
+        (build.model, "pre_kwargs", lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)))
+    ):
+        started = time.perf_counter()
+        rate = calibrated_rate(build, probe)
+        took = time.perf_counter() - started
+        assert calibrated_rate(build, probe) == rate  # the second plan of this build reuses it
+    T = 2 * probe.L + (build.tokens.bos_id is not None)
+    rows = min(CALIBRATION_ROWS, probe.n)
+    assert shapes == [(1, T), (rows, T)]  # a warm-up of one sequence, then the timed rows
+    timed = type(probe)(seed=probe.seed, n=rows, L=probe.L)
+    assert probe_flops(build, timed) / took <= rate < float("inf")  # the timed forward took less than the whole call

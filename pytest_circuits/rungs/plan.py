@@ -1,6 +1,7 @@
 """The counted cost of a rung-2 plan (screen + exact knockouts, or every head exactly) and of a
-build's whole scan (rung 1, the probe, rung 2), and their time at the rate a matmul reaches on the
-build's device: the lines printed before a plan chosen by size starts, and after it ran.
+build's whole scan (rung 1, the probe, rung 2), and their time at the rate the build's own forward
+reaches when the plan is made (`calibrated_rate`; rung 1's float32 products at a float32 matmul's):
+the lines printed before a plan chosen by size starts, and after it ran.
 
 Counts (multiply-add = 2), with ``forward`` = `knockout_flops`'s one forward:
 
@@ -22,6 +23,8 @@ The whole scan adds rung 1 (`rung1_flops`, float32 products) and the probe (`pro
 from __future__ import annotations
 
 import time
+import weakref
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,6 +32,7 @@ import torch
 from ..model.builds import LoadedBuild
 from ..model.dense import weight_of
 from ..model.families import attention_module, layer_modules
+from ..model.mixer_memory import scan_rows
 from .ablation import parse_heads
 from .repeat import bos_offset
 from .repeat_settings import RepeatSettings
@@ -141,6 +145,38 @@ def measured_rate(build, repeats: int = 3, dtype=None) -> float:
     return 2 * RATE_ROWS * d * d * repeats / max(time.perf_counter() - start, 1e-9)
 
 
+CALIBRATION_ROWS = 8  # sequences of the timed forward: the knockout pass's default batch
+_CALIBRATED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> FLOP/s, one calibration a build
+
+
+def calibrated_rate(build, settings: RepeatSettings, rows: int = CALIBRATION_ROWS) -> float:
+    """FLOP/s the build's own forward reaches now: one forward of ``rows`` of the probe's sequences,
+    timed after an untimed one of a single sequence, its counted FLOPs (`probe_flops`) over its wall
+    time. Unlike a matmul's rate (`measured_rate`) it runs what rung 2 runs: the build's dtype and
+    quantization, its attention, norms and elementwise work and the Python between them, at the
+    machine's present load. Measured once per build."""
+    from .replay import attention_implementation, held_out_ids
+
+    model = build.model
+    if model in _CALIBRATED:
+        return _CALIBRATED[model]
+    T = 2 * settings.L + bos_offset(build.tokens)
+    timed = replace(settings, n=scan_rows(model, max(1, min(rows, settings.n)), T, build.device))
+    ids = held_out_ids(build, timed).to(build.device)
+    cuda = build.device.type == "cuda"
+    with torch.no_grad(), attention_implementation(model):
+        model(input_ids=ids[:1], use_cache=False)  # warm-up: kernels chosen, buffers allocated
+        if cuda:
+            torch.cuda.synchronize(build.device)
+        start = time.perf_counter()
+        model(input_ids=ids, use_cache=False)
+        if cuda:
+            torch.cuda.synchronize(build.device)
+        took = time.perf_counter() - start
+    _CALIBRATED[model] = rate = probe_flops(build, timed) / max(took, 1e-9)
+    return rate
+
+
 def rung1_flops(geometry, n_rotations: int) -> float:
     """Counted FLOPs of rung 1 (float32 products): ``W_U W_E`` (``2 d^2 V``), the reduced OV stack of
     every KV group and head (``2 d^2 d_head`` a group, ``2 d_head^2 d`` a head), and the eigenvalues
@@ -190,15 +226,16 @@ def screened_flops(build, settings: RepeatSettings, top_k: int, n_key: int, meth
 def plan_estimate(
     build, settings: RepeatSettings, top_k: int, n_key: int, method: str, variant=None
 ) -> tuple[str, float]:
-    """``(plan_line's line, its estimate in seconds)``: counted FLOPs at the rate of a matmul measured now."""
+    """``(plan_line's line, its estimate in seconds)``: counted FLOPs at the rate the build's own
+    forward reaches now (`calibrated_rate`)."""
     heads = build.geometry.n_layers * build.geometry.n_heads
-    rate = measured_rate(build)
+    rate = calibrated_rate(build, settings)
     planned = screened_flops(build, settings, top_k, n_key, method, variant)
     full = exact_flops(build, settings)
     line = (
         f"circuits: rung 2 of {build.label} ({heads} heads): the {method} screen over every head, then the top "
         f"{top_k} and {n_key} key head(s) of the baselines exactly: counted {planned / 1e12:.3g} TFLOP, about "
-        f"{_duration(planned / rate)} at {rate / 1e9:.0f} GFLOP/s (a matmul measured here); the full exact scan "
+        f"{_duration(planned / rate)} at {rate / 1e9:.0f} GFLOP/s (its forward timed here); the full exact scan "
         f"would be {full / 1e12:.3g} TFLOP, about {_duration(full / rate)}"
     )
     return line, planned / rate
@@ -206,15 +243,16 @@ def plan_estimate(
 
 def scan_estimate(build, probe: RepeatSettings, n_rotations: int, rung2_flops: float | None) -> tuple[str, float]:
     """``(line, seconds)`` of a build's whole scan: rung 1 at a float32 matmul's rate, the probe and
-    ``rung2_flops`` (None: no knockouts) at the rate of the build's dtype, both measured now."""
+    ``rung2_flops`` (None: no knockouts) at the rate of the build's own forward (`calibrated_rate`),
+    both measured now."""
     float32 = measured_rate(build, dtype=torch.float32)
-    own = measured_rate(build)
+    own = calibrated_rate(build, probe)
     rung1, forward = rung1_flops(build.geometry, n_rotations), probe_flops(build, probe)
     seconds = rung1 / float32 + (forward + (rung2_flops or 0.0)) / own
     rung2 = "" if rung2_flops is None else f" and rung 2 {rung2_flops / 1e12:.3g}"
     line = (
         f"circuits: the scan of {build.label}: rung 1 counts {rung1 / 1e12:.3g} TFLOP (float32, "
         f"{float32 / 1e9:.0f} GFLOP/s), the probe {forward / 1e12:.3g}{rung2} TFLOP ({own / 1e9:.0f} GFLOP/s): "
-        f"about {_duration(seconds)} (matmuls measured here)"
+        f"about {_duration(seconds)} (a float32 matmul and the build's forward timed here)"
     )
     return line, seconds

@@ -1,0 +1,75 @@
+"""How close rung 2's planned time comes to its wall time (issue #55, item 3).
+
+Per model and build: the plan's counted FLOPs (the screen and its top K exactly, or every head
+exactly) at two rates, the build's own forward timed first (`rungs.plan.calibrated_rate`, what the
+plan uses) and a square matmul of the build's dtype (`rungs.plan.measured_rate`, what it used
+before), each beside the wall time of the knockout scan that follows; the load average is printed
+with the table.
+
+Run: python scripts/measure_plan.py [--models tiny-induction,smollm2-135m] [--build fp32] [--screen 12] [--method atp]
+(``--screen 0``: every head exactly.) A model path works too (a ``measure_sizes.py --keep`` checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from pytest_circuits.model.builds import load_build
+from pytest_circuits.model.loading import resolve_model
+from pytest_circuits.rungs.knockout import knockout_scan
+from pytest_circuits.rungs.plan import calibrated_rate, exact_flops, measured_rate, screened_flops
+from pytest_circuits.rungs.repeat_settings import RepeatSettings
+
+KNOCKOUT_PROBE = RepeatSettings(seed=1, n=8, L=64)  # the shipped baselines' knockout probe
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="tiny-induction,smollm2-135m")
+    parser.add_argument("--build", default="fp32")
+    parser.add_argument("--screen", type=int, default=12, help="exact knockouts after the screen; 0: every head")
+    parser.add_argument("--method", default="atp", help="the screen's method")
+    args = parser.parse_args()
+    rows = []
+    for name in args.models.split(","):
+        build = load_build(resolve_model(name), args.build, "cpu")
+        heads = build.geometry.n_layers * build.geometry.n_heads
+        start = time.perf_counter()
+        rate = calibrated_rate(build, KNOCKOUT_PROBE)
+        calibration = time.perf_counter() - start
+        matmul = measured_rate(build)
+        if args.screen:
+            counted = screened_flops(build, KNOCKOUT_PROBE, args.screen, 0, args.method)
+            plan = f"{args.method} screen + top {args.screen}"
+        else:
+            counted, plan = exact_flops(build, KNOCKOUT_PROBE), "every head exactly"
+        load = os.getloadavg()[0]
+        start = time.perf_counter()
+        knockout_scan(
+            build, KNOCKOUT_PROBE, screen_top_k=args.screen or None, screen_method=args.method, progress=False
+        )
+        wall = time.perf_counter() - start
+        rows.append(
+            (name, heads, plan, counted, rate, calibration, counted / rate, matmul, counted / matmul, wall, load)
+        )
+        del build
+    print(f"{torch.get_num_threads()} threads on {os.cpu_count()} CPUs; n 8, L 64, build {args.build}\n")
+    print(
+        "| model | heads | plan | counted | forward's rate (timed in) | estimate | wall | wall / estimate | "
+        "a matmul's rate | its estimate | wall / its estimate | load |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, heads, plan, counted, rate, calibration, estimate, matmul, old, wall, load in rows:
+        print(
+            f"| {name} | {heads} | {plan} | {counted / 1e12:.3g} TFLOP | {rate / 1e9:.1f} GFLOP/s ({calibration:.1f} s) | "
+            f"{estimate:.1f} s | {wall:.1f} s | {wall / estimate:.2f} | {matmul / 1e9:.1f} GFLOP/s | {old:.1f} s | "
+            f"{wall / old:.2f} | {load:.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
