@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import CircuitsError
 from ..model.builds import LoadedBuild
 from ..model.loading import ModelSource
 from ..model.named import named_model_path
@@ -44,16 +45,23 @@ def word_id(word: str, vocab: int) -> int:
 
 @dataclass(frozen=True)
 class TextIds:
-    """How a build's text becomes ids: ``kind`` (`TOKENS_TOKENIZER` or `TOKENS_WORDS`) and the two encoders."""
+    """How a build's text becomes ids: ``kind`` (`TOKENS_TOKENIZER` or `TOKENS_WORDS`) and the encoders."""
 
     kind: str
     prompt: Callable[[str], list[int]]  # the prompt's ids, BOS first where the model wants it
     answer: Callable[[str], list[int]]  # the answer's ids, no special token
+    plain: Callable[[str], list[int]]  # a text's ids as they stand, no special token (the own-text probe's)
 
 
-def text_ids(source: ModelSource, tokens: TokenInfo, trust_remote_code: bool = False) -> TextIds:
+def text_ids(
+    source: ModelSource,
+    tokens: TokenInfo,
+    trust_remote_code: bool = False,
+    needs: str = "an audit slice is text",
+    error: type[CircuitsError] = AuditSliceError,
+) -> TextIds:
     """The model's `TextIds`: its tokenizer, else (the embedded model only) `word_id` per word; a model
-    with neither is one line."""
+    with neither is one line (``error``), saying what ``needs`` text."""
     if tokens.has_tokenizer:
         from transformers import AutoTokenizer
 
@@ -64,15 +72,20 @@ def text_ids(source: ModelSource, tokens: TokenInfo, trust_remote_code: bool = F
             TOKENS_TOKENIZER,
             lambda text: list(tokenizer(text)["input_ids"]),
             lambda text: list(tokenizer(ANSWER_SEPARATOR + text, add_special_tokens=False)["input_ids"]),
+            lambda text: list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]),
         )
     embedded = named_model_path("tiny-induction")
     if embedded is None or source.folder.resolve() != embedded.resolve():
-        raise AuditSliceError(
-            f"model {source.name} has no tokenizer, and an audit slice is text: give the model folder with "
+        raise error(
+            f"model {source.name} has no tokenizer, and {needs}: give the model folder with "
             "its tokenizer (only the embedded tiny-induction reads words as ids, docs/audit.md)"
         )
     vocab = tokens.vocab_size
-    return TextIds(TOKENS_WORDS, lambda text: word_ids(text, vocab), lambda text: word_ids(text, vocab))
+
+    def words(text: str) -> list[int]:
+        return word_ids(text, vocab)
+
+    return TextIds(TOKENS_WORDS, words, words, words)
 
 
 def word_ids(text: str, vocab: int) -> list[int]:
