@@ -188,6 +188,28 @@ class AuditFigures:
     tokens: str
     cases: tuple[CaseFigures, ...]
 
+    @classmethod
+    def from_section(cls, section: dict) -> AuditFigures:
+        """The figures back from their `section` (a shard's, written once per run under pytest-xdist)."""
+        cases = tuple(
+            CaseFigures(
+                c["id"],
+                c["answer_tokens"],
+                c["answer_logprob"],
+                tuple(c["chunk_drops"]),
+                None if c["cited"] is None else tuple(c["cited"]),
+                c["cited_drop"],
+            )
+            for c in section["cases"]
+        )
+        return cls(section["slice_sha256"], section["slice_name"], section["tokens"], cases)
+
+    @classmethod
+    def merged(cls, parts: Sequence[AuditFigures]) -> AuditFigures:
+        """The figures of a whole slice from its shards' (`case_shards`), in order."""
+        first = parts[0]
+        return cls(first.slice_sha256, first.slice_name, first.tokens, tuple(c for p in parts for c in p.cases))
+
     def section(self) -> dict:
         """The record's ``audit`` section (`record.audit.AuditInfo`)."""
         return {
@@ -199,17 +221,28 @@ class AuditFigures:
         }
 
 
+def case_shards(n_cases: int, k: int) -> list[range]:
+    """``k`` contiguous runs of case indices covering ``0 .. n_cases-1``, sizes differing by one at most."""
+    bounds = [round(i * n_cases / k) for i in range(k + 1)]
+    return [range(bounds[i], bounds[i + 1]) for i in range(k)]
+
+
 def audit_figures(
-    build: LoadedBuild, audit: AuditSlice, batch_size: int = 8, trust_remote_code: bool = False
+    build: LoadedBuild,
+    audit: AuditSlice,
+    batch_size: int = 8,
+    trust_remote_code: bool = False,
+    cases: range | None = None,
 ) -> AuditFigures:
-    """Rung 3 of every case of ``audit`` on ``build`` (`case_figures`)."""
+    """Rung 3 of every case of ``audit`` on ``build`` (`case_figures`), or of the cases at indices ``cases`` (a shard)."""
     refuse_decode_only(build, "the audit slice")
     ids = text_ids(build.source, build.tokens, trust_remote_code)
-    cases = tuple(case_figures(build, case, ids, audit.where(case), batch_size) for case in audit.cases)
-    for case, figures in zip(audit.cases, cases):
+    chosen = audit.cases if cases is None else audit.cases[cases.start : cases.stop]
+    measured = tuple(case_figures(build, case, ids, audit.where(case), batch_size) for case in chosen)
+    for case, figures in zip(chosen, measured):
         if not math.isfinite(figures.answer_logprob):
             raise AuditSliceError(f"{audit.where(case)}: the answer's log-probability is not finite on {build.label}")
-    return AuditFigures(audit.sha256, audit.path.name, ids.kind, cases)
+    return AuditFigures(audit.sha256, audit.path.name, ids.kind, measured)
 
 
 def check_slice(
