@@ -22,7 +22,7 @@ WORDS = [
 ]
 
 
-def big_slice(path, n_cases: int = 40):
+def big_slice(path, n_cases: int = 32):
     """``n_cases`` cases of invented words: the answer is the two words after the question's three in chunk 1."""
     lines = []
     for i in range(n_cases):
