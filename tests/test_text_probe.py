@@ -167,6 +167,10 @@ def test_the_record_names_the_text_and_the_ids(baselines, own):
     assert text["ids_sha256"] == hashlib.sha256(ids.tobytes()).hexdigest()
     assert record["knockout"]["text"]["sha256"] == text["sha256"]  # the knockouts' held-out passages: same file
     assert record["knockout"]["text"]["ids_sha256"] != text["ids_sha256"]
+    from pytest_circuits.record.schema import Record
+    from pytest_circuits.show import model_lines
+
+    assert any(line.startswith("probe seed 0 n 4 L 16 on own text own.txt:") for line in model_lines(Record.of(record)))
 
 
 def test_gate_on_own_text_fails_a_broken_induction_head_and_passes_a_benign_build(baselines, broken, own, capsys):
