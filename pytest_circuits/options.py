@@ -219,6 +219,15 @@ OPTIONS: tuple[Option, ...] = (
         cli=_SCAN_LIKE,
     ),
     Option(
+        "probe-text",
+        "path",
+        None,
+        "the own-text probe: draw the repeat probe's n passages of L tokens from this text file (the team's "
+        "own, UTF-8), seeded, instead of random ids; copy loss, routing scores and knockouts are then measured "
+        "on in-domain tokens (docs/definitions.md); a baseline recorded on another probe is refused",
+        cli=_SCAN_LIKE,
+    ),
+    Option(
         "knockout-mode",
         "choice",
         "zero",

@@ -21,7 +21,7 @@ from .options import (
 )
 from .record.kappa_method import KappaMethod
 from .rungs.audit_slice import AuditSlice, read_slice
-from .rungs.repeat_settings import RepeatSettings
+from .rungs.repeat_settings import ProbeTextError, RepeatSettings, read_probe_text
 
 
 @dataclass
@@ -85,7 +85,7 @@ class CircuitsSettings:
     @property
     def knockout_probe(self) -> RepeatSettings:
         """The held-out repeat sequences knockouts are measured on."""
-        return RepeatSettings(seed=self.knockout_seed, n=self.probe.n, L=self.probe.L)
+        return RepeatSettings(seed=self.knockout_seed, n=self.probe.n, L=self.probe.L, text=self.probe.text)
 
 
 def option_help(option) -> str:
@@ -116,6 +116,13 @@ def build_settings(raw: dict, baselines: Path, front_end: str | None = None, **f
         flags = f"{said} {shard[0]}/{shard[1]} and {flag('knockout-shards', front_end)} {knockout_shards}"
         raise ShardError(f"{flags} split the scan two ways; give one")
 
+    text = get("probe-text")  # the own-text probe: read once, here (rungs/repeat_settings.py)
+    if text is not None:
+        if get("engine") != "torch":
+            said = f"{flag('probe-text', front_end)} with {flag('engine', front_end)} {get('engine')}"
+            raise ProbeTextError(f"{said}: the own-text probe runs on torch only; drop one of them")
+        text = read_probe_text(text, flag("probe-text", front_end), get("trust-remote-code"))
+
     specs = parse_build_specs(get("builds"))
     reference = reference_spec(get("reference"), specs)
 
@@ -135,7 +142,7 @@ def build_settings(raw: dict, baselines: Path, front_end: str | None = None, **f
         report=get("report"),
         swap_baseline=get("swap-baseline"),
         trust_remote_code=get("trust-remote-code"),
-        probe=RepeatSettings(seed=get("probe-seed"), n=get("probe-n"), L=get("probe-length")),
+        probe=RepeatSettings(seed=get("probe-seed"), n=get("probe-n"), L=get("probe-length"), text=text),
         knockout_mode=get("knockout-mode"),
         knockout_screen=get("knockout-screen"),
         knockout_full=get("knockout-full"),
@@ -172,6 +179,7 @@ def recording_words(s: CircuitsSettings, front_end: str) -> list[str]:
         "probe-seed": s.probe.seed,
         "probe-n": s.probe.n,
         "probe-length": s.probe.L,
+        "probe-text": None if s.probe.text is None else s.probe.text.path,
         "audit": None if s.audit is None else s.audit.path,
     }
     words: list[str] = []

@@ -52,11 +52,12 @@ def model_lines(record: Record) -> list[str]:
         return f"{f.name} {_fmt(getattr(record, f.name), f.fmt)}{shown}"
 
     said = ", ".join(figure(f) for f in MODEL_FIGURES)
+    own = "" if p.text is None else f" on own text {p.text.file}"
     return [
         f"model {m.name} ({model_kind(m)}, {m.geometry.n_layers} layers x {m.geometry.n_heads} heads), "
         f"build {b.recipe} ({b.backend_version}, {b.device})",
         *[line for line in [describe_identity(b.model_dump(exclude_none=True))] if line],
-        f"probe seed {p.seed} n {p.n} L {p.L}: {said} (nats; [95% t interval over the sequences])",
+        f"probe seed {p.seed} n {p.n} L {p.L}{own}: {said} (nats; [95% t interval over the sequences])",
         *audit_lines(record),
     ]
 

@@ -226,6 +226,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             for i in indexes
         ]
         metafunc.parametrize("circuits_knockout_shard", shards, scope="session", indirect=True)
+    if "circuits_audit_shard" in metafunc.fixturenames:  # rung 3's case shards (`run.measure.audit_shard_count`)
+        from ..run.measure import audit_shard_count
+        from .workers import group_mark
+
+        session = session_of(metafunc.config)
+        count = audit_shard_count(session.measured)
+        cases = [
+            pytest.param((recipe, i), id=f"{recipe}-audit{i + 1}of{count}", marks=group_mark(recipe, i))
+            for recipe in session.settings.builds
+            for i in range(count if count > 1 else 0)
+        ]
+        metafunc.parametrize("circuits_audit_shard", cases, scope="session", indirect=True)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -241,6 +253,10 @@ def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: objec
         session = session_of(collector.config)
         sharded = session.settings.shard is not None or session.measured.shards > 1
         return None if sharded else []
+    if "circuits_audit_shard" in inspect.signature(obj).parameters:
+        from ..run.measure import audit_shard_count
+
+        return None if audit_shard_count(session_of(collector.config).measured) > 1 else []
     invariant_name = getattr(obj, "circuits_invariant", None)
     if invariant_name is None:
         return None
@@ -353,6 +369,16 @@ def circuits_knockout_shard(request: pytest.FixtureRequest, circuits_run: Run) -
     if circuits_run.settings.shard is not None:  # a shard job: its part, for the job that merges
         request.config.stash[PART_KEY] = _guard(lambda: _write_part(circuits_run, recipe))
     return frame
+
+
+@pytest.fixture(scope="session")
+def circuits_audit_shard(request: pytest.FixtureRequest, circuits_run: Run):
+    """One case shard of rung 3 on a build (`run.measure.audit_shard`: `rungs.audit.AuditFigures`),
+    parametrized over ``(recipe, index)`` when the audit slice is sharded over pytest-xdist's workers."""
+    from ..run.measure import audit_shard
+
+    recipe, index = request.param
+    return _guard(lambda: audit_shard(circuits_run.measured, recipe, index))
 
 
 PART_KEY: pytest.StashKey[dict] = pytest.StashKey()  # the part this shard job wrote (until its test reports it)

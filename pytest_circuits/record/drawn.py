@@ -47,6 +47,15 @@ class Drawn:
         return str(self.info("build", "recipe") or "build")
 
     @property
+    def audit_drops(self) -> list[tuple[str, list[float]]]:
+        """Rung 3's drops as drawn: ``(case id, chunk_drops)`` of each case of the ``audit`` section, in
+        its order; empty without one."""
+        cases = self.info("audit", "cases") or []
+        return [
+            (str(c.get("id")), [float(d) for d in c.get("chunk_drops") or []]) for c in cases if isinstance(c, Mapping)
+        ]
+
+    @property
     def heads(self) -> list[DrawnHead]:
         """The head rows in model order (L0H0, L0H1, ..., L1H0, ...); a row without its cell reads it from its label."""
         rows = []

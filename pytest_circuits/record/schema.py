@@ -106,11 +106,23 @@ class BuildInfo(BaseModel):
     engine: str | None = None  # what ran the probe when not torch (model/llama_engine.py); none: torch
 
 
+class ProbeTextInfo(BaseModel):
+    """The own-text probe's identity (`rungs.text_probe`): the file's name and sha256, how the model read it
+    (``tokenizer`` or the embedded model's ``words``) and the sha256 of the probe's ids."""
+
+    model_config = _STRICT
+    file: str = Field(min_length=1)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    tokens: str | None = None  # absent from a stand-in (the settings, before the model reads the text)
+    ids_sha256: str | None = Field(default=None, pattern=r"^[0-9a-f]{64}$")
+
+
 class ProbeInfo(BaseModel):
     model_config = _STRICT
     seed: int = Field(ge=0)
     n: int = Field(ge=1)
     L: int = Field(ge=2)
+    text: ProbeTextInfo | None = None  # the own-text probe's file; None: the random-repeat probe
 
 
 class KnockoutInfo(ProbeInfo):
@@ -481,6 +493,7 @@ class _SomeProbe(BaseModel):
     seed: int | None = None
     n: int | None = None
     L: int | None = None
+    text: ProbeTextInfo | None = None
 
 
 class _SomeBuild(BaseModel):

@@ -215,6 +215,7 @@ def compatibility(baseline: Seen, record: Seen, source: str = "baseline", across
             f"{source} was recorded with other probe settings ({', '.join(pdiff)}); run with "
             f"{flag('probe-seed')} {seed} {flag('probe-n')} {n} {flag('probe-length')} {length} or record it again"
         )
+    _same_text(b, r, source)
     diff = geometry_difference(baseline, record)
     kinds = other_model_type(baseline, record)
     if kinds and not (diff or across):  # a same-shape model of another type: not a build of this one
@@ -250,6 +251,31 @@ def compatibility(baseline: Seen, record: Seen, source: str = "baseline", across
             "of the model folder, not any one file's); comparing the same geometry"
         )
     return notes
+
+
+def _same_text(baseline: Record | Identity, record: Record | Identity, source: str) -> None:
+    """Refuse, in one line, a baseline recorded on another probe: the random-repeat one against the own-text
+    one, another text file (sha256), or the same file read into other ids (another tokenizer)."""
+    tb, tr = (getattr(x.probe, "text", None) for x in (baseline, record))
+
+    def probe_name(text) -> str:
+        return "the random-repeat probe" if text is None else f"the own text {text.file} (sha256 {_short(text.sha256)})"
+
+    if (tb is None) != (tr is None) or (tb is not None and tr is not None and tb.sha256 != tr.sha256):
+        fix = f"drop {flag('probe-text')}" if tb is None else f"give {flag('probe-text')} {tb.file} (that file)"
+        raise ForeignBaseline(
+            f"{source} was recorded on {probe_name(tb)}, this run asks for {probe_name(tr)}; {fix} or record it again"
+        )
+    if (
+        tb is not None
+        and tr is not None
+        and None not in (tb.ids_sha256, tr.ids_sha256)
+        and tb.ids_sha256 != tr.ids_sha256
+    ):
+        raise ForeignBaseline(
+            f"{source} was recorded on {tb.file} read into other ids (sha256 {_short(tb.ids_sha256)} vs "
+            f"{_short(tr.ids_sha256)}: another tokenizer); record it again with this model's"
+        )
 
 
 def _probe(record: Record | Identity) -> dict[str, Any]:

@@ -26,18 +26,21 @@ def strongest_induction_head(record: dict) -> str | None:
 
 def head_attention(build, settings, label: str) -> dict:
     """``{"head", "pattern" (T x T lists), "tokens", "L", "offset"}`` of head ``label`` on probe sequence 0."""
+    from dataclasses import replace
+
     import torch
 
     from ..model.families import attention_module
     from ..model.hooks import hooked
     from ..rungs.probe import input_device
-    from ..rungs.repeat import bos_offset, repeat_tokens
+    from ..rungs.repeat import bos_offset
+    from ..rungs.text_probe import probe_ids
 
     cell = data.cell_of(label)
     if cell is None:
         raise ValueError(f"{label!r} is not a head label L<layer>H<head>")
     layer, head = cell
-    ids = repeat_tokens(build.tokens, 1, settings.L, settings.seed)
+    ids = probe_ids(build.source, build.tokens, replace(settings, n=1))
     caught: list = []
 
     def hook(module, args, output):

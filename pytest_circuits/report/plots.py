@@ -404,3 +404,57 @@ def attention_figure(maps: list[tuple[str, dict, dict]], title: str):
         bar.set_label("attention weight", fontsize=8)
     fig.suptitle(title, fontsize=10)
     return fig
+
+
+def audit_drops_figure(panels: list[tuple[str, list[tuple[str, list[float]]]]], title: str):
+    """Rung 3's drops ``lp(all) - lp(all without chunk i)`` (nats) as cases (rows) x chunks (columns), one
+    panel per ``(label, [(case id, drops)])`` (the baseline beside the build) on one diverging scale, so
+    the panels compare; rows are matched by case id, and a chunk a case does not have is left blank."""
+    ids = list(dict.fromkeys(case for _, cases in panels for case, _ in cases))
+    chunks = max([len(drops) for _, cases in panels for _, drops in cases] + [1])
+    grids = []
+    for _, cases in panels:
+        grid = np.full((max(len(ids), 1), chunks), np.nan)
+        for case, drops in cases:
+            grid[ids.index(case), : len(drops)] = drops
+        grids.append(grid)
+    finite = [np.abs(g[np.isfinite(g)]) for g in grids]
+    top = max([float(f.max()) for f in finite if f.size] + [1e-9])
+    width = len(panels) * max(2.6, 0.45 * chunks + 1.2) + 2.4
+    height = max(2.6, 0.26 * len(ids) + 1.5)
+    fig = new_figure(width, height)
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    image = None
+    for i, (ax, (label, _), grid) in enumerate(zip(axes, panels, grids)):
+        image = ax.imshow(
+            np.ma.masked_invalid(grid),
+            cmap=_cmap("RdBu_r"),
+            vmin=-top,
+            vmax=top,
+            aspect="auto",
+            interpolation="nearest",
+        )
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("chunk removed")
+        ax.set_xticks(range(chunks))
+        step = max(1, math.ceil(len(ids) / 40))
+        ax.set_yticks(range(0, len(ids), step), [ids[r] for r in range(0, len(ids), step)] if i == 0 else [])
+        ax.tick_params(labelsize=7)
+        if grid.size <= _ANNOTATE_MAX_CELLS:
+            for (row, column), value in np.ndenumerate(grid):
+                if np.isfinite(value):
+                    dark = abs(value) > 0.6 * top
+                    ax.text(
+                        column,
+                        row,
+                        f"{value:.1f}",
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white" if dark else "black",
+                    )
+    bar = fig.colorbar(image, ax=list(axes), fraction=0.05, pad=0.03, format="%.2g")
+    bar.ax.tick_params(labelsize=7)
+    bar.set_label("drop (nats)", fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    return fig

@@ -50,6 +50,12 @@ ATTENTION_CAPTION = (
     "draws an offset diagonal in the second copy at src = dst − (L−1): each token attends to the "
     "token after its earlier occurrence."
 )
+AUDIT_CAPTION = (
+    "Rung 3 on the audit slice: the drop of each chunk, lp(all) − lp(all without that chunk) in nats, for "
+    "each case (rows) and chunk (columns), the baseline beside this build on one colour scale. Red: removing "
+    "the chunk makes the reference answer less likely, the answer rests on it; pale: it does not. A build "
+    "that stops answering from its documents pales where the baseline is red. Blank: the case has no such chunk."
+)
 KAPPA_METRICS = ("kappa", "kappa_trace", "kappa_z", "kappa_trace_z")  # gate rows that earn an eigenvalue close-up
 FOLD_MAX_HEADS = 12  # longer lists of copying/suppression heads fold away
 MAX_MOVED_PANELS = 8
@@ -95,8 +101,30 @@ def build_section(record: dict, baseline: dict | None, results: list[dict], slug
     """Draw one build's figures and gather its verdicts; what moved comes before the build's own maps."""
     section = Section(data.build_name_of(record), slug, record, baseline, results)
     comparison = _comparison_figures(section) if baseline is not None else []
-    section.figures = comparison + _own_figures(section)
+    section.figures = comparison + _audit_figures(section) + _own_figures(section)
     return section
+
+
+def _audit_figures(section: Section) -> list[Figure]:
+    """The per-case drops of rung 3 (cases x chunks), the baseline beside the build, when the record audited a slice."""
+    drops = drawn_record(section.record).audit_drops
+    if not drops:
+        return []
+    panels = [(section.label, drops)]
+    if section.baseline is not None and drawn_record(section.baseline).audit_drops:
+        against = data.build_name_of(section.baseline)
+        panels.insert(0, (f"baseline ({against})", drawn_record(section.baseline).audit_drops))
+    name = drawn_record(section.record).info("audit", "slice_name") or "the audit slice"
+    return [
+        _draw(
+            f"{section.label}: chunk drops on {name}",
+            AUDIT_CAPTION,
+            f"{section.slug}-audit.png",
+            plots.audit_drops_figure,
+            panels,
+            f"{section.label}: drop per case and chunk removed ({name})",
+        )
+    ]
 
 
 def _own_figures(section: Section) -> list[Figure]:

@@ -215,19 +215,76 @@ class BuildMeasurement:
         return self.loaded.memo(("knockout_shard", build_name, index), once)
 
 
+AUTO_AUDIT_SHARD_CASES = 32  # under pytest-xdist, a slice of this many cases or more shards over the workers
+
+
+def audit_shard_count(m: BuildMeasurement) -> int:
+    """Case shards of the run's audit slice: under pytest-xdist with ``W`` workers, ``min(W, cases)`` for a
+    slice of `AUTO_AUDIT_SHARD_CASES` cases or more (each shard its own test, which another worker may
+    take, as a big model's knockout shards), else one."""
+    chosen = m.loaded.settings.audit
+    if chosen is None or m.loaded.workers <= 1 or len(chosen.cases) < AUTO_AUDIT_SHARD_CASES:
+        return 1
+    return min(m.loaded.workers, len(chosen.cases))
+
+
 def measure_audit(m: BuildMeasurement, build_name: str):
     """Rung 3 of ``build_name``: the answers of the run's audit slice with every chunk present and with
-    each removed (`rungs.audit.AuditFigures`), memoised in ``m.loaded``; the settings must name a slice."""
+    each removed (`rungs.audit.AuditFigures`), memoised in ``m.loaded``; the settings must name a slice.
+    Sharded (`audit_shard_count`), the merge of its case shards (`audit_shard`)."""
+    from ..rungs.audit import AuditFigures
+
+    count = audit_shard_count(m)
+
+    def measure():
+        if count > 1:
+            return AuditFigures.merged([audit_shard(m, build_name, i) for i in range(count)])
+        return _audit_cases(m, build_name, None)
+
+    return m.loaded.memo(("audit", build_name), measure)
+
+
+def audit_shard(m: BuildMeasurement, build_name: str, index: int):
+    """Case shard ``index`` of rung 3 on ``build_name`` (`rungs.audit.case_shards`). Under pytest-xdist
+    measured once per run: the first process that needs it measures it under a file lock in the shared
+    run folder and writes its figures there as JSON (exact floats); the others read them."""
+    import json
+
+    from ..record.store import baseline_path
+    from ..rungs.audit import AuditFigures, case_shards
+
+    s = m.loaded.settings
+    assert s.audit is not None, "no audit slice in the settings"
+    count = audit_shard_count(m)
+    cases = case_shards(len(s.audit.cases), count)[index]
+
+    def measure():
+        return _audit_cases(m, build_name, cases, f" shard {index + 1}/{count}")
+
+    def once():
+        if m.loaded.run_folder is None:
+            return measure()
+        stem = baseline_path(".", m.loaded.model_name, build_name).stem
+        name = f"{stem}.audit-{index + 1}-of-{count}.json"
+        return m.loaded.run_folder.once(
+            name,
+            measure,
+            dump=lambda figures: json.dumps(figures.section()),
+            load=lambda text: AuditFigures.from_section(json.loads(text)),
+        )
+
+    return m.loaded.memo(("audit_shard", build_name, index), once)
+
+
+def _audit_cases(m: BuildMeasurement, build_name: str, cases: range | None, shard: str = ""):
+    """Rung 3 of the slice's cases at indices ``cases`` (None: every case) on ``build_name``, in a named phase."""
     from ..rungs.audit import audit_figures
 
     s = m.loaded.settings
     chosen = s.audit
     assert chosen is not None, "no audit slice in the settings"
-
-    def measure():
-        build = m.loaded.build(build_name)
-        what = f"rung 3 (audit slice {chosen.path.name}, {len(chosen.cases)} cases) {m.loaded.model_name}:{build_name}"
-        with m.loaded.phase(what):
-            return audit_figures(build, chosen, batch_size=s.batch_size, trust_remote_code=s.trust_remote_code)
-
-    return m.loaded.memo(("audit", build_name), measure)
+    build = m.loaded.build(build_name)
+    count = len(chosen.cases) if cases is None else len(cases)
+    what = f"rung 3 (audit slice {chosen.path.name}{shard}, {count} cases) {m.loaded.model_name}:{build_name}"
+    with m.loaded.phase(what):
+        return audit_figures(build, chosen, s.batch_size, s.trust_remote_code, cases)

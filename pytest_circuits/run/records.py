@@ -20,6 +20,7 @@ def measure_record(
     ``method`` (a `KappaMethod`, default the settings'); ``knockout_frame``: these knockouts (one
     shard's) instead of the run's scan."""
     from ..rungs.plan import took_line
+    from ..rungs.text_probe import text_identity
     from .assemble import assemble_record, model_info, rung1_info
 
     s = m.loaded.settings
@@ -34,6 +35,7 @@ def measure_record(
         ko_frame = m.head_knockout(build_name) if knockout_frame is None else knockout_frame
         ko_info = {
             **s.knockout_probe.as_dict(),
+            **text_identity(build.source, build.tokens, s.knockout_probe),
             "mode": ko_frame.attrs.get("mode", s.knockout_mode),
             "screened": m.screen_top_k(),
             "screen_method": m.screen_method(build_name) if m.screen_top_k() is not None else None,
@@ -46,6 +48,7 @@ def measure_record(
         build=build.identity.as_dict(),
         probe={
             **s.probe.as_dict(),
+            **text_identity(build.source, build.tokens, s.probe),
             "bos_id": build.tokens.bos_id,
             "vocab_size": build.tokens.vocab_size,
             "n_special": len(build.tokens.special_ids),

@@ -36,6 +36,12 @@ def preflight(settings: CircuitsSettings, source, device: str):
     for name in names:  # a cache window the probe cannot exceed
         check_window_fits(s.spec(name), 2 * s.probe.L + bos_offset(tokens), flag("probe-length"))
     engine_files(s)
+    if (
+        s.probe.text is not None
+    ):  # the own-text probe: a model that cannot read it, or too few passages, is one line now
+        from ..rungs.text_probe import check_probe_text
+
+        check_probe_text(source, tokens, s.probe, s.knockout_probe)
     if s.audit is not None:  # rung 3: a case this model cannot read (no tokenizer, over its context) is one line now
         from ..rungs.audit import check_slice
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import CircuitsError
 from ..model.builds import LoadedBuild
 from ..model.loading import ModelSource
 from ..model.named import named_model_path
@@ -44,16 +45,23 @@ def word_id(word: str, vocab: int) -> int:
 
 @dataclass(frozen=True)
 class TextIds:
-    """How a build's text becomes ids: ``kind`` (`TOKENS_TOKENIZER` or `TOKENS_WORDS`) and the two encoders."""
+    """How a build's text becomes ids: ``kind`` (`TOKENS_TOKENIZER` or `TOKENS_WORDS`) and the encoders."""
 
     kind: str
     prompt: Callable[[str], list[int]]  # the prompt's ids, BOS first where the model wants it
     answer: Callable[[str], list[int]]  # the answer's ids, no special token
+    plain: Callable[[str], list[int]]  # a text's ids as they stand, no special token (the own-text probe's)
 
 
-def text_ids(source: ModelSource, tokens: TokenInfo, trust_remote_code: bool = False) -> TextIds:
+def text_ids(
+    source: ModelSource,
+    tokens: TokenInfo,
+    trust_remote_code: bool = False,
+    needs: str = "an audit slice is text",
+    error: type[CircuitsError] = AuditSliceError,
+) -> TextIds:
     """The model's `TextIds`: its tokenizer, else (the embedded model only) `word_id` per word; a model
-    with neither is one line."""
+    with neither is one line (``error``), saying what ``needs`` text."""
     if tokens.has_tokenizer:
         from transformers import AutoTokenizer
 
@@ -64,15 +72,20 @@ def text_ids(source: ModelSource, tokens: TokenInfo, trust_remote_code: bool = F
             TOKENS_TOKENIZER,
             lambda text: list(tokenizer(text)["input_ids"]),
             lambda text: list(tokenizer(ANSWER_SEPARATOR + text, add_special_tokens=False)["input_ids"]),
+            lambda text: list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]),
         )
     embedded = named_model_path("tiny-induction")
     if embedded is None or source.folder.resolve() != embedded.resolve():
-        raise AuditSliceError(
-            f"model {source.name} has no tokenizer, and an audit slice is text: give the model folder with "
+        raise error(
+            f"model {source.name} has no tokenizer, and {needs}: give the model folder with "
             "its tokenizer (only the embedded tiny-induction reads words as ids, docs/audit.md)"
         )
     vocab = tokens.vocab_size
-    return TextIds(TOKENS_WORDS, lambda text: word_ids(text, vocab), lambda text: word_ids(text, vocab))
+
+    def words(text: str) -> list[int]:
+        return word_ids(text, vocab)
+
+    return TextIds(TOKENS_WORDS, words, words, words)
 
 
 def word_ids(text: str, vocab: int) -> list[int]:
@@ -175,6 +188,28 @@ class AuditFigures:
     tokens: str
     cases: tuple[CaseFigures, ...]
 
+    @classmethod
+    def from_section(cls, section: dict) -> AuditFigures:
+        """The figures back from their `section` (a shard's, written once per run under pytest-xdist)."""
+        cases = tuple(
+            CaseFigures(
+                c["id"],
+                c["answer_tokens"],
+                c["answer_logprob"],
+                tuple(c["chunk_drops"]),
+                None if c["cited"] is None else tuple(c["cited"]),
+                c["cited_drop"],
+            )
+            for c in section["cases"]
+        )
+        return cls(section["slice_sha256"], section["slice_name"], section["tokens"], cases)
+
+    @classmethod
+    def merged(cls, parts: Sequence[AuditFigures]) -> AuditFigures:
+        """The figures of a whole slice from its shards' (`case_shards`), in order."""
+        first = parts[0]
+        return cls(first.slice_sha256, first.slice_name, first.tokens, tuple(c for p in parts for c in p.cases))
+
     def section(self) -> dict:
         """The record's ``audit`` section (`record.audit.AuditInfo`)."""
         return {
@@ -186,17 +221,28 @@ class AuditFigures:
         }
 
 
+def case_shards(n_cases: int, k: int) -> list[range]:
+    """``k`` contiguous runs of case indices covering ``0 .. n_cases-1``, sizes differing by one at most."""
+    bounds = [round(i * n_cases / k) for i in range(k + 1)]
+    return [range(bounds[i], bounds[i + 1]) for i in range(k)]
+
+
 def audit_figures(
-    build: LoadedBuild, audit: AuditSlice, batch_size: int = 8, trust_remote_code: bool = False
+    build: LoadedBuild,
+    audit: AuditSlice,
+    batch_size: int = 8,
+    trust_remote_code: bool = False,
+    cases: range | None = None,
 ) -> AuditFigures:
-    """Rung 3 of every case of ``audit`` on ``build`` (`case_figures`)."""
+    """Rung 3 of every case of ``audit`` on ``build`` (`case_figures`), or of the cases at indices ``cases`` (a shard)."""
     refuse_decode_only(build, "the audit slice")
     ids = text_ids(build.source, build.tokens, trust_remote_code)
-    cases = tuple(case_figures(build, case, ids, audit.where(case), batch_size) for case in audit.cases)
-    for case, figures in zip(audit.cases, cases):
+    chosen = audit.cases if cases is None else audit.cases[cases.start : cases.stop]
+    measured = tuple(case_figures(build, case, ids, audit.where(case), batch_size) for case in chosen)
+    for case, figures in zip(chosen, measured):
         if not math.isfinite(figures.answer_logprob):
             raise AuditSliceError(f"{audit.where(case)}: the answer's log-probability is not finite on {build.label}")
-    return AuditFigures(audit.sha256, audit.path.name, ids.kind, cases)
+    return AuditFigures(audit.sha256, audit.path.name, ids.kind, measured)
 
 
 def check_slice(

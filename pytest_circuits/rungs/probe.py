@@ -50,8 +50,9 @@ from ..model.selfcheck import norm_divisor
 from ..options import flag
 from ..record.figures import SAMPLED_MODEL_FIGURES, sequences_key
 from .query_blocks import block_losses, forward_blocks, query_block
-from .repeat import bos_offset, check_fits, next_token_losses, repeat_losses, repeat_tokens
+from .repeat import bos_offset, check_fits, next_token_losses, repeat_losses
 from .repeat_settings import RepeatSettings
+from .text_probe import probe_ids
 
 SCORES = ("prefix_matching", "previous_token", "duplicate_token")
 
@@ -270,7 +271,7 @@ def run_repeat_probe(
         raise CircuitsError(f"batch size must be at least 1, got {batch_size}")
     check_fits(model.config, build.tokens, L)
     offset = bos_offset(build.tokens)
-    ids = repeat_tokens(build.tokens, n, L, settings.seed)
+    ids = probe_ids(build.source, build.tokens, settings)
     n_layers = build.geometry.n_layers
     device = input_device(model)
     decode = decode_cache_of(model)

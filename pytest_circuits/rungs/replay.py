@@ -31,8 +31,9 @@ from ..model.hooks import Hook, hooked
 from ..model.unembedding import row_major_unembedding
 from ..options import flag
 from .ablation import ZMeans, z_observed
-from .repeat import available_memory, bos_offset, check_fits, copy_slices, repeat_tokens
+from .repeat import available_memory, bos_offset, check_fits, copy_slices
 from .repeat_settings import RepeatSettings
+from .text_probe import probe_ids
 
 FAST_ATTENTION = "sdpa"  # knockouts need no attention weights: the fused exact kernel
 TRACE_SHARE = 0.25  # the traced block inputs may take this share of the memory available at the intact pass
@@ -85,9 +86,9 @@ def attention_implementation(model, impl: str = FAST_ATTENTION):
 
 
 def held_out_ids(build: LoadedBuild, settings: RepeatSettings) -> torch.Tensor:
-    """The ``(n, 2L[+1])`` held-out repeat sequences, checked against the model's context."""
+    """The ``(n, 2L[+1])`` held-out repeat sequences (`text_probe.probe_ids`), checked against the model's context."""
     check_fits(build.model.config, build.tokens, settings.L)
-    return repeat_tokens(build.tokens, settings.n, settings.L, settings.seed)
+    return probe_ids(build.source, build.tokens, settings)
 
 
 def batches(ids: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
