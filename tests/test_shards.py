@@ -327,6 +327,13 @@ def test_the_merge_job_refuses_what_is_not_the_builds_parts_in_one_line(pytest_p
         Run(_settings(builds="bf16", **{"shard-parts": str(gathered)})).records.record("bf16")
     with pytest.raises(ShardError, match="measured with probe .*'n': 4.*this run asks for .*'n': 8"):
         record(str(gathered), **{"probe-n": 8})
+    (tmp_path / "own-text").mkdir()  # parts of the own-text probe, gated by a run of the random one
+    for i in (1, 2):
+        texted = read_part(gathered / f"part-{i}.json")
+        texted["record"]["probe"]["text"] = {"file": "team.txt", "sha256": "a" * 64}
+        (tmp_path / "own-text" / f"part-{i}.json").write_text(json.dumps(texted))
+    with pytest.raises(ShardError, match="measured with probe .*'text': \\{'file': 'team.txt'"):
+        record(str(tmp_path / "own-text"))
     (tmp_path / "renamed").mkdir()
     for i in (1, 2):
         renamed = read_part(gathered / f"part-{i}.json")

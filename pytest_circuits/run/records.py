@@ -177,6 +177,8 @@ class ShardPartRecords(MeasuredRecords):
                     f"{name}: name the parts of this model"
                 )
             asked, theirs = s.probe.as_dict(), {k: getattr(record.probe, k) for k in ("seed", "n", "L")}
+            if record.probe.text is not None:  # parts of the own-text probe: its file too, either way round
+                theirs["text"] = {"file": record.probe.text.file, "sha256": record.probe.text.sha256}
             if theirs != asked:
                 raise ShardError(
                     f"{said} {pattern}: the parts were measured with probe {theirs}, this run asks for {asked}; "
