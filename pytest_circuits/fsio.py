@@ -428,3 +428,24 @@ def _sha256_cached(path: str, size: int, mtime_ns: int, chunk: int) -> str:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def read_utf8(path: Path, said: str, what: str, error: type[Exception], limit: int, split: str) -> tuple[bytes, str]:
+    """``(bytes, text)`` of the UTF-8 file at ``path`` (a user's ``what``, named by the flag ``said``),
+    or one line of ``error`` naming the file and the fix: missing, a folder, unreadable, over
+    ``limit`` bytes (``split``: what to do then), or not UTF-8 (with the line of the first bad byte)."""
+    try:
+        if path.stat().st_size > limit:
+            raise error(f"{said} {path}: over {limit >> 20} MiB; {split}")
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise error(f"{said} {path}: no such file; give the path of {what}") from None
+    except IsADirectoryError:
+        raise error(f"{said} {path} is a folder; give the path of {what}") from None
+    except OSError as failure:
+        raise error(f"{said} {path} cannot be read ({failure.strerror}); check it") from None
+    try:
+        return data, data.decode("utf-8")
+    except UnicodeDecodeError as failure:
+        line = data[: failure.start].count(b"\n") + 1
+        raise error(f"{said} {path}:{line}: not UTF-8 text; save it as UTF-8") from None

@@ -212,8 +212,9 @@ def test_bad_text_is_one_line_before_any_weight_loads(tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("  \n")
     folder = save_tiny_model("llama", tmp_path / "m")
+    capsys.readouterr()  # transformers' own progress bar of the save
     cases = [
-        (tmp_path / "none.txt", f"{tmp_path / 'none.txt'} does not exist; give the path of a UTF-8 text file"),
+        (tmp_path / "none.txt", f"{tmp_path / 'none.txt'}: no such file; give the path of a UTF-8 text file"),
         (empty, f"{empty} is empty; give a text with at least n x L tokens"),
         (
             short,
@@ -250,5 +251,5 @@ def test_the_pytest_front_end_gates_on_own_text_and_refuses_bad_input(baselines,
     refused = suite()  # an own-text baseline, the random-repeat probe asked for
     assert refused.returncode == 1 and "was recorded on the own text own.txt" in refused.stdout
     missing = suite("--circuits-probe-text", str(tmp_path / "none.txt"))
-    assert missing.returncode == 4 and "--circuits-probe-text" in missing.stderr and "does not exist" in missing.stderr
+    assert missing.returncode == 4 and "--circuits-probe-text" in missing.stderr and "no such file" in missing.stderr
     assert "Traceback" not in missing.stderr + missing.stdout

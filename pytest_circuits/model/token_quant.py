@@ -69,7 +69,8 @@ class Int8Linear:
 
     def __init__(self, module: torch.nn.Linear):
         weight = module.weight.detach()
-        scale = module.weight_scale.detach().reshape(-1, 1).to(weight.dtype)
+        weight_scale: torch.Tensor = getattr(module, "weight_scale")  # compressed-tensors' parameter of the layer
+        scale = weight_scale.detach().reshape(-1, 1).to(weight.dtype)
         codes = torch.round(weight / scale)
         in_range = bool(codes.min() >= -128 and codes.max() <= 127)
         self.exact = in_range and bool(torch.equal(codes * scale, weight))  # W = s_w q_w, q_w int8
@@ -139,7 +140,7 @@ def remove(model: torch.nn.Module) -> int:
     for module in model.modules():
         fast = getattr(module, FAST, None)
         if fast is not None:
-            module.forward = fast.reference  # type: ignore[method-assign]
+            module.forward = fast.reference
             delattr(module, FAST)
             count += 1
     return count

@@ -176,9 +176,9 @@ class ShardPartRecords(MeasuredRecords):
                     f"{said} {pattern}: the parts are of model {record.model.name}, this run gates "
                     f"{name}: name the parts of this model"
                 )
+            text = record.probe.text  # parts of the own-text probe: its file is compared too, either way round
             asked, theirs = s.probe.as_dict(), {k: getattr(record.probe, k) for k in ("seed", "n", "L")}
-            if record.probe.text is not None:  # parts of the own-text probe: its file too, either way round
-                theirs["text"] = {"file": record.probe.text.file, "sha256": record.probe.text.sha256}
+            theirs |= {} if text is None else {"text": {"file": text.file, "sha256": text.sha256}}
             if theirs != asked:
                 raise ShardError(
                     f"{said} {pattern}: the parts were measured with probe {theirs}, this run asks for {asked}; "

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CircuitsError, did_you_mean
+from ..fsio import read_utf8
 
 DEFAULT_TEMPLATE = "{documents}\n\n{question}"
 CHUNK_SEPARATOR = "\n\n"
@@ -83,21 +84,9 @@ def slice_file(text: str | Path) -> Path:
 def read_slice(path: str | Path, said: str = "--circuits-audit") -> AuditSlice:
     """The checked cases of the slice at ``path`` (`slice_file`; ``said``: the flag that named it)."""
     path = slice_file(path)
-    try:
-        if path.stat().st_size > MAX_BYTES:
-            raise AuditSliceError(f"{said} {path}: over {MAX_BYTES >> 20} MiB; split the slice into smaller files")
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise AuditSliceError(f"{said} {path}: no such file; give the path of a JSONL audit slice") from None
-    except IsADirectoryError:
-        raise AuditSliceError(f"{said} {path} is a folder; give the path of a JSONL audit slice") from None
-    except OSError as error:
-        raise AuditSliceError(f"{said} {path} cannot be read ({error.strerror}); check it") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = data[: error.start].count(b"\n") + 1
-        raise AuditSliceError(f"{path}:{line}: not UTF-8 text; save the slice as UTF-8") from None
+    data, text = read_utf8(
+        path, said, "a JSONL audit slice", AuditSliceError, MAX_BYTES, "split the slice into smaller files"
+    )
     cases: list[AuditCase] = []
     seen: dict[Any, int] = {}
     for number, raw in enumerate(text.splitlines(), start=1):

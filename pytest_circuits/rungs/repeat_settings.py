@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CircuitsError
+from ..fsio import read_utf8
 
 MAX_TEXT_BYTES = 64 * 1024 * 1024  # a probe text larger than this is refused, not read into memory
 
@@ -36,21 +37,7 @@ def read_probe_text(
 ) -> ProbeText:
     """The text at ``path`` (UTF-8, not blank), or one line naming the flag ``said``, the file and the fix."""
     path = Path(path)
-    try:
-        if path.stat().st_size > MAX_TEXT_BYTES:
-            raise ProbeTextError(f"{said} {path}: over {MAX_TEXT_BYTES >> 20} MiB; give a smaller text file")
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise ProbeTextError(f"{said} {path} does not exist; give the path of a UTF-8 text file") from None
-    except IsADirectoryError:
-        raise ProbeTextError(f"{said} {path} is a folder; give the path of a UTF-8 text file") from None
-    except OSError as error:
-        raise ProbeTextError(f"{said} {path} cannot be read ({error.strerror}); check it") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = data[: error.start].count(b"\n") + 1
-        raise ProbeTextError(f"{said} {path}:{line}: not UTF-8 text; save the file as UTF-8") from None
+    data, text = read_utf8(path, said, "a UTF-8 text file", ProbeTextError, MAX_TEXT_BYTES, "give a smaller text file")
     if not text.strip():
         raise ProbeTextError(f"{said} {path} is empty; give a text with at least n x L tokens")
     return ProbeText(path, hashlib.sha256(data).hexdigest(), text, trust_remote_code)
