@@ -69,8 +69,8 @@ class Int8Linear:
 
     def __init__(self, module: torch.nn.Linear):
         weight = module.weight.detach()
-        weight_scale: torch.Tensor = getattr(module, "weight_scale")  # compressed-tensors' parameter of the layer
-        scale = weight_scale.detach().reshape(-1, 1).to(weight.dtype)
+        layer: Any = module  # compressed-tensors' layer: torch types its added parameters Tensor | Module
+        scale = layer.weight_scale.detach().reshape(-1, 1).to(weight.dtype)
         codes = torch.round(weight / scale)
         in_range = bool(codes.min() >= -128 and codes.max() <= 127)
         self.exact = in_range and bool(torch.equal(codes * scale, weight))  # W = s_w q_w, q_w int8
