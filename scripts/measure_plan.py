@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -59,15 +60,13 @@ def main() -> None:
         del build
     print(f"{torch.get_num_threads()} threads on {os.cpu_count()} CPUs; n 8, L 64, build {args.build}\n")
     print(
-        "| model | heads | plan | counted | forward's rate (timed in) | estimate | wall | wall / estimate | "
-        "a matmul's rate | its estimate | wall / its estimate | load |"
+        "| model (heads) | plan | counted | forward's rate | estimate; wall | wall / estimate | wall / a matmul's | load |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, heads, plan, counted, rate, calibration, estimate, matmul, old, wall, load in rows:
+    print("|---|---|---|---|---|---|---|---|")
+    for name, heads, plan, counted, rate, calibration, estimate, _matmul, old, wall, load in rows:
         print(
-            f"| {name} | {heads} | {plan} | {counted / 1e12:.3g} TFLOP | {rate / 1e9:.1f} GFLOP/s ({calibration:.1f} s) | "
-            f"{estimate:.1f} s | {wall:.1f} s | {wall / estimate:.2f} | {matmul / 1e9:.1f} GFLOP/s | {old:.1f} s | "
-            f"{wall / old:.2f} | {load:.1f} |"
+            f"| {Path(name).name} ({heads}) | {plan} | {counted / 1e12:.3g} TFLOP | {rate / 1e9:.0f} GFLOP/s in "
+            f"{calibration:.1f} s | {estimate:.1f} s; {wall:.1f} s | **{wall / estimate:.2f}** | {wall / old:.2f} | {load:.1f} |"
         )
 
 
