@@ -94,6 +94,22 @@ def test_inputs_the_fast_forward_does_not_take_run_the_reference(builds):
                 del layer.quantization_enabled
 
 
+def test_an_int8_layer_whose_weight_is_edited_runs_the_reference_with_the_new_weight():
+    """Codes are cached at load; a weight edited in place afterwards (a test's sabotage) must not be
+    multiplied with the stale codes: the layer falls back to compressed-tensors' forward."""
+    from pytest_circuits.model.builds import load_build
+    from pytest_circuits.model.loading import resolve_model
+
+    layer = fast_layers(load_build(resolve_model("tiny-induction"), "int8-w8a8", "cpu"))[0]
+    x = inputs(layer.in_features, seed=4)
+    with torch.no_grad():
+        before = layer(x)
+        layer.weight.mul_(-1)
+        after = layer(x)
+        assert torch.equal(after, getattr(layer, token_quant.FAST).reference(x))
+    torch.testing.assert_close(after, -before, rtol=1e-5, atol=1e-5 * before.abs().max().item())
+
+
 def test_an_int8_gate_has_the_same_verdicts_on_either_forward():
     """#55: the int8-w8a8 build of the embedded model, gated against the shipped fp32 baseline and
     its own shipped baseline, on the fast forward and on compressed-tensors' reference: the same

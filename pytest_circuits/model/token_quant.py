@@ -62,6 +62,17 @@ def _token_scale(x: torch.Tensor, half_range: float) -> torch.Tensor:
     return scale.masked_fill_(scale == 0, EPS)
 
 
+def _stamp(module: torch.nn.Module) -> tuple[int, int, int, int]:
+    """The weight's and its scale's storage and in-place-edit counters: changed by any edit through torch."""
+    layer: Any = module
+    return (
+        layer.weight.data_ptr(),
+        layer.weight._version,
+        layer.weight_scale.data_ptr(),
+        layer.weight_scale._version,
+    )
+
+
 class Int8Linear:
     """``y = s_x s_w^T * (q_x q_w^T) + b``, the integer product exact in int32."""
 
@@ -76,9 +87,11 @@ class Int8Linear:
         self.exact = in_range and bool(torch.equal(codes * scale, weight))  # W = s_w q_w, q_w int8
         self.codes_t = codes.to(torch.int8).t()  # (d_in, d_out), column-major: _int_mm's faster layout
         self.scale_row = scale.reshape(1, -1)
+        self.stamp = _stamp(module)
 
-    def usable(self, x: torch.Tensor) -> bool:
-        return x.device == self.codes_t.device
+    def usable(self, module: torch.nn.Linear, x: torch.Tensor) -> bool:
+        """Not once the weight was edited in place or replaced (its codes would be stale)."""
+        return x.device == self.codes_t.device and _stamp(module) == self.stamp
 
     def __call__(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         scale = _token_scale(x, 127.5)
@@ -93,7 +106,7 @@ class Float8Linear:
 
     reference: Any = None  # the layer's compressed-tensors forward, for inputs this one does not take
 
-    def usable(self, x: torch.Tensor) -> bool:
+    def usable(self, module: torch.nn.Linear, x: torch.Tensor) -> bool:
         return True
 
     def __call__(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +117,7 @@ class Float8Linear:
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     fast = getattr(self, FAST)
-    usable = x.ndim == 3 and x.dtype == self.weight.dtype and x.device.type == "cpu" and fast.usable(x)
+    usable = x.ndim == 3 and x.dtype == self.weight.dtype and x.device.type == "cpu" and fast.usable(self, x)
     if not usable or not getattr(self, "quantization_enabled", True):
         return fast.reference(x)  # compressed-tensors' own forward
     return fast(self, x)
