@@ -181,3 +181,19 @@ def tiny_fp32_builds(tmp_path_factory):
         return made[model_type]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def broken(tmp_path_factory):
+    """The rung-3 and own-text tests' broken build: tiny-induction with its induction head L1H0's
+    output zeroed, saved as a checkpoint (an external build)."""
+    from transformers import AutoModelForCausalLM
+
+    from pytest_circuits.model.named import named_model_path
+    from pytest_circuits.run.sensitivity import scale_head_ov
+
+    model = AutoModelForCausalLM.from_pretrained(str(named_model_path("tiny-induction")))
+    scale_head_ov(model, 1, 0, 0.0)
+    folder = tmp_path_factory.mktemp("broken") / "broken"
+    model.save_pretrained(folder)
+    return folder

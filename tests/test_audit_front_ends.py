@@ -28,21 +28,6 @@ def baselines(tmp_path_factory):
     return folder
 
 
-@pytest.fixture(scope="module")
-def broken(tmp_path_factory):
-    """tiny-induction with its induction head L1H0's output zeroed, saved as a checkpoint (an external build)."""
-    from transformers import AutoModelForCausalLM
-
-    from pytest_circuits.model.named import named_model_path
-    from pytest_circuits.run.sensitivity import scale_head_ov
-
-    model = AutoModelForCausalLM.from_pretrained(str(named_model_path("tiny-induction")))
-    scale_head_ov(model, 1, 0, 0.0)
-    folder = tmp_path_factory.mktemp("broken") / "broken"
-    model.save_pretrained(folder)
-    return folder
-
-
 def test_record_writes_the_audit_section_of_the_slice(baselines):
     import hashlib
 
