@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     from ..model.builds import LoadedBuild
     from ..run.run import Run
+    from ..rungs.audit import AuditFigures
     from ..rungs.probe import RepeatProbe
     from .collect import Collected
 
@@ -372,7 +373,7 @@ def circuits_knockout_shard(request: pytest.FixtureRequest, circuits_run: Run) -
 
 
 @pytest.fixture(scope="session")
-def circuits_audit_shard(request: pytest.FixtureRequest, circuits_run: Run):
+def circuits_audit_shard(request: pytest.FixtureRequest, circuits_run: Run) -> AuditFigures:
     """One case shard of rung 3 on a build (`run.measure.audit_shard`: `rungs.audit.AuditFigures`),
     parametrized over ``(recipe, index)`` when the audit slice is sharded over pytest-xdist's workers."""
     from ..run.measure import audit_shard
