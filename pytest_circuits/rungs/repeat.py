@@ -193,10 +193,14 @@ def repeat_tokens(tokens: TokenInfo, n: int, L: int, seed: int) -> torch.Tensor:
     _check_token_memory(n, L, tokens.vocab_size)
     ordinary = tokens.ordinary_ids()
     rng = np.random.Generator(np.random.PCG64(seed))
-    first = ordinary[rng.integers(0, ordinary.size, size=(n, L))]
+    return repeated(ordinary[rng.integers(0, ordinary.size, size=(n, L))], tokens.bos_id)
+
+
+def repeated(first: np.ndarray, bos_id: int | None) -> torch.Tensor:
+    """``(n, 2L [+1])`` int64 ids ``[BOS] x x`` from the ``(n, L)`` first halves ``x`` (BOS where the model has one)."""
     sequences = np.concatenate([first, first], axis=1)
-    if tokens.bos_id is not None:
-        sequences = np.concatenate([np.full((n, 1), tokens.bos_id, dtype=np.int64), sequences], axis=1)
+    if bos_id is not None:
+        sequences = np.concatenate([np.full((first.shape[0], 1), bos_id, dtype=np.int64), sequences], axis=1)
     return torch.from_numpy(np.ascontiguousarray(sequences, dtype=np.int64))
 
 

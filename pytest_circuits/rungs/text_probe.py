@@ -21,7 +21,7 @@ import torch
 from ..model.loading import ModelSource
 from ..model.vocab import TokenInfo
 from ..options import flag
-from .repeat import repeat_tokens
+from .repeat import repeat_tokens, repeated
 from .repeat_settings import ProbeText, ProbeTextError, RepeatSettings
 
 
@@ -53,11 +53,7 @@ def text_repeat_tokens(source: ModelSource, tokens: TokenInfo, settings: RepeatS
     """``(n, 2L [+1])`` int64 ids ``[BOS] x x`` with ``x`` a seeded passage of the settings' text."""
     assert settings.text is not None, "not an own-text probe"
     _, stream = text_stream(source, tokens, settings.text)
-    first = text_passages(stream, settings.text, settings.n, settings.L, settings.seed)
-    sequences = np.concatenate([first, first], axis=1)
-    if tokens.bos_id is not None:
-        sequences = np.concatenate([np.full((settings.n, 1), tokens.bos_id, dtype=np.int64), sequences], axis=1)
-    return torch.from_numpy(np.ascontiguousarray(sequences, dtype=np.int64))
+    return repeated(text_passages(stream, settings.text, settings.n, settings.L, settings.seed), tokens.bos_id)
 
 
 def probe_ids(source: ModelSource, tokens: TokenInfo, settings: RepeatSettings) -> torch.Tensor:
