@@ -131,8 +131,10 @@ def install(model: torch.nn.Module) -> int:
         if not isinstance(module, torch.nn.Linear) or getattr(module, FAST, None) is not None:
             continue
         code = kind(module)
+        if code is None:
+            continue
         fast: Int8Linear | Float8Linear = Int8Linear(module) if code == "int" else Float8Linear()
-        if code is None or not getattr(fast, "exact", True):
+        if isinstance(fast, Int8Linear) and not fast.exact:  # W is not s_w times int8 codes: keep the reference
             continue
         fast.reference = module.forward
         setattr(module, FAST, fast)

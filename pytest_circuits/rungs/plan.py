@@ -135,14 +135,24 @@ def measured_rate(build, repeats: int = 3, dtype=None) -> float:
     a = torch.randn(RATE_ROWS, d, dtype=dtype, device=build.device)
     b = torch.randn(d, d, dtype=dtype, device=build.device)
     a @ b  # warm up
-    if build.device.type == "cuda":
-        torch.cuda.synchronize(build.device)
+
+    def run():
+        for _ in range(repeats):
+            a @ b
+
+    return 2 * RATE_ROWS * d * d * repeats / max(_wall(build.device, run), 1e-9)
+
+
+def _wall(device: torch.device, run) -> float:
+    """Seconds ``run()`` takes on ``device`` (a CUDA device synchronised before and after, so its queue counts)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    if build.device.type == "cuda":
-        torch.cuda.synchronize(build.device)
-    return 2 * RATE_ROWS * d * d * repeats / max(time.perf_counter() - start, 1e-9)
+    run()
+    if cuda:
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
 
 
 CALIBRATION_ROWS = 8  # sequences of the timed forward: the knockout pass's default batch
@@ -163,16 +173,9 @@ def calibrated_rate(build, settings: RepeatSettings, rows: int = CALIBRATION_ROW
     T = 2 * settings.L + bos_offset(build.tokens)
     timed = replace(settings, n=scan_rows(model, max(1, min(rows, settings.n)), T, build.device))
     ids = held_out_ids(build, timed).to(build.device)
-    cuda = build.device.type == "cuda"
     with torch.no_grad(), attention_implementation(model):
         model(input_ids=ids[:1], use_cache=False)  # warm-up: kernels chosen, buffers allocated
-        if cuda:
-            torch.cuda.synchronize(build.device)
-        start = time.perf_counter()
-        model(input_ids=ids, use_cache=False)
-        if cuda:
-            torch.cuda.synchronize(build.device)
-        took = time.perf_counter() - start
+        took = _wall(build.device, lambda: model(input_ids=ids, use_cache=False))
     _CALIBRATED[model] = rate = probe_flops(build, timed) / max(took, 1e-9)
     return rate
 
