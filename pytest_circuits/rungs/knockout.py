@@ -99,8 +99,11 @@ def _auto_per_pass(build, knockouts_per_pass, batch_size, n, tokens_per_row: int
         return 1
     rows = min(batch_size, n)
     if torch.device(build.device).type == "cpu":
-        return max(1, round(CPU_TOKENS_PER_PASS / (rows * tokens_per_row)))
-    return max(1, ROWS_PER_PASS // rows)
+        stacked = max(1, round(CPU_TOKENS_PER_PASS / (rows * tokens_per_row)))
+    else:
+        stacked = max(1, ROWS_PER_PASS // rows)
+    # a stacked pass is rows x stacked sequences to a hybrid stack's reference Mamba-2 scan: capped as one forward's
+    return max(1, scan_rows(build.model, rows * stacked, tokens_per_row, build.device) // rows)
 
 
 def knockout_scan(

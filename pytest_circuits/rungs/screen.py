@@ -45,7 +45,7 @@ from ..errors import CircuitsError
 from ..model.families import attention_module, get_module, layer_modules, out_proj_module
 from ..model.hooks import Hook, hooked
 from ..model.kv_cache import cached
-from ..model.mixer_memory import ACTIVATION_FLOOR, scan_rows  # the budget: this plus an eighth of the weights
+from ..model.mixer_memory import ACTIVATION_FLOOR  # the budget: this plus an eighth of the weights
 from .ablation import z_differentiable
 from .repeat import bos_offset, copy_slices
 from .replay import tile, traced_hidden
@@ -450,10 +450,9 @@ def screen_rows(build, batch_size: int, L: int) -> int:
     ``T n_layers (6 d_model + 4 d_ff)`` values of the build's dtype per row plus the copy positions'
     float logits (``10 L V`` bytes), stay under ``ACTIVATION_FLOOR + weights / 8`` (at least one row).
     Smaller models keep the batch: at SmolLM2's size the whole batch's activations are about 1.4 GB.
-    A hybrid stack's reference Mamba-2 scan caps the rows first (`mixer_memory.scan_rows`)."""
+    ``batch_size`` comes capped for a hybrid stack's reference Mamba-2 scan (`knockout_scan`: `mixer_memory.scan_rows`)."""
     model, geo = build.model, build.geometry
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    batch_size = scan_rows(model, batch_size, 2 * L + bos_offset(build.tokens), build.device)
     if weights <= SPLIT_FROM_BYTES:
         return batch_size
     d_ff = int(getattr(model.config, "intermediate_size", None) or 4 * geo.d_model)
