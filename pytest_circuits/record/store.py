@@ -261,17 +261,12 @@ def _same_text(baseline: Record | Identity, record: Record | Identity, source: s
     def probe_name(text) -> str:
         return "the random-repeat probe" if text is None else f"the own text {text.file} (sha256 {_short(text.sha256)})"
 
-    if (tb is None) != (tr is None) or (tb is not None and tr is not None and tb.sha256 != tr.sha256):
+    if (tb and tb.sha256) != (tr and tr.sha256):  # another probe, or another file
         fix = f"drop {flag('probe-text')}" if tb is None else f"give {flag('probe-text')} {tb.file} (that file)"
         raise ForeignBaseline(
             f"{source} was recorded on {probe_name(tb)}, this run asks for {probe_name(tr)}; {fix} or record it again"
         )
-    if (
-        tb is not None
-        and tr is not None
-        and None not in (tb.ids_sha256, tr.ids_sha256)
-        and tb.ids_sha256 != tr.ids_sha256
-    ):
+    if tb and tr and None not in (tb.ids_sha256, tr.ids_sha256) and tb.ids_sha256 != tr.ids_sha256:
         raise ForeignBaseline(
             f"{source} was recorded on {tb.file} read into other ids (sha256 {_short(tb.ids_sha256)} vs "
             f"{_short(tr.ids_sha256)}: another tokenizer); record it again with this model's"
