@@ -54,16 +54,14 @@ def main() -> None:
             build, KNOCKOUT_PROBE, screen_top_k=args.screen or None, screen_method=args.method, progress=False
         )
         wall = time.perf_counter() - start
-        rows.append(
-            (name, heads, plan, counted, rate, calibration, counted / rate, matmul, counted / matmul, wall, load)
-        )
+        rows.append((name, heads, plan, counted, rate, calibration, counted / rate, counted / matmul, wall, load))
         del build
     print(f"{torch.get_num_threads()} threads on {os.cpu_count()} CPUs; n 8, L 64, build {args.build}\n")
     print(
         "| model (heads) | plan | counted | forward's rate | estimate; wall | wall / estimate | wall / a matmul's | load |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for name, heads, plan, counted, rate, calibration, estimate, _matmul, old, wall, load in rows:
+    for name, heads, plan, counted, rate, calibration, estimate, old, wall, load in rows:
         print(
             f"| {Path(name).name} ({heads}) | {plan} | {counted / 1e12:.3g} TFLOP | {rate / 1e9:.0f} GFLOP/s in "
             f"{calibration:.1f} s | {estimate:.1f} s; {wall:.1f} s | **{wall / estimate:.2f}** | {wall / old:.2f} | {load:.1f} |"
