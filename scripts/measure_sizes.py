@@ -424,11 +424,21 @@ def gathered_rows(path: Path) -> list[dict]:
         kept = by_shape.setdefault(row["shape"], {**row, "rungs": {}})
         for rung, result in row["rungs"].items():
             if "error" not in result or rung not in kept["rungs"]:
-                kept["rungs"][rung] = {**result, "probe": row.get("probe", "")}  # the plan it ran under
+                # the plan it ran under and the load as it started
+                kept["rungs"][rung] = {**result, "probe": row.get("probe", ""), "machine_load": row.get("machine_load")}
     order = {rung: i for i, rung in enumerate(RUNGS)}
     for row in by_shape.values():
         row["rungs"] = dict(sorted(row["rungs"].items(), key=lambda item: order[item[0]]))
     return [by_shape[name] for name in SHAPES if name in by_shape]
+
+
+def rung_loads(row: dict) -> str:
+    """The load each rung of a gathered row started at, ``load 1.2 on 2 cores (rung), ...``; the row's
+    one load where every rung ran in the same invocation."""
+    loads = {rung: result.get("machine_load") or row["machine_load"] for rung, result in row["rungs"].items()}
+    if len(set(loads.values())) <= 1:
+        return row["machine_load"]
+    return ", ".join(f"{load} ({rung})" for rung, load in loads.items())
 
 
 def write_docs(text: str, note: str, block: str = "sizes") -> None:
@@ -507,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, value in (("screen", args.screen), ("screen-method", args.screen_method))
             if value is not None
         )
-        loads = "; ".join(f"{row['shape']}: {row['machine_load']}" for row in rows if "machine_load" in row)
+        loads = "; ".join(f"{row['shape']}: {rung_loads(row)}" for row in rows if "machine_load" in row)
         note = (
             f"`python scripts/measure_sizes.py --shapes {args.shapes} --probe-n {args.probe_n} "
             f"--probe-length {args.probe_length}{plan} --write-docs` ({time.strftime('%Y-%m-%d')}; "

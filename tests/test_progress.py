@@ -109,7 +109,7 @@ def test_the_attribution_screen_reports_its_chunks(monkeypatch, tiny_folder):
 
 
 def test_the_screen_counts_the_chunks_it_runs_when_a_large_model_splits_them(monkeypatch, tiny_folder):
-    """Above 1 GB of weights the screen runs fewer rows per chunk (`screen.screen_rows`); the bar's
+    """Above 1 GB of weights the screen runs fewer rows per chunk (`screen.screen_layout`); the bar's
     total follows (a Llama-3.2-3B-shaped scan printed '4/1 chunks')."""
     import pytest_circuits.progress as progress
     import pytest_circuits.rungs.screen as screen
@@ -119,7 +119,8 @@ def test_the_screen_counts_the_chunks_it_runs_when_a_large_model_splits_them(mon
     from pytest_circuits.rungs.repeat_settings import RepeatSettings
 
     monkeypatch.setattr(progress, "INTERVAL", 0.0)
-    monkeypatch.setattr(screen, "screen_rows", lambda build, batch_size, L: 1)  # as a large model would
+    one_row = screen.ScreenLayout(1)  # as a large model's
+    monkeypatch.setattr(screen, "screen_layout", lambda build, batch_size, L: one_row)
     build = load_build(resolve_model(str(tiny_folder("llama"))), "fp32", "cpu")
     lines: list[str] = []
     knockout_scan(build, RepeatSettings(1, 4, 8), screen_top_k=2, batch_size=4, write=lines.append)

@@ -34,6 +34,7 @@ from .compressed import (
 from .dense import is_projection, weight_of
 from .families import Family, Geometry, bind_family, family_and_geometry, geometry_for, modules_at
 from .loading import ModelSource, check_finite_weights, nonfinite_line, nonfinite_of, quiet_transformers, read_config
+from .mixer_memory import lean_heap
 from .recipes import CT, EXTERNAL_KEYS, LLMC, RECIPES, BuildSpec, Recipe, get_recipe, parse_builds  # noqa: F401  (re-exported)
 from .selfcheck import check_decomposition
 from .vocab import TokenInfo, token_info
@@ -382,6 +383,7 @@ def load_build(
         if not spread:
             model = model.to(device=device, dtype=torch_dtype(recipe))
         check_cast_finite(model, f"build {recipe.name} of {source.name}")
+    lean_heap(model, device)  # a large hybrid stack on the reference Mamba-2 scan: freed blocks go back
     if spread:  # token ids go where the embedding is; each block's own device is in hf_device_map
         check_not_offloaded(model, f"build {recipe.name} of {source.name}")
         causal_lm: Any = model  # transformers' PreTrainedModel; torch types its attributes Tensor | Module

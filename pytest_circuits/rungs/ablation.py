@@ -104,20 +104,30 @@ def z_observed(model, n_layers: int, observe):
         yield
 
 
+class ZLeaves(list):
+    """``(layer, z, delta)`` per call of a layer's output projection; ``closed`` once the forward is
+    done: a block recomputed in the backward (`screen.recomputed_blocks`) calls it again, and those
+    calls add no leaf."""
+
+    closed = False
+
+
 @contextmanager
 def z_differentiable(model, n_layers: int):
-    """Add a zero leaf ``delta_l`` (requires grad) to every layer's ``z``; yields the list of leaves.
+    """Add a zero leaf ``delta_l`` (requires grad) to every layer's ``z``; yields the `ZLeaves`.
 
     After ``loss.backward()``, ``delta_l.grad`` is ``dLoss/dz_l`` through every downstream
-    path (the value of ``z`` is unchanged: ``z + 0``). Leaves are appended per forward.
+    path (the value of ``z`` is unchanged: ``z + 0``). Leaves are appended per forward until the
+    list is closed.
     """
-    leaves: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    leaves = ZLeaves()
 
     def make(layer):
         def hook(module, args, kwargs):
             z = _first_input(args, kwargs)
-            delta = torch.zeros_like(z, requires_grad=True)
-            leaves.append((layer, z.detach(), delta))
+            delta = torch.zeros_like(z, requires_grad=True)  # recomputed: the same graph, its leaf not kept
+            if not leaves.closed:
+                leaves.append((layer, z.detach(), delta))
             return _replace_input(args, kwargs, z + delta)
 
         return hook

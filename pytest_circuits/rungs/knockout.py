@@ -168,13 +168,13 @@ def knockout_scan(
         intact = intact_pass(build, ids, settings.L, batch_size, trace=replay, trace_bytes=trace_bytes)
     estimate = score = None
     if screen:
-        from .screen import TODAY, screen_estimate, screen_rows
+        from .screen import TODAY, screen_estimate, screen_layout
 
         variant = TODAY if screen_variant is None else screen_variant
         variant.check()
         screened_n = ids.shape[0] if variant.sequences is None else min(variant.sequences, ids.shape[0])
         passes = 2 if variant.ablation == "both" else 1
-        chunks = passes * -(-screened_n // screen_rows(build, max(batch_size, 1), settings.L))  # its own rows per chunk
+        chunks = passes * -(-screened_n // screen_layout(build, max(batch_size, 1), settings.L).rows)  # its own rows
         label = f"screen ({screen_method}) {build.label}"
         try:
             with Progress(chunks, label, unit="chunk", enabled=progress, write=write) as bar:

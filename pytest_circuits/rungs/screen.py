@@ -35,6 +35,7 @@ reports each screen's cost in forward-equivalents, timed.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -45,7 +46,7 @@ from ..errors import CircuitsError
 from ..model.families import attention_module, get_module, layer_modules, out_proj_module
 from ..model.hooks import Hook, hooked
 from ..model.kv_cache import cached
-from ..model.mixer_memory import ACTIVATION_FLOOR  # the budget: this plus an eighth of the weights
+from ..model.mixer_memory import activation_budget, block_bytes, kept_bytes, map_large_blocks, reference_scan
 from .ablation import z_differentiable
 from .repeat import bos_offset, copy_slices
 from .replay import tile, traced_hidden
@@ -191,13 +192,17 @@ def _dz(z: torch.Tensor, means: torch.Tensor | None, layer: int, n_heads: int, d
     return means[layer].to(z.dtype) - z
 
 
-def atp(build, ids, L, mode, means, batch_size, bar=None) -> np.ndarray:
-    """The ``atp`` screen (no QK fix), ``(n_layers, n_heads)``: ``sum dz_h . dCL/dz_h`` from one forward and one backward per chunk."""
+def atp(build, ids, L, mode, means, batch_size, bar=None, recompute: bool = False) -> np.ndarray:
+    """The ``atp`` screen (no QK fix), ``(n_layers, n_heads)``: ``sum dz_h . dCL/dz_h`` from one forward and
+    one backward per chunk; ``recompute``: the backward recomputes each block (`recomputed_blocks`)."""
     geo, n = build.geometry, ids.shape[0]
     est = torch.zeros(geo.n_layers, geo.n_heads, dtype=torch.float64)
     for batch in ids.split(batch_size):
         with torch.enable_grad(), z_differentiable(build.model, geo.n_layers) as leaves:
-            (_loss(build, batch, L).sum() / n).backward()
+            with recomputed_blocks(build.model, recompute):
+                loss = _loss(build, batch, L).sum() / n
+                leaves.closed = True
+                loss.backward()
         for layer, z, leaf in leaves:
             dz = _dz(z, means if mode == "mean" else None, layer, geo.n_heads, geo.d_head).double()
             g = _reached(leaf.grad, layer).reshape(dz.shape).double()
@@ -444,22 +449,67 @@ def _call(module, call, hidden, rows: int, k: int) -> None:
 SPLIT_FROM_BYTES = 1 << 30  # models with more weight bytes than this run the screen's backward in fewer rows
 
 
-def screen_rows(build, batch_size: int, L: int) -> int:
-    """Sequences per forward-and-backward of the screen: ``batch_size``, or fewer for a model of more
-    than `SPLIT_FROM_BYTES` of weights, so that the activations its backward keeps,
-    ``T n_layers (6 d_model + 4 d_ff)`` values of the build's dtype per row plus the copy positions'
-    float logits (``10 L V`` bytes), stay under ``ACTIVATION_FLOOR + weights / 8`` (at least one row).
-    Smaller models keep the batch: at SmolLM2's size the whole batch's activations are about 1.4 GB.
-    ``batch_size`` comes capped for a hybrid stack's reference Mamba-2 scan (`knockout_scan`: `mixer_memory.scan_rows`)."""
+@dataclass(frozen=True)
+class ScreenLayout:
+    """How the screen's forward-and-backward runs: ``rows`` sequences a chunk; ``recompute``: each
+    block recomputed in the backward (`recomputed_blocks`), one more forward for a smaller memory."""
+
+    rows: int
+    recompute: bool = False
+
+
+def screen_layout(build, batch_size: int, L: int) -> ScreenLayout:
+    """Rows a chunk, so that the activations the backward keeps stay under `mixer_memory.activation_budget`.
+
+    * A hybrid stack on transformers' reference Mamba-2 scan (`mixer_memory.reference_scan`) keeps
+      `mixer_memory.kept_bytes` a sequence, counted: as many rows as fit, or, when one sequence does
+      not fit (Falcon-H1-1.5B: 2.7 GB against 0.65 GB), each block recomputed in the backward, which
+      then keeps the blocks' inputs and one block's activations and their gradients at a time.
+    * Other models of more than `SPLIT_FROM_BYTES` of weights: ``T n_layers (6 d_model + 4 d_ff)`` values
+      of the build's dtype a row plus the copy positions' float logits (``10 L V`` bytes). Smaller models
+      keep the batch: at SmolLM2's size the whole batch's activations are about 1.4 GB.
+    """
     model, geo = build.model, build.geometry
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    if weights <= SPLIT_FROM_BYTES:
-        return batch_size
-    d_ff = int(getattr(model.config, "intermediate_size", None) or 4 * geo.d_model)
-    item = getattr(model, "dtype", torch.float32).itemsize
     T = 2 * L + bos_offset(build.tokens)
+    budget = activation_budget(model)
+    item = getattr(model, "dtype", torch.float32).itemsize
+    if reference_scan(model, build.device):
+        kept = kept_bytes(model, T)
+        if kept <= budget:
+            return ScreenLayout(max(1, min(batch_size, budget // kept)))
+        inputs = len(layer_modules(model)) * T * geo.d_model * item
+        return ScreenLayout(max(1, min(batch_size, budget // (2 * block_bytes(model, T) + inputs))), recompute=True)
+    if sum(p.numel() * p.element_size() for p in model.parameters()) <= SPLIT_FROM_BYTES:
+        return ScreenLayout(batch_size)
+    d_ff = int(getattr(model.config, "intermediate_size", None) or 4 * geo.d_model)
     per_row = T * geo.n_layers * (6 * geo.d_model + 4 * d_ff) * item + 10 * L * geo.vocab
-    return max(1, min(batch_size, (ACTIVATION_FLOOR + weights // 8) // per_row))
+    return ScreenLayout(max(1, min(batch_size, budget // per_row)))
+
+
+@contextmanager
+def recomputed_blocks(model, on: bool = True):
+    """Each decoder block's forward run under non-reentrant `torch.utils.checkpoint.checkpoint`: the
+    backward keeps each block's input only and recomputes its intermediates when it reaches it (the
+    same values: gradients equal the kept run's), with large blocks mapped (`mixer_memory.map_large_blocks`). Hooks
+    inside a block run again then; hooks on the block itself do not."""
+    if not on:
+        yield
+        return
+    from torch.utils.checkpoint import checkpoint
+
+    map_large_blocks()
+    blocks = layer_modules(model)
+    own = [vars(block).get("forward") for block in blocks]
+    for block in blocks:
+        block.forward = partial(checkpoint, block.forward, use_reentrant=False)
+    try:
+        yield
+    finally:
+        for block, forward in zip(blocks, own):
+            if forward is None:
+                del block.forward
+            else:
+                block.forward = forward
 
 
 def screen_estimate(
@@ -471,22 +521,23 @@ def screen_estimate(
 
     refuse_decode_only(build, "the attribution screen")
     variant.check()
-    batch_size = screen_rows(build, batch_size, L)
+    layout = screen_layout(build, batch_size, L)
     ids = ids if variant.sequences is None else ids[: variant.sequences]
     if variant.ablation == "both":
-        parts = [_one_screen(build, ids, L, m, means, method, batch_size, bar, variant) for m in ("zero", "mean")]
+        parts = [_one_screen(build, ids, L, m, means, method, layout, bar, variant) for m in ("zero", "mean")]
         return (parts[0][0] + parts[1][0]) / 2, (parts[0][1] + parts[1][1]) / 2
-    return _one_screen(build, ids, L, mode, means, method, batch_size, bar, variant)
+    return _one_screen(build, ids, L, mode, means, method, layout, bar, variant)
 
 
-def _one_screen(build, ids, L, mode, means, method, batch_size, bar, variant) -> tuple[np.ndarray, np.ndarray]:
+def _one_screen(build, ids, L, mode, means, method, layout, bar, variant) -> tuple[np.ndarray, np.ndarray]:
+    batch_size = layout.rows
     if method == "atp":
-        est = atp(build, ids, L, mode, means, batch_size, bar)
+        est = atp(build, ids, L, mode, means, batch_size, bar, recompute=layout.recompute)
         return est, np.abs(est)
     qk_heads = None
     geo = build.geometry
     if variant.qk_top is not None and variant.qk_top < geo.n_layers * geo.n_heads:  # else: every head
-        first = np.abs(atp(build, ids, L, mode, means, batch_size))
+        first = np.abs(atp(build, ids, L, mode, means, batch_size, recompute=layout.recompute))
         order = sorted(np.ndindex(first.shape), key=lambda p: (-first[p], p))
         qk_heads = [(int(l), int(h)) for l, h in order[: variant.qk_top]]
     return atp_star(
