@@ -1,10 +1,10 @@
 """How close rung 2's planned time comes to its wall time (issue #55, item 3).
 
-Per model and build: the plan's counted FLOPs (the screen and its top K exactly, or every head
-exactly) at two rates, the build's own forward timed first (`rungs.plan.calibrated_rate`, what the
-plan uses) and a square matmul of the build's dtype (`rungs.plan.measured_rate`, what it used
-before), each beside the wall time of the knockout scan that follows; the load average is printed
-with the table.
+Per model and build: the plan's estimate (the screen and its top K exactly, or every head exactly),
+each kind of pass at the rate the build reaches in it, timed first (`rungs.plan.rung2_seconds`, what
+the plan uses: a forward, a stacked replay, the screen's forward and backward), and its counted FLOPs
+at the forward's rate alone (what it used before), each beside the wall time of the knockout scan
+that follows; the load average is printed with the table.
 
 Run: python scripts/measure_plan.py [--models tiny-induction,smollm2-135m] [--build fp32] [--screen 12] [--method atp]
 (``--screen 0``: every head exactly.) A model path works too (a ``measure_sizes.py --keep`` checkpoint).
@@ -22,7 +22,7 @@ import torch
 from pytest_circuits.model.builds import load_build
 from pytest_circuits.model.loading import resolve_model
 from pytest_circuits.rungs.knockout import knockout_scan
-from pytest_circuits.rungs.plan import calibrated_rate, exact_flops, measured_rate, screened_flops
+from pytest_circuits.rungs.plan import KINDS, calibrated_rate, exact_flops, rung2_seconds, screened_flops
 from pytest_circuits.rungs.repeat_settings import RepeatSettings
 
 KNOCKOUT_PROBE = RepeatSettings(seed=1, n=8, L=64)  # the shipped baselines' knockout probe
@@ -40,9 +40,10 @@ def main() -> None:
         build = load_build(resolve_model(name), args.build, "cpu")
         heads = build.geometry.n_layers * build.geometry.n_heads
         start = time.perf_counter()
-        rate = calibrated_rate(build, KNOCKOUT_PROBE)
+        rates = [calibrated_rate(build, KNOCKOUT_PROBE, kind) for kind in KINDS]
         calibration = time.perf_counter() - start
-        matmul = measured_rate(build)
+        top_k = args.screen or None
+        estimate = rung2_seconds(build, KNOCKOUT_PROBE, top_k, 0, args.method)
         if args.screen:
             counted = screened_flops(build, KNOCKOUT_PROBE, args.screen, 0, args.method)
             plan = f"{args.method} screen + top {args.screen}"
@@ -54,16 +55,18 @@ def main() -> None:
             build, KNOCKOUT_PROBE, screen_top_k=args.screen or None, screen_method=args.method, progress=False
         )
         wall = time.perf_counter() - start
-        rows.append((name, heads, plan, counted, rate, calibration, counted / rate, counted / matmul, wall, load))
+        rows.append((name, heads, plan, counted, rates, calibration, estimate, counted / rates[0], wall, load))
         del build
     print(f"{torch.get_num_threads()} threads on {os.cpu_count()} CPUs; n 8, L 64, build {args.build}\n")
     print(
-        "| model (heads) | plan | counted | forward's rate | estimate; wall | wall / estimate | wall / a matmul's | load |"
+        "| model (heads) | plan | counted | rates: forward, replay, screen | estimate; wall | wall / estimate "
+        "| wall / the forward's rate alone | load |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for name, heads, plan, counted, rate, calibration, estimate, old, wall, load in rows:
+    for name, heads, plan, counted, rates, calibration, estimate, old, wall, load in rows:
+        said = ", ".join(f"{rate / 1e9:.0f}" for rate in rates)
         print(
-            f"| {Path(name).name} ({heads}) | {plan} | {counted / 1e12:.3g} TFLOP | {rate / 1e9:.0f} GFLOP/s in "
+            f"| {Path(name).name} ({heads}) | {plan} | {counted / 1e12:.3g} TFLOP | {said} GFLOP/s, timed in "
             f"{calibration:.1f} s | {estimate:.1f} s; {wall:.1f} s | **{wall / estimate:.2f}** | {wall / old:.2f} | {load:.1f} |"
         )
 

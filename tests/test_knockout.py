@@ -722,7 +722,7 @@ def test_a_scan_planned_by_size_says_its_whole_cost_first_and_its_time_last(tmp_
         took = [line for line in said if "the scan took" in line]
         assert len(scan) == 1 and len(took) == 1, said
         assert said.index(scan[0]) == 0 and said.index(took[0]) == len(said) - 1, said
-        assert ("and rung 2 " in scan[0]) is with_knockout and "rung 1 counts" in scan[0] and "(float32, " in scan[0]
+        assert ("; rung 2 " in scan[0]) is with_knockout and "rung 1 counts" in scan[0] and "(float32, " in scan[0]
         assert "the plan estimated" in took[0] and took[0].endswith("x)")
         build = session.loaded.build("fp32")
         rung1 = rung1_flops(build.geometry, session.settings.kappa_method.n_rotations)
@@ -801,24 +801,50 @@ def test_screen_variant_reaches_the_scan_and_its_count(tmp_path, monkeypatch):
     assert not any("qk-top" in word for word in recording_words(default.settings, "cli"))
 
 
-def test_the_plan_times_the_builds_own_forward_once(tmp_path):
-    """#55: the plan's rate is the build's own forward timed now (`calibrated_rate`): its counted
-    FLOPs over the wall time of one forward of the probe's first rows, measured once per build."""
+def test_the_plan_times_one_pass_of_each_kind_once(tmp_path):
+    """#55: the plan's rates are the build's own passes timed now (`calibrated_rate`): a forward of the
+    probe's first rows, a forward of a stacked replay's sequences, the atp screen on one sequence;
+    each its counted FLOPs over its wall time, measured once per build; `rung2_seconds` adds the
+    stage's counted passes, each kind at its rate."""
     from pytest_circuits.model.hooks import hooked
-    from pytest_circuits.rungs.plan import CALIBRATION_ROWS, calibrated_rate, probe_flops
+    from pytest_circuits.rungs.knockout import _auto_per_pass
+    from pytest_circuits.rungs.plan import (
+        CALIBRATION_ROWS,
+        KINDS,
+        calibrated_rate,
+        knockout_flops,
+        probe_flops,
+        rung2_seconds,
+        screen_flops,
+    )
 
     session = _session_of(_wide_model(tmp_path), knockout_screen_method="atp")
     build, probe = session.loaded.build("fp32"), session.settings.knockout_probe
     shapes: list[tuple[int, ...]] = []
+    rates, took = {}, {}
     with hooked(
         (build.model, "pre_kwargs", lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)))
     ):
-        started = time.perf_counter()
-        rate = calibrated_rate(build, probe)
-        took = time.perf_counter() - started
-        assert calibrated_rate(build, probe) == rate  # the second plan of this build reuses it
+        for kind in KINDS:
+            started = time.perf_counter()
+            rates[kind] = calibrated_rate(build, probe, kind)
+            took[kind] = time.perf_counter() - started
+            assert calibrated_rate(build, probe, kind) == rates[kind]  # the second plan of this build reuses it
     T = 2 * probe.L + (build.tokens.bos_id is not None)
     rows = min(CALIBRATION_ROWS, probe.n)
-    assert shapes == [(1, T), (rows, T)]  # a warm-up of one sequence, then the timed rows
-    timed = type(probe)(seed=probe.seed, n=rows, L=probe.L)
-    assert probe_flops(build, timed) / took <= rate < float("inf")  # the timed forward took less than the whole call
+    stacked = _auto_per_pass(build, None, rows, probe.n, T)
+    assert stacked > 1  # the wide model's replays stack knockouts: a pass of its own size is timed
+    # a warm-up of one sequence, the timed rows, the stacked replay's rows, the screen's warm-up and timed sequence
+    assert shapes == [(1, T), (rows, T), (rows * stacked, T), (1, T), (1, T)]
+    for kind, n in (("forward", rows), ("replay", rows * stacked)):  # each timed pass took less than its call
+        assert probe_flops(build, type(probe)(seed=probe.seed, n=n, L=probe.L)) / took[kind] <= rates[kind]
+    one = type(probe)(seed=probe.seed, n=1, L=probe.L)
+    assert screen_flops(build, one, "atp") / took["screen"] <= rates["screen"] < float("inf")
+    counted = knockout_flops(build, probe)
+    heads = build.geometry.n_layers * build.geometry.n_heads
+    expected = (
+        counted["forward"] / rates["forward"]
+        + 12 * (counted["scan"] - counted["forward"]) / heads / rates["replay"]
+        + screen_flops(build, probe, "atp") / rates["screen"]
+    )
+    assert rung2_seconds(build, probe, 10, 2, "atp") == pytest.approx(expected, rel=1e-12)

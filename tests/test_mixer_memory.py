@@ -5,6 +5,8 @@ capped alike; models without the reference scan keep their rows."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,22 +19,19 @@ from pytest_circuits.rungs.repeat import repeat_tokens
 from pytest_circuits.rungs.repeat_settings import RepeatSettings
 
 T = 129  # the default probe's tokens: 2 x 64 and a BOS
-FALCON_H1_1_5B = dict(  # tiiuae/Falcon-H1-1.5B-Base's config.json dimensions
-    hidden_size=2048,
-    intermediate_size=4608,
-    num_hidden_layers=24,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=128,
-    vocab_size=65537,
-    tie_word_embeddings=False,
-    mamba_d_ssm=3072,
-    mamba_n_heads=48,
-    mamba_d_head=64,
-    mamba_n_groups=1,
-    mamba_d_state=256,
-    mamba_d_conv=4,
-)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def release_shape(name: str) -> dict:
+    """A release's config dimensions, as `scripts/measure_sizes.py` builds its random-weight checkpoints."""
+    spec = importlib.util.spec_from_file_location("measure_sizes", ROOT / "scripts" / "measure_sizes.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {key: value for key, value in module.SHAPES[name].items() if key != "model_type"}
+
+
+FALCON_H1_1_5B = release_shape("falcon-h1-1.5b")
 
 
 def falcon_h1(device: str, **overrides):

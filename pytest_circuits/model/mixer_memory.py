@@ -76,10 +76,14 @@ def kept_bytes(model: Any, tokens: int) -> int:
 
         embed = model.get_input_embeddings()
         ids = torch.zeros(1, tokens, dtype=torch.long, device=embed.weight.device)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _not_kept):
             model(inputs_embeds=embed(ids).detach().requires_grad_(), use_cache=False)
         per_model[tokens] = counted[0]
     return per_model[tokens]
+
+
+def _not_kept(_: object) -> torch.Tensor:
+    raise RuntimeError("kept_bytes counts what a backward would keep and keeps none of it: there is no backward")
 
 
 def block_bytes(model: Any, tokens: int) -> int:

@@ -92,7 +92,7 @@ class BuildMeasurement:
     def scan_plan(self, build_name: str, knockout: bool, method) -> float | None:
         """Before a build's whole scan under a rung-2 plan chosen by size (and one process doing all of
         it): say its counted cost and time (`rungs.plan.scan_estimate`) and return the seconds; else None."""
-        from ..rungs.plan import scan_estimate, screened_flops
+        from ..rungs.plan import rung2_seconds, scan_estimate, screened_flops
 
         s = self.loaded.settings
         measured = self.loaded.memoised(("ov_spectrum", build_name, method.null)) is not None
@@ -105,13 +105,11 @@ class BuildMeasurement:
         if knockout:
             assert chosen.top_k is not None
             method_2 = self.screen_method(build_name)
-            rung2 = screened_flops(
-                build,
-                s.knockout_probe,
-                chosen.top_k,
-                len(chosen.must_include),
-                method_2,
-                rung2_plan.screen_variant(self.loaded.settings),
+            variant = rung2_plan.screen_variant(self.loaded.settings)
+            n_key = len(chosen.must_include)
+            rung2 = (
+                screened_flops(build, s.knockout_probe, chosen.top_k, n_key, method_2, variant),
+                rung2_seconds(build, s.knockout_probe, chosen.top_k, n_key, method_2, variant),
             )
         line, seconds = scan_estimate(build, s.probe, method.n_rotations, rung2)
         self.loaded.say(line)

@@ -1,13 +1,15 @@
 """The counted cost of a rung-2 plan (screen + exact knockouts, or every head exactly) and of a
 build's whole scan (rung 1, the probe, rung 2), and their time at the rate the build's own forward
-reaches when the plan is made (`calibrated_rate`; rung 1's float32 products at a float32 matmul's):
+reaches in each kind of pass when the plan is made (`calibrated_rate`: a forward, a stacked knockout
+replay, the screen's forward and backward; rung 1's float32 products at a float32 matmul's):
 the lines printed before a plan chosen by size starts, and after it ran.
 
 Counts (multiply-add = 2), with ``forward`` = `knockout_flops`'s one forward:
 
 * exact knockouts of ``k`` heads: ``forward + k x`` the mean replay of one head
   (``(scan(all) - forward) / heads``: the heads the screen will pick are not known before it runs);
-* screen ``atp``: one forward and one backward, ``3 forward``;
+* screen ``atp``: one forward and one backward, ``3 forward`` (``4`` where the backward recomputes
+  each block, `screen.screen_layout`);
 * ``atp*`` adds the QK fix: for every pair of a source layer and a later layer, the later layer's
   attention on ``n_heads`` stacked copies of every token (``n T n_heads x n_layers (n_layers - 1) / 2``
   attention passes of ``2 x`` its matrix parameters ``+ 4 n_heads d_head (T+1)/2`` a token);
@@ -77,13 +79,13 @@ def knockout_flops(build: LoadedBuild, settings: RepeatSettings, heads=None) -> 
 def screen_flops(build, settings: RepeatSettings, method: str, variant=None) -> float:
     """Counted FLOPs of the screen ``method`` over every head (module docstring); ``variant``: a
     `screen.ScreenVariant` (None: today's screen)."""
-    from .screen import TODAY, grad_drop_blocks
+    from .screen import TODAY, grad_drop_blocks, screen_layout
 
     variant = TODAY if variant is None else variant
     geo = build.geometry
     n = settings.n if variant.sequences is None else min(variant.sequences, settings.n)
     forward = knockout_flops(build, settings, heads=[])["forward"] * n / settings.n
-    flops = 3 * forward
+    flops = (4 if screen_layout(build, n, settings.L).recompute else 3) * forward
     if method.startswith("atp*"):
         T = 2 * settings.L + bos_offset(build.tokens)
         attn = attention_module(build.model, geo.n_layers - 1)
@@ -156,28 +158,62 @@ def _wall(device: torch.device, run) -> float:
 
 
 CALIBRATION_ROWS = 8  # sequences of the timed forward: the knockout pass's default batch
-_CALIBRATED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> FLOP/s, one calibration a build
+KINDS = ("forward", "replay", "screen")
+_CALIBRATED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(kind, T): FLOP/s}
 
 
-def calibrated_rate(build, settings: RepeatSettings, rows: int = CALIBRATION_ROWS) -> float:
-    """FLOP/s the build's own forward reaches now: one forward of ``rows`` of the probe's sequences,
-    timed after an untimed one of a single sequence, its counted FLOPs (`probe_flops`) over its wall
-    time. Unlike a matmul's rate (`measured_rate`) it runs what rung 2 runs: the build's dtype and
+def calibrated_rate(build, settings: RepeatSettings, kind: str = "forward", rows: int = CALIBRATION_ROWS) -> float:
+    """FLOP/s the build reaches now in one pass of the ``kind`` rung 2 runs, its counted FLOPs over its
+    wall time, timed once per build, kind and probe length, after an untimed forward of one sequence:
+
+    * ``forward``: a forward of ``rows`` of the probe's sequences (`probe_flops`): the intact pass, the probe;
+    * ``replay``: a forward of the sequences one stacked knockout replay holds (``rows`` times the
+      knockouts `knockout._auto_per_pass` stacks; the ``forward`` pass where it stacks none): the exact knockouts;
+    * ``screen``: the atp screen's forward and backward of one sequence (`screen.atp`, counted as
+      `screen_flops` counts it), after an untimed one: the screen.
+
+    Unlike a matmul's rate (`measured_rate`) each runs what rung 2 runs: the build's dtype and
     quantization, its attention, norms and elementwise work and the Python between them, at the
-    machine's present load. Measured once per build."""
+    machine's present load."""
+    from .knockout import _auto_per_pass
     from .replay import attention_implementation, held_out_ids
 
     model = build.model
-    if model in _CALIBRATED:
-        return _CALIBRATED[model]
+    rates = _CALIBRATED.setdefault(model, {})
     T = 2 * settings.L + bos_offset(build.tokens)
-    timed = replace(settings, n=scan_rows(model, max(1, min(rows, settings.n)), T, build.device))
+    if (kind, T) in rates:
+        return rates[kind, T]
+    rows = scan_rows(model, max(1, min(rows, settings.n)), T, build.device)
+    stacked = _auto_per_pass(build, None, rows, settings.n, T) if kind == "replay" else 1
+    timed = replace(settings, n=rows)
     ids = held_out_ids(build, timed).to(build.device)
-    with torch.no_grad(), attention_implementation(model):
-        model(input_ids=ids[:1], use_cache=False)  # warm-up: kernels chosen, buffers allocated
-        took = _wall(build.device, lambda: model(input_ids=ids, use_cache=False))
-    _CALIBRATED[model] = rate = probe_flops(build, timed) / max(took, 1e-9)
-    return rate
+    with attention_implementation(model):
+        if not rates:
+            with torch.no_grad():
+                model(input_ids=ids[:1], use_cache=False)  # warm-up: kernels chosen, buffers allocated
+        if kind == "screen":
+            rates[kind, T] = _screen_rate(build, settings, ids[:1])
+        else:
+            tiled = ids.repeat(stacked, 1)
+            with torch.no_grad():
+                took = _wall(build.device, lambda: model(input_ids=tiled, use_cache=False))
+            rates[kind, T] = probe_flops(build, replace(settings, n=rows * stacked)) / max(took, 1e-9)
+    return rates[kind, T]
+
+
+def _screen_rate(build, settings: RepeatSettings, ids: torch.Tensor) -> float:
+    """FLOP/s of the atp screen on the one sequence ``ids``; the forward's rate where the build's
+    kernels run outside autograd (no screen runs there)."""
+    from .screen import atp, screen_layout
+
+    one = replace(settings, n=1)
+    recompute = screen_layout(build, 1, one.L).recompute
+    try:  # a first backward of a shape sets up its kernels (SmolLM2: 9.6 s, then 1.3 s): untimed
+        atp(build, ids, one.L, "zero", None, 1, recompute=recompute)
+        took = _wall(build.device, lambda: atp(build, ids, one.L, "zero", None, 1, recompute=recompute))
+    except (RuntimeError, NotImplementedError, TypeError):  # as `knockout_scan` falls back from the screen
+        return calibrated_rate(build, settings, "forward")
+    return screen_flops(build, one, "atp") / max(took, 1e-9)
 
 
 def rung1_flops(geometry, n_rotations: int) -> float:
@@ -226,36 +262,61 @@ def screened_flops(build, settings: RepeatSettings, top_k: int, n_key: int, meth
     return screen_flops(build, settings, method, variant) + exact
 
 
+def rung2_seconds(build, settings: RepeatSettings, top_k: int | None, n_key: int, method: str, variant=None) -> float:
+    """Rung 2's time, each kind of pass at its own rate (`calibrated_rate`): the intact forward at the
+    forward's, the ``method`` screen at the screen's, the replays of ``top_k + n_key`` heads (``top_k``
+    None: every head, no screen) at a stacked replay's."""
+    geo = build.geometry
+    heads = geo.n_layers * geo.n_heads
+    counted = knockout_flops(build, settings)
+    exact = heads if top_k is None else min(heads, top_k + n_key)
+    seconds = counted["forward"] / calibrated_rate(build, settings)
+    seconds += exact * (counted["scan"] - counted["forward"]) / heads / calibrated_rate(build, settings, "replay")
+    if top_k is not None:
+        seconds += screen_flops(build, settings, method, variant) / calibrated_rate(build, settings, "screen")
+    return seconds
+
+
+def _gflops(rate: float) -> str:
+    return f"{rate / 1e9:.0f}" if rate >= 1e10 else f"{rate / 1e9:.2g}"
+
+
+def _rates(build, settings: RepeatSettings, kinds=KINDS) -> str:
+    return ", ".join(f"{kind} {_gflops(calibrated_rate(build, settings, kind))}" for kind in kinds) + " GFLOP/s"
+
+
 def plan_estimate(
     build, settings: RepeatSettings, top_k: int, n_key: int, method: str, variant=None
 ) -> tuple[str, float]:
-    """``(plan_line's line, its estimate in seconds)``: counted FLOPs at the rate the build's own
-    forward reaches now (`calibrated_rate`)."""
+    """``(plan_line's line, its estimate in seconds)``: counted FLOPs, each kind of pass at the rate
+    the build reaches in it now (`rung2_seconds`)."""
     heads = build.geometry.n_layers * build.geometry.n_heads
-    rate = calibrated_rate(build, settings)
     planned = screened_flops(build, settings, top_k, n_key, method, variant)
+    seconds = rung2_seconds(build, settings, top_k, n_key, method, variant)
     full = exact_flops(build, settings)
     line = (
         f"circuits: rung 2 of {build.label} ({heads} heads): the {method} screen over every head, then the top "
         f"{top_k} and {n_key} key head(s) of the baselines exactly: counted {planned / 1e12:.3g} TFLOP, about "
-        f"{_duration(planned / rate)} at {rate / 1e9:.0f} GFLOP/s (its forward timed here); the full exact scan "
-        f"would be {full / 1e12:.3g} TFLOP, about {_duration(full / rate)}"
+        f"{_duration(seconds)} ({_rates(build, settings)}, one pass of each timed here); the full exact scan "
+        f"would be {full / 1e12:.3g} TFLOP, about {_duration(rung2_seconds(build, settings, None, 0, method))}"
     )
-    return line, planned / rate
+    return line, seconds
 
 
-def scan_estimate(build, probe: RepeatSettings, n_rotations: int, rung2_flops: float | None) -> tuple[str, float]:
-    """``(line, seconds)`` of a build's whole scan: rung 1 at a float32 matmul's rate, the probe and
-    ``rung2_flops`` (None: no knockouts) at the rate of the build's own forward (`calibrated_rate`),
-    both measured now."""
+def scan_estimate(
+    build, probe: RepeatSettings, n_rotations: int, rung2: tuple[float, float] | None
+) -> tuple[str, float]:
+    """``(line, seconds)`` of a build's whole scan: rung 1 at a float32 matmul's rate, the probe at the
+    rate of the build's own forward (`calibrated_rate`), both measured now, and ``rung2``'s
+    ``(counted FLOPs, seconds)`` (`rung2_seconds`; None: no knockouts)."""
     float32 = measured_rate(build, dtype=torch.float32)
     own = calibrated_rate(build, probe)
     rung1, forward = rung1_flops(build.geometry, n_rotations), probe_flops(build, probe)
-    seconds = rung1 / float32 + (forward + (rung2_flops or 0.0)) / own
-    rung2 = "" if rung2_flops is None else f" and rung 2 {rung2_flops / 1e12:.3g}"
+    seconds = rung1 / float32 + forward / own + (rung2[1] if rung2 else 0.0)
+    said = "" if rung2 is None else f"; rung 2 {rung2[0] / 1e12:.3g} TFLOP, {_duration(rung2[1])} (its passes timed)"
     line = (
         f"circuits: the scan of {build.label}: rung 1 counts {rung1 / 1e12:.3g} TFLOP (float32, "
-        f"{float32 / 1e9:.0f} GFLOP/s), the probe {forward / 1e12:.3g}{rung2} TFLOP ({own / 1e9:.0f} GFLOP/s): "
-        f"about {_duration(seconds)} (a float32 matmul and the build's forward timed here)"
+        f"{_gflops(float32)} GFLOP/s), the probe {forward / 1e12:.3g} TFLOP ({_gflops(own)} GFLOP/s){said}: "
+        f"about {_duration(seconds)} (a float32 matmul and the build's passes timed here)"
     )
     return line, seconds
