@@ -226,15 +226,15 @@ def test_inexact_replay_falls_back_to_the_plain_loop(fp32_builds):
 def test_int8_is_not_stacked_by_default(tiny_folders):
     build = load_build(resolve_model(str(tiny_folders["gpt2"])), "bnb-int8", "cpu")
     assert not replay.batch_invariant(build)
-    assert knockout._auto_per_pass(build, None, 8, 8, 25) == 1
+    assert knockout.auto_per_pass(build, None, 8, 8, 25) == 1
 
 
 def test_cpu_stacks_knockouts_up_to_a_token_budget(fp32_builds):
     build = fp32_builds["llama"]
     budget = knockout.CPU_TOKENS_PER_PASS
-    assert knockout._auto_per_pass(build, None, 8, 8, budget // 8 // 5) == 5
-    assert knockout._auto_per_pass(build, None, 8, 8, budget // 8 * 3) == 1  # one knockout per pass at least
-    assert knockout._auto_per_pass(build, 7, 8, 8, budget) == 7  # asked for: as asked
+    assert knockout.auto_per_pass(build, None, 8, 8, budget // 8 // 5) == 5
+    assert knockout.auto_per_pass(build, None, 8, 8, budget // 8 * 3) == 1  # one knockout per pass at least
+    assert knockout.auto_per_pass(build, 7, 8, 8, budget) == 7  # asked for: as asked
 
 
 def test_subset_and_screening_agree_with_full_scan(fp32_builds):
@@ -807,7 +807,7 @@ def test_the_plan_times_one_pass_of_each_kind_once(tmp_path):
     each its counted FLOPs over its wall time, measured once per build; `rung2_seconds` adds the
     stage's counted passes, each kind at its rate."""
     from pytest_circuits.model.hooks import hooked
-    from pytest_circuits.rungs.knockout import _auto_per_pass
+    from pytest_circuits.rungs.knockout import auto_per_pass
     from pytest_circuits.rungs.plan import (
         CALIBRATION_ROWS,
         KINDS,
@@ -832,7 +832,7 @@ def test_the_plan_times_one_pass_of_each_kind_once(tmp_path):
             assert calibrated_rate(build, probe, kind) == rates[kind]  # the second plan of this build reuses it
     T = 2 * probe.L + (build.tokens.bos_id is not None)
     rows = min(CALIBRATION_ROWS, probe.n)
-    stacked = _auto_per_pass(build, None, rows, probe.n, T)
+    stacked = auto_per_pass(build, None, rows, probe.n, T)
     assert stacked > 1  # the wide model's replays stack knockouts: a pass of its own size is timed
     # a warm-up of one sequence, the timed rows, the stacked replay's rows, the screen's warm-up and timed sequence
     assert shapes == [(1, T), (rows, T), (rows * stacked, T), (1, T), (1, T)]

@@ -106,15 +106,15 @@ def test_one_falcon_h1_1_5b_sequence_does_not_fit_so_the_screen_recomputes_block
 def test_a_stacked_knockout_replay_is_capped_like_one_forward(monkeypatch):
     """The replay stacks knockouts on the sequences of a pass (about 2,048 tokens on a CPU): on the
     reference scan that is rows x stacked sequences at once, capped as one forward's rows."""
-    from pytest_circuits.rungs.knockout import _auto_per_pass
+    from pytest_circuits.rungs.knockout import auto_per_pass
 
     full = falcon_h1("meta")
     monkeypatch.setattr(mixer_memory, "kept_bytes", lambda model, tokens: 24 * 110 * 10**6)
     rows = scan_rows(full, 64, T, "cpu")
     assert 1 <= rows < 8
     build = SimpleNamespace(model=full, device=torch.device("cpu"), llm_int8=False)
-    assert _auto_per_pass(build, None, 1, 8, T) == rows
-    assert _auto_per_pass(build, None, rows, 8, T) == 1
+    assert auto_per_pass(build, None, 1, 8, T) == rows
+    assert auto_per_pass(build, None, rows, 8, T) == 1
 
 
 @pytest.mark.parametrize("model_type", ["falcon_h1", "nemotron_h"])
@@ -148,7 +148,7 @@ def test_the_screen_with_recomputed_blocks_gives_the_kept_screens_estimates(tiny
 
 
 def test_models_without_a_reference_scan_keep_their_rows():
-    from pytest_circuits.rungs.knockout import CPU_TOKENS_PER_PASS, _auto_per_pass
+    from pytest_circuits.rungs.knockout import CPU_TOKENS_PER_PASS, auto_per_pass
     from pytest_circuits.testing import make_tiny_model
 
     llama, falcon = make_tiny_model("llama"), make_tiny_model("falcon_h1")
@@ -156,7 +156,7 @@ def test_models_without_a_reference_scan_keep_their_rows():
     assert reference_scan(falcon, "cpu") and scan_rows(falcon, 8, T, "cpu") == 8  # small: under budget
     for model in (llama, falcon):
         build = SimpleNamespace(model=model, device=torch.device("cpu"), llm_int8=False)
-        assert _auto_per_pass(build, None, 8, 4, 33) == round(CPU_TOKENS_PER_PASS / (4 * 33))
+        assert auto_per_pass(build, None, 8, 4, 33) == round(CPU_TOKENS_PER_PASS / (4 * 33))
 
 
 def test_a_large_build_on_the_reference_scan_maps_its_large_blocks(monkeypatch):

@@ -87,7 +87,7 @@ def _replayed_deltas(build, intact: Intact, pairs, mode, L, knockouts_per_pass, 
     return losses
 
 
-def _auto_per_pass(build, knockouts_per_pass, batch_size, n, tokens_per_row: int) -> int:
+def auto_per_pass(build, knockouts_per_pass, batch_size, n, tokens_per_row: int) -> int:
     """Knockouts stacked in one replay: ``ROWS_PER_PASS`` rows on an accelerator; on a CPU about
     ``CPU_TOKENS_PER_PASS`` tokens (bigger matmuls there run at a lower rate per knockout: on
     SmolLM2-135M at n 8, L 64 the scan of 27 heads took 10-15% longer stacked 8 high than 1-2 high)."""
@@ -133,7 +133,7 @@ def knockout_scan(
     only on the ``k`` top-ranked heads among ``heads`` (default all), plus ``must_include`` (always exact).
     ``screen_method``: ``"atp*"`` (default, `screen.atp_star`: attribution patching with the
     QK fix), ``"atp*gd"`` (and GradDrop) or ``"atp"`` (plain attribution patching).
-    ``knockouts_per_pass``: knockouts stacked in one replay (default `_auto_per_pass`: up to
+    ``knockouts_per_pass``: knockouts stacked in one replay (default `auto_per_pass`: up to
     ``ROWS_PER_PASS`` rows on an accelerator, ``CPU_TOKENS_PER_PASS`` tokens on a CPU; 1 for
     bnb-int8, see `batch_invariant`). ``replay=False`` runs the
     plain loop (one full forward per head); so does a model whose replay is not exact (one warning).
@@ -214,7 +214,7 @@ def knockout_scan(
     with Progress(len(exact), f"knockout {build.label}", total_cost=total_cost, enabled=progress, write=write) as bar:
         with attention_implementation(build.model):
             if replay:
-                per_pass = _auto_per_pass(build, knockouts_per_pass, batch_size, n, ids.shape[1])
+                per_pass = auto_per_pass(build, knockouts_per_pass, batch_size, n, ids.shape[1])
                 losses = _replayed_deltas(build, intact, exact, mode, settings.L, per_pass, bar)
             else:
                 losses = plain_knockout_losses(build, ids, settings.L, exact, mode, intact.means, batch_size, bar)

@@ -168,14 +168,14 @@ def calibrated_rate(build, settings: RepeatSettings, kind: str = "forward", rows
 
     * ``forward``: a forward of ``rows`` of the probe's sequences (`probe_flops`): the intact pass, the probe;
     * ``replay``: a forward of the sequences one stacked knockout replay holds (``rows`` times the
-      knockouts `knockout._auto_per_pass` stacks; the ``forward`` pass where it stacks none): the exact knockouts;
+      knockouts `knockout.auto_per_pass` stacks; the ``forward`` pass where it stacks none): the exact knockouts;
     * ``screen``: the atp screen's forward and backward of one sequence (`screen.atp`, counted as
       `screen_flops` counts it), after an untimed one: the screen.
 
     Unlike a matmul's rate (`measured_rate`) each runs what rung 2 runs: the build's dtype and
     quantization, its attention, norms and elementwise work and the Python between them, at the
     machine's present load."""
-    from .knockout import _auto_per_pass
+    from .knockout import auto_per_pass
     from .replay import attention_implementation, held_out_ids
 
     model = build.model
@@ -184,7 +184,7 @@ def calibrated_rate(build, settings: RepeatSettings, kind: str = "forward", rows
     if (kind, T) in rates:
         return rates[kind, T]
     rows = scan_rows(model, max(1, min(rows, settings.n)), T, build.device)
-    stacked = _auto_per_pass(build, None, rows, settings.n, T) if kind == "replay" else 1
+    stacked = auto_per_pass(build, None, rows, settings.n, T) if kind == "replay" else 1
     timed = replace(settings, n=rows)
     ids = held_out_ids(build, timed).to(build.device)
     with attention_implementation(model):

@@ -56,7 +56,7 @@ def token_bytes(n: int, L: int, vocab: int) -> int:
 
 
 def replay_rows(n: int, L: int, batch_size: int, n_heads: int, device="cpu") -> int:
-    """Rows of one knockout replay pass (`knockout._auto_per_pass`): on a CPU ``b`` rows times the
+    """Rows of one knockout replay pass (`knockout.auto_per_pass`): on a CPU ``b`` rows times the
     knockouts that fill `KNOCKOUT_CPU_TOKENS` tokens, on an accelerator ``min(max(b, 64), n H)``."""
     b, T = min(batch_size, n), 2 * L + 1
     if str(device).startswith("cpu"):
