@@ -35,7 +35,10 @@ checkpoint of the model saved by that library (`LIBRARY_CHECKPOINTS`), written o
 the model (`gguf_quant.cached_gguf`) run by llama.cpp with each cache of ``--caches`` against the
 torch dequantisation of the same file with the same cache simulated (f16, llama.cpp's default, is
 full precision in torch), on the same sequences; and against fp32 in torch, gated on copy_loss
-(the one probe invariant llama.cpp's logits can gate).
+(the one probe invariant llama.cpp's logits can gate). The cache's part of each gap is the gap less the
+f16 row's (llama.cpp's activations, quantized by its kernels), per sequence. ``--probe-n N`` probes N
+sequences (default the option's, 8); it is part of the command shown above a table, and of the
+record folder (``--records``), so a rerun of that command measures the same sequences.
 
     python scripts/measure_formats.py --model smollm2-135m --probe-length 64 --llama-cpp Q8_0,Q4_0
 """
@@ -55,7 +58,7 @@ from pathlib import Path
 import torch
 
 from pytest_circuits.gate.invariants import gate_all, key_heads
-from pytest_circuits.gate.stats import paired_interval
+from pytest_circuits.gate.stats import mean_interval, paired_interval
 from pytest_circuits.gate.tolerances import Tolerances
 from pytest_circuits.model.calibrated import HELD_OUT_MODULES, text_ids
 from pytest_circuits.model.quantized_cache import decode_cache_of
@@ -83,7 +86,11 @@ FORMATS_TINY = (
 )
 FORMATS_SMOLLM2 = "w4a16-rtn-g64,gptq-int4-g64,awq-int4-g64,rtn-int4,fp8-e4m3-dyn,int8-w8a8,fp8-e4m3"
 SMOLLM2 = ["--model", "smollm2-135m"]
+LLAMA_SMOLLM2 = [*SMOLLM2, "--llama-cpp", "Q8_0"]
 LLAMA_FILES = "Q8_0,Q4_0"
+# SmolLM2's llama tables: sequences (--probe-n) and the caches measured with -qdot and one-ulp bumps (--spread);
+# each of those is another torch probe of the whole plan (L 512, n 32: about 6 minutes each here)
+LLAMA_N_L64, LLAMA_SPREAD_L64, LLAMA_N_L512, LLAMA_SPREAD_L512 = "64", "q4_1", "32", "none"
 RECORDS = Path("/tmp/pytest-circuits-formats")
 PLANS: dict[str, tuple[str, list[str]]] = {  # block: (page, arguments); each fact of a table declared here
     "formats-tiny": ("docs/formats.md", ["--builds", FORMATS_TINY]),
@@ -110,10 +117,13 @@ PLANS: dict[str, tuple[str, list[str]]] = {  # block: (page, arguments); each fa
     # llama.cpp in the loop (the llama extra): its kernels and caches against torch on the same GGUF file
     "llama-tiny-L32": ("docs/kv-cache.md", ["--llama-cpp", LLAMA_FILES, "--probe-length", "32"]),
     "llama-tiny-L64": ("docs/kv-cache.md", ["--llama-cpp", LLAMA_FILES, "--probe-length", "64"]),
-    "llama-smollm2-L64": ("docs/kv-cache.md", [*SMOLLM2, "--llama-cpp", "Q8_0", "--probe-length", "64"]),
-    "llama-smollm2-L512": (  # -qdot and the one-ulp spread of one 4-bit cache: each is a probe of minutes here
+    "llama-smollm2-L64": (  # n = 64: a 4-bit cache's mean to about +-0.06 against llama.cpp (n = 8: +-0.2)
         "docs/kv-cache.md",
-        [*SMOLLM2, "--llama-cpp", "Q8_0", "--probe-length", "512", "--spread", "q4_0"],
+        [*LLAMA_SMOLLM2, "--probe-length", "64", "--probe-n", LLAMA_N_L64, "--spread", LLAMA_SPREAD_L64],
+    ),
+    "llama-smollm2-L512": (
+        "docs/kv-cache.md",
+        [*LLAMA_SMOLLM2, "--probe-length", "512", "--probe-n", LLAMA_N_L512, "--spread", LLAMA_SPREAD_L512],
     ),
 }
 
@@ -232,7 +242,7 @@ def run_plans(only: str | None, write: bool, records: str | None = None) -> None
 
 LLAMA_COLUMNS = (
     "| weights | cache | llama.cpp copy loss [interval] | torch, same file and cache | llama.cpp - torch [95% paired] "
-    "| torch with -qdot: llama.cpp - torch | torch's one-ulp spread: sd per sequence (mean) "
+    "| the cache's part: that minus f16's [95% paired] | torch with -qdot: llama.cpp - torch | torch's one-ulp spread: sd per sequence (mean) "
     "| llama.cpp - fp32 torch [95% paired] | copy_loss gate vs fp32 | s (torch runs) |"
 )
 
@@ -275,6 +285,17 @@ def llama_run(source, spec: str, kv, settings) -> dict:
     return probe_figures(llama_repeat_probe(path, build.tokens, build.geometry, settings, kv, threads()))
 
 
+def cache_part(ours: dict, theirs: dict, ours_f16: dict, theirs_f16: dict) -> str:
+    """The cache's part of llama.cpp's gap to torch: per sequence, (llama.cpp - torch with the cache
+    simulated) - (llama.cpp - torch with f16, the engine's activations alone), its mean with the 95%
+    interval of those differences: ``-0.012 [-0.040, +0.016]``."""
+    key = sequences_key("copy_loss")
+    parts = [(a - b) - (c - d) for a, b, c, d in zip(ours[key], theirs[key], ours_f16[key], theirs_f16[key])]
+    mean = (ours["copy_loss"] - theirs["copy_loss"]) - (ours_f16["copy_loss"] - theirs_f16["copy_loss"])
+    interval = mean_interval(parts)
+    return f"{mean:+.3f} [{interval[0]:+.3f}, {interval[1]:+.3f}]" if interval else f"{mean:+.3f}"
+
+
 def spread(plain: dict, bumped: dict) -> str:
     """``sd (mean)`` of the per-sequence copy-loss change a one-ulp bump makes."""
     key = sequences_key("copy_loss")
@@ -282,6 +303,16 @@ def spread(plain: dict, bumped: dict) -> str:
     mean = sum(moved) / len(moved)
     sd = (sum((m - mean) ** 2 for m in moved) / max(1, len(moved) - 1)) ** 0.5
     return f"{sd:.3f} ({mean:+.3f})"
+
+
+def cached_figures(records: Path, name: str, measure) -> dict:
+    """``measure()``'s figures and the seconds it took, kept in ``records`` as ``llama-NAME.json``."""
+    path = records / f"llama-{name}.json"
+    if not path.is_file():
+        start = time.perf_counter()
+        figures = measure()
+        path.write_text(json.dumps({**figures, "seconds": time.perf_counter() - start}))
+    return json.loads(path.read_text())
 
 
 def llama_table(args, records: Path) -> list[str]:
@@ -298,19 +329,13 @@ def llama_table(args, records: Path) -> list[str]:
 
     source = resolve_model(args.model)
     settings = RepeatSettings(
-        seed=0, n=parse_value("probe-n", None), L=args.probe_length or parse_value("probe-length", None)
+        seed=0, n=args.probe_n or parse_value("probe-n", None), L=args.probe_length or parse_value("probe-length", None)
     )
 
-    def cached(name: str, measure) -> dict:
-        path = records / f"llama-{name}.json"
-        if not path.is_file():
-            start = time.perf_counter()
-            figures = measure()
-            path.write_text(json.dumps({**figures, "seconds": time.perf_counter() - start}))
-        return json.loads(path.read_text())
+    cached = partial(cached_figures, records)
 
     def record_fp32() -> dict:  # a whole record: the gate's invariants read records (`record.schema.Record`)
-        raw = {"model": args.model, "builds": "fp32", "probe-length": settings.L}
+        raw = {"model": args.model, "builds": "fp32", "probe-length": settings.L, "probe-n": settings.n}
         run = Run(build_settings(raw, Path("baselines"), device="cpu"))
         return json.loads(dumps(run.records.record("fp32", knockout=False).data))
 
@@ -321,7 +346,7 @@ def llama_table(args, records: Path) -> list[str]:
         f"llama-cpp-python {llama_cpp_version()}, {threads()} threads",
         "",
         LLAMA_COLUMNS,
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind in args.llama_cpp.split(","):
         spec = f"{kind.lower()}={cached_gguf(args.model, kind)}"
@@ -329,6 +354,11 @@ def llama_table(args, records: Path) -> list[str]:
             kv = None if cache == DEFAULT_CACHE else parse_kv(cache)
             ours = cached(f"{kind}-{cache}.llama", partial(llama_run, source, spec, kv, settings))
             theirs = cached(f"{kind}-{cache}.torch", partial(torch_pair, source, spec, kv, settings))
+            part = "n/a (the activations' part)"
+            if kv is not None:  # the f16 row's gap is llama.cpp's activations alone: measured once per file
+                ours_f16 = cached(f"{kind}-{DEFAULT_CACHE}.llama", partial(llama_run, source, spec, None, settings))
+                theirs_f16 = cached(f"{kind}-{DEFAULT_CACHE}.torch", partial(torch_pair, source, spec, None, settings))
+                part = cache_part(ours, theirs, ours_f16, theirs_f16)
             seconds = [theirs["seconds"]]
             qdot = floor = "n/a (no cache simulated)" if kv is None else "not measured (--spread)"
             if kv is not None and (args.spread is None or cache in args.spread.split(",")):
@@ -346,11 +376,16 @@ def llama_table(args, records: Path) -> list[str]:
             say = "pass" if verdict.status == "passed" else "FAIL" if verdict.status == "failed" else verdict.status
             lines.append(
                 f"| {kind} | {cache} | {ours['copy_loss']:.4f} [{low:.4f}, {high:.4f}] | "
-                f"{theirs['copy_loss']:.4f} ({torch_cache}) | {change(theirs, ours)} | {qdot} | {floor} | "
+                f"{theirs['copy_loss']:.4f} ({torch_cache}) | {change(theirs, ours)} | {part} | {qdot} | {floor} | "
                 f"{change(fp32, ours)} | {say} | {took} |"
             )
             print(lines[-1], flush=True)
     return lines
+
+
+def records_folder(model: str, length: int | None, n: int | None) -> str:
+    """The record folder of a plan under ``--records``: one per model, probe length and number of sequences."""
+    return model + (f"-L{length}" if length else "") + (f"-n{n}" if n else "")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -364,6 +399,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--knockout-screen-method", default=None, help="atp, atp* or atp*gd (SmolLM2's: atp)")
     parser.add_argument("--no-knockout", action="store_true", help="skip rung 2 (knockout deltas)")
     parser.add_argument("--probe-length", type=int, default=None, help="segment length L (default: the option's)")
+    parser.add_argument("--probe-n", type=int, default=None, help="number of probe sequences (default: the option's)")
     parser.add_argument("--all", action="store_true", help="every measured table of the pages: each plan of PLANS")
     parser.add_argument("--only", default=None, help="some of the plans, a comma list of blocks: " + ", ".join(PLANS))
     parser.add_argument(
@@ -385,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--spread",
         default=None,
-        help="with --llama-cpp: the caches measured with -qdot and one-ulp bumps (default all)",
+        help="with --llama-cpp: the caches measured with -qdot and one-ulp bumps (default all; none: none)",
     )
     args = parser.parse_args(argv)
     if args.all or args.only:
@@ -393,7 +429,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.write_docs == "":
         parser.error("--write-docs needs PAGE:BLOCK, or --all / --only to write each plan's own block")
-    records = (args.records or RECORDS) / (args.model + (f"-L{args.probe_length}" if args.probe_length else ""))
+    records = (args.records or RECORDS) / records_folder(args.model, args.probe_length, args.probe_n)
     records.mkdir(parents=True, exist_ok=True)
     if args.llama_cpp:
         lines = llama_table(args, records)
@@ -406,6 +442,7 @@ def main(argv: list[str] | None = None) -> None:
         "knockout-screen": args.knockout_screen,
         "knockout-screen-method": args.knockout_screen_method,
         "probe-length": args.probe_length,
+        "probe-n": args.probe_n,
     }
     session = Run(build_settings({k: v for k, v in raw.items() if v}, Path("baselines"), device="cpu"))
     knockout = not args.no_knockout

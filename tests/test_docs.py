@@ -204,6 +204,75 @@ def test_every_measured_table_of_formats_and_kv_cache_is_one_plan_of_one_command
             assert f"<!-- measured: {block} -->\n`python scripts/measure_formats.py {' '.join(arguments)}`" in text
 
 
+def test_the_llama_tables_say_the_number_of_sequences_their_plan_runs():
+    """A llama table's heading (``..., L = 64, n = 64: ...``) is its plan's ``--probe-n`` (the option's
+    default, 8, without one), and its command is the plan's: rerun, it measures the same sequences."""
+    measure = measure_formats()
+    text = (ROOT / "docs" / "kv-cache.md").read_text(encoding="utf-8")
+    shown = {m.group(2): m.group(3) for m in measure.BLOCK.finditer(text)}
+    for block, (_, arguments) in measure.PLANS.items():
+        if "--llama-cpp" in arguments:
+            n = arguments[arguments.index("--probe-n") + 1] if "--probe-n" in arguments else "8"
+            length = arguments[arguments.index("--probe-length") + 1]
+            assert f", L = {length}, n = {n}: " in shown[block].splitlines()[2], block
+
+
+def fake_probe(settings, offset: float) -> dict:
+    """Probe figures of ``settings.n`` sequences, each sequence's copy loss ``i / 10 + offset``."""
+    values = [i / 10 + offset for i in range(settings.n)]
+    mean = sum(values) / len(values)
+    return {"copy_loss": mean, "copy_loss_sequences": values, "copy_loss_interval": [mean - 1, mean + 1]}
+
+
+def test_probe_n_reaches_a_llama_tables_plan_heading_and_command(monkeypatch, capsys, tmp_path):
+    """``--probe-n`` sets the sequences of every run of a llama table (llama.cpp's, torch's, fp32's
+    record), its heading, its record folder and the command shown above it; that command, run again,
+    writes the same table. The cache's part of the gap is the gap less the f16 row's, per sequence:
+    here llama.cpp runs each sequence 0.25 above torch with q4_0 beyond what it runs it with f16."""
+    from pytest_circuits.model import gguf_quant
+    from pytest_circuits.testing import has_embedded_model
+
+    if not has_embedded_model():
+        pytest.skip("the embedded model is not installed")
+    measure = measure_formats()
+    seen = []
+    simulated = {None: 0.0, "q4_0": 0.5}  # torch's copy loss with each cache (f16: none)
+    activations = 0.125  # llama.cpp's own gap on the f16 row (its activations), the same for every cache
+    part = {None: 0.0, "q4_0": 0.25}  # the cache's own part beyond it, by construction
+
+    def llama_run(source, spec, kv, settings):
+        seen.append(settings.n)
+        cache = None if kv is None else kv.name
+        return fake_probe(settings, simulated[cache] + activations + part[cache])
+
+    def torch_pair(source, spec, kv, settings, bumped=False):
+        seen.append(settings.n)
+        return fake_probe(settings, simulated[None if kv is None else kv.name])
+
+    monkeypatch.setattr(measure, "llama_run", llama_run)
+    monkeypatch.setattr(measure, "torch_pair", torch_pair)
+    monkeypatch.setattr(gguf_quant, "cached_gguf", lambda model, kind: tmp_path / f"{kind}.gguf")
+    page = tmp_path / "page.md"
+    page.write_text("<!-- measured: t -->\n<!-- /measured: t -->\n", encoding="utf-8")
+    command = ["--llama-cpp", "Q8_0", "--probe-length", "16", "--probe-n", "3", "--caches", "f16,q4_0", "--spread", "-"]
+    measure.main([*command, "--records", str(tmp_path / "records"), "--write-docs", f"{page}:t"])
+    assert seen and set(seen) == {3}
+    fp32 = (tmp_path / "records" / "tiny-induction-L16-n3" / "llama-fp32-record.json").read_text(encoding="utf-8")
+    assert len(__import__("json").loads(fp32)["copy_loss_sequences"]) == 3
+    written = page.read_text(encoding="utf-8").splitlines()
+    assert written[1] == f"`python scripts/measure_formats.py {' '.join(command)}`"
+    assert "tiny-induction, L = 16, n = 3: " in written[3]
+    rows = {line.split(" | ")[1]: line.split(" | ") for line in written if line.startswith("| Q8_0 ")}
+    assert rows["f16"][5] == "n/a (the activations' part)"
+    assert rows["q4_0"][5] == "+0.250 [+0.250, +0.250]"
+    capsys.readouterr()
+    shown = written[1].strip("`").split()[2:]
+    measure.main([*shown, "--records", str(tmp_path / "again")])
+    assert [line for line in capsys.readouterr().out.splitlines() if line.startswith("| Q8_0 ")] == [
+        line for line in written if line.startswith("| Q8_0 ")
+    ]
+
+
 def fresh_row(capsys, tmp_path, block: str, build: str) -> tuple[list[str], list[str]]:
     """``(the page's lines, a fresh run's lines)`` of plan ``block`` measuring fp32 and ``build`` only;
     the last column (seconds) of every row dropped."""
