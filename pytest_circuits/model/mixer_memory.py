@@ -5,8 +5,8 @@ Without the ``mamba_ssm`` kernels (none on a CPU) transformers runs the Mamba-2 
 `falcon_h1`, `bamba`, `granitemoehybrid` and `nemotron_h` through its reference chunked scan, in
 float32: the inputs ``B`` and ``C`` repeated to every SSM head, the decay and score matrices of every
 chunk, the state at every chunk boundary. A forward with gradients keeps them all for the backward:
-at Falcon-H1-1.5B's shape and the probe's 129 tokens, about 110 MB per block and sequence, where the
-same block's attention and MLP keep 8 MB. Rather than a formula per transformers version,
+at Falcon-H1-1.5B's shape and the probe's 129 tokens, 117 MB per block and sequence, where the same
+block's attention and MLP keep 8 MB. Rather than a formula per transformers version,
 `kept_bytes` counts what autograd keeps, in one forward of one sequence. The screen decides from it
 whether its backward recomputes each block (`screen.screen_layout`); `scan_rows` caps the
 sequences of a forward without gradients, which holds one block's intermediates at a time; and a
@@ -35,8 +35,8 @@ SSM_ATTRS = (
 )
 ACTIVATION_FLOOR = 256 << 20  # the budget: this plus an eighth of the weights (`activation_budget`)
 # A forward without gradients holds one block's intermediates at once, and the allocator's slack: the
-# resident memory of one Falcon-H1-1.5B block at the probe's length rose 1.5-1.7x what the block keeps
-# for a backward (chunks 64 and 256), so twice that is budgeted per sequence.
+# resident memory of one Falcon-H1-1.5B block at the probe's length rose 1.4-1.6x what the block keeps
+# for a backward (one and eight sequences, chunks 64 and 256), so twice that is budgeted per sequence.
 NO_GRAD_FACTOR = 2
 _KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {tokens: bytes}
 
