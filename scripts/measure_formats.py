@@ -240,10 +240,9 @@ def run_plans(only: str | None, write: bool, records: str | None = None) -> None
         main([*arguments, *kept, *(["--write-docs", f"{page}:{block}"] if write else [])])
 
 
-LLAMA_COLUMNS = (
-    "| weights | cache | llama.cpp copy loss [interval] | torch, same file and cache | llama.cpp - torch [95% paired] "
-    "| the cache's part: that minus f16's [95% paired] | torch with -qdot: llama.cpp - torch | torch's one-ulp spread: sd per sequence (mean) "
-    "| llama.cpp - fp32 torch [95% paired] | copy_loss gate vs fp32 | s (torch runs) |"
+LLAMA_COLUMNS = (  # short: the page's column holds eleven (each interval 95%, the differences paired)
+    "| weights | cache | llama.cpp copy loss | torch, same file and cache | llama.cpp - torch | the cache's part "
+    "| -qdot: llama.cpp - torch | one-ulp spread: sd (mean) | llama.cpp - fp32 torch | copy_loss vs fp32 | s |"
 )
 
 
@@ -354,13 +353,13 @@ def llama_table(args, records: Path) -> list[str]:
             kv = None if cache == DEFAULT_CACHE else parse_kv(cache)
             ours = cached(f"{kind}-{cache}.llama", partial(llama_run, source, spec, kv, settings))
             theirs = cached(f"{kind}-{cache}.torch", partial(torch_pair, source, spec, kv, settings))
-            part = "n/a (the activations' part)"
+            part = "n/a (activations)"
             if kv is not None:  # the f16 row's gap is llama.cpp's activations alone: measured once per file
                 ours_f16 = cached(f"{kind}-{DEFAULT_CACHE}.llama", partial(llama_run, source, spec, None, settings))
                 theirs_f16 = cached(f"{kind}-{DEFAULT_CACHE}.torch", partial(torch_pair, source, spec, None, settings))
                 part = cache_part(ours, theirs, ours_f16, theirs_f16)
             seconds = [theirs["seconds"]]
-            qdot = floor = "n/a (no cache simulated)" if kv is None else "not measured (--spread)"
+            qdot = floor = "n/a (no cache)" if kv is None else "not measured (--spread)"
             if kv is not None and (args.spread is None or cache in args.spread.split(",")):
                 with_q = cached(
                     f"{kind}-{cache}.qdot", partial(torch_pair, source, spec, parse_kv(f"{cache}-qdot"), settings)

@@ -263,7 +263,7 @@ def test_probe_n_reaches_a_llama_tables_plan_heading_and_command(monkeypatch, ca
     assert written[1] == f"`python scripts/measure_formats.py {' '.join(command)}`"
     assert "tiny-induction, L = 16, n = 3: " in written[3]
     rows = {line.split(" | ")[1]: line.split(" | ") for line in written if line.startswith("| Q8_0 ")}
-    assert rows["f16"][5] == "n/a (the activations' part)"
+    assert rows["f16"][5] == "n/a (activations)"
     assert rows["q4_0"][5] == "+0.250 [+0.250, +0.250]"
     capsys.readouterr()
     shown = written[1].strip("`").split()[2:]
