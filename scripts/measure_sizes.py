@@ -433,11 +433,11 @@ def gathered_rows(path: Path) -> list[dict]:
 
 
 def rung_loads(row: dict) -> str:
-    """The load each rung of a gathered row started at, ``load 1.2 on 2 cores (rung), ...``; the row's
-    one load where every rung ran in the same invocation."""
+    """The load each rung of a gathered row started at, ``load 1.2 on 2 cores (rung), ...``; that one
+    load where every rung started at the same."""
     loads = {rung: result.get("machine_load") or row["machine_load"] for rung, result in row["rungs"].items()}
     if len(set(loads.values())) <= 1:
-        return row["machine_load"]
+        return next(iter(loads.values()), row["machine_load"])
     return ", ".join(f"{load} ({rung})" for rung, load in loads.items())
 
 

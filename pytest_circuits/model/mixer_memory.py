@@ -50,9 +50,14 @@ def reference_scan(model: Any, device: str | torch.device) -> bool:
     return any(all(getattr(config, name, None) for name in names) for names in SSM_ATTRS)
 
 
+def weight_bytes(model: Any) -> int:
+    """Bytes of the model's parameters, as loaded (quantized ones at their stored size)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def activation_budget(model: Any) -> int:
     """Bytes one chunk's activations may hold: ``ACTIVATION_FLOOR + weights / 8``."""
-    return ACTIVATION_FLOOR + sum(p.numel() * p.element_size() for p in model.parameters()) // 8
+    return ACTIVATION_FLOOR + weight_bytes(model) // 8
 
 
 def kept_bytes(model: Any, tokens: int) -> int:
@@ -123,6 +128,6 @@ def lean_heap(model: Any, device: str | torch.device) -> bool:
     scan, the one kind whose freed intermediates otherwise stay resident; whether it was done."""
     if not reference_scan(model, device):
         return False
-    if sum(p.numel() * p.element_size() for p in model.parameters()) <= LARGE_MODEL_BYTES:
+    if weight_bytes(model) <= LARGE_MODEL_BYTES:
         return False
     return map_large_blocks()

@@ -46,7 +46,14 @@ from ..errors import CircuitsError
 from ..model.families import attention_module, get_module, layer_modules, out_proj_module
 from ..model.hooks import Hook, hooked
 from ..model.kv_cache import cached
-from ..model.mixer_memory import activation_budget, block_bytes, kept_bytes, map_large_blocks, reference_scan
+from ..model.mixer_memory import (
+    activation_budget,
+    block_bytes,
+    kept_bytes,
+    map_large_blocks,
+    reference_scan,
+    weight_bytes,
+)
 from .ablation import z_differentiable
 from .repeat import bos_offset, copy_slices
 from .replay import tile, traced_hidden
@@ -463,7 +470,7 @@ def screen_layout(build, batch_size: int, L: int) -> ScreenLayout:
 
     * A hybrid stack on transformers' reference Mamba-2 scan (`mixer_memory.reference_scan`) keeps
       `mixer_memory.kept_bytes` a sequence, counted: as many rows as fit, or, when one sequence does
-      not fit (Falcon-H1-1.5B: 2.7 GB against 0.65 GB), each block recomputed in the backward, which
+      not fit (Falcon-H1-1.5B: 2.8 GB against 0.66 GB), each block recomputed in the backward, which
       then keeps the blocks' inputs and one block's activations and their gradients at a time.
     * Other models of more than `SPLIT_FROM_BYTES` of weights: ``T n_layers (6 d_model + 4 d_ff)`` values
       of the build's dtype a row plus the copy positions' float logits (``10 L V`` bytes). Smaller models
@@ -479,7 +486,7 @@ def screen_layout(build, batch_size: int, L: int) -> ScreenLayout:
             return ScreenLayout(max(1, min(batch_size, budget // kept)))
         inputs = len(layer_modules(model)) * T * geo.d_model * item
         return ScreenLayout(max(1, min(batch_size, budget // (2 * block_bytes(model, T) + inputs))), recompute=True)
-    if sum(p.numel() * p.element_size() for p in model.parameters()) <= SPLIT_FROM_BYTES:
+    if weight_bytes(model) <= SPLIT_FROM_BYTES:
         return ScreenLayout(batch_size)
     d_ff = int(getattr(model.config, "intermediate_size", None) or 4 * geo.d_model)
     per_row = T * geo.n_layers * (6 * geo.d_model + 4 * d_ff) * item + 10 * L * geo.vocab
