@@ -248,7 +248,8 @@ OPTIONS: tuple[Option, ...] = (
         "bool",
         False,
         "knock out every head exactly even on a model of more than 300 heads, where the default plan "
-        "screens (docs/scale.md)",
+        "screens (docs/scale.md), and in a gate, which otherwise knocks out only its baselines' key heads "
+        "(docs/gate.md)",
         cli=_SCAN_LIKE,
     ),
     Option(

@@ -439,7 +439,7 @@ class FakeSession:
         self.saved, self.candidate = baselines, candidate
         self.records = self.baselines = self  # the record source and the baselines, both typed inputs of the gate
 
-    def record(self, build_name, knockout=True, method=None):
+    def record(self, build_name, knockout=True, method=None, key_heads=False):
         from pytest_circuits.record.schema import Record
 
         return Record.of(self.candidate)  # a `RecordSource` gives typed records

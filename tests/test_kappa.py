@@ -437,7 +437,7 @@ def test_gate_build_asks_each_baseline_for_its_own_method():
         def load(self, build_name):
             return old if build_name == "fp32" else new
 
-        def record(self, build_name, knockout=True, method=None):
+        def record(self, build_name, knockout=True, method=None, key_heads=False):
             asked.append(method)
             return Record.of(old if method == LEGACY else new)  # a `RecordSource` gives typed records
 

@@ -848,3 +848,20 @@ def test_the_plan_times_one_pass_of_each_kind_once(tmp_path):
         + screen_flops(build, probe, "atp") / rates["screen"]
     )
     assert rung2_seconds(build, probe, 10, 2, "atp") == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.slow
+@requires_smollm2()
+def test_a_heads_figures_do_not_depend_on_the_heads_stacked_with_it():
+    """Every replay stacks the same number of knockouts (`knockout._replayed_deltas` fills a layer's
+    last group), so a matmul's rounding, which depends on its rows in bf16, is the same for a head
+    measured alone, in a pair or in the whole layer: a gate's key heads get the full scan's figures."""
+    build = load_build(resolve_model("smollm2-135m"), "bf16", "cpu")  # the embedded model's rounding does not move
+    settings = RepeatSettings(seed=1, n=8, L=64)
+
+    def deltas(heads):
+        frame = knockout_scan(build, settings, heads=heads, knockouts_per_pass=2, progress=False).set_index("head")
+        return {h: frame.loc[h, knockout.SEQUENCES] for h in heads}
+
+    alone, pair, three = deltas(["L27H2"]), deltas(["L27H1", "L27H2"]), deltas(["L27H0", "L27H1", "L27H2"])
+    assert alone["L27H2"] == pair["L27H2"] == three["L27H2"] and pair["L27H1"] == three["L27H1"]

@@ -141,7 +141,7 @@ def test_a_baseline_of_another_engine_is_noted_and_never_gates_drift():
         def stand_in(self):
             return {"model": baseline["model"], "probe": baseline["probe"]}
 
-        def record(self, build_name, knockout, method):
+        def record(self, build_name, knockout, method, key_heads=False):
             return after
 
     with pytest.raises(ForeignBaseline, match="recorded on torch, this run measures it on llama.cpp"):

@@ -726,7 +726,7 @@ def test_a_build_that_could_not_be_gated_leads_the_report(tmp_path):
             fp32 = self.load("fp32")
             return {"model": fp32["model"], "probe": fp32["probe"]}
 
-        def record(self, build_name, knockout=True, method=None):
+        def record(self, build_name, knockout=True, method=None, key_heads=False):
             raise CircuitsError(f"{build_name}: the per-head weight read does not reproduce layer 0")
 
     node = SimpleNamespace(path=tmp_path / "test_gate.py", user_properties=[])

@@ -268,3 +268,63 @@ def test_the_live_gate_draws_looks_for_an_undecided_change_and_reruns_alike(tmp_
     text = "\n".join(outs[0])
     looks = [int(k) for k in re.findall(r"\(look (\d) of 4\)", text)]
     assert looks and max(looks) >= 2 and f"decided on {4 * max(looks)} sequences" in text, text
+
+
+def _shipped(name: str) -> dict:
+    import json
+    from importlib.resources import files
+
+    return json.loads(files("pytest_circuits").joinpath("baselines", f"{name}.json").read_text())
+
+
+def test_a_further_look_knocks_out_only_the_heads_still_undecided():
+    """`run.looks.measure_looks` asks a look for the knockouts of the undecided rows only; the verdicts
+    are those of a run that knocked out every key head on every look (`decide` stops at a row's
+    decision, so a decided head reads no later look)."""
+    from pytest_circuits.record.schema import Record
+    from pytest_circuits.run.flow import settle
+
+    baseline = _shipped("tiny-induction--fp32")
+    rng = np.random.default_rng(11)
+    # per head, the change of each look's 8 per-sequence deltas: L1H0 far beyond (fails on look 1),
+    # L0H1 none (passes on look 1), L0H2 noisy on look 1 only, L0H3 noisy near its limit (0.15) on every look
+    change = {
+        "L1H0": lambda k: np.full(8, 5.0) + 0.1 * rng.normal(size=8),
+        "L0H1": lambda k: np.zeros(8),
+        "L0H2": lambda k: 0.3 * rng.normal(size=8) if k == 1 else np.zeros(8),  # undecided, then decided
+        "L0H3": lambda k: 0.12 + 0.3 * rng.normal(size=8),
+    }
+    changes = {head: [f(k) for k in range(1, 5)] for head, f in change.items()}
+    candidate = {key: value for key, value in baseline.items() if key != "looks"}
+    candidate["heads"] = [dict(row) for row in baseline["heads"]]
+    for row in candidate["heads"]:
+        if row["head"] in changes:
+            values = np.asarray(row["knockout_delta_sequences"]) + changes[row["head"]][0]
+            row["knockout_delta_sequences"], row["knockout_delta"] = values.tolist(), float(values.mean())
+
+    class Source:  # a `RecordSource` measuring the baseline's look plus the change, of the heads asked
+        def __init__(self, every_head: bool):
+            self.every_head, self.asked = every_head, []
+
+        def look(self, build_name, k, probe_seed, knockout_seed, heads, mode):
+            stored = baseline["looks"][k - 2]
+            heads = sorted(stored["knockout_delta_sequences"]) if self.every_head else heads
+            self.asked.append((k, tuple(heads)))
+            knocked = {
+                h: (np.asarray(stored["knockout_delta_sequences"][h]) + changes[h][k - 1]).tolist() for h in heads
+            }
+            return {
+                **{key: v for key, v in stored.items() if key != "knockout_delta_sequences"},
+                "knockout_delta_sequences": knocked,
+            }
+
+    how = dict(label="fp32 baseline", invariants_checked=["knockout_deltas"], across=False)
+    undecided, every = Source(every_head=False), Source(every_head=True)
+    _, fast = settle(undecided, "fp32", baseline, Record.of(candidate), Tolerances(), **how)
+    _, full = settle(every, "fp32", baseline, Record.of(candidate), Tolerances(), **how)
+    asked = [set(heads) for _, heads in undecided.asked]
+    assert asked[0] == {"L0H2", "L0H3"} and asked[-1] == {"L0H3"}  # L0H2 decided on look 2: not asked again
+    assert all(later <= earlier for earlier, later in zip(asked, asked[1:]))
+    assert [k for k, _ in undecided.asked] == [k for k, _ in every.asked]  # the same looks, fewer knockouts
+    assert fast.results[0].message == full.results[0].message and fast.results[0].status == "failed"
+    assert "L1H0" in fast.results[0].message and "decided on 8 sequences (look 1 of 4)" in fast.results[0].message

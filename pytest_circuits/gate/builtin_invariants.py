@@ -146,9 +146,9 @@ def pooled_score(row: Head, metric: str, further: list[list[float]]) -> float:
 
 
 def knockouts_lost(record: Record) -> list[str]:
-    """Heads without a knockout_delta in a record whose knockout scan was not screened (every head
-    exactly): figures lost, not screened out."""
-    if record.knockout is None or record.knockout.screened is not None:
+    """Heads without a knockout_delta in a record whose knockout scan was neither screened nor of
+    key heads only (every head exactly): figures lost, not left out."""
+    if record.knockout is None or record.knockout.screened is not None or record.knockout.heads is not None:
         return []
     return [r.head for r in record.heads if r.knockout_delta is None]
 
@@ -417,6 +417,7 @@ class KnockoutDeltas(Invariant):
     suite_module = "test_rung2_knockout"
     guards = "the key knockout heads"
     needs = frozenset({"knockout"})
+    knockout_heads = "key heads"
     tolerances = {
         "knockout": Tolerance(0.5, "|delta knockout_delta| / |knockout_delta| of key heads"),
     }

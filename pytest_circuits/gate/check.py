@@ -24,12 +24,18 @@ OWN = "own baseline"  # the label of a build's comparison with its own baseline 
 @dataclass(frozen=True)
 class Verdicts:
     """What `check` found: one result per invariant, the notes on the pairing (other weights, cache,
-    engine; two base models), and ``wants``: the further look an undecided sampled row asks for
-    (0: every row is decided; the run measures that look and checks again)."""
+    engine; two base models), ``wants``: the further look an undecided sampled row asks for
+    (0: every row is decided; the run measures that look and checks again), and ``undecided``: the
+    ``(metric, subject)`` of those rows (a look measures only the knockouts still undecided)."""
 
     results: list[invariants.InvariantResult]
     notes: list[str]
     wants: int = 0
+    undecided: frozenset[tuple[str, str]] = frozenset()
+
+    def undecided_subjects(self, metric: str) -> set[str]:
+        """The subjects (heads) whose ``metric`` row asks for a further look."""
+        return {subject for m, subject in self.undecided if m == metric}
 
 
 def check(
@@ -69,7 +75,8 @@ def check(
             for inv in invariants_checked
         ]
     wants = 0 if across else max([0, *(r.wants for r in results)])
-    return Verdicts(results, notes, wants)
+    undecided = frozenset() if across else frozenset().union(*(r.undecided for r in results))
+    return Verdicts(results, notes, wants, undecided)
 
 
 def swap_asked(baseline: RecordLike, candidate: RecordLike, label: str, across: bool | None) -> bool:

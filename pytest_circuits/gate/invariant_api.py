@@ -133,6 +133,9 @@ class Invariant:
     # True: its figures are measured only when asked for (rung 3's audit slice), so a whole gate
     # (`gate_all`) leaves it out where neither record holds them; run alone, it is skipped saying so
     opt_in: ClassVar[bool] = False
+    # which of the build's knockouts it reads: "every head", or "key heads" (the baseline's, `key_heads`);
+    # a gate that checks only "key heads" invariants knocks out only the baselines' key heads (`run.flow`)
+    knockout_heads: ClassVar[str] = "every head"
 
     def compare(self, before: Record, after: Record, tol: Tolerances) -> Comparison:
         """The rows of ``after`` (the build's record) against ``before`` (the baseline's), both typed
@@ -281,6 +284,7 @@ class InvariantResult:
     compared: int = 0  # figures compared
     moved: list[dict[str, Any]] = field(default_factory=list)  # broken rows (and context), as dicts
     wants: int = 0  # the further look an undecided sampled row asks for (`gate.check.Verdicts.wants`)
+    undecided: frozenset[tuple[str, str]] = frozenset()  # (metric, subject) of the rows that ask for it
 
     @property
     def passed(self) -> bool:
@@ -291,8 +295,8 @@ class InvariantResult:
         return self.status == "skipped"
 
     def as_dict(self) -> dict[str, Any]:
-        """What the reports keep: the verdict, not the run's book-keeping (``wants``)."""
-        kept = {key: value for key, value in asdict(self).items() if key != "wants"}
+        """What the reports keep: the verdict, not the run's book-keeping (``wants``, ``undecided``)."""
+        kept = {key: value for key, value in asdict(self).items() if key not in ("wants", "undecided")}
         return {**kept, "passed": self.passed}
 
 
@@ -354,7 +358,8 @@ def evaluate(
         message = f"{message}\n{fix}"
     moved = [r.as_dict() for r in comparison.broken + (comparison.context if comparison.broken else [])]
     wants = max([0, *(r.wants for r in comparison.rows)])
-    return InvariantResult(inv.name, build, against, status, message, len(comparison.rows), moved, wants)
+    undecided = frozenset((r.metric, r.subject) for r in comparison.rows if r.wants)
+    return InvariantResult(inv.name, build, against, status, message, len(comparison.rows), moved, wants, undecided)
 
 
 def _compare(inv: Invariant, before: Record, after: Record, tol: Tolerances) -> tuple[Comparison, str]:

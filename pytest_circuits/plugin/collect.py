@@ -99,7 +99,8 @@ def gate_for_test(request, session, build_name: str, invariant: str, tol):
         from ..record.store import geometry_difference
         from ..run.flow import candidate_record
 
-        knockout = "knockout" in get(invariant).needs
+        checked = get(invariant)
+        knockout = "knockout" in checked.needs
         try:
             reference = session.baselines.load(session.settings.reference)
         except Exception:
@@ -108,7 +109,7 @@ def gate_for_test(request, session, build_name: str, invariant: str, tol):
         if reference is None:
             record = session.records.record(build_name, knockout=knockout)
         else:
-            record = candidate_record(session.records, build_name, reference, knockout)
+            record = candidate_record(session.records, build_name, reference, knockout, checked)
         props.append(("circuits_record", (build_name, record.data)))  # user properties travel as JSON (xdist)
         if reference is not None and geometry_difference(reference, record):
             reference = None  # another base model: its heads are not this model's, no per-head differences

@@ -130,6 +130,9 @@ class KnockoutInfo(ProbeInfo):
     # the screen's K (`records`); None: every head knocked out exactly. Unchecked, as when it was an extra
     # key: older records and hand-built ones hold a bool
     screened: Any = None
+    # "key heads": only the key heads of the baselines a gate compared with were knocked out (a gate's
+    # record, `run.records`); None: every head, or the screen's top K and the key heads (``screened``)
+    heads: Literal["key heads"] | None = None
 
     @field_validator("mode")
     @classmethod
@@ -334,13 +337,14 @@ class Record(_Figures):
         """The further looks pair with look 1 and with each other: numbered 2..K once each, in order;
         seeded as `record.looks.look_seed` derives from the record's seeds; each holding the figures
         the others hold, one value per sequence (the probe's ``n``, the knockout's ``n``), for
-        figures the record has per-sequence values of, and knockout deltas of the same heads."""
+        figures the record has per-sequence values of, and knockout deltas of the heads of the look
+        before or fewer (a build's look knocks out only the heads still undecided: `run.looks`)."""
         if not self.looks:
             return
         numbers = [entry.look for entry in self.looks]
         if numbers != list(range(2, len(numbers) + 2)):
             raise ValueError(f"looks are numbered {numbers}, not 2..{len(numbers) + 1} once each in order")
-        first, heads_of_first = self.looks[0].measured(), sorted(self.looks[0].knockout_delta_sequences or {})
+        first, before = self.looks[0].measured(), set(self.looks[0].knockout_delta_sequences or {})
         for entry in self.looks:
             where = f"looks[{entry.look - 2}] (look {entry.look})"
             seeds = {"probe_seed": (entry.probe_seed, self.probe.seed)}
@@ -371,8 +375,12 @@ class Record(_Figures):
                 continue
             if self.knockout is None:
                 raise ValueError(f"{where} holds {_KNOCKOUT_SEQUENCES} but the record has no knockouts")
-            if sorted(deltas) != heads_of_first:
-                raise ValueError(f"{where}.{_KNOCKOUT_SEQUENCES} names heads {sorted(deltas)}, look 2 {heads_of_first}")
+            if not set(deltas) <= before:
+                raise ValueError(
+                    f"{where}.{_KNOCKOUT_SEQUENCES} names heads {sorted(set(deltas) - before)} that the look "
+                    f"before does not ({sorted(before)})"
+                )
+            before = set(deltas)
             for head, values in deltas.items():
                 if head not in heads:
                     raise ValueError(f"{where}.{_KNOCKOUT_SEQUENCES}.{head} names a head that is not in heads")

@@ -23,12 +23,30 @@ from .looks import measure_looks
 from .record_source import RecordSource
 
 
-def candidate_record(records: RecordSource, build_name: str, baseline: RecordLike, knockout: bool) -> Record:
+def candidate_record(
+    records: RecordSource,
+    build_name: str,
+    baseline: RecordLike,
+    knockout: bool,
+    invariant: invariants.Invariant | None = None,
+    across: bool | None = None,
+) -> Record:
     """The record of build ``build_name`` measured the way ``baseline`` was: kappa on the same
     unembedding, against the same rotation null (`kappa_method.of_record`; a baseline that does
     not say is an older one: uncentred, 256 float64 draws, normal p). The gate's one rule for
-    comparing like with like."""
-    return records.record(build_name, knockout=knockout, method=kappa_method.of_record(baseline))
+    comparing like with like. Its knockouts are of the run's key heads only when what is checked
+    (``invariant``, or every per-build one) reads no other (`reads_key_heads_only`)."""
+    method = kappa_method.of_record(baseline)
+    key_heads = knockout and not across and reads_key_heads_only(invariant)
+    return records.record(build_name, knockout=knockout, method=method, key_heads=key_heads)
+
+
+def reads_key_heads_only(invariant: invariants.Invariant | None) -> bool:
+    """Whether ``invariant`` (None: every registered per-build invariant) reads no knockout but those
+    of the baselines' key heads (`Invariant.knockout_heads`): then a gate knocks out only those."""
+    names = invariants.per_build_invariants(opt_in=True)
+    checked = [invariant] if invariant is not None else [invariants.get(name) for name in names]
+    return all(inv.knockout_heads == "key heads" for inv in checked if "knockout" in inv.needs)
 
 
 def settle(
@@ -46,7 +64,7 @@ def settle(
     typed_baseline = Record.of(baseline)
     while True:
         verdicts = check(typed_baseline, candidate, tol, build_name=build_name, **how)
-        extended = measure_looks(records, build_name, typed_baseline, candidate, verdicts.wants)
+        extended = measure_looks(records, build_name, typed_baseline, candidate, verdicts)
         if extended is None:  # every row decided, or no look to measure
             return candidate, verdicts
         candidate = extended
@@ -74,7 +92,7 @@ def gate_against(
     inv = None if invariant is None else invariants.get(invariant) if isinstance(invariant, str) else invariant
     if knockout is None:  # measure knockouts when the invariant needs them, or the baseline has them
         knockout = "knockout" in inv.needs if inv is not None else has_figures(Record.of(baseline), "knockout")
-    candidate = candidate_record(records, build_name, baseline, knockout=knockout)
+    candidate = candidate_record(records, build_name, baseline, knockout, inv, across)
     return settle(
         records,
         build_name,

@@ -66,9 +66,9 @@ class BuildMeasurement:
         return self.loaded.memo(("repeat_probe", build_name), measure)
 
     def head_knockout(self, build_name: str, heads=None):
-        """Rung 2: knockout delta of every head (or of ``heads``) on held-out repeat sequences (DataFrame).
-        Screened, the key heads (`key_heads`) are always knocked out exactly; with shards (`shards`),
-        the scan of every head is the merge of its layer shards."""
+        """Rung 2: knockout delta of every head (or of ``heads``, each exactly) on held-out repeat
+        sequences (DataFrame). Screened, the key heads (`key_heads`) are always knocked out exactly;
+        with shards (`shards`), the scan of every head is the merge of its layer shards."""
         chosen = None if heads is None else tuple(sorted(heads))
         if chosen is None and self.loaded.settings.shard is not None:
             from ..errors import ShardError
@@ -89,10 +89,11 @@ class BuildMeasurement:
             ("head_knockout", build_name, chosen), lambda: self._knockout_scan(build_name, chosen, None)
         )
 
-    def scan_plan(self, build_name: str, knockout: bool, method) -> float | None:
+    def scan_plan(self, build_name: str, knockout: bool, method, key_heads: int | None = None) -> float | None:
         """Before a build's whole scan under a rung-2 plan chosen by size (and one process doing all of
-        it): say its counted cost and time (`rungs.plan.scan_estimate`) and return the seconds; else None."""
-        from ..rungs.plan import rung2_seconds, scan_estimate, screened_flops
+        it): say its counted cost and time (`rungs.plan.scan_estimate`) and return the seconds; else None.
+        ``key_heads``: rung 2 knocks out only this many heads exactly (a gate's key heads), no screen."""
+        from ..rungs.plan import exact_flops, exact_seconds, rung2_seconds, scan_estimate, screened_flops
 
         s = self.loaded.settings
         measured = self.loaded.memoised(("ov_spectrum", build_name, method.null)) is not None
@@ -102,7 +103,10 @@ class BuildMeasurement:
         if not chosen.by_size:
             return None
         build, rung2 = self.loaded.build(build_name), None
-        if knockout:
+        if knockout and key_heads:
+            kp = s.knockout_probe
+            rung2 = (exact_flops(build, kp, key_heads), exact_seconds(build, kp, key_heads))
+        elif knockout:
             assert chosen.top_k is not None
             method_2 = self.screen_method(build_name)
             variant = rung2_plan.screen_variant(self.loaded.settings)
@@ -164,9 +168,9 @@ class BuildMeasurement:
             s.knockout_probe,
             mode=s.knockout_mode,
             heads=None if heads is None else list(heads),
-            screen_top_k=chosen.top_k,
+            screen_top_k=chosen.top_k if heads is None else None,  # named heads: each exactly, no screen
             screen_method=self.screen_method(build_name),
-            must_include=chosen.must_include,
+            must_include=chosen.must_include if heads is None else (),
             batch_size=s.batch_size,
             write=self.loaded.progress_write,
             layers=layers,

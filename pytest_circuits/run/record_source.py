@@ -14,9 +14,11 @@ if TYPE_CHECKING:
 class RecordSource(Protocol):
     """The scan records of one run's builds."""
 
-    def record(self, build_name: str, knockout: bool = True, method: Any = None) -> Record:
+    def record(self, build_name: str, knockout: bool = True, method: Any = None, key_heads: bool = False) -> Record:
         """The scan record of build ``build_name``, knockouts optional, kappa measured by ``method``
-        (a `KappaMethod`; None: the run's)."""
+        (a `KappaMethod`; None: the run's). ``key_heads``: the knockouts may be of the run's key heads
+        only (the baselines', what `knockout_deltas` compares): the full record when it is measured
+        already, when the run records the build, or with ``--knockout-full``; a merge is what it is."""
         ...
 
     def stand_in(self) -> dict[str, Any]:

@@ -14,11 +14,12 @@ from .measure import BuildMeasurement, measure_audit
 
 
 def measure_record(
-    m: BuildMeasurement, build_name: str, knockout: bool = True, method=None, knockout_frame=None
+    m: BuildMeasurement, build_name: str, knockout: bool = True, method=None, knockout_frame=None, key_heads=None
 ) -> Record:
     """The scan record of one build (validated once, here), computed (and memoised) through ``m``; kappa measured by
     ``method`` (a `KappaMethod`, default the settings'); ``knockout_frame``: these knockouts (one
-    shard's) instead of the run's scan."""
+    shard's) instead of the run's scan; ``key_heads``: only these heads knocked out (a gate's key
+    heads, said in the record: `KnockoutInfo.heads`)."""
     from ..rungs.plan import took_line
     from ..rungs.text_probe import text_identity
     from .assemble import assemble_record, model_info, rung1_info
@@ -27,18 +28,25 @@ def measure_record(
     method = s.kappa_method if method is None else method
     build = m.loaded.build(build_name)
     knockout = knockout and not build.identity.engine  # llama.cpp has no head to knock out (llama_engine.NOT_MEASURED)
-    planned, started = m.scan_plan(build_name, knockout and knockout_frame is None, method), time.perf_counter()
+    scanned = knockout and knockout_frame is None
+    planned = m.scan_plan(build_name, scanned, method, key_heads=len(key_heads) if scanned and key_heads else None)
+    started = time.perf_counter()
     spectrum = m.ov_spectrum(build_name, method)
     probe = m.repeat_probe(build_name)
     ko_frame, ko_info = None, None
     if knockout:
-        ko_frame = m.head_knockout(build_name) if knockout_frame is None else knockout_frame
+        if knockout_frame is not None:
+            ko_frame = knockout_frame
+        else:
+            ko_frame = m.head_knockout(build_name, heads=key_heads or None)
+        screened = None if key_heads else m.screen_top_k()
         ko_info = {
             **s.knockout_probe.as_dict(),
             **text_identity(build.source, build.tokens, s.knockout_probe),
             "mode": ko_frame.attrs.get("mode", s.knockout_mode),
-            "screened": m.screen_top_k(),
-            "screen_method": m.screen_method(build_name) if m.screen_top_k() is not None else None,
+            "screened": screened,
+            "screen_method": m.screen_method(build_name) if screened is not None else None,
+            **({"heads": "key heads"} if key_heads else {}),
         }
     if planned is not None:  # and after it, its wall time beside the estimate
         m.loaded.say(took_line(build, planned, time.perf_counter() - started, "the scan"))
@@ -69,12 +77,20 @@ class MeasuredRecords:
     def __init__(self, measurement: BuildMeasurement):
         self.measurement = measurement
 
-    def record(self, build_name: str, knockout: bool = True, method=None) -> Record:
+    def record(self, build_name: str, knockout: bool = True, method=None, key_heads: bool = False) -> Record:
         m = self.measurement
-        method = m.loaded.settings.kappa_method if method is None else method
+        s = m.loaded.settings
+        method = s.kappa_method if method is None else method
         full = m.loaded.memoised(("record", build_name, True, method))
-        if not knockout and full is not None:  # the full record serves too
+        if (not knockout or key_heads) and full is not None:  # the full record serves too
             return full
+        recorded = s.update and build_name in (s.reference, *s.builds)  # its baseline is written: the full scan
+        keys = tuple(m.key_heads()) if knockout and key_heads and not (recorded or s.knockout_full) else ()
+        if keys:
+            return m.loaded.memo(
+                ("record", build_name, "key heads", method),
+                lambda: measure_record(m, build_name, True, method, key_heads=keys),
+            )
         return m.loaded.memo(
             ("record", build_name, knockout, method), lambda: measure_record(m, build_name, knockout, method)
         )
@@ -89,39 +105,49 @@ class MeasuredRecords:
         return self.measurement.loaded.build(build_name).identity.as_dict()
 
     def look(self, build_name: str, k: int, probe_seed: int, knockout_seed: int, heads, mode) -> dict | None:
+        from dataclasses import replace
+
+        from ..record.looks import KNOCKOUT_KEY
+        from ..record.store import round_sig
+
         m, s = self.measurement, self.measurement.loaded.settings
+        mode = mode or s.knockout_mode
+        title = f"look {k} (n={s.probe.n}) {m.loaded.model_name}:{build_name}"
 
-        def measure() -> dict:
-            from dataclasses import replace
-
-            from ..record.looks import KNOCKOUT_KEY
-            from ..record.store import round_sig
-            from ..rungs.knockout import knockout_scan
+        def probe() -> dict:
             from ..rungs.probe import run_repeat_probe
 
-            build = m.loaded.build(build_name)
-            with m.loaded.phase(f"look {k} (n={s.probe.n}) {m.loaded.model_name}:{build_name}"):
-                probe = run_repeat_probe(build, replace(s.probe, seed=probe_seed), batch_size=s.batch_size)
-                entry: dict = {"look": k, "probe_seed": probe_seed, "knockout_seed": knockout_seed}
-                entry.update(probe.sequence_figures())
-                if heads:
+            with m.loaded.phase(title):
+                build = m.loaded.build(build_name)
+                return run_repeat_probe(
+                    build, replace(s.probe, seed=probe_seed), batch_size=s.batch_size
+                ).sequence_figures()
+
+        entry: dict = {"look": k, "probe_seed": probe_seed, "knockout_seed": knockout_seed}
+        entry.update(m.loaded.memo(("look probe", build_name, k, probe_seed), probe))
+        if heads:  # each head knocked out once a run, however many verdicts ask for it
+            measured: dict = m.loaded.memo(("look knockouts", build_name, k, knockout_seed, mode), dict)
+            missing = [head for head in heads if head not in measured]
+            if missing:
+                from ..rungs.knockout import knockout_scan
+
+                with m.loaded.phase(f"{title}: {len(missing)} knockout(s)"):
                     frame = knockout_scan(
-                        build,
+                        m.loaded.build(build_name),
                         replace(s.knockout_probe, seed=knockout_seed),
-                        mode=mode or s.knockout_mode,
-                        heads=list(heads),
+                        mode=mode,
+                        heads=missing,
                         batch_size=s.batch_size,
                         progress=False,
                     )
-                    entry[KNOCKOUT_KEY] = {
-                        str(r["head"]): [float(v) for v in r[KNOCKOUT_KEY]]
-                        for _, r in frame.iterrows()
-                        if isinstance(r.get(KNOCKOUT_KEY), list)
-                    }
-            rounded: dict = round_sig(entry)  # as a stored look is (`run.assemble.assemble_record`)
-            return rounded
-
-        return m.loaded.memo(("look", build_name, k, probe_seed, knockout_seed, tuple(heads or ()), mode), measure)
+                measured.update(
+                    (str(r["head"]), [float(v) for v in r[KNOCKOUT_KEY]])
+                    for _, r in frame.iterrows()
+                    if isinstance(r.get(KNOCKOUT_KEY), list)
+                )
+            entry[KNOCKOUT_KEY] = {head: measured[head] for head in heads if head in measured}
+        rounded: dict = round_sig(entry)  # as a stored look is (`run.assemble.assemble_record`)
+        return rounded
 
 
 class ShardPartRecords(MeasuredRecords):
@@ -129,7 +155,7 @@ class ShardPartRecords(MeasuredRecords):
     (`record.shards.merged_by_build`), read once; no build is loaded. Parts of a build not gated, a
     build without parts, or parts measured otherwise than asked are one line each."""
 
-    def record(self, build_name: str, knockout: bool = True, method=None) -> Record:
+    def record(self, build_name: str, knockout: bool = True, method=None, key_heads: bool = False) -> Record:
         from ..errors import ShardError
         from ..record.kappa_method import of_record
 

@@ -285,12 +285,9 @@ def gate_record(run, build_name: str, baseline: dict, tol, knockout: bool = True
 
     run.loaded.forget_figures(build_name)
     knockout = knockout and has_figures(baseline, "knockout")
-    frame = None
-    if knockout:
-        keys = key_heads(baseline, "knockout_delta", tol.top_k, tol.min_delta)
-        frame = run.measured.head_knockout(build_name, heads=keys or None)
+    keys = tuple(key_heads(baseline, "knockout_delta", tol.top_k, tol.min_delta)) if knockout else ()
     record = measure_record(
-        run.measured, build_name, knockout=knockout, method=kappa_method.of_record(baseline), knockout_frame=frame
+        run.measured, build_name, knockout=knockout, method=kappa_method.of_record(baseline), key_heads=keys
     )
     record, verdicts = settle(run.records, build_name, baseline, record, tol, label="baseline", across=False)
     return verdicts.results, record

@@ -263,18 +263,25 @@ def screened_flops(build, settings: RepeatSettings, top_k: int, n_key: int, meth
 
 
 def rung2_seconds(build, settings: RepeatSettings, top_k: int | None, n_key: int, method: str, variant=None) -> float:
-    """Rung 2's time, each kind of pass at its own rate (`calibrated_rate`): the intact forward at the
-    forward's, the ``method`` screen at the screen's, the replays of ``top_k + n_key`` heads (``top_k``
-    None: every head, no screen) at a stacked replay's."""
-    geo = build.geometry
-    heads = geo.n_layers * geo.n_heads
+    """Rung 2's time, each kind of pass at its own rate (`calibrated_rate`): the ``method`` screen at
+    the screen's, then the exact knockouts of ``top_k + n_key`` heads (``top_k`` None: every head, no
+    screen; `exact_seconds`)."""
+    heads = build.geometry.n_layers * build.geometry.n_heads
+    if top_k is None:
+        return exact_seconds(build, settings, heads)
+    screen = screen_flops(build, settings, method, variant) / calibrated_rate(build, settings, "screen")
+    return screen + exact_seconds(build, settings, min(heads, top_k + n_key))
+
+
+def exact_seconds(build, settings: RepeatSettings, n_heads: int) -> float:
+    """The time of exact knockouts of ``n_heads`` heads: the intact forward at a forward's rate, the
+    mean replay of one head (`exact_flops`) ``n_heads`` times at a stacked replay's."""
+    heads = build.geometry.n_layers * build.geometry.n_heads
     counted = knockout_flops(build, settings)
-    exact = heads if top_k is None else min(heads, top_k + n_key)
-    seconds = counted["forward"] / calibrated_rate(build, settings)
-    seconds += exact * (counted["scan"] - counted["forward"]) / heads / calibrated_rate(build, settings, "replay")
-    if top_k is not None:
-        seconds += screen_flops(build, settings, method, variant) / calibrated_rate(build, settings, "screen")
-    return seconds
+    replay = (counted["scan"] - counted["forward"]) / heads  # one head's mean replay
+    return counted["forward"] / calibrated_rate(build, settings) + n_heads * replay / calibrated_rate(
+        build, settings, "replay"
+    )
 
 
 def _gflops(rate: float) -> str:
