@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     _invariants_option(p)
     _no_knockout(
         p,
-        ": knockout_deltas is not checked (the verdict says so); SmolLM2-135M on a CPU: about a minute instead of tens of minutes",
+        ": knockout_deltas is not checked (the verdict says so); SmolLM2-135M on 2 CPU cores: under a minute, against up to 4 with them (docs/speed.md)",
     )
     _shared_options(p, "gate", defaults_from_baseline=True)
 
