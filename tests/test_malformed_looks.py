@@ -123,6 +123,11 @@ MALFORMED = [  # (case, mutation of the shipped fp32 baseline, what the one line
         "(look 3) holds copy_loss_sequences, copy_gain_sequences, knockout_delta_sequences, look 2",
     ),
     ("a misspelt key", _misspelt, "looks[0].copy_loss_sequence: Extra inputs are not permitted"),
+    (
+        "a look without one head",  # a build's look may drop decided heads in a gate; a stored one may not
+        _values(4, "knockout_delta_sequences", lambda d: {h: v for h, v in sorted(d.items())[1:]}),
+        "(look 4) knocks out 3 head(s), look 2 4 (L0H1 missing)",
+    ),
 ]
 
 

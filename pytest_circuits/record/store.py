@@ -152,7 +152,25 @@ def read_record(path: str | Path) -> Record:
         raise BaselineCorrupt(f"baseline {path} {error.reason}; {fix}") from None
     if not named_like_one and not (isinstance(record, dict) and "schema_version" in record):
         raise _not_a_baseline(path, "it holds no schema_version")
-    return validate(record, f"baseline {path}")
+    typed = validate(record, f"baseline {path}")
+    _same_heads_every_look(typed, path)
+    return typed
+
+
+def _same_heads_every_look(record: Record, path: Path) -> None:
+    """A stored record's looks knock out the same heads (a recording measures every key head on every
+    look; only a build's looks in a gate shrink to the undecided ones, `run.looks`). A look that
+    dropped a head would move its row to the fixed rule, more lenient: refused, one line."""
+    looks = record.looks or []
+    first = sorted(looks[0].knockout_delta_sequences or {}) if looks else []
+    for entry in looks[1:]:
+        heads = sorted(entry.knockout_delta_sequences or {})
+        if heads != first:
+            raise BaselineCorrupt(
+                f"baseline {path}: looks[{entry.look - 2}] (look {entry.look}) knocks out {len(heads)} head(s), "
+                f"look 2 {len(first)} ({', '.join(sorted(set(first) - set(heads))[:4])} missing): a stored "
+                f"record's looks knock out the same heads; {_fix()}"
+            )
 
 
 def _not_a_baseline(path: Path, why: str) -> BaselineCorrupt:
