@@ -82,6 +82,10 @@ class CircuitsSettings:
         known = self._specs.get(name)
         return known if known is not None else parse_build_spec(name)
 
+    def records_baseline(self, build_name: str) -> bool:
+        """Whether this run writes ``build_name``'s baseline (``update``: a gated build or the reference)."""
+        return self.update and build_name in (self.reference, *self.builds)
+
     @property
     def knockout_probe(self) -> RepeatSettings:
         """The held-out repeat sequences knockouts are measured on."""

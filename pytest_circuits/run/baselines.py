@@ -111,8 +111,7 @@ class RunBaselines:
         or it is unreadable."""
 
         def load() -> Record:
-            s = self.settings
-            if s.update and (build_name in s.builds or build_name == s.reference):
+            if self.settings.records_baseline(build_name):
                 self.write(build_name)
             path = self.path(build_name)
             try:

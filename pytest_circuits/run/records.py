@@ -84,8 +84,8 @@ class MeasuredRecords:
         full = m.loaded.memoised(("record", build_name, True, method))
         if (not knockout or key_heads) and full is not None:  # the full record serves too
             return full
-        recorded = s.update and build_name in (s.reference, *s.builds)  # its baseline is written: the full scan
-        keys = tuple(m.key_heads()) if knockout and key_heads and not (recorded or s.knockout_full) else ()
+        full_scan = s.records_baseline(build_name) or s.knockout_full  # a recording's key heads are not known yet
+        keys = tuple(m.key_heads()) if knockout and key_heads and not full_scan else ()
         if keys:
             return m.loaded.memo(
                 ("record", build_name, "key heads", method),
