@@ -25,7 +25,12 @@ Rows (each a fresh process that loads the build first; its load is timed apart):
 * ``probe``: the seeded repeat probe (n x 2L tokens, attention patterns per layer);
 * ``screen + exact``: rung 2 as the default plan at size runs it: the AtP screen over every head, then
   exact knockouts of its top ``--screen`` heads;
-* ``scan``: the whole ``circuits scan --knockout-screen K`` in one process (its peak is the goal's figure).
+* ``scan``: the whole ``circuits scan --knockout-screen K`` in one process (its peak is the goal's figure);
+* ``gate``: the whole ``circuits gate`` of the build against the record ``scan`` wrote;
+* ``gate-key``: the same against that record with ``--key-heads`` heads (300) made key heads, chosen at
+  random (seeded) and given the look-1 knockout deltas of SmolLM2-135M's fp32 baseline's key heads
+  (`key_heads_record`): random weights have no key head, a trained model has hundreds at 8B, and a
+  gate knocks out each exactly. The record holds look 1 only, so the gate decides there.
 """
 
 from __future__ import annotations
@@ -144,7 +149,7 @@ STACK_SHAPES: dict[str, dict] = {  # issue 52: a latent-attention and a hybrid r
     ),
 }
 SHAPES.update(STACK_SHAPES)
-RUNGS = ("load", "rung1", "probe", "screen", "scan", "gate")
+RUNGS = ("load", "rung1", "probe", "screen", "scan", "gate", "gate-key")
 INIT_STD = 0.02  # transformers' initializer_range: the random weights' scale
 SHARD_BYTES = 2 * 1024**3  # a safetensors shard holds at most this many bytes
 ROW_CHUNK = 1 << 24  # entries drawn at once (float32 scratch of 64 MB)
@@ -262,7 +267,7 @@ def stage(args) -> dict:
         knockout_screen=args.screen,
         knockout_screen_method=args.screen_method or "auto",
     )
-    if args.rung in ("scan", "gate"):  # the whole command, its own load included: no second copy of the build
+    if args.rung in ("scan", "gate", "gate-key"):  # the whole command, its own load included: no second build
         return command_stage(args)
     session = Run(settings)
     wall, cpu = time.perf_counter(), cpu_seconds()
@@ -296,7 +301,9 @@ def command_stage(args) -> dict:
     from pytest_circuits.cli import main
 
     record = args.folder / "scan-record.json"
-    if args.rung == "gate":  # the probe's settings are the record's
+    if args.rung == "gate-key":
+        record = key_heads_record(record, args.key_heads, args.seed)
+    if args.rung in ("gate", "gate-key"):  # the probe's settings are the record's
         words = ["gate", str(args.folder), "--baseline", str(record)]
     else:
         words = ["scan", str(args.folder), "--json", str(record), "--probe-n", str(args.probe_n)]
@@ -309,6 +316,7 @@ def command_stage(args) -> dict:
     wall, cpu = time.perf_counter(), cpu_seconds()
     code = main(words)
     return {
+        **({"key_heads": args.key_heads} if args.rung == "gate-key" else {}),
         "exit": code,
         "wall": time.perf_counter() - wall,
         "cpu": cpu_seconds() - cpu,
@@ -317,11 +325,46 @@ def command_stage(args) -> dict:
     }
 
 
+def key_heads_record(record: Path, count: int, seed: int) -> Path:
+    """``record`` with ``count`` heads, chosen at random (``seed``), made key heads: each takes the look-1
+    knockout deltas (per sequence) of one of SmolLM2-135M's fp32 baseline's key heads, in turn, and its
+    mean and interval; the record's further looks are dropped (the synthetic heads have none). Written
+    beside it as ``scan-record-key-heads.json``, marked in its name: the figures are SmolLM2's, not this
+    model's, so the gate's verdict on them means nothing; its time is what a trained model's key heads cost."""
+    import random
+
+    from pytest_circuits.gate.builtin_invariants import key_heads
+    from pytest_circuits.gate.stats import mean_interval
+    from pytest_circuits.gate.tolerances import Tolerances
+    from pytest_circuits.record.store import read_record, shipped_baselines
+
+    trained = read_record(shipped_baselines()["smollm2-135m--fp32"])
+    tol = Tolerances()
+    rows = {r.head: r for r in trained.heads}
+    donors = [rows[h].knockout_delta_sequences for h in key_heads(trained, "knockout_delta", 0, tol.min_delta)]
+    donors = [v for v in donors if v and sum(v) / len(v) >= tol.min_delta]  # key on look 1 alone too
+    data = json.loads(record.read_text())
+    if data["knockout"]["n"] != len(donors[0]):
+        raise SystemExit(f"the record's knockout n is {data['knockout']['n']}, SmolLM2's {len(donors[0])}")
+    chosen = random.Random(seed).sample(range(len(data["heads"])), min(count, len(data["heads"])))
+    for i, index in enumerate(sorted(chosen)):
+        values = donors[i % len(donors)]
+        row = data["heads"][index]
+        row["knockout_delta"] = sum(values) / len(values)
+        row["knockout_delta_sequences"] = list(values)
+        row["knockout_delta_interval"] = list(mean_interval(values) or (None, None))
+    data["looks"] = None
+    out = record.with_name("scan-record-key-heads.json")
+    out.write_text(json.dumps(data))
+    return out
+
+
 def run_stage(shape: str, folder: Path, rung: str, options) -> dict:
     """`stage` in a fresh interpreter (its peak RSS is its own); the JSON it prints last, with the
     plan's lines it said (``circuits: ... took ...``)."""
     command = [sys.executable, __file__, "--stage", rung, "--folder", str(folder), "--build", options.build]
     command += ["--probe-n", str(options.probe_n), "--probe-length", str(options.probe_length)]
+    command += ["--key-heads", str(options.key_heads), "--seed", str(options.seed)]
     if options.screen is not None:
         command += ["--screen", str(options.screen)]
     if options.screen_method is not None:
@@ -390,6 +433,8 @@ def table(rows: list[dict], options) -> str:
         for rung in row["rungs"]:
             result = row["rungs"][rung]
             label = {"load": "load + self-check"}.get(rung, rung)
+            if rung == "gate-key":
+                label = f"gate, {result.get('key_heads')} key heads (random, SmolLM2's deltas)"
             if result.get("probe", row.get("probe")) != row.get("probe"):  # a rung run under another plan
                 label += f" ({result['probe']})"
             if "error" in result:
@@ -469,6 +514,7 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
         "--screen-method", default=None, help="the screen's method (default: the plan's, auto: docs/scale.md)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--key-heads", type=int, default=300, help="the gate-key rung's key heads (key_heads_record)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints")
     parser.add_argument("--write-docs", action="store_true", help="write the table into docs/scale.md")
     parser.add_argument("--results", type=Path, default=None, help="append each shape's JSON here")

@@ -329,3 +329,26 @@ def test_ci_runs_the_whole_suite_from_an_installed_wheel_outside_the_clone():
         at = next((i for i in range(at, len(ci)) if ci[i].startswith(start)), None)
         assert at is not None, f".ci/run: no step {start!r} where the wheel's run needs it"
     assert "site-packages" in ci[at] and ci[at + 1] == "python -m pytest", "the import checked, then the suite"
+
+
+def test_the_gate_of_every_recipe_is_measured_and_gives_the_stored_records_verdicts(capsys):
+    """#55 item 4: docs/scale.md's table of SmolLM2's whole gates holds every recipe shipped with a
+    baseline, and each row's verdict is what ``circuits diff`` of the stored fp32 and build records
+    gives (the invariants that fail, by name): a live gate on the key heads alone decided as the full
+    records do, and a baseline recorded again with other verdicts leaves the table stale here."""
+    from pytest_circuits.cli import main
+    from pytest_circuits.record.store import shipped_baselines
+
+    text = (ROOT / "docs" / "scale.md").read_text(encoding="utf-8")
+    begin = "<!-- measured: begin (scripts/measure_gate_speed.py) -->"
+    block = text.split(begin, 1)[1].split("<!-- measured: end -->")[0]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in block.splitlines() if line.startswith("| ")]
+    rows = {row[0]: row[-2] for row in cells[2:]}  # build -> verdicts (the header and its rule left out)
+    shipped = shipped_baselines()
+    recipes = {name.split("--")[1] for name in shipped if name.startswith("smollm2-135m--")} - {"fp32"}
+    assert set(rows) == recipes, "regenerate: python scripts/measure_gate_speed.py --builds all --write-docs"
+    for build, said in rows.items():
+        capsys.readouterr()
+        main(["diff", str(shipped["smollm2-135m--fp32"]), str(shipped[f"smollm2-135m--{build}"])])
+        failed = re.findall(r"^FAIL (\w+)", capsys.readouterr().out, flags=re.MULTILINE)
+        assert said == ("FAIL " + ", ".join(failed) if failed else "pass"), build
