@@ -722,7 +722,8 @@ def test_a_scan_planned_by_size_says_its_whole_cost_first_and_its_time_last(tmp_
         took = [line for line in said if "the scan took" in line]
         assert len(scan) == 1 and len(took) == 1, said
         assert said.index(scan[0]) == 0 and said.index(took[0]) == len(said) - 1, said
-        assert ("; rung 2 " in scan[0]) is with_knockout and "rung 1 counts" in scan[0] and "(float32, " in scan[0]
+        assert ("; rung 2 " in scan[0]) is with_knockout and "rung 1 counts" in scan[0]
+        assert "(products in float32 at " in scan[0] and ", eigenvalues " in scan[0]
         assert "the plan estimated" in took[0] and took[0].endswith("x)")
         build = session.loaded.build("fp32")
         rung1 = rung1_flops(build.geometry, session.settings.kappa_method.n_rotations)
@@ -733,6 +734,34 @@ def test_a_scan_planned_by_size_says_its_whole_cost_first_and_its_time_last(tmp_
     narrow.loaded.progress_write = lines.append
     narrow.records.record("fp32")
     assert not [line for line in lines if "the scan" in line]
+
+
+def test_rung_1s_eigenvalues_are_planned_at_the_rate_one_heads_null_runs_here(monkeypatch):
+    """Rung 1's eigenvalue problems run far below a matmul's rate (LAPACK, one small matrix at a time),
+    so the plan times one head's null (`kappa_null.rotation_null`) once per shape and counts every
+    head's null and its two own spectra at that time per matrix, over the null's threads."""
+    from types import SimpleNamespace
+
+    import pytest_circuits.rungs.kappa_null as kappa_null
+    import pytest_circuits.rungs.plan as plan
+
+    calls: list[tuple[int, ...]] = []
+    timed = kappa_null.rotation_null
+
+    def counted(M, rotations, dtype):
+        calls.append(tuple(rotations.shape))
+        return timed(M, rotations, dtype)
+
+    monkeypatch.setattr(kappa_null, "rotation_null", counted)
+    monkeypatch.setattr(plan, "_EIGEN", {})
+    monkeypatch.setattr(kappa_null, "default_workers", lambda: 2)
+    geo = SimpleNamespace(n_layers=3, n_heads=4, d_head=16)
+    first = plan.eigen_seconds(geo, 8, torch.float32)
+    assert plan.eigen_seconds(geo, 8, torch.float32) == first  # timed once per shape
+    assert calls == [(8, 16, 16), (8, 16, 16)]  # a warm-up and the timed null of one head
+    one_head = plan._EIGEN[(16, 8, torch.float32)]
+    assert first == pytest.approx(12 * one_head * (1 + 2 / 8) / 2, rel=1e-12)
+    assert plan.eigen_flops(geo, 8) == 12 * 10 * 27 * 16**3
 
 
 def test_automatic_screen_method_is_chosen_by_counted_cost_and_said(tmp_path, monkeypatch):
@@ -812,6 +841,7 @@ def test_the_plan_times_one_pass_of_each_kind_once(tmp_path):
         CALIBRATION_ROWS,
         KINDS,
         calibrated_rate,
+        exact_seconds,
         knockout_flops,
         probe_flops,
         rung2_seconds,
@@ -848,6 +878,17 @@ def test_the_plan_times_one_pass_of_each_kind_once(tmp_path):
         + screen_flops(build, probe, "atp") / rates["screen"]
     )
     assert rung2_seconds(build, probe, 10, 2, "atp") == pytest.approx(expected, rel=1e-12)
+    # named heads (a gate's key heads): each layer's replays, its count filled to a multiple of the
+    # stack as `_replayed_deltas` fills it; the replays by layer add up to the full scan
+    assert counted["forward"] + heads / build.geometry.n_layers * sum(counted["replay"]) == pytest.approx(
+        counted["scan"], rel=1e-12
+    )
+    in_layer_0 = min(stacked + 1, build.geometry.n_heads)  # a group and a head where the layer has them
+    named = [f"L0H{h}" for h in range(in_layer_0)] + ["L1H0"]  # and one head of layer 1
+    filled = math.ceil(in_layer_0 / stacked) * stacked * counted["replay"][0] + stacked * counted["replay"][1]
+    assert exact_seconds(build, probe, named) == pytest.approx(
+        counted["forward"] / rates["forward"] + filled / rates["replay"], rel=1e-12
+    )
 
 
 @pytest.mark.slow

@@ -89,11 +89,11 @@ class BuildMeasurement:
             ("head_knockout", build_name, chosen), lambda: self._knockout_scan(build_name, chosen, None)
         )
 
-    def scan_plan(self, build_name: str, knockout: bool, method, key_heads: int | None = None) -> float | None:
+    def scan_plan(self, build_name: str, knockout: bool, method, key_heads: Sequence[str] = ()) -> float | None:
         """Before a build's whole scan under a rung-2 plan chosen by size (and one process doing all of
         it): say its counted cost and time (`rungs.plan.scan_estimate`) and return the seconds; else None.
-        ``key_heads``: rung 2 knocks out only this many heads exactly (a gate's key heads), no screen."""
-        from ..rungs.plan import exact_flops, exact_seconds, rung2_seconds, scan_estimate, screened_flops
+        ``key_heads``: rung 2 knocks out only these heads exactly (a gate's key heads), no screen."""
+        from ..rungs.plan import exact_seconds, knockout_flops, rung2_seconds, scan_estimate, screened_flops
 
         s = self.loaded.settings
         measured = self.loaded.memoised(("ov_spectrum", build_name, method.null)) is not None
@@ -105,7 +105,7 @@ class BuildMeasurement:
         build, rung2 = self.loaded.build(build_name), None
         if knockout and key_heads:
             kp = s.knockout_probe
-            rung2 = (exact_flops(build, kp, key_heads), exact_seconds(build, kp, key_heads))
+            rung2 = (knockout_flops(build, kp, heads=list(key_heads))["scan"], exact_seconds(build, kp, key_heads))
         elif knockout:
             assert chosen.top_k is not None
             method_2 = self.screen_method(build_name)
@@ -115,7 +115,7 @@ class BuildMeasurement:
                 screened_flops(build, s.knockout_probe, chosen.top_k, n_key, method_2, variant),
                 rung2_seconds(build, s.knockout_probe, chosen.top_k, n_key, method_2, variant),
             )
-        line, seconds = scan_estimate(build, s.probe, method.n_rotations, rung2)
+        line, seconds = scan_estimate(build, s.probe, method, rung2)
         self.loaded.say(line)
         return seconds
 

@@ -29,7 +29,7 @@ def measure_record(
     build = m.loaded.build(build_name)
     knockout = knockout and not build.identity.engine  # llama.cpp has no head to knock out (llama_engine.NOT_MEASURED)
     scanned = knockout and knockout_frame is None
-    planned = m.scan_plan(build_name, scanned, method, key_heads=len(key_heads) if scanned and key_heads else None)
+    planned = m.scan_plan(build_name, scanned, method, key_heads=key_heads if scanned and key_heads else ())
     started = time.perf_counter()
     spectrum = m.ov_spectrum(build_name, method)
     probe = m.repeat_probe(build_name)

@@ -75,7 +75,8 @@ def _layer_null(M_layer: torch.Tensor, layer: int, n_rotations: int, seed: int, 
     return torch.stack([k for k, _ in nulls]), torch.stack([t for _, t in nulls])
 
 
-def _default_workers() -> int:
+def default_workers() -> int:
+    """The null's threads when not given: torch's, at most one a core."""
     return max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
 
 
@@ -99,7 +100,7 @@ def null_distributions(
     def run(layer):
         return _layer_null(M[layer], layer, n_rotations, seed, dtype)
 
-    workers = n_workers or _default_workers()
+    workers = n_workers or default_workers()
     layers = range(M.shape[0])
     if workers == 1:
         results = [run(layer) for layer in layers]

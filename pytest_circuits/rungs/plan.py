@@ -24,8 +24,11 @@ The whole scan adds rung 1 (`rung1_flops`, float32 products) and the probe (`pro
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -58,7 +61,8 @@ def knockout_flops(build: LoadedBuild, settings: RepeatSettings, heads=None) -> 
     attention reads ``(T+1)/2`` keys on average). ``plain``: the plain loop (its intact forward,
     then one forward per head). ``scan``: the exact replayed scan (intact forward, then per head of
     layer ``l`` blocks ``l..end`` on ``T`` tokens, the last block's MLP on the ``L-1`` copy
-    positions only, the unembedding on those). Norms, softmax and elementwise ops are not counted.
+    positions only, the unembedding on those). ``replay``: that replay of one head, by layer ``l``.
+    Norms, softmax and elementwise ops are not counted.
     """
     geo, model = build.geometry, build.model
     n, L = settings.n, settings.L
@@ -72,8 +76,9 @@ def knockout_flops(build: LoadedBuild, settings: RepeatSettings, heads=None) -> 
     mlp_cut = 2 * _matrix_params(last_mlp) * (T - (L - 1)) if last_mlp is not None else 0.0
     forward = n * (T * sum(per_token) + L * unembed)
     pairs = parse_heads(heads, geo)
-    scan = forward + sum(n * (T * sum(per_token[geo.block(l) :]) - mlp_cut + (L - 1) * unembed) for l, _ in pairs)
-    return {"forward": forward, "plain": forward * (1 + len(pairs)), "scan": scan}
+    replay = [n * (T * sum(per_token[geo.block(l) :]) - mlp_cut + (L - 1) * unembed) for l in range(geo.n_layers)]
+    scan = forward + sum(replay[l] for l, _ in pairs)
+    return {"forward": forward, "plain": forward * (1 + len(pairs)), "scan": scan, "replay": replay}
 
 
 def screen_flops(build, settings: RepeatSettings, method: str, variant=None) -> float:
@@ -175,7 +180,6 @@ def calibrated_rate(build, settings: RepeatSettings, kind: str = "forward", rows
     Unlike a matmul's rate (`measured_rate`) each runs what rung 2 runs: the build's dtype and
     quantization, its attention, norms and elementwise work and the Python between them, at the
     machine's present load."""
-    from .knockout import auto_per_pass
     from .replay import attention_implementation, held_out_ids
 
     model = build.model
@@ -184,7 +188,7 @@ def calibrated_rate(build, settings: RepeatSettings, kind: str = "forward", rows
     if (kind, T) in rates:
         return rates[kind, T]
     rows = scan_rows(model, max(1, min(rows, settings.n)), T, build.device)
-    stacked = auto_per_pass(build, None, rows, settings.n, T) if kind == "replay" else 1
+    stacked = replay_stack(build, settings, rows) if kind == "replay" else 1
     timed = replace(settings, n=rows)
     ids = held_out_ids(build, timed).to(build.device)
     with attention_implementation(model):
@@ -219,11 +223,39 @@ def _screen_rate(build, settings: RepeatSettings, ids: torch.Tensor) -> float:
 def rung1_flops(geometry, n_rotations: int) -> float:
     """Counted FLOPs of rung 1 (float32 products): ``W_U W_E`` (``2 d^2 V``), the reduced OV stack of
     every KV group and head (``2 d^2 d_head`` a group, ``2 d_head^2 d`` a head), and the eigenvalues
-    (about ``27 d_head^3`` each: the head's two spectra and ``n_rotations`` null draws)."""
+    (`eigen_flops`)."""
     d, V, dh = geometry.d_model, geometry.vocab, geometry.d_head
     heads, kv = geometry.n_layers * geometry.n_heads, geometry.n_layers * geometry.n_kv_heads
     reduced = kv * 2 * d * d * dh + heads * 2 * dh * d * dh
-    return 2 * d * d * V + reduced + heads * (2 + n_rotations) * 27 * dh**3
+    return 2 * d * d * V + reduced + eigen_flops(geometry, n_rotations)
+
+
+def eigen_flops(geometry, n_rotations: int) -> float:
+    """Rung 1's eigenvalues, about ``27 d_head^3`` each: every head's two spectra and its
+    ``n_rotations`` null draws."""
+    return geometry.n_layers * geometry.n_heads * (2 + n_rotations) * 27 * geometry.d_head**3
+
+
+_EIGEN: dict[tuple[int, int, torch.dtype], float] = {}  # (d_head, n_rotations, dtype) -> seconds of one head's null
+
+
+def eigen_seconds(geometry, n_rotations: int, null_dtype: torch.dtype) -> float:
+    """Rung 1's eigenvalues' time at the rate they run here: one head's null (`kappa_null.rotation_null`,
+    ``n_rotations`` eigenvalue problems of ``d_head x d_head`` in ``null_dtype``, which LAPACK solves
+    far below a matmul's rate: 3.2 ms for one float32 128 x 128 matrix on this CPU) timed once per
+    shape after an untimed one, for every head over the null's threads (`kappa_null.default_workers`),
+    and the heads' own two spectra each at the null's time per matrix."""
+    from .kappa_null import default_workers, haar_rotations, rotation_null
+
+    dh, key = geometry.d_head, (geometry.d_head, n_rotations, null_dtype)
+    if key not in _EIGEN:
+        generator = torch.Generator().manual_seed(0)
+        M = torch.randn(dh, dh, dtype=torch.float64, generator=generator)
+        rotations = haar_rotations(n_rotations, dh, generator)
+        rotation_null(M, rotations, null_dtype)  # warm-up
+        _EIGEN[key] = _wall(torch.device("cpu"), lambda: rotation_null(M, rotations, null_dtype))
+    heads = geometry.n_layers * geometry.n_heads
+    return heads * _EIGEN[key] * (1 + 2 / n_rotations) / default_workers()
 
 
 def probe_flops(build, settings: RepeatSettings) -> float:
@@ -273,15 +305,32 @@ def rung2_seconds(build, settings: RepeatSettings, top_k: int | None, n_key: int
     return screen + exact_seconds(build, settings, min(heads, top_k + n_key))
 
 
-def exact_seconds(build, settings: RepeatSettings, n_heads: int) -> float:
-    """The time of exact knockouts of ``n_heads`` heads: the intact forward at a forward's rate, the
-    mean replay of one head (`exact_flops`) ``n_heads`` times at a stacked replay's."""
-    heads = build.geometry.n_layers * build.geometry.n_heads
+def exact_seconds(build, settings: RepeatSettings, heads: int | Sequence[str]) -> float:
+    """The time of exact knockouts of ``heads``: the intact forward at a forward's rate, then the
+    replays at a stacked replay's. ``heads`` a count: the mean replay of one head (`exact_flops`)
+    that many times (the heads a screen will pick are not known before it runs); named heads
+    (``L3H7``): each layer's replay (`knockout_flops`) as many times as the layer's stacked replays
+    hold rows, its count filled to a multiple of the knockouts one replay stacks, as
+    `knockout._replayed_deltas` fills it."""
     counted = knockout_flops(build, settings)
-    replay = (counted["scan"] - counted["forward"]) / heads  # one head's mean replay
-    return counted["forward"] / calibrated_rate(build, settings) + n_heads * replay / calibrated_rate(
-        build, settings, "replay"
-    )
+    if isinstance(heads, int):
+        total = build.geometry.n_layers * build.geometry.n_heads
+        replays = heads * (counted["scan"] - counted["forward"]) / total
+    else:
+        per_layer = Counter(layer for layer, _ in parse_heads(list(heads), build.geometry))
+        k = replay_stack(build, settings)
+        replays = sum(math.ceil(c / k) * k * counted["replay"][layer] for layer, c in per_layer.items())
+    return counted["forward"] / calibrated_rate(build, settings) + replays / calibrated_rate(build, settings, "replay")
+
+
+def replay_stack(build, settings: RepeatSettings, rows: int = CALIBRATION_ROWS) -> int:
+    """The knockouts one exact replay stacks for ``settings``' probe (`knockout.auto_per_pass` at
+    ``rows`` sequences a chunk, as the scan and `calibrated_rate` run it)."""
+    from .knockout import auto_per_pass
+
+    T = 2 * settings.L + bos_offset(build.tokens)
+    rows = scan_rows(build.model, max(1, min(rows, settings.n)), T, build.device)
+    return auto_per_pass(build, None, rows, settings.n, T)
 
 
 def _gflops(rate: float) -> str:
@@ -310,20 +359,23 @@ def plan_estimate(
     return line, seconds
 
 
-def scan_estimate(
-    build, probe: RepeatSettings, n_rotations: int, rung2: tuple[float, float] | None
-) -> tuple[str, float]:
-    """``(line, seconds)`` of a build's whole scan: rung 1 at a float32 matmul's rate, the probe at the
-    rate of the build's own forward (`calibrated_rate`), both measured now, and ``rung2``'s
-    ``(counted FLOPs, seconds)`` (`rung2_seconds`; None: no knockouts)."""
+def scan_estimate(build, probe: RepeatSettings, method, rung2: tuple[float, float] | None) -> tuple[str, float]:
+    """``(line, seconds)`` of a build's whole scan: rung 1's products at a float32 matmul's rate and its
+    eigenvalues at theirs (`eigen_seconds`, ``method``'s `KappaMethod` null), the probe at the rate of
+    the build's own forward (`calibrated_rate`), each measured now, and ``rung2``'s ``(counted FLOPs,
+    seconds)`` (`rung2_seconds`; None: no knockouts)."""
+    geo = build.geometry
     float32 = measured_rate(build, dtype=torch.float32)
     own = calibrated_rate(build, probe)
-    rung1, forward = rung1_flops(build.geometry, n_rotations), probe_flops(build, probe)
-    seconds = rung1 / float32 + forward / own + (rung2[1] if rung2 else 0.0)
+    rung1, forward = rung1_flops(geo, method.n_rotations), probe_flops(build, probe)
+    eigen = eigen_seconds(geo, method.n_rotations, getattr(torch, method.null_dtype))
+    rung1_s = (rung1 - eigen_flops(geo, method.n_rotations)) / float32 + eigen
+    seconds = rung1_s + forward / own + (rung2[1] if rung2 else 0.0)
     said = "" if rung2 is None else f"; rung 2 {rung2[0] / 1e12:.3g} TFLOP, {_duration(rung2[1])} (its passes timed)"
     line = (
-        f"circuits: the scan of {build.label}: rung 1 counts {rung1 / 1e12:.3g} TFLOP (float32, "
-        f"{_gflops(float32)} GFLOP/s), the probe {forward / 1e12:.3g} TFLOP ({_gflops(own)} GFLOP/s){said}: "
-        f"about {_duration(seconds)} (a float32 matmul and the build's passes timed here)"
+        f"circuits: the scan of {build.label}: rung 1 counts {rung1 / 1e12:.3g} TFLOP, {_duration(rung1_s)} "
+        f"(products in float32 at {_gflops(float32)} GFLOP/s, eigenvalues {_duration(eigen)}), the probe "
+        f"{forward / 1e12:.3g} TFLOP ({_gflops(own)} GFLOP/s){said}: about {_duration(seconds)} (a float32 "
+        "matmul, one head's null and the build's passes timed here)"
     )
     return line, seconds
