@@ -844,6 +844,7 @@ def test_the_plan_times_one_pass_of_each_kind_once(tmp_path):
         exact_seconds,
         knockout_flops,
         probe_flops,
+        replay_flops,
         rung2_seconds,
         screen_flops,
     )
@@ -880,12 +881,13 @@ def test_the_plan_times_one_pass_of_each_kind_once(tmp_path):
     assert rung2_seconds(build, probe, 10, 2, "atp") == pytest.approx(expected, rel=1e-12)
     # named heads (a gate's key heads): each layer's replays, its count filled to a multiple of the
     # stack as `_replayed_deltas` fills it; the replays by layer add up to the full scan
-    assert counted["forward"] + heads / build.geometry.n_layers * sum(counted["replay"]) == pytest.approx(
+    by_layer = replay_flops(build, probe)
+    assert counted["forward"] + heads / build.geometry.n_layers * sum(by_layer) == pytest.approx(
         counted["scan"], rel=1e-12
     )
     in_layer_0 = min(stacked + 1, build.geometry.n_heads)  # a group and a head where the layer has them
     named = [f"L0H{h}" for h in range(in_layer_0)] + ["L1H0"]  # and one head of layer 1
-    filled = math.ceil(in_layer_0 / stacked) * stacked * counted["replay"][0] + stacked * counted["replay"][1]
+    filled = math.ceil(in_layer_0 / stacked) * stacked * by_layer[0] + stacked * by_layer[1]
     assert exact_seconds(build, probe, named) == pytest.approx(
         counted["forward"] / rates["forward"] + filled / rates["replay"], rel=1e-12
     )

@@ -61,8 +61,7 @@ def knockout_flops(build: LoadedBuild, settings: RepeatSettings, heads=None) -> 
     attention reads ``(T+1)/2`` keys on average). ``plain``: the plain loop (its intact forward,
     then one forward per head). ``scan``: the exact replayed scan (intact forward, then per head of
     layer ``l`` blocks ``l..end`` on ``T`` tokens, the last block's MLP on the ``L-1`` copy
-    positions only, the unembedding on those). ``replay``: that replay of one head, by layer ``l``.
-    Norms, softmax and elementwise ops are not counted.
+    positions only, the unembedding on those). Norms, softmax and elementwise ops are not counted.
     """
     geo, model = build.geometry, build.model
     n, L = settings.n, settings.L
@@ -76,9 +75,14 @@ def knockout_flops(build: LoadedBuild, settings: RepeatSettings, heads=None) -> 
     mlp_cut = 2 * _matrix_params(last_mlp) * (T - (L - 1)) if last_mlp is not None else 0.0
     forward = n * (T * sum(per_token) + L * unembed)
     pairs = parse_heads(heads, geo)
-    replay = [n * (T * sum(per_token[geo.block(l) :]) - mlp_cut + (L - 1) * unembed) for l in range(geo.n_layers)]
-    scan = forward + sum(replay[l] for l, _ in pairs)
-    return {"forward": forward, "plain": forward * (1 + len(pairs)), "scan": scan, "replay": replay}
+    scan = forward + sum(n * (T * sum(per_token[geo.block(l) :]) - mlp_cut + (L - 1) * unembed) for l, _ in pairs)
+    return {"forward": forward, "plain": forward * (1 + len(pairs)), "scan": scan}
+
+
+def replay_flops(build: LoadedBuild, settings: RepeatSettings) -> list[float]:
+    """The counted FLOPs of one head's exact replay (`knockout_flops`'s ``scan`` less its forward), by layer."""
+    forward = knockout_flops(build, settings, heads=[])["forward"]
+    return [knockout_flops(build, settings, heads=[(l, 0)])["scan"] - forward for l in range(build.geometry.n_layers)]
 
 
 def screen_flops(build, settings: RepeatSettings, method: str, variant=None) -> float:
@@ -319,7 +323,8 @@ def exact_seconds(build, settings: RepeatSettings, heads: int | Sequence[str]) -
     else:
         per_layer = Counter(layer for layer, _ in parse_heads(list(heads), build.geometry))
         k = replay_stack(build, settings)
-        replays = sum(math.ceil(c / k) * k * counted["replay"][layer] for layer, c in per_layer.items())
+        by_layer = replay_flops(build, settings)
+        replays = sum(math.ceil(c / k) * k * by_layer[layer] for layer, c in per_layer.items())
     return counted["forward"] / calibrated_rate(build, settings) + replays / calibrated_rate(build, settings, "replay")
 
 
