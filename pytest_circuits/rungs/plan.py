@@ -1,13 +1,16 @@
 """The counted cost of a rung-2 plan (screen + exact knockouts, or every head exactly) and of a
 build's whole scan (rung 1, the probe, rung 2), and their time at the rate the build's own forward
 reaches in each kind of pass when the plan is made (`calibrated_rate`: a forward, a stacked knockout
-replay, the screen's forward and backward; rung 1's float32 products at a float32 matmul's):
+replay, the screen's forward and backward; rung 1's float32 products at a float32 matmul's, its
+eigenvalues at one head's null's, `eigen_seconds`):
 the lines printed before a plan chosen by size starts, and after it ran.
 
 Counts (multiply-add = 2), with ``forward`` = `knockout_flops`'s one forward:
 
 * exact knockouts of ``k`` heads: ``forward + k x`` the mean replay of one head
   (``(scan(all) - forward) / heads``: the heads the screen will pick are not known before it runs);
+  of named heads (a gate's key heads): each head's replay from its layer, each layer's count filled
+  to a multiple of the stack (`exact_seconds`);
 * screen ``atp``: one forward and one backward, ``3 forward`` (``4`` where the backward recomputes
   each block, `screen.screen_layout`);
 * ``atp*`` adds the QK fix: for every pair of a source layer and a later layer, the later layer's
@@ -313,9 +316,8 @@ def exact_seconds(build, settings: RepeatSettings, heads: int | Sequence[str]) -
     """The time of exact knockouts of ``heads``: the intact forward at a forward's rate, then the
     replays at a stacked replay's. ``heads`` a count: the mean replay of one head (`exact_flops`)
     that many times (the heads a screen will pick are not known before it runs); named heads
-    (``L3H7``): each layer's replay (`knockout_flops`) as many times as the layer's stacked replays
-    hold rows, its count filled to a multiple of the knockouts one replay stacks, as
-    `knockout._replayed_deltas` fills it."""
+    (``L3H7``): each head's replay from its own layer (`replay_flops`), each layer's count filled to
+    a multiple of the knockouts one replay stacks, as `knockout._replayed_deltas` fills it."""
     counted = knockout_flops(build, settings)
     if isinstance(heads, int):
         total = build.geometry.n_layers * build.geometry.n_heads
