@@ -6,11 +6,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import scipy.stats  # noqa: F401  (below)
 
 import pytest_circuits
 from pytest_circuits.testing import TINY_FAMILIES, requires_embedded_model, requires_smollm2, save_tiny_model
 
 pytest_plugins = ["pytester"]
+# pytester drops from sys.modules what a test that uses it imported (test_fixtures: scipy.stats,
+# through transformers), and scipy's C extensions cannot load twice in one process: a later gate's
+# lazy import of scipy.stats then raised ImportError (test_first_hour failed when run after
+# test_fixtures). Imported here, it is in every snapshot pytester restores.
 
 FAMILIES = TINY_FAMILIES
 needs_smollm2 = requires_smollm2()
