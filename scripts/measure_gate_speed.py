@@ -61,6 +61,12 @@ def gate(checkout: Path, model: str, build: str) -> dict:
     return said | ({"error": done.stderr[-2000:]} if done.returncode not in (0, 1) else {})
 
 
+def verdict_words(gated: dict) -> str:
+    """``pass``, or ``FAIL`` and the invariants that failed, of one gate's verdict lines."""
+    failed = [v.split()[1] for v in gated["verdicts"] if v.startswith("FAIL")]
+    return "FAIL " + ", ".join(failed) if failed else "pass"
+
+
 def table(results: list[dict]) -> str:
     lines = [
         "| build | before: wall, CPU | after: wall, CPU | wall speed-up | verdicts (after) | same verdicts | load |",
@@ -68,8 +74,7 @@ def table(results: list[dict]) -> str:
     ]
     for r in results:
         b, a = r["before"], r["after"]
-        failed = [v.split()[1] for v in a["verdicts"] if v.startswith("FAIL")]
-        said = "FAIL " + ", ".join(failed) if failed else "pass"
+        said = verdict_words(a)
         if "error" in a or "error" in b:  # the gate itself stopped: no verdict to compare
             said = f"ERROR (rc {b['rc']} / {a['rc']})"
         same = "yes" if a["verdicts"] == b["verdicts"] else "**no**"
@@ -96,8 +101,7 @@ def one_checkout_table(results: list[dict]) -> str:
     ]
     for r in results:
         a = r["after"]
-        failed = [v.split()[1] for v in a["verdicts"] if v.startswith("FAIL")]
-        said = f"ERROR (rc {a['rc']})" if "error" in a else "FAIL " + ", ".join(failed) if failed else "pass"
+        said = f"ERROR (rc {a['rc']})" if "error" in a else verdict_words(a)
         peak = f"{a['peak_gb']:.2f} GB" if a.get("peak_gb") else "-"
         lines.append(
             f"| {r['build']} | {a['wall']:.0f} s | {a['cpu']:.0f} CPU-s | {peak} | {most_sequences(a['out'])} | {said} | "
