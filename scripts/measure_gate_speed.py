@@ -28,8 +28,9 @@ import sys
 import time
 from pathlib import Path
 
+from measure_sizes import write_block  # docs/scale.md's measured blocks
+
 VERDICT = re.compile(r"^(PASS|FAIL|SKIP|ERROR) (\w+)")
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "scale.md"
 BEGIN, END = "<!-- measured: begin (scripts/measure_gate_speed.py) -->", "<!-- measured: end -->"
 # the child's own peak RSS (ru_maxrss of RUSAGE_CHILDREN is the largest child's so far, not this one's)
 CHILD = (
@@ -119,14 +120,6 @@ def every_recipe(model: str) -> list[str]:
     return [name for name in RECIPES if name != "fp32" and f"{model}--{name}" in shipped]
 
 
-def write_docs(text: str, note: str) -> None:
-    """Replace the measured block of docs/scale.md between `BEGIN` and `END` with ``note`` and ``text``."""
-    page = DOCS.read_text()
-    start = page.index(BEGIN)
-    end = page.index(END, start)
-    DOCS.write_text(page[: start + len(BEGIN)] + "\n\n" + note + "\n\n" + text + "\n\n" + page[end:])
-
-
 def torch_threads() -> int:
     """The threads a gate's torch uses here: ``OMP_NUM_THREADS`` when set, else every core."""
     return int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)
@@ -174,7 +167,7 @@ def main() -> None:
             f"1-minute load as each gate started, the previous gate's own; {len(alone)} gates, {wall / 60:.0f} min "
             "in all):"
         )
-        write_docs(one_checkout_table(alone), note)
+        write_block(BEGIN, END, note, one_checkout_table(alone))
 
 
 if __name__ == "__main__":

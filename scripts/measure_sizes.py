@@ -490,6 +490,12 @@ def write_docs(text: str, note: str, block: str = "sizes") -> None:
     """Replace a measured block of docs/scale.md (between its markers: ``sizes``, or ``stacks`` for
     `STACK_SHAPES`) with ``text``."""
     begin, end_mark = (STACK_BEGIN, STACK_END) if block == "stacks" else (BEGIN, END)
+    write_block(begin, end_mark, note, text)
+
+
+def write_block(begin: str, end_mark: str, note: str, text: str) -> None:
+    """Replace what docs/scale.md holds between the markers ``begin`` and ``end_mark`` (its first after
+    ``begin``) with ``note`` and ``text`` (`measure_gate_speed.py` writes its block here too)."""
     page = DOCS.read_text()
     start = page.index(begin)
     end = page.index(end_mark, start)
