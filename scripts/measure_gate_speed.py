@@ -11,7 +11,8 @@ Run: python scripts/measure_gate_speed.py --before /tmp/before --after . --model
 (``git worktree add /tmp/before COMMIT`` makes the old checkout.) Results append to ``--results``
 as they finish; ``--table`` prints the markdown table of what it holds. Without ``--before`` each
 build is gated once, on ``--after``; ``--write-docs`` then writes the table of every recipe into
-docs/scale.md (between its ``measure_gate_speed`` markers):
+docs/scale.md, between the markers that name the same ``--results`` file (a table per machine; each
+row records the CPU, `cpu_said`):
 
     python scripts/measure_gate_speed.py --builds all --results gate-recipes.jsonl --write-docs
 """
@@ -31,7 +32,38 @@ from pathlib import Path
 from measure_sizes import write_block  # docs/scale.md's measured blocks
 
 VERDICT = re.compile(r"^(PASS|FAIL|SKIP|ERROR) (\w+)")
-BEGIN, END = "<!-- measured: begin (scripts/measure_gate_speed.py) -->", "<!-- measured: end -->"
+END = "<!-- measured: end -->"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def begin_marker(results: Path) -> str:
+    """The marker that opens the docs/scale.md block of the gates in ``results`` (one block per file: a
+    table per machine)."""
+    return f"<!-- measured: begin (scripts/measure_gate_speed.py --results {results}) -->"
+
+
+def cpu_said() -> str:
+    """This CPU as a table says it: its model name, torch's capability and whether oneDNN multiplies
+    bfloat16 natively (else a bf16 or fp16 build's products run as float32 GEMMs, `model.half_products`)."""
+    import platform
+
+    import torch
+
+    from pytest_circuits.model.half_products import native_half_products
+
+    names = [line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")]
+    name = names[0] if names else platform.processor() or platform.machine()
+    kernels = "bfloat16 kernels" if native_half_products(torch.bfloat16) else "no bfloat16 kernels"
+    return f"{name}, {torch.backends.cpu.get_cpu_capability()}, {kernels}"
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
 # the child's own peak RSS (ru_maxrss of RUSAGE_CHILDREN is the largest child's so far, not this one's)
 CHILD = (
     "import atexit, resource, sys, pytest_circuits; from pytest_circuits.entry import main; "
@@ -138,7 +170,7 @@ def main() -> None:
     builds = every_recipe(args.model) if args.builds == "all" else args.builds.split(",")
     if not args.table:
         for build in builds:
-            row = {"model": args.model, "build": build, "threads": torch_threads()}
+            row = {"model": args.model, "build": build, "threads": torch_threads(), "cpu": cpu_said()}
             if args.before is not None:
                 row["before"] = gate(args.before, args.model, build)
             row["after"] = gate(args.after, args.model, build)
@@ -160,14 +192,20 @@ def main() -> None:
         latest = {r["build"]: r for r in rows if "before" not in r and r["model"] == args.model}  # a rerun replaces
         alone = [latest[b] for b in every_recipe(args.model) if b in latest]
         wall = sum(r["after"]["wall"] for r in alone)
+        cpus = sorted({r.get("cpu", "a CPU not recorded") for r in alone})
         note = (
             f"`python scripts/measure_gate_speed.py --model {args.model} --builds all --results {args.results} --write-docs`"
-            f" ({time.strftime('%Y-%m-%d')}; {os.cpu_count()} cores, {alone[0]['threads'] if alone else '?'} torch "
-            f"threads; one gate at a time, each against `{args.model}--fp32` in a fresh process; the load is the "
+            f" ({time.strftime('%Y-%m-%d')}; {'; '.join(cpus)}; {os.cpu_count()} cores, "
+            f"{alone[0]['threads'] if alone else '?'} torch threads; one gate at a time, each against `{args.model}--fp32` in a fresh process; the load is the "
             f"1-minute load as each gate started, the previous gate's own; {len(alone)} gates, {wall / 60:.0f} min "
             "in all):"
         )
-        write_block(BEGIN, END, note, one_checkout_table(alone))
+        begin = begin_marker(args.results)
+        if begin not in (ROOT / "docs" / "scale.md").read_text():
+            raise SystemExit(
+                f"docs/scale.md has no block for {args.results}: add the lines {begin} and {END} where it goes"
+            )
+        write_block(begin, END, note, one_checkout_table(alone))
 
 
 if __name__ == "__main__":

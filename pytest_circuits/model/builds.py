@@ -33,6 +33,7 @@ from .compressed import (
 )
 from .dense import is_projection, weight_of
 from .families import Family, Geometry, bind_family, family_and_geometry, geometry_for, modules_at
+from .half_products import float32_products
 from .loading import ModelSource, check_finite_weights, nonfinite_line, nonfinite_of, quiet_transformers, read_config
 from .mixer_memory import lean_heap
 from .recipes import CT, EXTERNAL_KEYS, LLMC, RECIPES, BuildSpec, Recipe, get_recipe, parse_builds  # noqa: F401  (re-exported)
@@ -301,6 +302,7 @@ def finish_build(model, source: ModelSource, identity: BuildIdentity, family: Fa
     """Eval mode, no gradients, the `LoadedBuild`, checked by `check_decomposition`."""
     model.eval()
     model.requires_grad_(False)
+    float32_products(model)  # bf16/fp16 on a CPU with no kernel for it: float32 GEMMs, rounded once
     bind_family(model, family)  # the entry the config resolved to, not a second inference from the modules
     build = LoadedBuild(
         model=model,
