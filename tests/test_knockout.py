@@ -865,8 +865,9 @@ def test_the_plan_times_one_pass_of_each_kind_once(tmp_path):
     rows = min(CALIBRATION_ROWS, probe.n)
     stacked = auto_per_pass(build, None, rows, probe.n, T)
     assert stacked > 1  # the wide model's replays stack knockouts: a pass of its own size is timed
-    # a warm-up of one sequence, the timed rows, the stacked replay's rows, the screen's warm-up and timed sequence
-    assert shapes == [(1, T), (rows, T), (rows * stacked, T), (1, T), (1, T)]
+    # a warm-up of one sequence, the timed rows and the stacked replay's rows each twice (a pass under
+    # RETIME_BELOW_S), the screen's warm-up and timed sequence
+    assert shapes == [(1, T), (rows, T), (rows, T), (rows * stacked, T), (rows * stacked, T), (1, T), (1, T)]
     for kind, n in (("forward", rows), ("replay", rows * stacked)):  # each timed pass took less than its call
         assert probe_flops(build, type(probe)(seed=probe.seed, n=n, L=probe.L)) / took[kind] <= rates[kind]
     one = type(probe)(seed=probe.seed, n=1, L=probe.L)
@@ -891,6 +892,22 @@ def test_the_plan_times_one_pass_of_each_kind_once(tmp_path):
     assert exact_seconds(build, probe, named) == pytest.approx(
         counted["forward"] / rates["forward"] + filled / rates["replay"], rel=1e-12
     )
+
+
+def test_a_short_pass_is_timed_twice_and_the_faster_counts(tmp_path, monkeypatch):
+    """A first pass of a shape sets up its kernels (oneDNN's bf16 ones per shape), so a pass under
+    `RETIME_BELOW_S` is timed again and the faster time is the rate; a longer one is timed once."""
+    from pytest_circuits.rungs import plan
+
+    build = _session_of(_wide_model(tmp_path)).loaded.build("fp32")
+    probe = RepeatSettings(seed=1, n=8, L=8)
+    counted = plan.probe_flops(build, probe)
+    for timings, calls in (([3.0, 1.0], 2), ([1.0, 3.0], 2), ([plan.RETIME_BELOW_S + 1, 1.0], 1)):
+        plan._CALIBRATED.pop(build.model, None)
+        said = iter(timings)
+        monkeypatch.setattr(plan, "_wall", lambda device, run, said=said: next(said))
+        assert plan.calibrated_rate(build, probe, "forward") == counted / min(timings[:calls])
+        assert len(list(said)) == len(timings) - calls
 
 
 @pytest.mark.slow

@@ -143,3 +143,20 @@ def test_an_int8_gate_has_the_same_verdicts_on_either_forward():
         }
     assert verdicts[True] == verdicts[False]
     assert all(results for results in verdicts[True].values())  # every invariant compared something
+
+
+@pytest.mark.parametrize("vnni", [True, False], ids=["torch int8 kernel", "float32 blocks"])
+def test_the_int8_product_is_exact_with_or_without_vnni(vnni, monkeypatch):
+    """`int8_product` equals the int64 product of the codes, extremes included, with more columns than
+    one exact float32 block holds (without VNNI: float32 GEMMs of `EXACT_K` columns, added in int32)."""
+    monkeypatch.setattr(token_quant, "int8_kernels", lambda: vnni)
+    generator = torch.Generator().manual_seed(0)
+    k = 2 * token_quant.EXACT_K + 300
+    a = torch.randint(-128, 128, (33, k), dtype=torch.int8, generator=generator)
+    b = torch.randint(-128, 128, (k, 40), dtype=torch.int8, generator=generator)
+    a[0], b[:, 0] = -128, -128  # the largest products: a row whose every partial sum is 128^2 x its columns
+    got = token_quant.int8_product(a, b.t().contiguous().t())  # column-major, as the layers hold their codes
+    want = a.to(torch.int64) @ b.to(torch.int64)
+    assert got.dtype == torch.int32
+    assert torch.equal(got.to(torch.int64), want)
+    assert int(want[0, 0]) == 128 * 128 * k  # beyond float32's exact integers: the blocks kept it exact
