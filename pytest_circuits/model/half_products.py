@@ -14,10 +14,11 @@ in float32, in another summation order (as between two CPUs). The figures move b
 Scope: a function mode (`Float32Products`) entered by the forward of the outermost call of any of the
 build's modules that holds half parameters (each such module's ``forward`` is wrapped, as
 `token_quant.install` wraps a layer's), so everything a forward runs, the rungs' direct calls of
-blocks, norms and projections and their hooks included, and left when that call returns or raises. Gradients (the screen's backward) go through
-`_Float32Product`, which keeps the half operands and recomputes the float32 product in the backward,
-so no float32 copy of a weight is kept; without gradients a large weight is converted in slices of
-`SLICE_BYTES`, so a float32 copy of an 8B model's unembedding (2.1 GB) is never held.
+blocks, norms and projections and their hooks included, and left when that call returns or raises.
+Gradients (the screen's backward) go through `_Float32Product`, which keeps the half operands and
+recomputes the float32 product in the backward, so no float32 copy of a weight is kept; without
+gradients a large weight is converted in slices of `SLICE_BYTES`, so a float32 copy of an 8B model's
+unembedding (2.1 GB) is never held.
 """
 
 from __future__ import annotations
@@ -84,19 +85,15 @@ def _float32(x: Any) -> Any:
 
 def float32_product(func, args: tuple, kwargs: dict, dtype: torch.dtype) -> torch.Tensor:
     """``func(*args, **kwargs)`` with every half operand in float32, rounded once to ``dtype``."""
-    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if _is_tensor(t)]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        where = [i for i, x in enumerate(leaves) if _is_tensor(x)]
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    if torch.is_grad_enabled() and any(leaves[i].requires_grad for i in where):
         return _Float32Product.apply(func, spec, leaves, where, dtype, *[leaves[i] for i in where])
     with torch.no_grad():
         if func is F.linear and not kwargs:
             return _sliced_linear(*args)
-        return func(*pytree.tree_map(_float32, args), **pytree.tree_map(_float32, kwargs)).to(dtype)
-
-
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, torch.Tensor)
+        floats, float_kwargs = pytree.tree_unflatten([_float32(x) for x in leaves], spec)
+        return func(*floats, **float_kwargs).to(dtype)
 
 
 def _sliced_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
