@@ -357,7 +357,9 @@ def cmd_merge(args) -> int:
     return EXIT_OK
 
 
-def _tolerances(pairs: list[str]):
+def _tolerance_overrides(pairs: list[str]) -> dict[str, str]:
+    """``--tol NAME=VALUE`` pairs, checked as `Tolerances` reads them: the run's settings hold them
+    (what it measures reads some, e.g. ``change_screen``), and the gate's verdict reads them."""
     from .gate.tolerances import Tolerances
 
     overrides = {}
@@ -367,9 +369,10 @@ def _tolerances(pairs: list[str]):
             raise CircuitsError(f"--tol {pair!r}: write NAME=VALUE, e.g. --tol kappa=0.1")
         overrides[name.strip()] = value.strip()
     try:
-        return Tolerances().updated(overrides)
+        Tolerances().updated(overrides)
     except ValueError as error:
         raise CircuitsError(f"--tol: {error}") from None
+    return overrides
 
 
 def _print_results(results, notes=()) -> bool:
@@ -432,7 +435,7 @@ def cmd_gate(args) -> int:
     from .record.store import baseline_file, baseline_line, read_record
     from .run.flow import gate_file
 
-    tol = _tolerances(args.tol)
+    overrides = _tolerance_overrides(args.tol)
     args.baseline = baseline_file(args.baseline)
     try:
         baseline = read_record(args.baseline)  # validated once: the gate reads this typed record
@@ -440,7 +443,8 @@ def cmd_gate(args) -> int:
         raise BaselineMissing(_missing_baseline(args)) from None
     # on the same model a screened scan knocks the file's key heads out exactly (another model's are skipped)
     key_heads_of = () if args.across_models else (baseline,)
-    session = _session(args, probe=baseline.probe.model_dump(), key_heads_of=key_heads_of)
+    session = _session(args, probe=baseline.probe.model_dump(), key_heads_of=key_heads_of, tolerances=overrides)
+    tol = session.tolerances
     build = _one_build(session, "gate")
     if not args.no_knockout:
         refuse_decode_knockouts(session.settings.spec(build))
@@ -471,11 +475,14 @@ def cmd_sensitivity(args) -> int:
     from .record.store import baseline_file, read_record
     from .run.sensitivity import run_command
 
-    tol = _tolerances(args.tol)
+    overrides = _tolerance_overrides(args.tol)
     if args.heads < 1:
         raise CircuitsError(f"--heads {args.heads}: damage at least 1 head")
     baseline = read_record(baseline_file(args.baseline)) if args.baseline is not None else None
-    session = _session(args, probe=None if baseline is None else baseline.probe.model_dump())
+    probe = None if baseline is None else baseline.probe.model_dump()
+    given = () if baseline is None else (baseline,)  # the change screen reads the file it gates against
+    session = _session(args, probe=probe, key_heads_of=given, tolerances=overrides)
+    tol = session.tolerances
     build = _one_build(session, "sensitivity")
     if baseline is None:
         baseline = session.baselines.load(build)

@@ -30,7 +30,10 @@ Rows (each a fresh process that loads the build first; its load is timed apart):
 * ``gate-key``: the same against that record with ``--key-heads`` heads (300) made key heads, chosen at
   random (seeded) and given the look-1 knockout deltas of SmolLM2-135M's fp32 baseline's key heads
   (`key_heads_record`): random weights have no key head, a trained model has hundreds at 8B, and a
-  gate knocks out each exactly. The record holds look 1 only, so the gate decides there.
+  gate knocks out each exactly. The record holds look 1 only, so the gate decides there. With
+  ``--change-screen F`` the gate runs the change screen (``--tol change_screen=F``) and the record's
+  plain-AtP estimates of ``--confirmed C`` of those heads (chosen at random) are moved by 1000 nats, so
+  the screen knocks out exactly C of them: the time of a gate whose estimate moved for C key heads.
 """
 
 from __future__ import annotations
@@ -302,9 +305,11 @@ def command_stage(args) -> dict:
 
     record = args.folder / "scan-record.json"
     if args.rung == "gate-key":
-        record = key_heads_record(record, args.key_heads, args.seed)
+        record = key_heads_record(record, args.key_heads, args.seed, args.confirmed)
     if args.rung in ("gate", "gate-key"):  # the probe's settings are the record's
         words = ["gate", str(args.folder), "--baseline", str(record)]
+        if args.change_screen is not None:
+            words += ["--tol", f"change_screen={args.change_screen}"]
     else:
         words = ["scan", str(args.folder), "--json", str(record), "--probe-n", str(args.probe_n)]
         words += ["--probe-length", str(args.probe_length)]
@@ -317,6 +322,11 @@ def command_stage(args) -> dict:
     code = main(words)
     return {
         **({"key_heads": args.key_heads} if args.rung == "gate-key" else {}),
+        **(
+            {"change_screen": args.change_screen, "confirmed": args.confirmed}
+            if args.rung == "gate-key" and args.change_screen is not None
+            else {}
+        ),
         "exit": code,
         "wall": time.perf_counter() - wall,
         "cpu": cpu_seconds() - cpu,
@@ -325,12 +335,14 @@ def command_stage(args) -> dict:
     }
 
 
-def key_heads_record(record: Path, count: int, seed: int) -> Path:
+def key_heads_record(record: Path, count: int, seed: int, confirmed: int = 0) -> Path:
     """``record`` with ``count`` heads, chosen at random (``seed``), made key heads: each takes the look-1
     knockout deltas (per sequence) of one of SmolLM2-135M's fp32 baseline's key heads, in turn, and its
     mean and interval; the record's further looks are dropped (the synthetic heads have none). Written
     beside it as ``scan-record-key-heads.json``, marked in its name: the figures are SmolLM2's, not this
-    model's, so the gate's verdict on them means nothing; its time is what a trained model's key heads cost."""
+    model's, so the gate's verdict on them means nothing; its time is what a trained model's key heads cost.
+    ``confirmed``: that many of them (at random) get a ``knockout_atp`` 1000 nats from the record's,
+    which no change screen clears."""
     import random
 
     from pytest_circuits.gate.builtin_invariants import key_heads
@@ -353,6 +365,11 @@ def key_heads_record(record: Path, count: int, seed: int) -> Path:
         row["knockout_delta"] = sum(values) / len(values)
         row["knockout_delta_sequences"] = list(values)
         row["knockout_delta_interval"] = list(mean_interval(values) or (None, None))
+    for index in random.Random(seed + 1).sample(sorted(chosen), min(confirmed, len(chosen))):
+        row = data["heads"][index]
+        if row.get("knockout_atp") is None:
+            raise SystemExit("the record holds no knockout_atp (recorded before it was stored): record it again")
+        row["knockout_atp"] += 1000.0
     data["looks"] = None
     out = record.with_name("scan-record-key-heads.json")
     out.write_text(json.dumps(data))
@@ -365,6 +382,8 @@ def run_stage(shape: str, folder: Path, rung: str, options) -> dict:
     command = [sys.executable, __file__, "--stage", rung, "--folder", str(folder), "--build", options.build]
     command += ["--probe-n", str(options.probe_n), "--probe-length", str(options.probe_length)]
     command += ["--key-heads", str(options.key_heads), "--seed", str(options.seed)]
+    if options.change_screen is not None:
+        command += ["--change-screen", str(options.change_screen), "--confirmed", str(options.confirmed)]
     if options.screen is not None:
         command += ["--screen", str(options.screen)]
     if options.screen_method is not None:
@@ -435,6 +454,8 @@ def table(rows: list[dict], options) -> str:
             label = {"load": "load + self-check"}.get(rung, rung)
             if rung == "gate-key":
                 label = f"gate, {result.get('key_heads')} key heads (random, SmolLM2's deltas)"
+                if result.get("change_screen") is not None:
+                    label += f", change screen {result['change_screen']:g}: {result['confirmed']} knocked out"
             if result.get("probe", row.get("probe")) != row.get("probe"):  # a rung run under another plan
                 label += f" ({result['probe']})"
             if "error" in result:
@@ -521,6 +542,12 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--key-heads", type=int, default=300, help="the gate-key rung's key heads (key_heads_record)")
+    parser.add_argument(
+        "--change-screen", type=float, default=None, help="the gate-key rung's --tol change_screen (off: exact)"
+    )
+    parser.add_argument(
+        "--confirmed", type=int, default=0, help="with --change-screen: key heads the screen must knock out"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints")
     parser.add_argument("--write-docs", action="store_true", help="write the table into docs/scale.md")
     parser.add_argument("--results", type=Path, default=None, help="append each shape's JSON here")

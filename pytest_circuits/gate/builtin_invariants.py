@@ -33,6 +33,7 @@ import numpy as np
 from ..record.looks import look_values, pooled
 from ..record.read import record_eigenvalues
 from ..record.schema import Head, HeadWrites, Record, RecordLike
+from .change_screen import knockout_limit, screened_row
 from .invariant_api import Comparison, Invariant, Row, register, signed, within
 from .rows import (
     figure,
@@ -410,7 +411,9 @@ class InductionHeads(Invariant):
 @register
 class KnockoutDeltas(Invariant):
     """Key heads' knockout deltas keep their size: ``|d' - d| <= knockout * |d_bar|``, ``d_bar``
-    the baseline's delta over every sequence it holds (look 1 and its further looks)."""
+    the baseline's delta over every sequence it holds (look 1 and its further looks). With
+    ``change_screen = f > 0`` a key head whose plain-AtP change is under ``f`` of that is passed on
+    the estimate, not knocked out (`change_screen`)."""
 
     name = "knockout_deltas"
     suite_test = "test_knockout_deltas_keep_size"
@@ -420,6 +423,11 @@ class KnockoutDeltas(Invariant):
     knockout_heads = "key heads"
     tolerances = {
         "knockout": Tolerance(0.5, "|delta knockout_delta| / |knockout_delta| of key heads"),
+        "change_screen": Tolerance(
+            0.0,
+            "knock out exactly only key heads whose change plain AtP estimates at this fraction of their "
+            "tolerance or more (0: every key head exactly)",
+        ),
     }
     reads = ("top_k", "min_delta", "outside_interval", "looks")
     held = "knockout deltas of {build}'s key heads keep their size against the {against}"
@@ -440,24 +448,32 @@ class KnockoutDeltas(Invariant):
                 "it is incomplete (a merge of parts that missed layers?), so its key heads are unknown; record it again"
             )
         b, a = heads_by_label(before), heads_by_label(after)
-        rows = []
+        rows, cleared = [], []
         for name in key_heads(before, "knockout_delta", tol.top_k, tol.min_delta):
             y = figure(a.get(name), "knockout_delta")
+            size, n, limit = knockout_limit(before, b[name], tol)  # over every sequence the baseline holds
+            if math.isnan(y) and (row := screened_row(name, b[name], a.get(name), limit, tol.change_screen)):
+                cleared.append(row)
+                continue
             looks = (look_values(before, "knockout_delta", name), look_values(after, "knockout_delta", name))
-            size, n = pooled(b[name], "knockout_delta", looks[0])  # every sequence the baseline holds
             over = f" {signed(size)} over {n} sequences" if looks[0] and n else ""
             note = (
                 f"({tol.knockout:.0%} of its size{over})"
                 if not math.isnan(y)
                 else "NOT MEASURED in this build (screened out): an error, not a change; measure it exactly"
             )
-            limit = tol.knockout * abs(size)
             rows.append(sampled_within(name, "knockout_delta", b[name], a.get(name), limit, tol, note, looks))
+        screened = (
+            f"{len(rows)} key heads knocked out exactly, {len(cleared)} passed by the change screen "
+            f"(their estimated change under {tol.change_screen:.0%} of the tolerance)"
+            if cleared
+            else ""
+        )
         return Comparison(
-            rows,
+            rows + cleared,
             spared(rows),
             fixed_why(before, rows, tol),
-            interval_detail(rows, spared(rows)[:5]),
+            "; ".join(s for s in (interval_detail(rows, spared(rows)[:5]), screened) if s),
             nothing_is_skip=True,
             nothing=(f"the {{against}} has no head with knockout delta >= {tol.min_delta:g} nats; nothing to check"),
         )

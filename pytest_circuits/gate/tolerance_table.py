@@ -20,6 +20,7 @@ BUILT_IN: dict[str, tuple[float | int | bool, str, float | int | None]] = {
     "looks": (4, "the most looks of the sequential rule (gate/sequential.py), each n fresh probe sequences, drawn while a change is undecided; a pass needs the change shown within its tolerance; 1: the fixed rule", 1),
     "prefix": (0.1, "|delta prefix_matching| / |delta previous_token| of key heads", 0),
     "knockout": (0.5, "|delta knockout_delta| / |knockout_delta| of key heads", 0),
+    "change_screen": (0.0, "knock out exactly only key heads whose change plain AtP estimates at this fraction of their tolerance or more (0: every key head exactly)", 0),
     "reliance": (0.5, "how far the mean cited-chunk drop of an audit slice may shrink, x the baseline's", 0),
     "min_reliance": (1.0, "a case whose baseline drop is below this (nats) is reported, not gated", 0),
     "attribution": (0.8, "least share of relied audit cases whose top chunk is the baseline's", 0),

@@ -140,6 +140,9 @@ HEAD_FIGURES: tuple[Figure, ...] = (
         heatmap_kind="diverging",
     ),
     Figure("knockout_estimate", "knockout", "float", "2", stored="measured", nullable=True),
+    # plain AtP of every head on look 1's held-out sequences, sum dz_h . dCL/dz_h (rungs/screen.py `atp`):
+    # what knockout_deltas' change screen compares between a baseline and a build (gate/change_screen.py)
+    Figure("knockout_atp", "knockout", "float", "2", stored="measured", nullable=True),
     # per held-out sequence i: copy_loss_i(head knocked out) - copy_loss_i(intact); they average to knockout_delta
     Figure(sequences_key("knockout_delta"), "knockout", "floats", "2", stored="measured", nullable=True),
     Figure(interval_key("knockout_delta"), "record", "interval", "2", stored="measured", nullable=True),

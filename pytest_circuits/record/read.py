@@ -11,20 +11,21 @@ import numpy as np
 from .schema import Identity, ModelInfo, Record, RecordLike
 
 NEEDS = {
-    "knockout": "knockout_delta",
-    "routing": "prefix_matching",
-    "audit": "",  # the record's audit section (`record.audit`), not a head figure
-}  # what an invariant may need -> the head figure that shows it
+    "knockout": ("knockout_delta", "knockout_atp"),  # a gate's change screen may clear every key head
+    "routing": ("prefix_matching",),
+    "audit": (),  # the record's audit section (`record.audit`), not a head figure
+}  # what an invariant may need -> the head figures that show it
 
 
 def has_figures(record: RecordLike, need: str) -> bool:
-    """True when the record holds the figures of ``need`` (``"knockout"``: any measured knockout delta;
+    """True when the record holds the figures of ``need`` (``"knockout"``: any measured knockout delta
+    or plain AtP estimate;
     ``"routing"``: any measured routing score, which an engine without attention patterns lacks;
     ``"audit"``: rung 3 on an audit slice)."""
     if need == "audit":
         return Record.of(record).audit is not None
-    column = NEEDS[need]
-    return any(getattr(row, column) is not None for row in Record.of(record).heads)
+    columns = NEEDS[need]
+    return any(getattr(row, column) is not None for row in Record.of(record).heads for column in columns)
 
 
 def lacking_figures(record: Record, build: str, lacking: str) -> str:

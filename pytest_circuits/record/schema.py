@@ -192,6 +192,7 @@ if TYPE_CHECKING:  # what mypy reads of the models built from the figure table (
         path_factor: float | None
         knockout_delta: float | None
         knockout_estimate: float | None
+        knockout_atp: float | None
         knockout_delta_sequences: list[float] | None
         knockout_delta_interval: list[float] | None
 

@@ -89,7 +89,11 @@ def head_rows(spectrum: Any, probe_heads: Any = None, knockout: Any = None) -> l
     if probe_heads is not None:
         frame = frame.merge(probe_heads.drop(columns=["layer", "head_index"], errors="ignore"), on="head", how="left")
     if knockout is not None:
-        cols = [c for c in ("head", "knockout_delta", "knockout_estimate", KNOCKOUT_SEQUENCES) if c in knockout.columns]
+        cols = [
+            c
+            for c in ("head", "knockout_delta", "knockout_estimate", "knockout_atp", KNOCKOUT_SEQUENCES)
+            if c in knockout.columns
+        ]
         frame = frame.merge(knockout[cols], on="head", how="left")
         if KNOCKOUT_SEQUENCES in frame.columns:
             frame[figures.interval_key("knockout_delta")] = [

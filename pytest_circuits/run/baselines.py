@@ -22,6 +22,7 @@ from ..record.store import BaselineStore, geometry_difference, geometry_record, 
 from .record_source import RecordSource
 
 if TYPE_CHECKING:
+    from ..gate.change_screen import ChangeScreen
     from ..gate.tolerances import Tolerances
     from ..settings import CircuitsSettings
 
@@ -147,19 +148,34 @@ class RunBaselines:
             f"build is gated against, a broken one included; only if it is known good, {record}"
         )
 
-    def key_heads(self, tol: Tolerances) -> list[str]:
-        """The key knockout heads of this run's baselines (reference and each build's own) and of
-        `key_heads_of`, which a screened scan always knocks out exactly; a record of another geometry
-        (another base model: compared across models, never by label) gives none."""
-        heads: set[str] = set()
+    def key_head_records(self, gated: bool = False) -> list[Record]:
+        """The records whose key knockout heads this run knocks out: its baselines (reference and each
+        build's own) and `key_heads_of`; a record of another geometry (another base model: compared
+        across models, never by label) is left out. ``gated``: only the records a gate compares with,
+        `key_heads_of` when given (``circuits gate``'s file), else the baselines."""
         geometry = geometry_record(self._geometry().__dict__)
         records: list[RecordLike] = list(self.key_heads_of)
         for recipe in dict.fromkeys((self.settings.reference, *self.settings.builds)):
+            if gated and records:
+                break
             try:
                 records.append(self.store.read(self.model_name, recipe))
             except BaselineError:
                 continue  # missing or corrupt: the gate reports it
-        for record in records:
-            if not geometry_difference(record, geometry):
-                heads.update(key_heads(record, "knockout_delta", tol.top_k, tol.min_delta))
+        return [Record.of(record) for record in records if not geometry_difference(record, geometry)]
+
+    def key_heads(self, tol: Tolerances) -> list[str]:
+        """The key knockout heads of `key_head_records`, which a screened scan always knocks out exactly."""
+        heads: set[str] = set()
+        for record in self.key_head_records():
+            heads.update(key_heads(record, "knockout_delta", tol.top_k, tol.min_delta))
         return sorted(heads)
+
+    def change_screen(self, tol: Tolerances) -> ChangeScreen | None:
+        """The change screen of a gate's knockouts (`gate.change_screen`) over `key_head_records`;
+        None when ``tol.change_screen`` is 0 (every key head exactly)."""
+        from ..gate.change_screen import ChangeScreen
+
+        return ChangeScreen.of(
+            self.key_head_records(gated=True), lambda r: key_heads(r, "knockout_delta", tol.top_k, tol.min_delta), tol
+        )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from functools import cached_property
+from typing import Any
 
 from ..options import flag
 from . import plan as rung2_plan
@@ -17,11 +18,18 @@ from .loaded import LoadedBuilds
 
 class BuildMeasurement:
     """Per build: its rung 1, probe and knockout figures (under the run's `plan`), memoised in ``loaded``;
-    ``key_heads``: the heads a screened scan always knocks out exactly (the baselines')."""
+    ``key_heads``: the heads a screened scan always knocks out exactly (the baselines');
+    ``change_screen``: the rule that picks which of them a gate knocks out (`gate.change_screen`; None: all)."""
 
-    def __init__(self, loaded: LoadedBuilds, key_heads: Callable[[], Sequence[str]] = tuple):
+    def __init__(
+        self,
+        loaded: LoadedBuilds,
+        key_heads: Callable[[], Sequence[str]] = tuple,
+        change_screen: Callable[[], Any] = lambda: None,
+    ):
         self.loaded = loaded
         self.key_heads = key_heads
+        self.change_screen = change_screen
 
     def ov_spectrum(self, build_name: str, method=None):
         """Rung 1: kappa of every head against the rotation null (DataFrame), measured by ``method``
@@ -65,11 +73,14 @@ class BuildMeasurement:
 
         return self.loaded.memo(("repeat_probe", build_name), measure)
 
-    def head_knockout(self, build_name: str, heads=None):
+    def head_knockout(self, build_name: str, heads=None, change_screen: bool = False):
         """Rung 2: knockout delta of every head (or of ``heads``, each exactly) on held-out repeat
         sequences (DataFrame). Screened, the key heads (`key_heads`) are always knocked out exactly;
-        with shards (`shards`), the scan of every head is the merge of its layer shards."""
+        with shards (`shards`), the scan of every head is the merge of its layer shards. The scan of
+        every head stores each head's plain AtP estimate too (``knockout_atp``); ``change_screen``
+        (a gate's key heads): of ``heads``, only those the run's `change_screen` confirms."""
         chosen = None if heads is None else tuple(sorted(heads))
+        screen = self.change_screen() if change_screen and chosen is not None else None
         if chosen is None and self.loaded.settings.shard is not None:
             from ..errors import ShardError
 
@@ -86,14 +97,15 @@ class BuildMeasurement:
                 lambda: merge_knockout_shards([self.knockout_shard(build_name, i) for i in range(self.shards)]),
             )
         return self.loaded.memo(
-            ("head_knockout", build_name, chosen), lambda: self._knockout_scan(build_name, chosen, None)
+            ("head_knockout", build_name, chosen, screen is not None),  # one screen a run
+            lambda: self._knockout_scan(build_name, chosen, None, screen),
         )
 
     def scan_plan(self, build_name: str, knockout: bool, method, key_heads: Sequence[str] = ()) -> float | None:
         """Before a build's whole scan under a rung-2 plan chosen by size (and one process doing all of
         it): say its counted cost and time (`rungs.plan.scan_estimate`) and return the seconds; else None.
         ``key_heads``: rung 2 knocks out only these heads exactly (a gate's key heads), no screen."""
-        from ..rungs.plan import exact_seconds, knockout_flops, rung2_seconds, scan_estimate, screened_flops
+        from ..rungs.plan import scan_estimate
 
         s = self.loaded.settings
         measured = self.loaded.memoised(("ov_spectrum", build_name, method.null)) is not None
@@ -102,21 +114,13 @@ class BuildMeasurement:
         chosen = rung2_plan.plan(s, self.loaded.preflight, lambda: list(self.key_heads()))
         if not chosen.by_size:
             return None
-        build, rung2 = self.loaded.build(build_name), None
-        if knockout and key_heads:
-            kp = s.knockout_probe
-            rung2 = (knockout_flops(build, kp, heads=list(key_heads))["scan"], exact_seconds(build, kp, key_heads))
-        elif knockout:
-            assert chosen.top_k is not None
-            method_2 = self.screen_method(build_name)
-            variant = rung2_plan.screen_variant(self.loaded.settings)
-            n_key = len(chosen.must_include)
-            rung2 = (
-                screened_flops(build, s.knockout_probe, chosen.top_k, n_key, method_2, variant),
-                rung2_seconds(build, s.knockout_probe, chosen.top_k, n_key, method_2, variant),
-            )
+        build = self.loaded.build(build_name)
+        rung2 = rung2_cost(self, build_name, chosen, key_heads) if knockout else None
         line, seconds = scan_estimate(build, s.probe, method, rung2)
-        self.loaded.say(line)
+        cleared = knockout and key_heads and self.change_screen() is not None
+        self.loaded.say(
+            line + ("; at most: the change screen knocks out only the key heads it does not clear" if cleared else "")
+        )
         return seconds
 
     def screen_top_k(self) -> int | None:
@@ -143,25 +147,14 @@ class BuildMeasurement:
 
         return self.loaded.memo(("screen_method", build_name), choose)
 
-    def _knockout_scan(self, build_name: str, heads, layers):
+    def _knockout_scan(self, build_name: str, heads, layers, change_screen=None):
         from ..rungs.knockout import knockout_scan
-        from ..rungs.plan import plan_estimate, took_line
+        from ..rungs.plan import took_line
 
         s = self.loaded.settings
         say = self.loaded.say
         chosen = rung2_plan.plan(s, self.loaded.preflight, lambda: list(self.key_heads()))
-        planned = None
-        if chosen.by_size and heads is None:  # said before it starts, with its counted cost
-            assert chosen.top_k is not None
-            line, planned = plan_estimate(
-                self.loaded.build(build_name),
-                s.knockout_probe,
-                chosen.top_k,
-                len(chosen.must_include),
-                self.screen_method(build_name),
-                rung2_plan.screen_variant(self.loaded.settings),
-            )
-            say(f"{line}; the full exact scan only with {flag('knockout-full')}")
+        planned = said_plan(self, build_name, chosen) if chosen.by_size and heads is None else None
         started = time.perf_counter()
         frame = knockout_scan(
             self.loaded.build(build_name),
@@ -175,7 +168,11 @@ class BuildMeasurement:
             write=self.loaded.progress_write,
             layers=layers,
             screen_variant=rung2_plan.screen_variant(self.loaded.settings),
+            atp=heads is None,
+            confirm=None if change_screen is None else change_screen.confirm,
         )
+        if change_screen is not None and heads is not None:
+            say(cleared_line(self.loaded.build(build_name).label, len(heads), frame, change_screen.fraction))
         if planned is not None:  # and after it, its wall time beside the estimate
             say(took_line(self.loaded.build(build_name), planned, time.perf_counter() - started))
         return frame
@@ -215,6 +212,63 @@ class BuildMeasurement:
             return self.loaded.run_folder.once(name, measure, dump=frame_json, load=json_frame)
 
         return self.loaded.memo(("knockout_shard", build_name, index), once)
+
+
+def rung2_cost(m: BuildMeasurement, build_name: str, chosen, key_heads: Sequence[str]) -> tuple[float, float]:
+    """Rung 2's counted FLOPs and seconds under the run's plan ``chosen``: the exact knockouts of
+    ``key_heads`` (a gate's, plus the change screen's plain AtP when it is on), else the screened scan."""
+    from ..rungs.plan import (
+        calibrated_rate,
+        exact_seconds,
+        knockout_flops,
+        rung2_seconds,
+        screen_flops,
+        screened_flops,
+    )
+
+    build, kp = m.loaded.build(build_name), m.loaded.settings.knockout_probe
+    if key_heads:
+        flops, seconds = knockout_flops(build, kp, heads=list(key_heads))["scan"], exact_seconds(build, kp, key_heads)
+        if m.change_screen() is not None:  # plain AtP first; the exact part is then at most this
+            atp = screen_flops(build, kp, "atp")
+            flops, seconds = flops + atp, seconds + atp / calibrated_rate(build, kp, "screen")
+        return flops, seconds
+    assert chosen.top_k is not None
+    method, variant, n_key = (
+        m.screen_method(build_name),
+        rung2_plan.screen_variant(m.loaded.settings),
+        len(chosen.must_include),
+    )
+    return (
+        screened_flops(build, kp, chosen.top_k, n_key, method, variant),
+        rung2_seconds(build, kp, chosen.top_k, n_key, method, variant),
+    )
+
+
+def said_plan(m: BuildMeasurement, build_name: str, chosen) -> float:
+    """Before a screened scan of every head starts: say its counted cost and time, return the seconds."""
+    from ..rungs.plan import plan_estimate
+
+    assert chosen.top_k is not None
+    line, planned = plan_estimate(
+        m.loaded.build(build_name),
+        m.loaded.settings.knockout_probe,
+        chosen.top_k,
+        len(chosen.must_include),
+        m.screen_method(build_name),
+        rung2_plan.screen_variant(m.loaded.settings),
+    )
+    m.loaded.say(f"{line}; the full exact scan only with {flag('knockout-full')}")
+    return planned
+
+
+def cleared_line(label: str, n_heads: int, frame, fraction: float) -> str:
+    """What a screened gate's knockout stage says: how many key heads the change screen cleared."""
+    exact = len(frame.attrs["exact_heads"])
+    return (
+        f"circuits: {label}: the change screen cleared {n_heads - exact} of {n_heads} key heads (estimated "
+        f"change under {fraction:g} of its tolerance); {exact} knocked out exactly"
+    )
 
 
 AUTO_AUDIT_SHARD_CASES = 32  # under pytest-xdist, a slice of this many cases or more shards over the workers

@@ -38,7 +38,7 @@ def measure_record(
         if knockout_frame is not None:
             ko_frame = knockout_frame
         else:
-            ko_frame = m.head_knockout(build_name, heads=key_heads or None)
+            ko_frame = m.head_knockout(build_name, heads=key_heads or None, change_screen=bool(key_heads))
         screened = None if key_heads else m.screen_top_k()
         ko_info = {
             **s.knockout_probe.as_dict(),
@@ -48,6 +48,11 @@ def measure_record(
             "screen_method": m.screen_method(build_name) if screened is not None else None,
             **({"heads": "key heads"} if key_heads else {}),
         }
+    if planned is not None and ko_frame is not None and key_heads and m.change_screen() is not None:
+        from ..rungs.plan import exact_seconds
+
+        kp = s.knockout_probe  # the plan counted every key head: now the ones the change screen kept
+        planned += exact_seconds(build, kp, ko_frame.attrs["exact_heads"]) - exact_seconds(build, kp, key_heads)
     if planned is not None:  # and after it, its wall time beside the estimate
         m.loaded.say(took_line(build, planned, time.perf_counter() - started, "the scan"))
     audit = None if s.audit is None else measure_audit(m, build_name).section()  # rung 3: only when a slice is given

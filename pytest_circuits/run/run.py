@@ -19,6 +19,7 @@ from .loaded import LoadedBuilds
 from .measure import BuildMeasurement
 
 if TYPE_CHECKING:
+    from ..gate.change_screen import ChangeScreen
     from ..gate.tolerances import Tolerances
     from ..record.schema import RecordLike
     from .baselines import RunBaselines
@@ -33,7 +34,7 @@ class Run:
         """``key_heads_of``: records (a gated baseline file) whose key heads a screened scan knocks
         out exactly besides those of the run's baselines."""
         self.loaded = LoadedBuilds(settings)
-        self.measured = BuildMeasurement(self.loaded, key_heads=self.key_heads)
+        self.measured = BuildMeasurement(self.loaded, key_heads=self.key_heads, change_screen=self.change_screen)
         self._key_heads_of = tuple(key_heads_of)
         self._pinned: set[str] = set()
 
@@ -77,6 +78,11 @@ class Run:
         """The heads a screened scan always knocks out exactly: the baselines' (`RunBaselines.key_heads`)
         and those pinned (`pin_key_heads`)."""
         return sorted(set(self.baselines.key_heads(self.tolerances)) | self._pinned)
+
+    def change_screen(self) -> ChangeScreen | None:
+        """The rule that picks which key heads a gate knocks out exactly (`RunBaselines.change_screen`;
+        None: every one)."""
+        return self.baselines.change_screen(self.tolerances)
 
     def pin_key_heads(self, heads: Sequence[str]) -> None:
         """Knock ``heads`` out exactly in every later screened scan (`circuits sensitivity`'s damaged heads)."""

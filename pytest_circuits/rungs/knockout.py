@@ -18,6 +18,10 @@ Screening (big models): attribution patching ranks every head from one forward a
 backward, ``estimate_h = sum over sequences, positions of (z_h^ablated - z_h) . dL/dz_h``
 (zero ablation: ``-z_h . dL/dz_h``); exact knockouts then run only on the ``screen_top_k``
 heads with the largest ``|estimate_h|`` plus ``must_include``. Gates use exact deltas only.
+
+``atp=True`` stores that plain estimate of every head (``knockout_atp``), from the same intact
+pass; ``confirm`` (a gate's change screen, gate/change_screen.py) reads it and names the heads that
+are knocked out exactly.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -128,6 +133,8 @@ def knockout_scan(
     layers=None,
     trace_bytes: int | None = None,
     screen_variant=None,
+    atp: bool = False,
+    confirm=None,
 ) -> pd.DataFrame:
     """Knockout delta of every head (or of ``heads``) on the held-out repeat sequences of ``settings``.
 
@@ -150,6 +157,10 @@ def knockout_scan(
     ``trace_bytes``: the most the traced block inputs may hold (default `TRACE_SHARE` of the
     memory available; `trace_stride`); fewer kept inputs only add recomputed blocks, same figures.
     ``screen_variant``: a `screen.ScreenVariant` (cheaper screens; default today's).
+    ``atp``: also the plain AtP estimate of every head, column ``knockout_atp`` (`every_head_atp`: None
+    where the backward pass fails). ``confirm``: ``{label: knockout_atp} -> labels`` (the change
+    screen, `gate.change_screen.ChangeScreen.confirm`, implies ``atp``): of the chosen heads only
+    those it names are knocked out exactly; all of them when the estimate failed.
     ``df.attrs``: ``copy_loss`` (intact), ``mode``, ``settings`` (dict), ``screened``,
     ``screen_top_k``, ``screen_method``, ``exact_heads``, ``replayed`` (whether the replay ran),
     ``layers`` (the shard's layers, None for the whole model).
@@ -195,11 +206,19 @@ def knockout_scan(
                 stacklevel=2,
             )
             screen = False
+    plain = None
+    if atp or confirm is not None:
+        plain = every_head_atp(
+            build, ids, settings.L, mode, intact.means, batch_size, progress, write, confirm is not None
+        )
     if screen and score is not None:
         ranked = sorted(candidates, key=lambda p: (-score[p], p))
         exact = sorted(set(ranked[:screen_top_k]) | set(extra))
     else:
         exact = sorted(set(candidates) | set(extra))
+    if confirm is not None and plain is not None:
+        confirmed = set(confirm({head_label(l, h): float(plain[l, h]) for l, h in np.ndindex(plain.shape)}))
+        exact = [pair for pair in exact if head_label(*pair) in confirmed]
     shard = None if layers is None else sorted({int(l) for l in layers})
     if shard is not None:
         if not shard or shard[0] < 0 or shard[-1] >= geo.n_layers:
@@ -234,6 +253,8 @@ def knockout_scan(
             if screen and estimate is not None and score is not None:
                 row["knockout_estimate"] = float(estimate[layer, head])
                 row["knockout_screen_score"] = float(score[layer, head])
+            if atp or confirm is not None:
+                row["knockout_atp"] = None if plain is None else float(plain[layer, head])
             rows.append(row)
     df = pd.DataFrame(rows)
     df.attrs.update(
@@ -248,6 +269,34 @@ def knockout_scan(
         layers=shard,
     )
     return df
+
+
+def every_head_atp(
+    build: LoadedBuild, ids, L: int, mode: str, means, batch_size: int, progress=True, write=None, warn=True
+):
+    """``(n_layers, n_heads)`` plain AtP (`screen.atp`) of every head's knockout on ``ids``, one forward
+    and one backward per chunk; None where the build has no backward pass, with one warning that
+    names why when ``warn`` (a change screen asked: it then knocks out every key head exactly; a
+    recording leaves the column unmeasured, which a later screen reads as "knock out")."""
+    from .screen import atp as atp_of
+    from .screen import screen_layout
+
+    layout = screen_layout(build, max(batch_size, 1), L)
+    chunks = -(-ids.shape[0] // layout.rows)
+    try:
+        with Progress(chunks, f"plain AtP {build.label}", unit="chunk", enabled=progress, write=write) as bar:
+            return atp_of(build, ids, L, mode, means, layout.rows, bar, recompute=layout.recompute)
+    except (RuntimeError, NotImplementedError, TypeError) as error:
+        if not warn:
+            return None
+        warnings.warn(
+            f"{build.label}: the plain AtP estimate of each knockout needs a backward pass, which failed here "
+            f"({str(error).splitlines()[0] if str(error) else type(error).__name__}); knockout_atp is not "
+            "measured, so no change screen reads it",
+            CircuitsWarning,
+            stacklevel=2,
+        )
+        return None
 
 
 def head_means(build: LoadedBuild, settings: RepeatSettings, batch_size: int = 8) -> torch.Tensor:
