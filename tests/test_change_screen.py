@@ -59,6 +59,25 @@ def test_a_recording_stores_the_plain_atp_estimate_of_every_head(recorded):
         assert head.knockout_atp == pytest.approx(frame.loc[head.head, "knockout_estimate"], rel=1e-5, abs=1e-7)
 
 
+@pytest.mark.parametrize(("method", "measured"), [("atp", True), ("atp*", False)])
+def test_a_screened_scan_keeps_its_own_atp_and_adds_no_pass_for_atp_star(method, measured):
+    """A scan screened by plain AtP stores its screen's estimate as knockout_atp (no second pass);
+    one screened by AtP* leaves the column unmeasured rather than pay a second backward for it."""
+    from pytest_circuits.model.builds import load_build
+    from pytest_circuits.model.loading import resolve_model
+    from pytest_circuits.rungs.knockout import knockout_scan
+    from pytest_circuits.rungs.repeat_settings import RepeatSettings
+
+    build = load_build(resolve_model("tiny-induction"), "fp32", "cpu")
+    frame = knockout_scan(
+        build, RepeatSettings(n=4, L=16), screen_top_k=2, screen_method=method, atp=True, progress=False
+    )
+    if measured:
+        assert frame["knockout_atp"].tolist() == frame["knockout_estimate"].tolist()
+    else:
+        assert frame["knockout_atp"].isna().all() and frame["knockout_estimate"].notna().all()
+
+
 def test_the_same_build_is_cleared_head_by_head_and_the_pass_says_so(recorded):
     record, verdicts, _ = _gate("fp32", recorded, 0.25)
     keys = key_heads(recorded, "knockout_delta", 0, 0.1)

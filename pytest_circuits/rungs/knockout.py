@@ -158,7 +158,9 @@ def knockout_scan(
     memory available; `trace_stride`); fewer kept inputs only add recomputed blocks, same figures.
     ``screen_variant``: a `screen.ScreenVariant` (cheaper screens; default today's).
     ``atp``: also the plain AtP estimate of every head, column ``knockout_atp`` (`every_head_atp`: None
-    where the backward pass fails). ``confirm``: ``{label: knockout_atp} -> labels`` (the change
+    where the backward pass fails), where it is free or cheap: a screen of plain AtP over every
+    sequence is reused; a scan of every head exactly adds one forward and backward; a scan screened
+    by AtP* leaves it unmeasured (a later change screen then knocks out every key head exactly). ``confirm``: ``{label: knockout_atp} -> labels`` (the change
     screen, `gate.change_screen.ChangeScreen.confirm`, implies ``atp``): of the chosen heads only
     those it names are knocked out exactly; all of them when the estimate failed.
     ``df.attrs``: ``copy_loss`` (intact), ``mode``, ``settings`` (dict), ``screened``,
@@ -182,11 +184,13 @@ def knockout_scan(
         raise CircuitsError(f"screen_top_k={screen_top_k} must be 0 or more ({flag('knockout-screen')})")
     with attention_implementation(build.model), phase(f"knockout intact pass {build.label}", write, enabled=progress):
         intact = intact_pass(build, ids, settings.L, batch_size, trace=replay, trace_bytes=trace_bytes)
-    estimate = score = None
-    if screen:
-        from .screen import TODAY, screen_estimate, screen_layout
+    from .screen import TODAY
 
-        variant = TODAY if screen_variant is None else screen_variant
+    estimate = score = None
+    variant = TODAY if screen_variant is None else screen_variant
+    if screen:
+        from .screen import screen_estimate, screen_layout
+
         variant.check()
         screened_n = ids.shape[0] if variant.sequences is None else min(variant.sequences, ids.shape[0])
         passes = 2 if variant.ablation == "both" else 1
@@ -207,7 +211,9 @@ def knockout_scan(
             )
             screen = False
     plain = None
-    if atp or confirm is not None:
+    if estimate is not None and screen_method == "atp" and variant.sequences is None and variant.ablation == "scan":
+        plain = estimate  # the screen was plain AtP of every head on every sequence: the same figures
+    elif confirm is not None or (atp and not screen):  # a scan screened by AtP* leaves the column unmeasured
         plain = every_head_atp(
             build, ids, settings.L, mode, intact.means, batch_size, progress, write, confirm is not None
         )
@@ -284,7 +290,11 @@ def every_head_atp(
     layout = screen_layout(build, max(batch_size, 1), L)
     chunks = -(-ids.shape[0] // layout.rows)
     try:
-        with Progress(chunks, f"plain AtP {build.label}", unit="chunk", enabled=progress, write=write) as bar:
+        with (
+            Progress(chunks, f"plain AtP {build.label}", unit="chunk", enabled=progress, write=write) as bar,
+            warnings.catch_warnings(),
+        ):  # torch warns of kernels outside autograd (bitsandbytes 4-bit); `screen._reached` then refuses
+            warnings.filterwarnings("ignore", ".*an autograd kernel was not registered", UserWarning)
             return atp_of(build, ids, L, mode, means, layout.rows, bar, recompute=layout.recompute)
     except (RuntimeError, NotImplementedError, TypeError) as error:
         if not warn:
