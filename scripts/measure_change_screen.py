@@ -101,7 +101,7 @@ def measure(args, model: str, write) -> tuple[list[dict], str]:
         atp = {row["head"]: row.get("knockout_atp") for row in o.record["heads"]}
         for fraction in floats(args.fractions):
             ftol = tol.updated({"change_screen": fraction})
-            screen = ChangeScreen.of([Record.of(estimated)], lambda r: keys, ftol)
+            screen = ChangeScreen.of(lambda: [Record.of(estimated)], lambda r: keys, ftol)
             assert screen is not None
             estimates = {h: float("nan") if atp.get(h) is None else float(atp[h]) for h in keys}
             kept = set(screen.confirm(estimates))

@@ -71,15 +71,15 @@ class ChangeScreen:
 
     @classmethod
     def of(
-        cls, records: Iterable[Record], keys_of: Callable[[Record], Iterable[str]], tol: Tolerances
+        cls, records: Callable[[], Iterable[Record]], keys_of: Callable[[Record], Iterable[str]], tol: Tolerances
     ) -> ChangeScreen | None:
-        """The screen of ``records`` (each with ``keys_of(record)``, its key heads) under ``tol``; None
-        when ``tol.change_screen`` is 0 (every key head exactly)."""
+        """The screen of ``records()`` (each with ``keys_of(record)``, its key heads) under ``tol``; None,
+        without reading them, when ``tol.change_screen`` is 0 (every key head exactly)."""
         fraction = float(tol.change_screen)
         if fraction <= 0:
             return None
         baselines: dict[str, list[tuple[float, float]]] = {}
-        for record in records:
+        for record in records():
             rows = heads_by_label(record)
             for name in keys_of(record):
                 baselines.setdefault(name, []).append(

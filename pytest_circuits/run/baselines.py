@@ -177,5 +177,7 @@ class RunBaselines:
         from ..gate.change_screen import ChangeScreen
 
         return ChangeScreen.of(
-            self.key_head_records(gated=True), lambda r: key_heads(r, "knockout_delta", tol.top_k, tol.min_delta), tol
+            lambda: self.key_head_records(gated=True),
+            lambda r: key_heads(r, "knockout_delta", tol.top_k, tol.min_delta),
+            tol,
         )

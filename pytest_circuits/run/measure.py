@@ -77,8 +77,9 @@ class BuildMeasurement:
         """Rung 2: knockout delta of every head (or of ``heads``, each exactly) on held-out repeat
         sequences (DataFrame). Screened, the key heads (`key_heads`) are always knocked out exactly;
         with shards (`shards`), the scan of every head is the merge of its layer shards. The scan of
-        every head stores each head's plain AtP estimate too (``knockout_atp``); ``change_screen``
-        (a gate's key heads): of ``heads``, only those the run's `change_screen` confirms."""
+        every head stores each head's plain AtP estimate too where it is cheap (``knockout_atp``,
+        `rungs.knockout.knockout_scan`); ``change_screen`` (a gate's key heads): of ``heads``, only
+        those the run's `change_screen` confirms."""
         chosen = None if heads is None else tuple(sorted(heads))
         screen = self.change_screen() if change_screen and chosen is not None else None
         if chosen is None and self.loaded.settings.shard is not None:

@@ -160,9 +160,10 @@ def knockout_scan(
     ``atp``: also the plain AtP estimate of every head, column ``knockout_atp`` (`every_head_atp`: None
     where the backward pass fails), where it is free or cheap: a screen of plain AtP over every
     sequence is reused; a scan of every head exactly adds one forward and backward; a scan screened
-    by AtP* leaves it unmeasured (a later change screen then knocks out every key head exactly). ``confirm``: ``{label: knockout_atp} -> labels`` (the change
-    screen, `gate.change_screen.ChangeScreen.confirm`, implies ``atp``): of the chosen heads only
-    those it names are knocked out exactly; all of them when the estimate failed.
+    by AtP* leaves it unmeasured (a later change screen then knocks out every key head exactly).
+    ``confirm``: ``{label: knockout_atp} -> labels`` (the change screen,
+    `gate.change_screen.ChangeScreen.confirm`, implies ``atp``): of the chosen heads only those it
+    names are knocked out exactly; all of them when the estimate failed.
     ``df.attrs``: ``copy_loss`` (intact), ``mode``, ``settings`` (dict), ``screened``,
     ``screen_top_k``, ``screen_method``, ``exact_heads``, ``replayed`` (whether the replay ran),
     ``layers`` (the shard's layers, None for the whole model).
@@ -202,12 +203,8 @@ def knockout_scan(
                     build, ids, settings.L, mode, intact.means, screen_method, batch_size, bar, variant
                 )
         except (RuntimeError, NotImplementedError, TypeError) as error:
-            warnings.warn(
-                f"{build.label}: attribution screening needs a backward pass, which failed here "
-                f"({str(error).splitlines()[0] if str(error) else type(error).__name__}); "
-                "running exact knockouts on every requested head instead",
-                CircuitsWarning,
-                stacklevel=2,
+            warn_no_backward(
+                build, "attribution screening", error, "running exact knockouts on every requested head instead"
             )
             screen = False
     plain = None
@@ -297,16 +294,24 @@ def every_head_atp(
             warnings.filterwarnings("ignore", ".*an autograd kernel was not registered", UserWarning)
             return atp_of(build, ids, L, mode, means, layout.rows, bar, recompute=layout.recompute)
     except (RuntimeError, NotImplementedError, TypeError) as error:
-        if not warn:
-            return None
-        warnings.warn(
-            f"{build.label}: the plain AtP estimate of each knockout needs a backward pass, which failed here "
-            f"({str(error).splitlines()[0] if str(error) else type(error).__name__}); knockout_atp is not "
-            "measured, so no change screen reads it",
-            CircuitsWarning,
-            stacklevel=2,
-        )
+        if warn:
+            warn_no_backward(
+                build,
+                "the plain AtP estimate of each knockout",
+                error,
+                "knockout_atp is not measured, so no change screen reads it",
+            )
         return None
+
+
+def warn_no_backward(build: LoadedBuild, what: str, error: BaseException, instead: str) -> None:
+    """One warning that ``what`` needs a backward pass the build failed (its error's first line) and what runs ``instead``."""
+    why = str(error).splitlines()[0] if str(error) else type(error).__name__
+    warnings.warn(
+        f"{build.label}: {what} needs a backward pass, which failed here ({why}); {instead}",
+        CircuitsWarning,
+        stacklevel=3,
+    )
 
 
 def head_means(build: LoadedBuild, settings: RepeatSettings, batch_size: int = 8) -> torch.Tensor:
