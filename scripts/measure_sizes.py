@@ -292,7 +292,7 @@ def stage(args) -> dict:
             flops, method, exact = exact_flops(build, probe_2), "exact", "every head"
         else:
             exact, method = frame.attrs["exact_heads"], session.measured.screen_method(args.build)
-            flops = screened_flops(build, probe_2, top_k, 0, method, screen_variant(settings))
+            flops = screened_flops(build, probe_2, top_k, (), method, screen_variant(settings))
         out.update(exact_heads=exact, method=method)
     out.update(wall=time.perf_counter() - wall, cpu=cpu_seconds() - cpu, rss=peak_rss_bytes(), flops=flops, dtype=dtype)
     return out

@@ -104,7 +104,7 @@ def test_one_falcon_h1_1_5b_sequence_does_not_fit_so_the_screen_recomputes_block
 
 
 def test_a_stacked_knockout_replay_is_capped_like_one_forward(monkeypatch):
-    """The replay stacks knockouts on the sequences of a pass (about 2,048 tokens on a CPU): on the
+    """The replay stacks knockouts on the sequences of a pass (at most 2,048 tokens on a CPU): on the
     reference scan that is rows x stacked sequences at once, capped as one forward's rows."""
     from pytest_circuits.rungs.knockout import auto_per_pass
 
@@ -156,7 +156,7 @@ def test_models_without_a_reference_scan_keep_their_rows():
     assert reference_scan(falcon, "cpu") and scan_rows(falcon, 8, T, "cpu") == 8  # small: under budget
     for model in (llama, falcon):
         build = SimpleNamespace(model=model, device=torch.device("cpu"), llm_int8=False)
-        assert auto_per_pass(build, None, 8, 4, 33) == round(CPU_TOKENS_PER_PASS / (4 * 33))
+        assert auto_per_pass(build, None, 8, 4, 33) == CPU_TOKENS_PER_PASS // (4 * 33)
 
 
 def test_a_large_build_on_the_reference_scan_maps_its_large_blocks(monkeypatch):

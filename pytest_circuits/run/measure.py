@@ -112,7 +112,7 @@ class BuildMeasurement:
         measured = self.loaded.memoised(("ov_spectrum", build_name, method.null)) is not None
         if s.shard is not None or self.shards > 1 or measured:
             return None  # a shard's scan, or rung 1 already measured: not the whole scan's time
-        chosen = rung2_plan.plan(s, self.loaded.preflight, lambda: list(self.key_heads()))
+        chosen = self.knockout_plan()
         if not chosen.by_size:
             return None
         build = self.loaded.build(build_name)
@@ -123,6 +123,10 @@ class BuildMeasurement:
             line + ("; at most: the change screen knocks out only the key heads it does not clear" if cleared else "")
         )
         return seconds
+
+    def knockout_plan(self) -> rung2_plan.Rung2Plan:
+        """The run's rung-2 plan (`run.plan.plan`): a screen's K, the key heads always knocked out exactly."""
+        return rung2_plan.plan(self.loaded.settings, self.loaded.preflight, lambda: list(self.key_heads()))
 
     def screen_top_k(self) -> int | None:
         """The rung-2 plan's K (`rung2_plan.screen_top_k`): None scans every head exactly."""
@@ -150,11 +154,10 @@ class BuildMeasurement:
 
     def _knockout_scan(self, build_name: str, heads, layers, change_screen=None):
         from ..rungs.knockout import knockout_scan
-        from ..rungs.plan import took_line
 
         s = self.loaded.settings
         say = self.loaded.say
-        chosen = rung2_plan.plan(s, self.loaded.preflight, lambda: list(self.key_heads()))
+        chosen = self.knockout_plan()
         planned = said_plan(self, build_name, chosen) if chosen.by_size and heads is None else None
         started = time.perf_counter()
         frame = knockout_scan(
@@ -175,7 +178,7 @@ class BuildMeasurement:
         if change_screen is not None and heads is not None:
             say(cleared_line(self.loaded.build(build_name).label, len(heads), frame, change_screen.fraction))
         if planned is not None:  # and after it, its wall time beside the estimate
-            say(took_line(self.loaded.build(build_name), planned, time.perf_counter() - started))
+            said_took(self, build_name, chosen, planned, frame, time.perf_counter() - started)
         return frame
 
     @cached_property
@@ -235,14 +238,10 @@ def rung2_cost(m: BuildMeasurement, build_name: str, chosen, key_heads: Sequence
             flops, seconds = flops + atp, seconds + atp / calibrated_rate(build, kp, "screen")
         return flops, seconds
     assert chosen.top_k is not None
-    method, variant, n_key = (
-        m.screen_method(build_name),
-        rung2_plan.screen_variant(m.loaded.settings),
-        len(chosen.must_include),
-    )
+    method, variant = m.screen_method(build_name), rung2_plan.screen_variant(m.loaded.settings)
     return (
-        screened_flops(build, kp, chosen.top_k, n_key, method, variant),
-        rung2_seconds(build, kp, chosen.top_k, n_key, method, variant),
+        screened_flops(build, kp, chosen.top_k, chosen.must_include, method, variant),
+        rung2_seconds(build, kp, chosen.top_k, chosen.must_include, method, variant),
     )
 
 
@@ -255,12 +254,23 @@ def said_plan(m: BuildMeasurement, build_name: str, chosen) -> float:
         m.loaded.build(build_name),
         m.loaded.settings.knockout_probe,
         chosen.top_k,
-        len(chosen.must_include),
+        chosen.must_include,
         m.screen_method(build_name),
         rung2_plan.screen_variant(m.loaded.settings),
     )
     m.loaded.say(f"{line}; the full exact scan only with {flag('knockout-full')}")
     return planned
+
+
+def said_took(m: BuildMeasurement, build_name: str, chosen, planned: float, frame, took: float) -> None:
+    """After a screened scan: say its wall time ``took`` beside the plan's estimate for the heads the
+    screen chose (`rungs.plan.replanned`), and ``planned``, which counted them at the longest replays."""
+    from ..rungs.plan import planned_heads, replanned, took_line
+
+    build, kp = m.loaded.build(build_name), m.loaded.settings.knockout_probe
+    counted = planned_heads(build, kp, chosen.top_k, chosen.must_include)
+    chose = replanned(build, kp, planned, counted, frame.attrs["exact_heads"])
+    m.loaded.say(took_line(build, chose, took, before_s=planned))
 
 
 def cleared_line(label: str, n_heads: int, frame, fraction: float) -> str:

@@ -20,7 +20,7 @@ def measure_record(
     ``method`` (a `KappaMethod`, default the settings'); ``knockout_frame``: these knockouts (one
     shard's) instead of the run's scan; ``key_heads``: only these heads knocked out (a gate's key
     heads, said in the record: `KnockoutInfo.heads`)."""
-    from ..rungs.plan import took_line
+    from ..rungs.plan import planned_heads, replanned, took_line
     from ..rungs.text_probe import text_identity
     from .assemble import assemble_record, model_info, rung1_info
 
@@ -48,13 +48,14 @@ def measure_record(
             "screen_method": m.screen_method(build_name) if screened is not None else None,
             **({"heads": "key heads"} if key_heads else {}),
         }
-    if planned is not None and ko_frame is not None and key_heads and m.change_screen() is not None:
-        from ..rungs.plan import exact_seconds
-
-        kp = s.knockout_probe  # the plan counted every key head: now the ones the change screen kept
-        planned += exact_seconds(build, kp, ko_frame.attrs["exact_heads"]) - exact_seconds(build, kp, key_heads)
-    if planned is not None:  # and after it, its wall time beside the estimate
-        m.loaded.say(took_line(build, planned, time.perf_counter() - started, "the scan"))
+    if planned is not None:  # and after it, its wall time beside the estimate for the heads knocked out
+        before, kp, chosen = planned, s.knockout_probe, m.knockout_plan()
+        if ko_frame is not None and key_heads:  # a change screen may have cleared some
+            planned = replanned(build, kp, planned, key_heads, ko_frame.attrs["exact_heads"])
+        elif ko_frame is not None and chosen.top_k is not None:  # the screen's picks in place of the longest replays
+            counted = planned_heads(build, kp, chosen.top_k, chosen.must_include)
+            planned = replanned(build, kp, planned, counted, ko_frame.attrs["exact_heads"])
+        m.loaded.say(took_line(build, planned, time.perf_counter() - started, "the scan", before_s=before))
     audit = None if s.audit is None else measure_audit(m, build_name).section()  # rung 3: only when a slice is given
     record = assemble_record(
         model=model_info(m.loaded.model_name, m.loaded.source, build),

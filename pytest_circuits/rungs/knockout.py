@@ -44,7 +44,7 @@ from ..record.figures import sequences_key
 from .ablation import ablated, check_mode, parse_heads
 from .plain_loops import plain_knockout_losses
 from .query_blocks import query_block
-from .repeat import KNOCKOUT_CPU_TOKENS, check_probe_memory
+from .repeat import KNOCKOUT_CPU_TOKENS, check_probe_memory, cpu_stack
 from .repeat_settings import RepeatSettings
 from .replay import (
     Intact,
@@ -61,7 +61,7 @@ from .replay import (
 
 MODES = KNOCKOUT_MODES
 ROWS_PER_PASS = 64  # default cap on sequences x knockouts in one replay on an accelerator
-CPU_TOKENS_PER_PASS = KNOCKOUT_CPU_TOKENS  # on a CPU, stacking past about this many tokens runs slower per knockout
+CPU_TOKENS_PER_PASS = KNOCKOUT_CPU_TOKENS  # on a CPU, a replay stacks at most this many tokens (`repeat.cpu_stack`)
 SEQUENCES = sequences_key("knockout_delta")  # the frame's column of per-sequence deltas
 
 
@@ -98,9 +98,8 @@ def _replayed_deltas(build, intact: Intact, pairs, mode, L, knockouts_per_pass, 
 
 
 def auto_per_pass(build, knockouts_per_pass, batch_size, n, tokens_per_row: int) -> int:
-    """Knockouts stacked in one replay: ``ROWS_PER_PASS`` rows on an accelerator; on a CPU about
-    ``CPU_TOKENS_PER_PASS`` tokens (bigger matmuls there run at a lower rate per knockout: on
-    SmolLM2-135M at n 8, L 64 the scan of 27 heads took 10-15% longer stacked 8 high than 1-2 high)."""
+    """Knockouts stacked in one replay: ``ROWS_PER_PASS`` rows on an accelerator; on a CPU at most
+    ``CPU_TOKENS_PER_PASS`` tokens (`repeat.cpu_stack`: one knockout a pass at the default probe)."""
     if knockouts_per_pass is not None:
         if knockouts_per_pass < 1:
             raise CircuitsError(f"knockouts_per_pass={knockouts_per_pass} must be at least 1")
@@ -109,7 +108,7 @@ def auto_per_pass(build, knockouts_per_pass, batch_size, n, tokens_per_row: int)
         return 1
     rows = min(batch_size, n)
     if torch.device(build.device).type == "cpu":
-        stacked = max(1, round(CPU_TOKENS_PER_PASS / (rows * tokens_per_row)))
+        stacked = cpu_stack(rows, tokens_per_row)
     else:
         stacked = max(1, ROWS_PER_PASS // rows)
     # a stacked pass is rows x stacked sequences to a hybrid stack's reference Mamba-2 scan: capped as one forward's
@@ -146,7 +145,7 @@ def knockout_scan(
     ``screen_method``: ``"atp*"`` (default, `screen.atp_star`: attribution patching with the
     QK fix), ``"atp*gd"`` (and GradDrop) or ``"atp"`` (plain attribution patching).
     ``knockouts_per_pass``: knockouts stacked in one replay (default `auto_per_pass`: up to
-    ``ROWS_PER_PASS`` rows on an accelerator, ``CPU_TOKENS_PER_PASS`` tokens on a CPU; 1 for
+    ``ROWS_PER_PASS`` rows on an accelerator, at most ``CPU_TOKENS_PER_PASS`` tokens on a CPU; 1 for
     bnb-int8, see `batch_invariant`). ``replay=False`` runs the
     plain loop (one full forward per head); so does a model whose replay is not exact (one warning).
     ``progress``: report heads done, layer and ETA (`progress.Progress`); ``write``: where its

@@ -21,7 +21,7 @@ from .query_blocks import query_block
 CONTEXT_ATTRS = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
 MIN_ORDINARY_IDS = 2  # with one id every sequence is the same token: no copying to measure
 KNOCKOUT_REPLAY_ROWS = 64  # knockout.ROWS_PER_PASS: rows of one knockout replay pass (at most; fewer on a CPU)
-KNOCKOUT_CPU_TOKENS = 2048  # knockout.CPU_TOKENS_PER_PASS: tokens of one knockout replay pass on a CPU
+KNOCKOUT_CPU_TOKENS = 2048  # knockout.CPU_TOKENS_PER_PASS: the most tokens of one knockout replay pass on a CPU
 
 
 def bos_offset(tokens: TokenInfo) -> int:
@@ -55,12 +55,23 @@ def token_bytes(n: int, L: int, vocab: int) -> int:
     return 8 * n * (5 * L + 2) + 24 * vocab + 65536
 
 
+def cpu_stack(rows: int, tokens_per_row: int) -> int:
+    """Knockouts one replay stacks on a CPU: as many as fit `KNOCKOUT_CPU_TOKENS` tokens, at least one.
+
+    Never more: a CPU's matmuls of about a thousand tokens already run at its rate, so more copies gain
+    nothing (SmolLM2 at n 8, L 64, 1,032 tokens a copy, 16 heads of layers 4 and 14 on 2 threads of the
+    AVX2 host: fp32 21.7-22.2 s stacked 1 high, 22.1-23.8 s 2 high, 23.1-24.0 s 4 high), while a layer
+    whose heads do not fill its last stack replays fill copies (`knockout._replayed_deltas`: 23% more
+    replay work for SmolLM2's 69 key heads stacked 2 high)."""
+    return max(1, KNOCKOUT_CPU_TOKENS // (rows * tokens_per_row))
+
+
 def replay_rows(n: int, L: int, batch_size: int, n_heads: int, device="cpu") -> int:
-    """Rows of one knockout replay pass (`knockout.auto_per_pass`): on a CPU ``b`` rows times the
-    knockouts that fill `KNOCKOUT_CPU_TOKENS` tokens, on an accelerator ``min(max(b, 64), n H)``."""
+    """Rows of one knockout replay pass (`knockout.auto_per_pass`): on a CPU ``b`` rows times
+    `cpu_stack`, on an accelerator ``min(max(b, 64), n H)``."""
     b, T = min(batch_size, n), 2 * L + 1
     if str(device).startswith("cpu"):
-        return b * max(1, round(KNOCKOUT_CPU_TOKENS / (b * T)))
+        return b * cpu_stack(b, T)
     return min(max(batch_size, KNOCKOUT_REPLAY_ROWS), n * n_heads)
 
 
@@ -75,8 +86,8 @@ def probe_memory(geometry, n: int, L: int, batch_size: int, knockout: bool = Tru
     each forward then holds ``2 * 4 b H c T``, logits ``4 b c V`` and the keys and values of the
     cache, ``2 * 4 b T n_kv d_head n_layers``. Knockout pass: every block's recorded input ``4 n T d n_layers`` plus
     the larger of the intact pass (logits, float copy, log-softmax: ``12 b T V``) and a replay of
-    ``R`` rows (`replay_rows`: ``min(max(b, 64), n H)`` on an accelerator, about 2,048 tokens' worth
-    on a CPU) unembedding the ``L`` copy positions (``8 R L V``).
+    ``R`` rows (`replay_rows`: ``min(max(b, 64), n H)`` on an accelerator, at most 2,048 tokens'
+    worth on a CPU) unembedding the ``L`` copy positions (``8 R L V``).
     """
     T = 2 * L + 1
     H, V, d, layers = geometry.n_heads, geometry.vocab, geometry.d_model, geometry.n_layers
