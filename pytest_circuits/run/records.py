@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..options import flag
 from ..record.schema import Record
-from .measure import BuildMeasurement, measure_audit
+from .measure import BuildMeasurement, measure_audit, replanned_for
 
 
 def measure_record(
@@ -20,7 +20,7 @@ def measure_record(
     ``method`` (a `KappaMethod`, default the settings'); ``knockout_frame``: these knockouts (one
     shard's) instead of the run's scan; ``key_heads``: only these heads knocked out (a gate's key
     heads, said in the record: `KnockoutInfo.heads`)."""
-    from ..rungs.plan import planned_heads, replanned, took_line
+    from ..rungs.plan import took_line
     from ..rungs.text_probe import text_identity
     from .assemble import assemble_record, model_info, rung1_info
 
@@ -49,12 +49,9 @@ def measure_record(
             **({"heads": "key heads"} if key_heads else {}),
         }
     if planned is not None:  # and after it, its wall time beside the estimate for the heads knocked out
-        before, kp, chosen = planned, s.knockout_probe, m.knockout_plan()
-        if ko_frame is not None and key_heads:  # a change screen may have cleared some
-            planned = replanned(build, kp, planned, key_heads, ko_frame.attrs["exact_heads"])
-        elif ko_frame is not None and chosen.top_k is not None:  # the screen's picks in place of the longest replays
-            counted = planned_heads(build, kp, chosen.top_k, chosen.must_include)
-            planned = replanned(build, kp, planned, counted, ko_frame.attrs["exact_heads"])
+        before = planned
+        if ko_frame is not None:
+            planned = replanned_for(m, build_name, m.knockout_plan(), planned, ko_frame, key_heads or ())
         m.loaded.say(took_line(build, planned, time.perf_counter() - started, "the scan", before_s=before))
     audit = None if s.audit is None else measure_audit(m, build_name).section()  # rung 3: only when a slice is given
     record = assemble_record(

@@ -59,8 +59,8 @@ def cpu_stack(rows: int, tokens_per_row: int) -> int:
     """Knockouts one replay stacks on a CPU: as many as fit `KNOCKOUT_CPU_TOKENS` tokens, at least one.
 
     Never more: a CPU's matmuls of about a thousand tokens already run at its rate, so more copies gain
-    nothing (SmolLM2 at n 8, L 64, 1,032 tokens a copy, 16 heads of layers 4 and 14 on 2 threads of the
-    AVX2 host: fp32 21.7-22.2 s stacked 1 high, 22.1-23.8 s 2 high, 23.1-24.0 s 4 high), while a layer
+    nothing (SmolLM2 at n 8, L 64, 1,032 tokens a copy, 16 heads of layers 4 and 14 on 2 threads of an
+    AMD EPYC with AVX512-BF16: fp32 21.7-22.2 s stacked 1 high, 22.1-23.8 s 2 high, 23.1-24.0 s 4 high), while a layer
     whose heads do not fill its last stack replays fill copies (`knockout._replayed_deltas`: 23% more
     replay work for SmolLM2's 69 key heads stacked 2 high)."""
     return max(1, KNOCKOUT_CPU_TOKENS // (rows * tokens_per_row))
