@@ -49,10 +49,13 @@ def measure_record(
             **({"heads": "key heads"} if key_heads else {}),
         }
     if planned is not None:  # and after it, its wall time beside the estimate for the heads knocked out
-        before = planned
+        took, before = time.perf_counter() - started, None
         if ko_frame is not None:
-            planned = replanned_for(m, build_name, m.knockout_plan(), planned, ko_frame, key_heads or ())
-        m.loaded.say(took_line(build, planned, time.perf_counter() - started, "the scan", before_s=before))
+            before, planned = (
+                planned,
+                replanned_for(m, build_name, m.knockout_plan(), planned, ko_frame, key_heads or ()),
+            )
+        m.loaded.say(took_line(build, planned, took, "the scan", before_s=before))
     audit = None if s.audit is None else measure_audit(m, build_name).section()  # rung 3: only when a slice is given
     record = assemble_record(
         model=model_info(m.loaded.model_name, m.loaded.source, build),

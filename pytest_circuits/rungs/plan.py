@@ -145,10 +145,7 @@ def planned_heads(build, settings: RepeatSettings, top_k: int, key_heads: Sequen
     geo = build.geometry
     named = set(parse_heads(list(key_heads), geo)) if key_heads else set()
     by_layer = replay_flops(build, settings)
-    others = sorted(
-        ((layer, head) for layer in range(geo.n_layers) for head in range(geo.n_heads) if (layer, head) not in named),
-        key=lambda pair: (-by_layer[pair[0]], pair),
-    )
+    others = sorted((pair for pair in parse_heads(None, geo) if pair not in named), key=lambda p: (-by_layer[p[0]], p))
     return sorted(named | set(others[:top_k]))
 
 
@@ -307,16 +304,18 @@ def plan_line(build, settings: RepeatSettings, top_k: int, key_heads: Sequence, 
 
 
 def took_line(build, planned_s: float, took_s: float, what: str = "rung 2", before_s: float | None = None) -> str:
-    """The line said after a plan chosen by size ran: ``what``'s wall time beside the plan's estimate
-    for the heads knocked out (`replanned`), and ``before_s``, its estimate before a screen chose them."""
-    before = (
-        ""
-        if before_s is None or abs(before_s - planned_s) < 0.5
-        else (f"; {_duration(before_s)} before the screen chose them")
-    )
+    """The line said after a plan chosen by size ran: ``what``'s wall time beside the plan's estimate;
+    ``before_s`` given (a run that knocked heads out): ``planned_s`` is the estimate for the heads it
+    knocked out (`replanned`) and ``before_s`` the one before a screen chose them, said where it reads otherwise."""
+    said = f"circuits: {build.label}: {what} took {_duration(took_s)} of wall time; the plan estimated "
+    said += f"{_duration(planned_s)} ({took_s / max(planned_s, 1e-9):.2f}x)"
+    if before_s is None:
+        return said
+    said += " for the heads knocked out"
     return (
-        f"circuits: {build.label}: {what} took {_duration(took_s)} of wall time; the plan estimated "
-        f"{_duration(planned_s)} ({took_s / max(planned_s, 1e-9):.2f}x) for the heads knocked out{before}"
+        said
+        if _duration(before_s) == _duration(planned_s)
+        else f"{said}; {_duration(before_s)} before the screen chose them"
     )
 
 
@@ -340,9 +339,8 @@ def rung2_seconds(
     """Rung 2's time, each kind of pass at its own rate (`calibrated_rate`): the ``method`` screen at
     the screen's, then the exact knockouts of `planned_heads` (``top_k`` None: every head, no
     screen; `exact_seconds`)."""
-    geo = build.geometry
     if top_k is None:
-        return exact_seconds(build, settings, [(l, h) for l in range(geo.n_layers) for h in range(geo.n_heads)])
+        return exact_seconds(build, settings, parse_heads(None, build.geometry))
     screen = screen_flops(build, settings, method, variant) / calibrated_rate(build, settings, "screen")
     return screen + exact_seconds(build, settings, planned_heads(build, settings, top_k, key_heads))
 
