@@ -33,7 +33,6 @@ from pytest_circuits.rungs.plan import (
     exact_flops,
     exact_seconds,
     knockout_flops,
-    planned_heads,
     replanned,
     rung2_seconds,
     screened_flops,
@@ -99,8 +98,7 @@ def main() -> None:
             frame = knockout_scan(
                 build, KNOCKOUT_PROBE, screen_top_k=args.screen or None, screen_method=args.method, progress=False
             )  # the plan counted the screen's picks at the longest replays: its estimate for the ones it chose
-            counted_heads = planned_heads(build, KNOCKOUT_PROBE, top_k) if top_k else frame.attrs["exact_heads"]
-            chose = replanned(build, KNOCKOUT_PROBE, estimate, counted_heads, frame.attrs["exact_heads"])
+            chose = replanned(build, KNOCKOUT_PROBE, estimate, frame.attrs["exact_heads"], top_k=top_k)
         wall = time.perf_counter() - start
         rows.append((name, heads, plan, counted, rates, calibration, estimate, chose, counted / rates[0], wall, load))
         del build

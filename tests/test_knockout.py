@@ -901,6 +901,18 @@ def test_the_plan_times_one_pass_of_each_kind_once(tmp_path):
     assert exact_seconds(build, probe, named) == pytest.approx(
         counted["forward"] / rates["forward"] + filled / rates["replay"], rel=1e-12
     )
+    # after the scan: the plan's estimate with the heads that ran in place of those it counted, which
+    # were a gate's key heads by name, else the screen's top K at the longest replays
+    from pytest_circuits.rungs.plan import replanned
+
+    ran = ["L1H0", "L2H5"]
+    swap = exact_seconds(build, probe, ran) - exact_seconds(build, probe, named)
+    assert replanned(build, probe, 100.0, ran, key_heads=named) == pytest.approx(100.0 + swap, rel=1e-12)
+    top = [f"L0H{h}" for h in range(3)]  # a screen's top 3 are counted as layer 0's
+    assert replanned(build, probe, 100.0, ran, top_k=3) == pytest.approx(
+        100.0 + exact_seconds(build, probe, ran) - exact_seconds(build, probe, top), rel=1e-12
+    )
+    assert replanned(build, probe, 100.0, ran) == 100.0  # every head exactly: nothing was chosen
 
 
 def test_a_short_pass_is_timed_twice_and_the_faster_counts(tmp_path, monkeypatch):

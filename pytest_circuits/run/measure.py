@@ -264,27 +264,13 @@ def said_plan(m: BuildMeasurement, build_name: str, chosen) -> float:
 
 def said_took(m: BuildMeasurement, build_name: str, chosen, planned: float, frame, took: float) -> None:
     """After a screened scan: say its wall time ``took`` beside the plan's estimate for the heads the
-    screen chose (`replanned_for`), and ``planned``, which counted them at the longest replays."""
-    from ..rungs.plan import took_line
+    screen chose (`rungs.plan.replanned`), and ``planned``, which counted them at the longest replays."""
+    from ..rungs.plan import replanned, took_line
 
-    chose = replanned_for(m, build_name, chosen, planned, frame)
-    m.loaded.say(took_line(m.loaded.build(build_name), chose, took, before_s=planned))
-
-
-def replanned_for(m: BuildMeasurement, build_name: str, chosen, planned: float, frame, key_heads=()) -> float:
-    """The estimate ``planned`` for the heads ``frame`` knocked out (`rungs.plan.replanned`), where the
-    plan counted ``key_heads`` (a gate's, some of which a change screen may clear) or, screened, its
-    top K at the longest replays (`rungs.plan.planned_heads`); unchanged for a scan of every head."""
-    from ..rungs.plan import planned_heads, replanned
-
-    build, kp = m.loaded.build(build_name), m.loaded.settings.knockout_probe
-    if key_heads:
-        counted = list(key_heads)
-    elif chosen.top_k is not None:
-        counted = planned_heads(build, kp, chosen.top_k, chosen.must_include)
-    else:
-        return planned
-    return replanned(build, kp, planned, counted, frame.attrs["exact_heads"])
+    build = m.loaded.build(build_name)
+    ran = frame.attrs["exact_heads"]
+    chose = replanned(build, m.loaded.settings.knockout_probe, planned, ran, (), chosen.top_k, chosen.must_include)
+    m.loaded.say(took_line(build, chose, took, before_s=planned))
 
 
 def cleared_line(label: str, n_heads: int, frame, fraction: float) -> str:

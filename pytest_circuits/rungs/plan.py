@@ -319,9 +319,25 @@ def took_line(build, planned_s: float, took_s: float, what: str = "rung 2", befo
     )
 
 
-def replanned(build, settings: RepeatSettings, planned_s: float, counted: Sequence, ran: Sequence) -> float:
-    """The estimate ``planned_s``, which counted the exact knockouts of ``counted``, with those of the
-    heads that ran (``ran``: the screen's picks, the key heads a change screen did not clear) in their place."""
+def replanned(
+    build,
+    settings: RepeatSettings,
+    planned_s: float,
+    ran: Sequence,
+    key_heads: Sequence = (),
+    top_k: int | None = None,
+    must_include: Sequence = (),
+) -> float:
+    """The estimate ``planned_s`` with the exact knockouts of the heads that ran (``ran``: a screen's
+    picks, the key heads a change screen did not clear) in place of those it counted: ``key_heads``
+    (a gate's) when given, else a screen's ``top_k`` and ``must_include`` at the longest replays
+    (`planned_heads`); ``planned_s`` itself for a scan of every head (``top_k`` None)."""
+    if key_heads:
+        counted = list(key_heads)
+    elif top_k is not None:
+        counted = planned_heads(build, settings, top_k, must_include)
+    else:
+        return planned_s
     return planned_s + exact_seconds(build, settings, ran) - exact_seconds(build, settings, counted)
 
 
