@@ -6,8 +6,8 @@ different types and the rotation on or off.
 Each CONFIG is ``KTYPE/VTYPE/rot`` or ``KTYPE/VTYPE/norot`` (``LLAMA_ATTN_ROT_DISABLE=1`` on both
 sides); a type is ``f16`` or one of llama.cpp's cache types. llama.cpp runs with flash attention
 (``type_k`` and ``type_v`` may then differ), but for ``f16/f16``, which runs as the tool's engine and
-the tables' f16 rows run it: without (flash attention's CPU kernel sums V in fp16). The simulation quantizes the quantized side as
-`kv_cache` does and rounds the f16 side to fp16 (and, for f16 keys, Q too, as flash attention
+the tables' f16 rows run it: without (flash attention's CPU kernel sums V in fp16). The simulation
+quantizes the quantized side as `kv_cache` does and rounds the f16 side to fp16 (and, for f16 keys, Q too, as flash attention
 converts it); a side in f16 is not rotated, as in llama.cpp. Prints the mean of llama.cpp minus the
 simulation with its standard error and appends every per-sequence figure to ``--out`` (JSON lines);
 after an ``f16/f16`` config, each later one's part too (its difference less the f16 one's, per sequence).
@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pytest_circuits.gate.stats import mean_interval
 from pytest_circuits.model import kv_cache
 from pytest_circuits.model.external import load_external_build
 from pytest_circuits.model.ggml_layout import ROTATION_SWITCH, GgmlLayout
@@ -103,9 +104,9 @@ def q8_0_inputs(module: torch.nn.Module, args: tuple) -> tuple:
 
 
 def interval(diff: np.ndarray) -> str:
-    """``mean [95% interval]`` of per-sequence differences."""
-    half = 1.96 * diff.std(ddof=1) / np.sqrt(len(diff))
-    return f"{diff.mean():+.3f} [{diff.mean() - half:+.3f}, {diff.mean() + half:+.3f}]"
+    """``mean [95% interval]`` of per-sequence differences (`gate.stats.mean_interval`)."""
+    low, high = mean_interval(diff) or (float("nan"), float("nan"))
+    return f"{diff.mean():+.3f} [{low:+.3f}, {high:+.3f}]"
 
 
 def main() -> None:

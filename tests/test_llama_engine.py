@@ -456,10 +456,11 @@ def test_smollm2_through_llama_cpps_own_cache_is_the_simulation(kv):
     from pytest_circuits.rungs.repeat_settings import RepeatSettings
 
     path = cached_gguf("smollm2-135m", "Q8_0")
-    ours, theirs = probes("smollm2-135m", path, kv, n=128)
+    n = 128
+    ours, theirs = probes("smollm2-135m", path, kv, n=n)
     build = load_external_build(resolve_model("smollm2-135m"), parse_build_spec(f"g={path}"), "cpu")
     with one_ulp_bumps():
-        bumped = run_repeat_probe(attach_kv_cache(build, parse_kv(kv)), RepeatSettings(seed=0, n=128, L=64))
+        bumped = run_repeat_probe(attach_kv_cache(build, parse_kv(kv)), RepeatSettings(seed=0, n=n, L=64))
     noise = np.std(bumped.copy_losses - theirs.copy_losses, ddof=1) / math.sqrt(len(theirs.copy_losses))
     gap = ours.copy_loss - theirs.copy_loss
     assert abs(gap) < 0.05 + 3 * noise, (ours.copy_loss, theirs.copy_loss, noise)

@@ -178,7 +178,7 @@ class BuildMeasurement:
         if change_screen is not None and heads is not None:
             say(cleared_line(self.loaded.build(build_name).label, len(heads), frame, change_screen.fraction))
         if planned is not None:  # and after it, its wall time beside the estimate
-            said_took(self, build_name, chosen, planned, frame, time.perf_counter() - started)
+            said_took(self, build_name, planned, time.perf_counter() - started, "rung 2", frame, chosen)
         return frame
 
     @cached_property
@@ -262,15 +262,25 @@ def said_plan(m: BuildMeasurement, build_name: str, chosen) -> float:
     return planned
 
 
-def said_took(m: BuildMeasurement, build_name: str, chosen, planned: float, frame, took: float) -> None:
-    """After a screened scan: say its wall time ``took`` beside the plan's estimate for the heads the
-    screen chose (`rungs.plan.replanned`), and ``planned``, which counted them at the longest replays."""
+def said_took(
+    m: BuildMeasurement, build_name: str, planned: float, took: float, what: str, frame=None, chosen=None, key_heads=()
+) -> None:
+    """After a plan chosen by size ran: say ``what``'s wall time ``took`` beside the estimate ``planned``;
+    with the knockouts of ``frame``, beside the estimate for the heads it knocked out (`rungs.plan.replanned`:
+    ``key_heads``, a gate's, else the screen's picks of the rung-2 plan ``chosen``, default the run's),
+    and ``planned`` beside it, which counted the screen's picks at the longest replays."""
     from ..rungs.plan import replanned, took_line
 
     build = m.loaded.build(build_name)
+    if frame is None:
+        m.loaded.say(took_line(build, planned, took, what))
+        return
+    chosen = m.knockout_plan() if chosen is None else chosen
     ran = frame.attrs["exact_heads"]
-    chose = replanned(build, m.loaded.settings.knockout_probe, planned, ran, (), chosen.top_k, chosen.must_include)
-    m.loaded.say(took_line(build, chose, took, before_s=planned))
+    chose = replanned(
+        build, m.loaded.settings.knockout_probe, planned, ran, key_heads, chosen.top_k, chosen.must_include
+    )
+    m.loaded.say(took_line(build, chose, took, what, before_s=planned))
 
 
 def cleared_line(label: str, n_heads: int, frame, fraction: float) -> str:

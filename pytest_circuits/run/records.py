@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..options import flag
 from ..record.schema import Record
-from .measure import BuildMeasurement, measure_audit
+from .measure import BuildMeasurement, measure_audit, said_took
 
 
 def measure_record(
@@ -20,7 +20,6 @@ def measure_record(
     ``method`` (a `KappaMethod`, default the settings'); ``knockout_frame``: these knockouts (one
     shard's) instead of the run's scan; ``key_heads``: only these heads knocked out (a gate's key
     heads, said in the record: `KnockoutInfo.heads`)."""
-    from ..rungs.plan import replanned, took_line
     from ..rungs.text_probe import text_identity
     from .assemble import assemble_record, model_info, rung1_info
 
@@ -49,14 +48,9 @@ def measure_record(
             **({"heads": "key heads"} if key_heads else {}),
         }
     if planned is not None:  # and after it, its wall time beside the estimate for the heads knocked out
-        took, before = time.perf_counter() - started, None
-        if ko_frame is not None:
-            chosen, ran = m.knockout_plan(), ko_frame.attrs["exact_heads"]
-            before, planned = (
-                planned,
-                replanned(build, s.knockout_probe, planned, ran, key_heads or (), chosen.top_k, chosen.must_include),
-            )
-        m.loaded.say(took_line(build, planned, took, "the scan", before_s=before))
+        said_took(
+            m, build_name, planned, time.perf_counter() - started, "the scan", ko_frame, key_heads=key_heads or ()
+        )
     audit = None if s.audit is None else measure_audit(m, build_name).section()  # rung 3: only when a slice is given
     record = assemble_record(
         model=model_info(m.loaded.model_name, m.loaded.source, build),
